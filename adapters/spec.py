@@ -1,0 +1,71 @@
+"""The base model's shape as adapters see it, and the packed-module layout of LoRA slots.
+
+The engine's LoRA-aware linears are packed: q,k,v share one linear ("qkv", 3 slices) and gate,up
+share one ("gate_up", 2 slices); o and down are single-slice. A PEFT module name maps to
+(packed module, slice index). Device slots hold, per layer and packed module,
+``lora_a [max_loras, n_slices, R, K]`` and ``lora_b [max_loras, N, R]`` (design.md section 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# PEFT leaf module name -> (packed module, slice index within it)
+PEFT_TO_PACKED: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
+}
+PACKED_MODULES: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+# PEFT leaf module -> its parent in a Llama-family decoder layer ("self_attn" or "mlp")
+PEFT_PARENT: dict[str, str] = {
+    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes of a Llama-family base model that adapters must agree with."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    model_name: str | None = None  # for the "adapter trained on another base" warning
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                      "intermediate_size"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"ModelSpec.{field} must be positive")
+
+    def slice_sizes(self, packed: str) -> tuple[int, ...]:
+        """Output widths of the slices of a packed module."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "qkv": (q, kv, kv),
+            "o": (self.hidden_size,),
+            "gate_up": (self.intermediate_size, self.intermediate_size),
+            "down": (self.hidden_size,),
+        }[packed]
+
+    def in_features(self, packed: str) -> int:
+        """Input width K of a packed module."""
+        return {
+            "qkv": self.hidden_size,
+            "o": self.num_heads * self.head_dim,
+            "gate_up": self.hidden_size,
+            "down": self.intermediate_size,
+        }[packed]
+
+    def peft_shapes(self, peft_module: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Expected (lora_A [r, in], lora_B [out, r]) shapes of a PEFT module."""
+        packed, index = PEFT_TO_PACKED[peft_module]
+        return (rank, self.in_features(packed)), (self.slice_sizes(packed)[index], rank)

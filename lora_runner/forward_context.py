@@ -1,0 +1,50 @@
+"""What one forward pass needs besides token ids and positions: attention metadata, the KV cache,
+and the step's LoRA / prompt-adapter state. Built by the runner once per step; read by the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat batch of B sequences with T new tokens in all (prefill chunks and decodes mixed).
+
+    Sequence i's new tokens are rows query_start_loc[i]:query_start_loc[i+1] of the flat batch and
+    are the last (query_start_loc[i+1]-query_start_loc[i]) tokens of its context of seq_lens[i].
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: KV-cache slot (block * block_size + offset) per token; -1 = padding, not written
+    query_start_loc: torch.Tensor  # [B+1] int32 cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32 context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32 block ids (unused entries: 0)
+    max_query_len: int  # host ints so the torch path needs no device sync
+    max_seq_len: int
+
+
+@dataclass
+class LoRAContext:
+    """The step's LoRA state: punica meta (prepared once per step) and the device slot weights."""
+
+    meta: Any  # punica_kernels.LoRAMeta
+    slots: Any  # adapters manager's LoRASlots: .weights(layer, packed) -> (lora_a, lora_b)
+
+
+@dataclass
+class PromptAdapterContext:
+    """Soft prompts to write over placeholder tokens' embeddings (prefill only)."""
+
+    embeddings: torch.Tensor  # [max_prompt_adapters, max_prompt_adapter_tokens, hidden]
+    token_slots: torch.Tensor  # [T] int64: prompt-adapter slot per token, -1 for ordinary tokens
+    token_positions: torch.Tensor  # [T] int64: virtual-token index within the soft prompt (-1 ordinary)
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    kv_cache: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    lora: LoRAContext | None = None  # None: no adapter in this step, the LoRA path costs nothing
+    prompt_adapter: PromptAdapterContext | None = None

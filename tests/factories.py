@@ -1,0 +1,139 @@
+"""Builders for tiny real checkpoints: transformers base models and PEFT adapters saved by PEFT.
+
+Everything is written to disk exactly as the real libraries write it, so the code under test reads
+the same files a user would give it. No network.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2")
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    """A small transformers config; initializer_range is large so logits are far from uniform."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    kwargs = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def build_tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random transformers causal LM in fp32 eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    return model.eval()
+
+
+def save_tiny_model(path, arch: str = "llama", seed: int = 0, tokenizer: bool = True,
+                    max_shard_size=None, **overrides):
+    """Build and save a tiny model (config.json + safetensors) to `path`; returns the model."""
+    model = build_tiny_model(arch, seed, **overrides)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    if tokenizer:
+        save_tiny_tokenizer(path, model.config.vocab_size)
+    return model
+
+
+def save_tiny_tokenizer(path, vocab_size: int = 256):
+    """A word-level tokenizer (lowercase words, unknown -> <unk>) saved in transformers format."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    words = ["the", "a", "cat", "dog", "sat", "on", "mat", "is", "and", "hello", "world", "tenant",
+             "says", "yes", "no", "red", "blue", "green", "one", "two", "three", "i", "you", "we"]
+    words += [f"w{i}" for i in range(vocab_size - len(specials) - len(words))]
+    vocab = {tok: i for i, tok in enumerate(specials + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def _random_lora_weights(peft_model, seed: int, scale: float = 0.3) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+
+
+def save_lora(base_model, path, seed: int = 0, r: int = 8, lora_alpha: float = 16,
+              target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+              scale: float = 0.3, **lora_kwargs):
+    """Write a PEFT LoRA with random non-zero A and B via PEFT's save_pretrained; returns the PeftModel.
+
+    The base model is deep-copied, so it is left untouched.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if not isinstance(target_modules, str):
+        target_modules = list(target_modules)
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules, lora_dropout=0.0,
+                        init_lora_weights=False, **lora_kwargs)
+    peft_model = get_peft_model(copy.deepcopy(base_model), config)
+    _random_lora_weights(peft_model, seed, scale)
+    peft_model.save_pretrained(str(path))
+    return peft_model.eval()
+
+
+def save_prompt_adapter(base_model, path, num_virtual_tokens: int = 4, seed: int = 0, scale: float = 1.0):
+    """Write a PEFT prompt-tuning adapter with random soft-prompt embeddings; returns the PeftModel."""
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+
+    config = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=num_virtual_tokens)
+    peft_model = get_peft_model(copy.deepcopy(base_model), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = peft_model.prompt_encoder["default"].embedding.weight
+        emb.copy_(torch.randn(emb.shape, generator=gen) * scale)
+    peft_model.save_pretrained(str(path))
+    return peft_model.eval()
+
+
+def model_spec(hf_model):
+    """The adapters.ModelSpec of a transformers model."""
+    from adapters import ModelSpec
+
+    cfg = hf_model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelSpec(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                     num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                     head_dim=head_dim, intermediate_size=cfg.intermediate_size,
+                     model_name=getattr(cfg, "_name_or_path", None) or None)
+
+
+def write_hub_cache(cache_dir, repo_id: str, files_dir, commit: str, refs=("main",)) -> Path:
+    """Lay `files_dir`'s files out as huggingface_hub's cache for `repo_id` at `commit` (offline tests).
+
+    Layout: models--org--name/{refs/<ref>, snapshots/<commit>/<files>}; no trees/.
+    """
+    import shutil
+
+    repo_dir = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    snap = repo_dir / "snapshots" / commit
+    snap.mkdir(parents=True, exist_ok=True)
+    for f in Path(files_dir).iterdir():
+        if f.is_file():
+            shutil.copy(f, snap / f.name)
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        (repo_dir / "refs" / ref).write_text(commit)
+    return snap
