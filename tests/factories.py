@@ -137,3 +137,41 @@ def write_hub_cache(cache_dir, repo_id: str, files_dir, commit: str, refs=("main
     for ref in refs:
         (repo_dir / "refs" / ref).write_text(commit)
     return snap
+
+
+def edit_adapter_config(path, **changes) -> dict:
+    """Rewrite fields of a saved adapter's adapter_config.json (a value of None deletes nothing; it sets null)."""
+    import json
+
+    config_path = Path(path) / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(changes)
+    config_path.write_text(json.dumps(config, indent=2))
+    return config
+
+
+def edit_adapter_tensors(path, edit) -> None:
+    """Replace a saved adapter's adapter_model.safetensors by ``edit(dict of tensors) -> dict of tensors``."""
+    from safetensors.torch import load_file, save_file
+
+    weights_path = Path(path) / "adapter_model.safetensors"
+    tensors = edit(dict(load_file(str(weights_path))))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights_path), metadata={"format": "pt"})
+
+
+class _RunsCodeWhenUnpickled:
+    """Unpickling this calls pathlib.Path(marker).touch(): proof that a loader executed pickle code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def write_malicious_pickle(path, marker) -> Path:
+    """Write ``path``/adapter_model.bin: a torch pickle that touches ``marker`` if it is ever unpickled unsafely."""
+    target = Path(path) / "adapter_model.bin"
+    torch.save({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(1),
+                "payload": _RunsCodeWhenUnpickled(marker)}, str(target))
+    return target

@@ -1,0 +1,306 @@
+"""PEFT LoRA checkpoints -> validated per-module A, B (scaling folded into B), in the engine's layout.
+
+CPU format (:class:`LoRAWeights`): for each (layer, packed module) the adapter targets, one entry
+per slice of the packed module (q,k,v for "qkv"; gate,up for "gate_up"; one for "o" and "down"):
+``LoRAPair(a [r_j, K], b [N_j, r_j])`` with ``b`` already multiplied by the slice's scaling
+(``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA; per module with rank_pattern /
+alpha_pattern), or None for a slice the adapter does not target. So the delta of slice j is
+``x @ a.T @ b.T``, exactly PEFT's ``lora_B(lora_A(x)) * scaling``.
+
+Supported: plain LoRA (peft_type LORA) on q/k/v/o/gate/up/down projections of Llama-family decoder
+layers; target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
+exclude_modules; rank_pattern; alpha_pattern; use_rslora; keys with or without the ".default"
+adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA, modules_to_save, bias terms
+(bias != "none", lora_bias), LoRA on embeddings or lm_head, layer_replication, target_parameters,
+trainable tokens, aLoRA, QALoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA, MiCA, and un-converted
+PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA adapters (they need a modified base model). Everything is validated
+before any slot is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
+from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
+from adapters.weights import read_adapter_config, read_adapter_tensors
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODULES = tuple(PEFT_TO_PACKED)  # q_proj ... down_proj
+_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<ab>lora_A|lora_B)(?:\.default)?\.weight$")
+_MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<leaf>\w+)$")
+_SUPPORTED_TEXT = ("plain LoRA on " + ", ".join(SUPPORTED_MODULES)
+                   + " of model.layers.N.self_attn / model.layers.N.mlp")
+
+# Config fields that change what the adapter computes; (field, is-refused predicate, feature name)
+_REFUSED_FIELDS = (
+    ("use_dora", bool, "DoRA"),
+    ("modules_to_save", bool, "modules_to_save (whole replacement modules)"),
+    ("bias", lambda v: v not in (None, "none"), "bias terms"),
+    ("lora_bias", bool, "a bias on lora_B"),
+    ("layer_replication", bool, "layer_replication"),
+    ("target_parameters", bool, "target_parameters (LoRA on raw parameters)"),
+    ("trainable_token_indices", bool, "trainable tokens"),
+    ("alora_invocation_tokens", bool, "activated LoRA (aLoRA)"),
+    ("use_qalora", bool, "QALoRA"),
+    ("use_bdlora", lambda v: v not in (None, False), "BD-LoRA"),
+    ("arrow_config", lambda v: v is not None, "Arrow routing"),
+    ("kasa_config", lambda v: v is not None, "KaSA"),
+    ("monteclora_config", lambda v: v is not None, "MonteCLoRA"),
+)
+# init methods whose adapter only works on a modified base model (or that enable a LoRA variant)
+_REFUSED_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "mica")
+
+
+class LoRAPair(NamedTuple):
+    """One slice's factors: delta(x) = x @ a.T @ b.T."""
+
+    a: torch.Tensor  # [r, K]
+    b: torch.Tensor  # [N_j, r], scaling folded in
+
+
+@dataclass
+class LoRAWeights:
+    """A validated LoRA adapter in the engine's CPU format (see module docstring)."""
+
+    name: str
+    rank: int  # max rank over the adapter's modules
+    modules: dict[tuple[int, str], tuple[LoRAPair | None, ...]]  # (layer, packed) -> per-slice pair
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the factors."""
+        return sum(t.numel() * t.element_size() for slices in self.modules.values()
+                   for pair in slices if pair is not None for t in pair)
+
+    def size(self) -> int:
+        """The adapter's size as the manager reports it (its rank)."""
+        return self.rank
+
+    def pin_memory(self) -> "LoRAWeights":
+        """A copy in page-locked memory, so slot writes to a GPU are asynchronous."""
+        modules = {key: tuple(None if pair is None else LoRAPair(pair.a.pin_memory(), pair.b.pin_memory())
+                              for pair in slices) for key, slices in self.modules.items()}
+        return LoRAWeights(self.name, self.rank, modules)
+
+
+def _pattern_value(patterns: dict, module_key: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the end of the module path wins."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module_key):
+            return value
+    return default
+
+
+def _is_targeted(config: dict, module_key: str) -> bool:
+    """Whether PEFT would put this adapter's LoRA on the module (PEFT's target matching rules)."""
+    exclude = config.get("exclude_modules")
+    if isinstance(exclude, str) and re.fullmatch(exclude, module_key):
+        return False
+    if isinstance(exclude, (list, tuple)) and any(module_key == e or module_key.endswith("." + e) for e in exclude):
+        return False
+    targets = config["target_modules"]
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module_key) is not None
+    if module_key in targets:
+        return True
+    if not any(module_key.endswith("." + t) for t in targets):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    patterns = config.get("layers_pattern") or None
+    if patterns is None:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_key)
+    else:
+        match = None
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_key)
+            if match:
+                break
+    if match is None:
+        return False
+    index = int(match.group("idx"))
+    return index == layers if isinstance(layers, int) else index in layers
+
+
+def _candidate_modules(spec: ModelSpec) -> list[str]:
+    """Every module of a Llama-family causal LM that PEFT LoRA can attach to."""
+    keys = ["model.embed_tokens", "lm_head"]
+    for layer in range(spec.num_layers):
+        keys += [f"model.layers.{layer}.{PEFT_PARENT[leaf]}.{leaf}" for leaf in SUPPORTED_MODULES]
+    return keys
+
+
+def _check_config(name: str, config: dict, spec: ModelSpec) -> None:
+    """Refuse configs this engine cannot run; warn if the adapter was trained on another base model."""
+    peft_type = config.get("peft_type")
+    if peft_type is None:
+        raise InvalidAdapterError(f"adapter {name!r}: adapter_config.json has no peft_type")
+    if str(peft_type).upper() != "LORA":
+        raise UnsupportedAdapterError(f"adapter {name!r}: peft_type={peft_type!r} is not supported as a LoRA; "
+                                      f"supported: {_SUPPORTED_TEXT}")
+    for field, refused, feature in _REFUSED_FIELDS:
+        if refused(config.get(field)):
+            raise UnsupportedAdapterError(f"adapter {name!r}: {feature} ({field}={config[field]!r}) is not "
+                                          f"supported; supported: {_SUPPORTED_TEXT}")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_REFUSED_INITS):
+        raise UnsupportedAdapterError(
+            f"adapter {name!r}: init_lora_weights={init!r} is not supported: such adapters need a modified "
+            "base model or a LoRA variant; convert it to plain LoRA with PEFT's save_pretrained("
+            "path_initial_model_for_weight_conversion=...)")
+    targets = config.get("target_modules")
+    if not (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise InvalidAdapterError(f"adapter {name!r}: target_modules must be a regex string or a list of "
+                                  f"module names, got {targets!r}")
+    for field in ("r", "lora_alpha"):
+        value = config.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise InvalidAdapterError(f"adapter {name!r}: {field} must be a positive number, got {value!r}")
+    for field in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(field) or {}, dict):
+            raise InvalidAdapterError(f"adapter {name!r}: {field} must be a dict, got {config[field]!r}")
+    base = config.get("base_model_name_or_path")
+    if base and spec.model_name and base != spec.model_name:
+        logger.warning("adapter %r was trained on base model %r, but the served model is %r", name, base,
+                       spec.model_name)
+
+
+def _targeted_ranks(name: str, config: dict, spec: ModelSpec, max_lora_rank: int) -> dict[str, tuple[int, float]]:
+    """module key -> (rank, scaling) for every module the config targets; checks ranks before any read."""
+    targeted = {}
+    for key in _candidate_modules(spec):
+        if not _is_targeted(config, key):
+            continue
+        if not _MODULE_RE.match(key):
+            raise UnsupportedAdapterError(f"adapter {name!r}: LoRA on {key} (target_modules="
+                                          f"{config['target_modules']!r}) is not supported; "
+                                          f"supported: {_SUPPORTED_TEXT}")
+        rank = _pattern_value(config.get("rank_pattern") or {}, key, config["r"])
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, key, config["lora_alpha"])
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+            raise InvalidAdapterError(f"adapter {name!r}: rank of {key} must be a positive int, got {rank!r}")
+        if rank > max_lora_rank:
+            raise AdapterTooLargeError(f"adapter {name!r}: {key} has rank {rank}, over max_lora_rank="
+                                       f"{max_lora_rank}")
+        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        targeted[key] = (rank, float(scaling))
+    if not targeted:
+        raise InvalidAdapterError(f"adapter {name!r}: target_modules={config['target_modules']!r} matches no "
+                                  f"module of this model; supported: {_SUPPORTED_TEXT}")
+    return targeted
+
+
+def _group_keys(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """module key -> {"lora_A": tensor, "lora_B": tensor}, refusing keys of unsupported features."""
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY_RE.match(key)
+        if match is None:
+            feature = ("DoRA (lora_magnitude_vector)" if "lora_magnitude_vector" in key else
+                       "LoRA on embeddings" if "lora_embedding" in key else
+                       "a bias on lora_B" if key.endswith("lora_B.bias") else "this weight")
+            raise UnsupportedAdapterError(f"adapter {name!r}: key {key!r}: {feature} is not supported; "
+                                          f"supported: {_SUPPORTED_TEXT}")
+        module, ab = match.group("module"), match.group("ab")
+        if ab in grouped.setdefault(module, {}):
+            raise InvalidAdapterError(f"adapter {name!r}: duplicate weights for {module}.{ab}")
+        grouped[module][ab] = tensor
+    return grouped
+
+
+def _checked_factor(name: str, key: str, tensor: torch.Tensor, shape: tuple[int, int], scaling: float,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Shape/dtype/finiteness checks; returns ``tensor * scaling`` cast to ``dtype``."""
+    if tuple(tensor.shape) != shape:
+        raise InvalidAdapterError(f"adapter {name!r}: {key} has shape {tuple(tensor.shape)}, expected {shape} "
+                                  "for this base model (adapter trained on a different model?)")
+    if not tensor.is_floating_point():
+        raise InvalidAdapterError(f"adapter {name!r}: {key} has dtype {tensor.dtype}; floating point expected")
+    out = (tensor.float() * scaling).to(dtype).contiguous()
+    low, high = out.aminmax()  # one pass; NaN propagates into both, inf shows in one
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        if not torch.isfinite(tensor).all():
+            raise InvalidAdapterError(f"adapter {name!r}: {key} contains NaN or inf")
+        raise InvalidAdapterError(f"adapter {name!r}: {key} (scaled by {scaling:g}) overflows {dtype}")
+    return out
+
+
+def _untargeted_module_error(name: str, module: str, config: dict, spec: ModelSpec) -> Exception:
+    """The error for weights of a module the config does not target (or this model does not have)."""
+    match = _MODULE_RE.match(module)
+    if match is None or match.group("leaf") not in PEFT_TO_PACKED:
+        return UnsupportedAdapterError(f"adapter {name!r}: weights for {module} are not supported; "
+                                       f"supported: {_SUPPORTED_TEXT}")
+    if int(match.group("layer")) >= spec.num_layers:
+        return InvalidAdapterError(f"adapter {name!r}: weights for {module}, but the base model has only "
+                                   f"{spec.num_layers} layers (adapter trained on a different model?)")
+    return InvalidAdapterError(f"adapter {name!r}: weights for {module}, which adapter_config.json does not "
+                               f"target (target_modules={config['target_modules']!r})")
+
+
+def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: ModelSpec, *,
+               max_lora_rank: int, dtype: torch.dtype = torch.float32) -> LoRAWeights:
+    """Validate a PEFT LoRA (config + state dict) against ``spec`` and convert it to :class:`LoRAWeights`.
+
+    Raises:
+        UnsupportedAdapterError: a feature this engine does not run (see module docstring).
+        AdapterTooLargeError: a module's rank exceeds ``max_lora_rank``.
+        InvalidAdapterError: bad config, missing/extra keys, wrong shapes, non-float or non-finite weights.
+    """
+    _check_config(name, config, spec)
+    targeted = _targeted_ranks(name, config, spec, max_lora_rank)
+    grouped = _group_keys(name, tensors)
+    extra = sorted(set(grouped) - set(targeted))
+    if extra:
+        raise _untargeted_module_error(name, extra[0], config, spec)
+    modules: dict[tuple[int, str], list[LoRAPair | None]] = {}
+    for key, (rank, scaling) in targeted.items():
+        factors = grouped.get(key, {})
+        for ab in ("lora_A", "lora_B"):
+            if ab not in factors:
+                raise InvalidAdapterError(f"adapter {name!r}: missing key base_model.model.{key}.{ab}.weight")
+        match = _MODULE_RE.match(key)
+        layer, leaf = int(match.group("layer")), match.group("leaf")
+        shape_a, shape_b = spec.peft_shapes(leaf, rank)
+        a = _checked_factor(name, f"{key}.lora_A", factors["lora_A"], shape_a, 1.0, dtype)  # [r, K]
+        b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b, scaling, dtype)  # [N_j, r]
+        packed, index = PEFT_TO_PACKED[leaf]
+        slices = modules.setdefault((layer, packed), [None] * len(spec.slice_sizes(packed)))
+        slices[index] = LoRAPair(a, b)
+    rank = max(r for r, _ in targeted.values())
+    return LoRAWeights(name, rank, {k: tuple(v) for k, v in sorted(modules.items())})
+
+
+def load_lora(name: str, local_dir: str, spec: ModelSpec, *, max_lora_rank: int,
+              dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
+              max_bytes: int | None = None) -> LoRAWeights:
+    """Read and validate the PEFT LoRA in ``local_dir``; the config is checked before the weights are read."""
+    config = read_adapter_config(name, local_dir, max_bytes)
+    _check_config(name, config, spec)
+    _targeted_ranks(name, config, spec, max_lora_rank)
+    tensors = read_adapter_tensors(name, local_dir, allow_pickle=allow_pickle, max_bytes=max_bytes)
+    return parse_lora(name, config, tensors, spec, max_lora_rank=max_lora_rank, dtype=dtype)
+
+
+def dummy_lora(name: str, spec: ModelSpec, rank: int, dtype: torch.dtype = torch.float32,
+               scale: float = 0.01, seed: int = 0) -> LoRAWeights:
+    """An adapter of the right shapes on every module of every layer (small random values; no file)."""
+    gen = torch.Generator().manual_seed(seed)
+    modules = {}
+    for layer in range(spec.num_layers):
+        for packed in PACKED_MODULES:
+            k = spec.in_features(packed)
+            modules[(layer, packed)] = tuple(
+                LoRAPair((torch.randn(rank, k, generator=gen) * scale).to(dtype),  # [r, K]
+                         (torch.randn(n, rank, generator=gen) * scale).to(dtype))  # [N_j, r]
+                for n in spec.slice_sizes(packed))
+    return LoRAWeights(name, rank, modules)

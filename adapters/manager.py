@@ -1,0 +1,156 @@
+"""The adapter manager: LoRA and prompt-adapter tiers (CPU cache + device slots) of one base model.
+
+It wires each kind's loader (resolve through the Hub or a local dir, read, validate; see
+``adapters.lora`` and ``adapters.prompt``) and slot writer (``adapters.slots``) into the generic
+LRU tier (``adapters.tier``), which documents the life of an adapter version and thread-safety.
+Background loads of both kinds share one small thread pool.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+from adapters.errors import (
+    AdapterCapacityError,
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterTooLargeError,
+    UnknownAdapterError,
+)
+from adapters.hub import adapter_file_patterns, resolve
+from adapters.lora import dummy_lora, load_lora
+from adapters.prompt import dummy_prompt_adapter, load_prompt_adapter
+from adapters.request import LoRARequest, PromptAdapterRequest
+from adapters.slots import LoRASlots, PromptSlots
+from adapters.spec import ModelSpec
+from adapters.tier import AdapterRef, AdapterTier, PromptAdapterTier
+
+__all__ = ["AdapterManager", "AdapterRef", "AdapterStats", "AdapterTier", "PromptAdapterTier"]
+
+
+@dataclass(frozen=True)
+class AdapterStats:
+    """Cumulative adapter events since the manager was created (a snapshot)."""
+
+    lora_loads: int  # LoRAs written into a device slot
+    lora_evictions: int  # resident LoRAs evicted from a slot to make room for another
+    lora_disk_loads: int  # LoRAs resolved, read and validated into the CPU cache
+    lora_cpu_evictions: int  # LoRAs dropped from the CPU cache (LRU)
+    prompt_loads: int
+    prompt_evictions: int
+
+
+class AdapterManager:
+    """LoRA and prompt adapters of one base model: CPU caches, device slots, background loading.
+
+    Args:
+        spec: the base model's sizes that adapters must agree with.
+        max_loras: LoRA device slots (distinct LoRAs per step).
+        max_lora_rank: largest LoRA rank accepted; slots are padded to it.
+        max_cpu_loras: LoRA CPU cache capacity (>= max_loras).
+        max_prompt_adapters: prompt-adapter device slots (0 disables prompt adapters).
+        max_prompt_adapter_tokens: largest number of virtual tokens accepted.
+        device, dtype: where and in which dtype slots (and the CPU cache) hold weights.
+        allow_pickle: also read ``adapter_model.bin`` (with ``torch.load(weights_only=True)``).
+        local_files_only: never use the network (None: follow HF_HUB_OFFLINE).
+        max_adapter_bytes: refuse adapter files larger than this (checked before reading).
+        resolver: ``(path, revision, allow_patterns, local_files_only) -> local dir``; default
+            :func:`adapters.hub.resolve` (with ``cache_dir``). Tests inject faults through it.
+        cache_dir: Hub cache directory for the default resolver.
+        max_cpu_prompt_adapters: prompt-adapter CPU cache capacity (default: max_cpu_loras, at
+            least max_prompt_adapters).
+        load_workers: threads for background loading.
+    """
+
+    def __init__(self, spec: ModelSpec, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 max_prompt_adapters: int = 0, max_prompt_adapter_tokens: int = 0, device="cpu",
+                 dtype: torch.dtype = torch.float32, allow_pickle: bool = False, local_files_only: bool | None = None,
+                 max_adapter_bytes: int | None = None, resolver: Callable | None = None, cache_dir=None,
+                 max_cpu_prompt_adapters: int | None = None, load_workers: int = 2):
+        if max_adapter_bytes is not None and max_adapter_bytes <= 0:
+            raise ValueError(f"max_adapter_bytes must be positive or None, got {max_adapter_bytes}")
+        self.spec, self.device, self.dtype = spec, torch.device(device), dtype
+        self.max_lora_rank, self.max_prompt_adapter_tokens = max_lora_rank, max_prompt_adapter_tokens
+        self.allow_pickle, self.local_files_only = allow_pickle, local_files_only
+        self.max_adapter_bytes = max_adapter_bytes
+        self._resolver = resolver or partial(_default_resolve, cache_dir=cache_dir)
+        self._pin_memory = self.device.type == "cuda"
+        self.lora_slots = LoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
+        self.prompt_slots = PromptSlots(spec, max_prompt_adapters, max_prompt_adapter_tokens, self.device, dtype)
+        self._executor = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="adapter-load")
+        self.loras = AdapterTier("LoRA", LoRARequest, self._load_lora, self._dummy_lora, self.lora_slots,
+                                 max_cpu_loras, self._executor)
+        if max_cpu_prompt_adapters is None:
+            max_cpu_prompt_adapters = max(max_cpu_loras, max_prompt_adapters)
+        self.prompts = PromptAdapterTier("prompt adapter", PromptAdapterRequest, self._load_prompt,
+                                         self._dummy_prompt, self.prompt_slots, max_cpu_prompt_adapters,
+                                         self._executor)
+
+    def activate(self, names: list[str]) -> dict[str, int]:
+        """Make the current versions of the named LoRAs resident; name -> slot (docs/internals.md)."""
+        refs = [self.loras.lookup(name) for name in names]
+        for name, ref in zip(names, refs):
+            if ref is None:
+                raise UnknownAdapterError(f"unknown LoRA {name!r}")
+        return dict(zip(names, self.loras.activate(refs)))
+
+    @property
+    def stats(self) -> AdapterStats:
+        """Cumulative loads and evictions of both tiers."""
+        lora, prompt = self.loras.counts(), self.prompts.counts()
+        return AdapterStats(lora_loads=lora["slot_loads"], lora_evictions=lora["slot_evictions"],
+                            lora_disk_loads=lora["disk_loads"], lora_cpu_evictions=lora["cpu_evictions"],
+                            prompt_loads=prompt["slot_loads"], prompt_evictions=prompt["slot_evictions"])
+
+    def close(self) -> None:
+        """Stop background loading (pending loads are cancelled)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _resolve(self, request) -> str:
+        try:
+            return self._resolver(request.path, request.revision, adapter_file_patterns(self.allow_pickle),
+                                  self.local_files_only)
+        except AdapterError as exc:  # resolve() names the path; name the adapter too
+            raise type(exc)(f"adapter {request.name!r}: {exc}") from exc
+        except Exception as exc:  # a custom resolver's failure is a not-found, not an engine crash
+            raise AdapterNotFoundError(f"adapter {request.name!r}: resolving {request.path!r} failed: "
+                                       f"{exc!r}") from exc
+
+    def _load_lora(self, request: LoRARequest):
+        weights = load_lora(request.name, self._resolve(request), self.spec, max_lora_rank=self.max_lora_rank,
+                            dtype=self.dtype, allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes)
+        return weights.pin_memory() if self._pin_memory else weights
+
+    def _load_prompt(self, request: PromptAdapterRequest):
+        self._check_prompts_enabled(request.name)
+        weights = load_prompt_adapter(request.name, self._resolve(request), self.spec,
+                                      max_prompt_adapter_tokens=self.max_prompt_adapter_tokens, dtype=self.dtype,
+                                      allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes)
+        return weights.pin_memory() if self._pin_memory else weights
+
+    def _dummy_lora(self, name: str, rank: int):
+        if rank > self.max_lora_rank:
+            raise AdapterTooLargeError(f"dummy LoRA {name!r}: rank {rank} > max_lora_rank={self.max_lora_rank}")
+        return dummy_lora(name, self.spec, rank, self.dtype)
+
+    def _dummy_prompt(self, name: str, num_virtual_tokens: int):
+        self._check_prompts_enabled(name)
+        if num_virtual_tokens > self.max_prompt_adapter_tokens:
+            raise AdapterTooLargeError(f"dummy prompt adapter {name!r}: {num_virtual_tokens} virtual tokens > "
+                                       f"max_prompt_adapter_tokens={self.max_prompt_adapter_tokens}")
+        return dummy_prompt_adapter(name, self.spec, num_virtual_tokens, self.dtype)
+
+    def _check_prompts_enabled(self, name: str) -> None:
+        if self.prompt_slots.num_slots == 0:
+            raise AdapterCapacityError(f"prompt adapter {name!r}: prompt adapters are disabled "
+                                       "(max_prompt_adapters=0)")
+
+
+def _default_resolve(path, revision, allow_patterns, local_files_only, cache_dir=None) -> str:
+    return resolve(path, revision, allow_patterns=allow_patterns, local_files_only=local_files_only,
+                   cache_dir=cache_dir)

@@ -1,0 +1,107 @@
+"""Safe reading of an adapter directory: ``adapter_config.json`` plus safetensors weights.
+
+A pickle ``adapter_model.bin`` is read only when the user opted in (``allow_pickle=True``), and then
+with ``torch.load(weights_only=True)``, which refuses to build anything but tensors and plain
+containers, so a malicious pickle raises instead of running code. File sizes are checked on disk
+against ``max_bytes`` before anything is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+
+import torch
+
+from adapters.errors import (
+    AdapterNotFoundError,
+    AdapterTooLargeError,
+    InvalidAdapterError,
+    UnsafeAdapterError,
+)
+from adapters.hub import CONFIG_FILE, PICKLE_FILE, SAFETENSORS_FILE
+
+logger = logging.getLogger(__name__)
+
+
+def _check_size(name: str, path: str, max_bytes: int | None) -> None:
+    size = os.path.getsize(path)
+    if max_bytes is not None and size > max_bytes:
+        raise AdapterTooLargeError(f"adapter {name!r}: {os.path.basename(path)} is {size} bytes, over the "
+                                   f"limit max_adapter_bytes={max_bytes}")
+
+
+def read_adapter_config(name: str, local_dir: str, max_bytes: int | None = None) -> dict:
+    """Parse ``adapter_config.json`` of the adapter in ``local_dir``.
+
+    Raises:
+        AdapterNotFoundError: the file is missing.
+        AdapterTooLargeError: it is larger than ``max_bytes``.
+        InvalidAdapterError: it is not a JSON object.
+    """
+    path = os.path.join(local_dir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise AdapterNotFoundError(f"adapter {name!r}: {CONFIG_FILE} not found in {local_dir}")
+    _check_size(name, path, max_bytes)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidAdapterError(f"adapter {name!r}: cannot parse {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise InvalidAdapterError(f"adapter {name!r}: {path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _read_safetensors(name: str, path: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise InvalidAdapterError(f"adapter {name!r}: corrupt safetensors file {path}: {exc}") from exc
+
+
+def _read_pickle(name: str, path: str) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # raised before any disallowed object is built
+        reason = next((line.split(" Please use")[0].strip() for line in str(exc).splitlines()
+                       if "Unsupported" in line), "")
+        raise UnsafeAdapterError(f"adapter {name!r}: refused to unpickle {path}: only tensors are allowed "
+                                 f"(torch.load(weights_only=True)). {reason}") from exc
+    except (OSError, EOFError, RuntimeError, ValueError) as exc:
+        raise InvalidAdapterError(f"adapter {name!r}: corrupt pickle file {path}: {exc}") from exc
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise InvalidAdapterError(f"adapter {name!r}: {path} must hold a dict of name -> tensor")
+    return state
+
+
+def read_adapter_tensors(name: str, local_dir: str, *, allow_pickle: bool = False,
+                         max_bytes: int | None = None) -> dict[str, torch.Tensor]:
+    """Read the weights of the adapter in ``local_dir`` (safetensors preferred) as CPU tensors.
+
+    Raises:
+        AdapterNotFoundError: neither weights file exists.
+        UnsafeAdapterError: only a pickle ``.bin`` exists and ``allow_pickle`` is False, or the
+            pickle holds anything but tensors.
+        AdapterTooLargeError: the file is larger than ``max_bytes`` (checked before reading).
+        InvalidAdapterError: the file is corrupt.
+    """
+    st_path, bin_path = os.path.join(local_dir, SAFETENSORS_FILE), os.path.join(local_dir, PICKLE_FILE)
+    if os.path.isfile(st_path):
+        _check_size(name, st_path, max_bytes)
+        return _read_safetensors(name, st_path)
+    if os.path.isfile(bin_path):
+        if not allow_pickle:
+            raise UnsafeAdapterError(f"adapter {name!r}: only a pickle checkpoint ({PICKLE_FILE}) was found in "
+                                     f"{local_dir}; loading pickles is refused unless allow_pickle=True "
+                                     f"(convert the adapter to {SAFETENSORS_FILE} to avoid this)")
+        _check_size(name, bin_path, max_bytes)
+        logger.info("adapter %r: reading pickle checkpoint %s with weights_only=True", name, bin_path)
+        return _read_pickle(name, bin_path)
+    raise AdapterNotFoundError(f"adapter {name!r}: no {SAFETENSORS_FILE} (or {PICKLE_FILE}) in {local_dir}")

@@ -1,0 +1,79 @@
+"""LoRA slot layout: computing with the slot tensors the way the kernels do gives PEFT's delta."""
+
+import pytest
+import torch
+
+from adapters.lora import dummy_lora, load_lora
+from adapters.slots import LoRASlots
+from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED
+from tests import factories
+
+
+@pytest.fixture(scope="module")
+def base():
+    return factories.build_tiny_model("llama", seed=4)
+
+
+def _slot_delta(slots, slot, layer, packed, x):
+    """The kernels' semantics: y[:, off_j:off_j+N_j] = (x @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T."""
+    lora_a, lora_b = slots.weights(layer, packed)  # [S, n, R, K], [S, N, R]
+    outs, offset = [], 0
+    for j, width in enumerate(slots.spec.slice_sizes(packed)):
+        outs.append((x.double() @ lora_a[slot, j].double().T) @ lora_b[slot, offset:offset + width].double().T)
+        offset += width
+    return torch.cat(outs, dim=1)  # [T, N]
+
+
+def _peft_delta(peft_model, layer, packed, x):
+    outs = []
+    for leaf, (p, _) in PEFT_TO_PACKED.items():
+        if p != packed:
+            continue
+        module = getattr(getattr(peft_model.base_model.model.model.layers[layer], PEFT_PARENT[leaf]), leaf)
+        with torch.no_grad():
+            outs.append(module(x) - module.base_layer(x) if hasattr(module, "base_layer")
+                        else torch.zeros(x.shape[0], module.out_features))
+    return torch.cat(outs, dim=1).double()  # [T, N]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(r=8, lora_alpha=16),
+    dict(r=4, rank_pattern={"k_proj": 2, "up_proj": 8}, alpha_pattern={"o_proj": 1}, use_rslora=True),
+    dict(r=3, target_modules=["v_proj", "gate_proj"], layers_to_transform=[0]),
+])
+def test_slot_layout_reproduces_peft_after_larger_tenant(base, tmp_path, kwargs):
+    spec = factories.model_spec(base)
+    slots = LoRASlots(spec, max_loras=3, max_lora_rank=8)
+    for layer in range(spec.num_layers):
+        for packed in PACKED_MODULES:
+            for tensor in slots.weights(layer, packed):
+                tensor.fill_(float("nan"))  # poison: everything the adapter does not write must be zeroed
+    peft_model = factories.save_lora(base, tmp_path, seed=7, **kwargs)
+    adapter = load_lora("a", str(tmp_path), spec, max_lora_rank=8)
+    slots.write(1, dummy_lora("big", spec, rank=8, seed=3))  # a larger tenant leaves values everywhere
+    slots.write(1, adapter)
+    assert slots.slot_ranks.tolist() == [0, adapter.rank, 0]
+    for layer in range(spec.num_layers):
+        for packed in PACKED_MODULES:
+            x = torch.randn(6, spec.in_features(packed))
+            torch.testing.assert_close(_slot_delta(slots, 1, layer, packed, x),
+                                       _peft_delta(peft_model, layer, packed, x), rtol=1e-4, atol=1e-5)
+            lora_a, lora_b = slots.weights(layer, packed)
+            assert torch.isnan(lora_a[0]).all() and torch.isnan(lora_b[2]).all()  # neighbours untouched
+            assert lora_a[1].is_contiguous() and lora_a.data_ptr() == slots.weights(layer, packed)[0].data_ptr()
+
+
+def test_slot_shapes_and_clear(base):
+    spec = factories.model_spec(base)
+    slots = LoRASlots(spec, max_loras=2, max_lora_rank=4, dtype=torch.float16)
+    for packed in PACKED_MODULES:
+        lora_a, lora_b = slots.weights(1, packed)
+        n, widths = len(spec.slice_sizes(packed)), spec.slice_sizes(packed)
+        assert lora_a.shape == (2, n, 4, spec.in_features(packed)) and lora_a.dtype == torch.float16
+        assert lora_b.shape == (2, sum(widths), 4)
+    slots.write(0, dummy_lora("d", spec, rank=4, dtype=torch.float16))
+    assert slots.slot_ranks.dtype == torch.int32 and slots.slot_ranks.tolist() == [4, 0]
+    slots.clear(0)
+    assert slots.slot_ranks.tolist() == [0, 0]
+    with pytest.raises(ValueError):
+        LoRASlots(spec, max_loras=2, max_lora_rank=0)
