@@ -1,0 +1,117 @@
+"""Paged attention in plain torch for a flat batch of mixed prefill chunks and decodes.
+
+One layer's cache is ``kv_layer [2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V);
+token position p of a sequence lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+Each step: the new tokens' K/V are written at their slots, then every sequence's context (cached +
+new) is gathered through its block table into a padded ``[B, max_seq_len]`` batch and attended by
+one ``scaled_dot_product_attention`` call with a per-sequence causal (optionally sliding-window)
+mask. There is no per-token or per-sequence Python loop and no host sync, so the same code runs on
+CPU and GPU and can be captured in a CUDA graph when the batch shapes (T, B, max_query_len,
+max_seq_len) are fixed.
+
+Sliding windows (Mistral, Qwen2's windowed layers) are one more mask term, so contexts longer than
+the window are exact; blocks that left the window stay allocated (no memory saving).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lora_runner.forward_context import AttentionMetadata
+
+
+def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store key/value [T, num_kv_heads, head_dim] at slot_mapping [T] of kv_layer; slot -1 is skipped.
+
+    Padding tokens (slot -1) are redirected to a real token's slot with that token's own K/V, so
+    every duplicate index writes identical data: deterministic, sync-free and graph-safe.
+    """
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    flat = kv_layer.view(2, -1, *kv_layer.shape[-2:])  # [2, num_blocks * block_size, H_kv, D]
+    valid = slot_mapping >= 0  # [T]
+    first_valid = torch.argmax(valid.to(torch.int32))  # index of the first real token (0 if none)
+    token_ids = torch.arange(num_tokens, device=slot_mapping.device)  # [T]
+    source = torch.where(valid, token_ids, first_valid)  # [T]: whose K/V each row writes
+    target = slot_mapping[source].clamp(min=0)  # [T]
+    any_valid = valid.any()  # [] bool; with no real token every row rewrites slot 0 unchanged
+    new = torch.stack((key[source], value[source])).to(kv_layer.dtype)  # [2, T, H_kv, D]
+    new = torch.where(any_valid, new, flat[:, target])  # [2, T, H_kv, D]
+    flat.index_copy_(1, target, new)
+
+
+def _token_rows(attn: AttentionMetadata, num_tokens: int, max_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index [T], row within that sequence's new tokens [T]) of every flat token.
+
+    Tokens past query_start_loc[-1] (graph padding) get sequence index B.
+    """
+    starts = attn.query_start_loc.to(torch.int64)  # [B+1]
+    token_ids = torch.arange(num_tokens, device=starts.device)  # [T]
+    seq = torch.searchsorted(starts[1:], token_ids, right=True)  # [T] in [0, B]
+    row = token_ids - starts[seq.clamp(max=starts.shape[0] - 2)]  # [T]
+    return seq, row.clamp(0, max_query_len - 1)
+
+
+def token_seq_lens(attn: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+    """Context length (seq_lens) of each flat token's sequence, [T] int64; padding tokens get 0."""
+    seq, _ = _token_rows(attn, num_tokens, max(attn.max_query_len, 1))
+    seq_lens = torch.cat((attn.seq_lens.to(torch.int64), seq.new_zeros(1)))  # [B+1]
+    return seq_lens[seq]
+
+
+def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Attend each new token to its sequence's cached + new tokens (causal); returns [T, H, D].
+
+    query [T, H, D] (RoPE applied); kv_layer [2, num_blocks, block_size, H_kv, D] already holding
+    this step's K/V (see write_kv); H must be a multiple of H_kv (GQA: head h reads KV head
+    h // (H / H_kv)). `sliding_window` w: a token at position p sees positions p-w+1..p only.
+    Padding tokens (past query_start_loc[-1]) get zeros.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = attn.seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return query.new_zeros(query.shape)
+    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    max_q = max(attn.max_query_len, 1)
+    max_blocks = min(-(-max(attn.max_seq_len, 1) // block_size), attn.block_tables.shape[1])
+    max_s = min(max(attn.max_seq_len, 1), max_blocks * block_size)  # a padded max_seq_len may exceed the tables
+
+    # Gather every sequence's context through its block table.
+    tables = attn.block_tables[:, :max_blocks].to(torch.int64)  # [B, MB]
+    context = kv_layer[:, tables]  # [2, B, MB, block_size, H_kv, D]
+    context = context.reshape(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)[:, :, :max_s]
+
+    # Mask: key j of sequence b is visible to its query row i at position pos[b, i] when j <= pos and
+    # j < seq_len (and j > pos - window); pad rows sit past the context so they are never fully masked.
+    seq_lens = attn.seq_lens.to(torch.int64)  # [B]
+    query_lens = (attn.query_start_loc[1:] - attn.query_start_loc[:-1]).to(torch.int64)  # [B]
+    device = query.device
+    rows = torch.arange(max_q, device=device)  # [MQ]
+    keys = torch.arange(max_s, device=device)  # [MS]
+    positions = (seq_lens - query_lens)[:, None] + rows[None, :]  # [B, MQ]
+    key_valid = keys[None, :] < seq_lens[:, None]  # [B, MS]
+    mask = (keys[None, None, :] <= positions[:, :, None]) & key_valid[:, None, :]  # [B, MQ, MS]
+    if sliding_window is not None:
+        mask &= keys[None, None, :] > positions[:, :, None] - sliding_window
+
+    # Zero K/V outside the context: stale blocks may hold anything (even NaN), and 0 * NaN = NaN.
+    context = torch.where(key_valid[None, :, :, None, None], context, 0).to(query.dtype)
+    group = num_heads // num_kv_heads
+    k_ctx = context[0].repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, MS, D]
+    v_ctx = context[1].repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, MS, D]
+
+    # Scatter the flat queries into [B, MQ] rows; graph padding goes to one spare row.
+    seq, row = _token_rows(attn, num_tokens, max_q)
+    flat_row = torch.where(seq < num_seqs, seq * max_q + row, num_seqs * max_q)  # [T]
+    padded_q = query.new_zeros(num_seqs * max_q + 1, num_heads, head_dim)  # [B*MQ+1, H, D]
+    padded_q[flat_row] = query
+    q_batch = padded_q[:-1].view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, MQ, D]
+
+    out = F.scaled_dot_product_attention(q_batch, k_ctx, v_ctx, attn_mask=mask[:, None], scale=scale)  # [B, H, MQ, D]
+    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)  # [B*MQ, H, D]
+    out = torch.cat((out, out.new_zeros(1, num_heads, head_dim)))  # [B*MQ+1, H, D]
+    return out[flat_row]  # [T, H, D]

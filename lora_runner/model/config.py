@@ -1,0 +1,213 @@
+"""The base model's architecture, parsed from a transformers ``config.json``.
+
+Reads both config formats seen on the Hub: the current one (``rope_parameters`` holding
+``rope_theta`` and ``rope_type``) and the older one (top-level ``rope_theta`` plus a
+``rope_scaling`` dict with ``type`` or ``rope_type``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adapters import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# rope_type -> keys that must be present in the scaling dict
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+DEFAULT_ROPE_THETA = 10_000.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: base wavelength plus the scaling scheme (None = plain RoPE)."""
+
+    theta: float = DEFAULT_ROPE_THETA
+    scaling: dict[str, Any] | None = None  # always has "rope_type" (linear/dynamic/llama3/yarn) when set
+
+    @property
+    def rope_type(self) -> str:
+        """'default', 'linear', 'dynamic', 'llama3' or 'yarn'."""
+        return self.scaling["rope_type"] if self.scaling else "default"
+
+    def __post_init__(self) -> None:
+        if self.theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.theta}")
+        if self.scaling is None:
+            return
+        rope_type = self.scaling.get("rope_type")
+        if rope_type not in ROPE_TYPES or rope_type == "default":
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: "
+                             f"{', '.join(t for t in ROPE_TYPES if t != 'default')}")
+        missing = [k for k in ROPE_TYPES[rope_type] if self.scaling.get(k) is None]
+        if missing:
+            raise ValueError(f"rope scaling {rope_type!r} needs {', '.join(missing)} in config.json")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and options of a Llama-family decoder (Llama, Mistral, Qwen2 checkpoints)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, Llama attention_bias
+    o_bias: bool = False  # Llama attention_bias
+    mlp_bias: bool = False  # Llama mlp_bias
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: attend to the last w tokens; None = full
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    name_or_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for "
+                             f"{self.num_layers} layers")
+        if any(w is not None and w <= 0 for w in self.sliding_windows):
+            raise ValueError(f"sliding windows must be positive, got {self.sliding_windows}")
+
+    def sliding_window(self, layer: int) -> int | None:
+        """The attention window of `layer` (None: full causal attention)."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every end-of-sequence id (config.json may give one int or a list)."""
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+
+    def spec(self) -> ModelSpec:
+        """The sizes adapters must agree with."""
+        return ModelSpec(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
+                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                         intermediate_size=self.intermediate_size, model_name=self.name_or_path)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, name_or_path: str | None = None) -> ModelConfig:
+        """Parse ``<model_dir>/config.json``; FileNotFoundError names the file when it is missing."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model dir {str(model_dir)!r}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from err
+        return cls.from_dict(raw, name_or_path=name_or_path or str(model_dir))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], name_or_path: str | None = None) -> ModelConfig:
+        """Build from a parsed transformers config dict (ValueError for anything unsupported)."""
+        architecture = _architecture(raw)
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is implemented")
+        num_layers = _require(raw, "num_hidden_layers")
+        num_heads = _require(raw, "num_attention_heads")
+        hidden_size = _require(raw, "hidden_size")
+        attention_bias = bool(raw.get("attention_bias", False))
+        eos = raw.get("eos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=_require(raw, "vocab_size"),
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden_size // num_heads,
+            intermediate_size=_require(raw, "intermediate_size"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=_require(raw, "max_position_embeddings"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=architecture == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=architecture == "LlamaForCausalLM" and attention_bias,
+            mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
+            rope=_rope(raw),
+            sliding_windows=_sliding_windows(raw, architecture, num_layers),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=raw.get("pad_token_id"),
+            name_or_path=name_or_path or raw.get("_name_or_path") or None,
+        )
+
+
+def _require(raw: dict[str, Any], key: str) -> Any:
+    if raw.get(key) is None:
+        raise ValueError(f"config.json lacks {key!r}")
+    return raw[key]
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    if not archs and raw.get("model_type") in _MODEL_TYPES:  # configs saved without a model class
+        return _MODEL_TYPES[raw["model_type"]]
+    if not archs:
+        raise ValueError(f"config.json has neither 'architectures' nor a known 'model_type' "
+                         f"({raw.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return archs[0]
+
+
+def _rope(raw: dict[str, Any]) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or DEFAULT_ROPE_THETA
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported for Llama-family models")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    if rope_type in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+        # transformers falls back to max_position_embeddings for these
+        params["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+    return RopeConfig(theta=float(theta), scaling={"rope_type": rope_type, **params})
+
+
+def _sliding_windows(raw: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    if architecture == "LlamaForCausalLM" or window is None:
+        return ()
+    if architecture == "MistralForCausalLM":
+        return (window,) * num_layers
+    # Qwen2: only with use_sliding_window, on the layers layer_types marks (default: i >= max_window_layers)
+    if not raw.get("use_sliding_window", False):
+        return ()
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if i >= raw.get("max_window_layers", 28) else "full_attention"
+        for i in range(num_layers)
+    ]
+    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return windows if any(w is not None for w in windows) else ()

@@ -1,0 +1,165 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding (with rope scaling), LoRA-aware linears.
+
+Numerics follow transformers' Llama implementation so fp32 logits agree to ~1e-5: RMSNorm in fp32,
+cos/sin computed in fp32 then cast to the activation dtype, rotate-half RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import punica_kernels
+from lora_runner.forward_context import LoRAContext
+from lora_runner.model.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back before the weight."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # [T, hidden]
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _dynamic_inv_freq(theta: float, dim: int, factor: float, max_pos: int, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Dynamic-NTK inverse frequencies per token from its sequence's length: [T] -> [T, dim/2]."""
+    seq_lens = seq_lens.float().clamp(min=max_pos)  # [T]; no change up to max_pos
+    base = theta * ((factor * seq_lens / max_pos) - (factor - 1)) ** (dim / (dim - 2))  # [T]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=seq_lens.device).float() / dim
+    return 1.0 / (base[:, None] ** exponents[None, :])  # [T, dim/2]
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim/2] fp32, attention scaling of cos/sin) as transformers computes them.
+
+    For 'dynamic' this is the unscaled table; per-token frequencies come from `_dynamic_inv_freq`.
+    """
+    dim = head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [dim/2]
+    inv_freq = 1.0 / (rope.theta ** exponents)  # [dim/2]
+    scaling = rope.scaling or {}
+    rope_type = rope.rope_type
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rope.theta, dim, scaling, max_position_embeddings)
+    return inv_freq, 1.0  # default, dynamic
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq  # [dim/2]
+    # long wavelengths are interpolated by `factor`, short ones kept, the band between smoothly blended
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_inv_freq(theta: float, dim: int, scaling: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    factor = scaling.get("factor") or max_position_embeddings / scaling["original_max_position_embeddings"]
+    original = scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)  # [dim/2]
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with transformers' scaling schemes (default, linear, dynamic, llama3, yarn).
+
+    'dynamic' (NTK) picks each token's base from its own sequence's length, which is what transformers
+    does for one sequence generated with a KV cache (keys keep the rotation they were written with).
+    """
+
+    def __init__(self, head_dim: int, max_position_embeddings: int, rope: RopeConfig, device):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(rope, head_dim, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)  # [head_dim/2] fp32
+        self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.rope = rope
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                token_seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] in `dtype` for positions [T]; token_seq_lens [T] only for 'dynamic'."""
+        if self.rope.rope_type == "dynamic" and token_seq_lens is not None:
+            inv_freq = _dynamic_inv_freq(self.rope.theta, self.head_dim, self.rope.scaling["factor"],
+                                         self.max_position_embeddings, token_seq_lens)  # [T, dim/2]
+            freqs = positions[:, None].float() * inv_freq  # [T, dim/2]
+        else:
+            freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] by cos/sin [T, head_dim]."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, head_dim]
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LoRALinear(nn.Module):
+    """y = x @ W.T (+ b), plus each token's adapter delta through punica_kernels.add_lora.
+
+    Several projections sharing an input are packed into one weight (q,k,v -> "qkv"; gate,up ->
+    "gate_up"); `slice_sizes` are their output widths, in the order the LoRA slots store them.
+    """
+
+    def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, layer: int, packed: str,
+                 dtype: torch.dtype, device):
+        super().__init__()
+        out_features = sum(slice_sizes)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)  # [N, K]
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)  # [N]
+        self.slice_sizes = tuple(slice_sizes)
+        self.layer = layer
+        self.packed = packed
+
+    def forward(self, x: torch.Tensor, lora: LoRAContext | None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [T, N]
+        if lora is not None:
+            lora_a, lora_b = lora.slots.weights(self.layer, self.packed)
+            punica_kernels.add_lora(y, x, lora_a, lora_b, lora.meta, self.slice_sizes)
+        return y
+
+    def slice_offsets(self) -> tuple[int, ...]:
+        """Row offset of each slice within the packed weight."""
+        return tuple(sum(self.slice_sizes[:i]) for i in range(len(self.slice_sizes)))

@@ -1,0 +1,200 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2 checkpoints) over a flat batch and a paged KV cache.
+
+Projections sharing an input are packed (q,k,v -> "qkv"; gate,up -> "gate_up") so each layer makes
+four LoRA-aware matmuls; module paths follow adapters.spec: ``layers.<i>.<parent>.<packed>`` with
+parent "self_attn" or "mlp".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adapters.spec import PEFT_PARENT, PEFT_TO_PACKED
+from lora_runner.attention import paged_attention, token_seq_lens, write_kv
+from lora_runner.forward_context import ForwardContext, PromptAdapterContext
+from lora_runner.model.config import ModelConfig
+from lora_runner.model.layers import LoRALinear, RMSNorm, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)")
+_IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints saved
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: packed qkv, RoPE, paged KV write + attention, o projection."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        spec = config.spec()
+        self.qkv = LoRALinear(spec.in_features("qkv"), spec.slice_sizes("qkv"), config.qkv_bias, layer, "qkv",
+                              dtype, device)
+        self.o = LoRALinear(spec.in_features("o"), spec.slice_sizes("o"), config.o_bias, layer, "o", dtype, device)
+        self.layer = layer
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = config.sliding_window(layer)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv(hidden, ctx.lora).split(self.qkv.slice_sizes, dim=-1)  # [T, H*D], [T, Hkv*D] x2
+        q = RotaryEmbedding.apply(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = RotaryEmbedding.apply(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        kv_layer = ctx.kv_cache[self.layer]  # [2, num_blocks, block_size, Hkv, D]
+        write_kv(kv_layer, k, v, ctx.attn.slot_mapping)
+        out = paged_attention(q, kv_layer, ctx.attn, self.scale, self.sliding_window)  # [T, H, D]
+        return self.o(out.reshape(num_tokens, self.num_heads * self.head_dim), ctx.lora)  # [T, hidden]
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate/up packed."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
+        super().__init__()
+        spec = config.spec()
+        self.gate_up = LoRALinear(spec.in_features("gate_up"), spec.slice_sizes("gate_up"), config.mlp_bias, layer,
+                                  "gate_up", dtype, device)
+        self.down = LoRALinear(spec.in_features("down"), spec.slice_sizes("down"), config.mlp_bias, layer, "down",
+                               dtype, device)
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        gate, up = self.gate_up(hidden, ctx.lora).chunk(2, dim=-1)  # [T, I] each
+        return self.down(F.silu(gate) * up, ctx.lora)  # [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, layer, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, layer, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)  # [T, hidden]
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), ctx)  # [T, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head for Llama, Mistral and Qwen2 checkpoints (one class; config picks the options).
+
+    ``model(input_ids [T], positions [T], ctx) -> hidden [T, hidden]`` for a flat batch of mixed
+    prefill chunks and decodes; ``compute_logits(hidden [S, hidden]) -> [S, vocab]`` float32.
+    Weights are allocated uninitialized; fill them with :meth:`load_weights`.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                                         requires_grad=False)  # [V, hidden]
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope, device)
+        self.lm_head = (self.embed_tokens if config.tie_word_embeddings else
+                        nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                                     requires_grad=False))  # [V, hidden]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def embed(self, input_ids: torch.Tensor, prompt_adapter: PromptAdapterContext | None) -> torch.Tensor:
+        """Token embeddings [T, hidden]; soft-prompt rows replace placeholder tokens' embeddings."""
+        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        if prompt_adapter is None:
+            return hidden
+        slots, rows = prompt_adapter.token_slots, prompt_adapter.token_positions  # [T], [T]
+        soft = prompt_adapter.embeddings[slots.clamp(min=0), rows.clamp(min=0)].to(hidden.dtype)  # [T, hidden]
+        return torch.where((slots >= 0)[:, None], soft, hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of a flat batch; writes this step's K/V into ctx.kv_cache."""
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                             "must both be [T]")
+        hidden = self.embed(input_ids, ctx.prompt_adapter)  # [T, hidden]
+        seq_lens = token_seq_lens(ctx.attn, input_ids.shape[0]) if self.config.rope.rope_type == "dynamic" else None
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, seq_lens)  # [T, D] each
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, ctx)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [S, vocab] float32 of the rows to sample, hidden [S, hidden]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named tensors into the packed parameters; ValueError on missing/misshapen ones."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[tuple[str, int]] = set()
+        ignored: list[str] = []
+        for name, tensor in weights:
+            target = self._map_name(name)
+            if target is None or target[0] not in params:
+                ignored.append(name)
+                continue
+            param_name, index = target
+            dst = params[param_name]
+            if index is not None:
+                module = self.get_submodule(param_name.rsplit(".", 1)[0])
+                dst = dst.narrow(0, module.slice_offsets()[index], module.slice_sizes[index])
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(dst.shape)} (config.json does not match the weights)")
+            dst.copy_(tensor)
+            loaded.add((param_name, -1 if index is None else index))
+        missing = sorted(self._required_weights() - loaded)
+        if missing:
+            shown = ", ".join(f"{p}[slice {i}]" if i >= 0 else p for p, i in missing[:8])
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
+        unexpected = [n for n in ignored if not _IGNORED_KEYS.match(n)]
+        if unexpected:
+            logger.warning("ignored %d checkpoint tensor(s) the model has no place for: %s", len(unexpected),
+                           ", ".join(unexpected[:8]))
+
+    def _map_name(self, name: str) -> tuple[str, int | None] | None:
+        """transformers tensor name -> (our parameter name, slice index within a packed weight or None)."""
+        if name == "lm_head.weight":
+            return None if self.config.tie_word_embeddings else ("lm_head", None)
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            return "embed_tokens", None
+        if name == "norm.weight":
+            return "norm.weight", None
+        if re.fullmatch(r"layers\.\d+\.(input|post_attention)_layernorm\.weight", name):
+            return name, None
+        match = _LAYER_KEY.fullmatch(name)
+        if match is None or match.group(3) not in PEFT_TO_PACKED:
+            return None
+        layer, parent, proj, kind = match.groups()
+        packed, index = PEFT_TO_PACKED[proj]
+        if PEFT_PARENT[proj] != parent:
+            return None
+        return f"layers.{layer}.{parent}.{packed}.{kind}", (index if len(self._slices(packed)) > 1 else None)
+
+    def _slices(self, packed: str) -> tuple[int, ...]:
+        return self.config.spec().slice_sizes(packed)
+
+    def _required_weights(self) -> set[tuple[str, int]]:
+        required = set()
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if name == "lm_head" and self.config.tie_word_embeddings:
+                continue
+            packed = name.split(".")[-2] if "." in name else name
+            slices = len(self._slices(packed)) if packed in ("qkv", "gate_up") else 1
+            required |= {(name, i if slices > 1 else -1) for i in range(slices)}
+        return required

@@ -1,0 +1,149 @@
+"""Find a base model (local dir or Hub repo id), read its safetensors, build the decoder.
+
+Also holds the "auto" dtype/device resolution the engine reuses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from lora_runner.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+# Files fetched from the Hub: config, safetensors weights, tokenizer (never pickled .bin weights)
+HUB_ALLOW_PATTERNS = [
+    "config.json", "generation_config.json", "*.safetensors", WEIGHTS_INDEX_FILE,
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+]
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
+           "float": torch.float32}
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; anything else goes through torch.device."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"invalid device {device!r}: expected 'auto', 'cpu', 'cuda', 'cuda:N'") from err
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
+    """A torch.dtype or 'float32'/'float16'/'bfloat16'/'auto' (auto: bf16 on CUDA, else fp32)."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        on_cuda = resolve_device(device).type == "cuda"
+        resolved = torch.bfloat16 if on_cuda else torch.float32
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ValueError(f"unsupported dtype {dtype!r}: use a torch dtype or 'float32', 'float16', "
+                         "'bfloat16', 'auto'")
+    if resolved not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"unsupported dtype {resolved}: use float32, float16 or bfloat16")
+    return resolved
+
+
+def _looks_like_path(model: str) -> bool:
+    return (model.startswith(("/", "./", "../", "~", "\\")) or os.path.isabs(model)
+            or model.count("/") > 1 or os.path.exists(model))
+
+
+def resolve_model_dir(model: str, revision: str | None = None, local_files_only: bool | None = None,
+                      cache_dir: str | os.PathLike | None = None) -> Path:
+    """Local directory for `model`: an existing dir as is, else a Hub repo id via snapshot_download.
+
+    local_files_only None follows HF_HUB_OFFLINE. Raises FileNotFoundError naming what is missing.
+    """
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty string (local dir or Hub repo id), got {model!r}")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if revision is not None:
+            logger.warning("revision %r ignored: %s is a local directory", revision, path)
+        return path
+    if _looks_like_path(model):
+        raise FileNotFoundError(f"model dir {model!r} does not exist (or is not a directory)")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, HFValidationError, HfHubHTTPError
+
+    if local_files_only is None:
+        local_files_only = bool(constants.HF_HUB_OFFLINE)
+    where = f"Hub repo {model!r}" + (f" at revision {revision!r}" if revision else "")
+    try:
+        snapshot = snapshot_download(model, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS,
+                                     local_files_only=local_files_only, cache_dir=cache_dir)
+    except HFValidationError as err:
+        raise FileNotFoundError(f"{model!r} is neither a local directory nor a valid Hub repo id") from err
+    except (EntryNotFoundError, HfHubHTTPError, OSError) as err:
+        offline = " (offline: only the local Hub cache was searched)" if local_files_only else ""
+        raise FileNotFoundError(f"cannot get {where}{offline}: {err}") from err
+    logger.info("resolved %s to %s", where, snapshot)
+    return Path(snapshot)
+
+
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model dir: the shards its index names, or model.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        if not files:
+            raise ValueError(f"{index} has an empty weight_map")
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"weight shard(s) {', '.join(missing)} listed in {WEIGHTS_INDEX_FILE} "
+                                    f"are missing from {str(model_dir)!r}")
+        return files
+    if (model_dir / WEIGHTS_FILE).is_file():
+        return [model_dir / WEIGHTS_FILE]
+    others = sorted(model_dir.glob("*.safetensors"))
+    if others:
+        return others
+    found = sorted(p.name for p in model_dir.glob("*.bin"))
+    hint = f" (found {', '.join(found)}: pickled weights are not loaded; convert to safetensors)" if found else ""
+    raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in model dir {str(model_dir)!r}{hint}")
+
+
+def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor in the model's safetensors files, one at a time."""
+    from safetensors import safe_open
+
+    for file in weight_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu", local_files_only: bool | None = None):
+    """Build the decoder for `model` (local dir or Hub repo id) with its weights loaded.
+
+    Returns (LlamaForCausalLM, ModelConfig, model_dir). Raises FileNotFoundError for a missing
+    dir/repo/config/weights and ValueError for an unsupported architecture or option.
+    """
+    from lora_runner.model.llama import LlamaForCausalLM
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    model_dir = resolve_model_dir(model, revision=revision, local_files_only=local_files_only)
+    config = ModelConfig.from_dir(model_dir, name_or_path=model)
+    weight_files(model_dir)  # fail on missing weights before allocating the model
+    net = LlamaForCausalLM(config, dtype=dtype, device=device)
+    net.load_weights(iter_weights(model_dir))
+    logger.info("loaded %s (%s, %d layers) as %s on %s", model, config.architecture, config.num_layers, dtype, device)
+    return net.eval(), config, model_dir
