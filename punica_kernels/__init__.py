@@ -1,1 +1,17 @@
-"""Placeholder."""
+"""Batched LoRA math for one LoRA-aware layer over a flat batch where each token has its own slot.
+
+```
+meta = LoRAMeta(max_num_tokens, max_loras, device)
+meta.prepare(token_slots, slot_ranks=None)     # once per step; token_slots [T], -1 = no adapter
+add_lora(y, x, lora_a, lora_b, meta, slice_sizes, backend="auto")
+# y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T, s = token_slots[t] >= 0
+```
+``lora_shrink`` / ``lora_expand`` are the two halves. Backends: Triton SGMV kernels (CUDA, or
+the interpreter on CPU tensors) and a vectorized torch path (CPU serving path and oracle).
+"""
+
+from .meta import LoRAMeta
+from .ops import BACKENDS, BackendUnavailableError, add_lora, lora_expand, lora_shrink
+
+__all__ = ["LoRAMeta", "add_lora", "lora_shrink", "lora_expand", "BackendUnavailableError",
+           "BACKENDS"]

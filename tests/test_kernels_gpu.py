@@ -1,0 +1,81 @@
+"""GPU only (skipped without CUDA): compiled Triton kernels in bf16/fp16/fp32 against the float64
+oracle, no host sync in the hot path, and replay of a CUDA graph captured with a single adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from punica_kernels import LoRAMeta, add_lora
+from test_kernels_reference import POPULARITY, float64_add_lora, make_case, token_slots_for
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens,layout,popularity", [
+    (1, "qkv_wide", "distinct"), (7, "down_wide", "mixed_none"), (64, "qkv", "skewed"),
+    (300, "gate_up", "uniform"), (300, "qkv_wide", "identical"), (40, "o", "all_none"),
+])
+def test_compiled_add_lora(num_tokens, layout, popularity, dtype):
+    case = make_case(num_tokens, layout, 64, popularity, mixed_ranks=True, seed=num_tokens,
+                     dtype=dtype).to(dtype, "cuda")
+    for with_ranks in (False, True):
+        # room for K-split partials at small T, as in an engine sized for large batches
+        meta = LoRAMeta(512, case.lora_a.shape[0], "cuda", max_rank=64,
+                        max_slices=len(case.slice_sizes))
+        meta.prepare(case.token_slots, case.slot_ranks if with_ranks else None)
+        meta.workspace.fill_(float("nan"))
+        y = case.y.clone()
+        add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)  # auto -> triton
+        expected = float64_add_lora(case.y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+        untouched = case.token_slots < 0
+        assert torch.equal(y[untouched], case.y[untouched])
+
+
+def test_prepare_and_add_lora_do_not_sync():
+    case = make_case(64, "qkv", 16, "uniform", mixed_ranks=True).to(torch.bfloat16, "cuda")
+    meta = LoRAMeta(64, 8, "cuda", max_rank=16, max_slices=3)
+    meta.prepare(case.token_slots, case.slot_ranks)
+    y = case.y.clone()
+    add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)  # compile, caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta.prepare(case.token_slots, case.slot_ranks)
+        add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("num_tokens", [8, 48])
+def test_cuda_graph_captured_with_one_adapter_replays_any_mix(num_tokens):
+    """The SGLang #28371 failure mode: capture with one adapter, replay with many."""
+    dtype, max_loras = torch.bfloat16, 8
+    case = make_case(num_tokens, "qkv", 16, "identical", max_loras=max_loras, mixed_ranks=True,
+                     seed=num_tokens).to(dtype, "cuda")
+    meta = LoRAMeta(256, max_loras, "cuda", max_rank=16, max_slices=3)  # K-split at small T
+    x, y = case.x.clone(), case.y.clone()  # persistent input/output buffers of the graph
+    meta.prepare(torch.zeros(num_tokens, dtype=torch.int64, device="cuda"), case.slot_ranks)
+    add_lora(y, x, case.lora_a, case.lora_b, meta, case.slice_sizes)  # eager: compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        add_lora(y, x, case.lora_a, case.lora_b, meta, case.slice_sizes)
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    for popularity in POPULARITY:
+        slots = token_slots_for(popularity, num_tokens, max_loras, gen).cuda()
+        meta.prepare(slots, case.slot_ranks)  # outside the graph, into the same buffers
+        x.copy_(torch.randn(x.shape, generator=gen).to(dtype))
+        y0 = torch.randn(y.shape, generator=gen).to(dtype).cuda()
+        y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = float64_add_lora(y0, x, case.lora_a, case.lora_b, meta, case.slice_sizes)
+        torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2)
+        assert torch.equal(y[slots < 0], y0[slots < 0])

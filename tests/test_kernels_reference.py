@@ -1,0 +1,166 @@
+"""The torch LoRA path (CPU serving path and float64 oracle) against a per-token float64 loop.
+
+Also home of the kernel-test case builders that the Triton and GPU tests import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from punica_kernels import LoRAMeta, add_lora, lora_expand, lora_shrink
+
+POPULARITY = ("distinct", "uniform", "skewed", "identical", "all_none", "mixed_none")
+# name -> (K, slice_sizes): 1-3 slices, unequal widths (q,k,v under GQA), widths not multiples of 64
+LAYOUTS = {
+    "o": (64, (64,)),
+    "qkv": (128, (128, 32, 32)),
+    "gate_up": (96, (80, 80)),
+    "down_wide": (512, (200,)),
+    "qkv_wide": (256, (512, 64, 64)),
+}
+
+
+def token_slots_for(popularity: str, num_tokens: int, max_loras: int,
+                    gen: torch.Generator) -> torch.Tensor:
+    """[T] int64 slot per token for an adapter-popularity pattern (-1 = no adapter)."""
+    if popularity == "distinct":  # as many different adapters as possible, shuffled
+        slots = torch.arange(num_tokens) % max_loras
+        return slots[torch.randperm(num_tokens, generator=gen)]
+    if popularity == "uniform":
+        return torch.randint(0, max_loras, (num_tokens,), generator=gen)
+    if popularity == "skewed":  # zipf-like: slot i drawn with probability ~ 1/(i+1)^2
+        weights = 1.0 / torch.arange(1, max_loras + 1, dtype=torch.float64) ** 2
+        return torch.multinomial(weights, num_tokens, replacement=True, generator=gen)
+    if popularity == "identical":
+        return torch.full((num_tokens,), int(torch.randint(0, max_loras, (1,), generator=gen)))
+    if popularity == "all_none":
+        return torch.full((num_tokens,), -1)
+    if popularity == "mixed_none":
+        slots = torch.randint(0, max_loras, (num_tokens,), generator=gen)
+        return torch.where(torch.rand(num_tokens, generator=gen) < 0.4, -1, slots)
+    raise ValueError(popularity)
+
+
+@dataclass
+class Case:
+    """Inputs of one add_lora call; weights are zero beyond each slot's real rank."""
+
+    x: torch.Tensor  # [T, K]
+    y: torch.Tensor  # [T, N]
+    lora_a: torch.Tensor  # [L, n, R, K]
+    lora_b: torch.Tensor  # [L, N, R]
+    token_slots: torch.Tensor  # [T] int64
+    slot_ranks: torch.Tensor  # [L] int32
+    slice_sizes: tuple[int, ...]
+
+    def to(self, dtype: torch.dtype, device="cpu") -> Case:
+        cast = {name: getattr(self, name).to(device=device, dtype=dtype)
+                for name in ("x", "y", "lora_a", "lora_b")}
+        return Case(**cast, token_slots=self.token_slots.to(device),
+                    slot_ranks=self.slot_ranks.to(device), slice_sizes=self.slice_sizes)
+
+
+def make_case(num_tokens: int, layout: str, max_rank: int, popularity: str, *, max_loras: int = 8,
+              mixed_ranks: bool = False, seed: int = 0, dtype=torch.float32) -> Case:
+    """Fresh random inputs (float64 draws rounded to ``dtype``), deltas of order one.
+
+    mixed_ranks: each slot gets its own real rank in 1..max_rank (zero padding beyond it).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_features, slice_sizes = LAYOUTS[layout]
+    n_slices, out_features = len(slice_sizes), sum(slice_sizes)
+    if mixed_ranks:
+        ranks = torch.randint(1, max_rank + 1, (max_loras,), generator=gen, dtype=torch.int32)
+        ranks[0], ranks[-1] = 1, max_rank  # both ends always present
+    else:
+        ranks = torch.full((max_loras,), max_rank, dtype=torch.int32)
+    keep = (torch.arange(max_rank)[None, :] < ranks[:, None]).double()  # [L, R]
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    lora_a = rand(max_loras, n_slices, max_rank, num_features) / num_features ** 0.5
+    lora_b = rand(max_loras, out_features, max_rank) / max_rank ** 0.5
+    case = Case(x=rand(num_tokens, num_features), y=rand(num_tokens, out_features),
+                lora_a=lora_a * keep[:, None, :, None], lora_b=lora_b * keep[:, None, :],
+                token_slots=token_slots_for(popularity, num_tokens, max_loras, gen),
+                slot_ranks=ranks, slice_sizes=slice_sizes)
+    return case.to(dtype)
+
+
+def naive_add_lora(case: Case) -> torch.Tensor:
+    """Per-token float64 loop straight from the formula: the oracle of the oracle."""
+    y = case.y.double().clone()  # [T, N]
+    for t, slot in enumerate(case.token_slots.tolist()):
+        if slot < 0:
+            continue
+        offset = 0
+        for j, width in enumerate(case.slice_sizes):
+            inter = case.x[t].double() @ case.lora_a[slot, j].double().T  # [R]
+            y[t, offset:offset + width] += inter @ case.lora_b[slot, offset:offset + width].double().T
+            offset += width
+    return y
+
+
+def float64_add_lora(y, x, lora_a, lora_b, meta: LoRAMeta, slice_sizes) -> torch.Tensor:
+    """The oracle of the other backends: the torch path in float64 on the (rounded) inputs."""
+    y64 = y.double().clone()
+    add_lora(y64, x.double(), lora_a.double(), lora_b.double(), meta, slice_sizes, backend="torch")
+    return y64
+
+
+def prepared_meta(case: Case, max_num_tokens: int | None = None, with_ranks: bool = False,
+                  **kwargs) -> LoRAMeta:
+    meta = LoRAMeta(max_num_tokens or max(1, case.x.shape[0]), case.lora_a.shape[0],
+                    case.x.device, **kwargs)
+    meta.prepare(case.token_slots, case.slot_ranks if with_ranks else None)
+    return meta
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("num_tokens,layout", [(1, "qkv"), (7, "gate_up"), (64, "o"),
+                                               (300, "gate_up")])
+def test_torch_add_lora_matches_per_token_loop(num_tokens, layout, popularity):
+    case = make_case(num_tokens, layout, 16, popularity, mixed_ranks=True, seed=num_tokens,
+                     dtype=torch.float64)
+    y = case.y.clone()
+    add_lora(y, case.x, case.lora_a, case.lora_b, prepared_meta(case), case.slice_sizes,
+             backend="torch")
+    torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+    untouched = case.token_slots < 0
+    assert torch.equal(y[untouched], case.y[untouched])  # bit-identical
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2),
+                                       (torch.float16, 3e-3)])
+def test_torch_add_lora_low_precision(dtype, tol):
+    case = make_case(50, "qkv", 8, "mixed_none", seed=3, dtype=dtype)
+    y = case.y.clone()
+    add_lora(y, case.x, case.lora_a, case.lora_b, prepared_meta(case), case.slice_sizes)  # auto
+    torch.testing.assert_close(y.double(), naive_add_lora(case), rtol=tol, atol=tol)
+    untouched = case.token_slots < 0
+    assert torch.equal(y[untouched], case.y[untouched])
+
+
+def test_torch_shrink_then_expand_equals_add_lora():
+    case = make_case(40, "qkv", 8, "mixed_none", seed=5, dtype=torch.float64)
+    meta = prepared_meta(case)
+    inter = torch.full((40, 3, 8), float("nan"), dtype=torch.float64)  # poisoned
+    lora_shrink(case.x, case.lora_a, meta, inter, backend="torch")
+    lora_rows = case.token_slots >= 0
+    slots = case.token_slots[lora_rows]
+    expected = torch.einsum("tk,tjrk->tjr", case.x[lora_rows], case.lora_a[slots])  # [m, n, R]
+    torch.testing.assert_close(inter[lora_rows], expected, rtol=1e-12, atol=1e-12)
+    assert inter[~lora_rows].isnan().all()  # rows of slot -1 tokens are not written
+    y = case.y.clone()
+    lora_expand(y, inter, case.lora_b, meta, case.slice_sizes, backend="torch")
+    torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+    assert torch.equal(y[~lora_rows], case.y[~lora_rows])
+
+
+def test_torch_path_ignores_slot_ranks_with_zero_padding():
+    case = make_case(30, "gate_up", 32, "uniform", mixed_ranks=True, seed=9, dtype=torch.float64)
+    y = case.y.clone()
+    add_lora(y, case.x, case.lora_a, case.lora_b, prepared_meta(case, with_ranks=True),
+             case.slice_sizes, backend="torch")
+    torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
