@@ -1,1 +1,9 @@
-"""Placeholder."""
+"""lora_runner: serve many LoRA fine-tunes of one Llama-family base model in one batch."""
+
+from lora_runner.config import EngineConfig
+from lora_runner.engine import LLMEngine
+from lora_runner.llm import LLM
+from lora_runner.outputs import CompletionOutput, RequestOutput
+from lora_runner.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
