@@ -1,0 +1,135 @@
+"""The mapping builder: scheduled chunks -> the flat token batch the model reads, in persistent buffers.
+
+Every buffer is allocated once at its maximum size, as a CPU tensor (written through a numpy view)
+plus a device copy; a step writes rows [:n] and copies only those. On CPU the device tensor is the
+CPU tensor itself, so nothing is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a step: tokens token_ids[start:start+num_new_tokens]."""
+
+    token_ids: list[int]  # the sequence's whole token list (prompt + generated); not copied
+    start: int  # position of the first new token == tokens already in the KV cache
+    num_new_tokens: int
+    block_table: list[int]  # KV blocks covering positions [0, start + num_new_tokens)
+    lora_slot: int = -1  # device LoRA slot of the sequence's adapter, -1 = base model
+    sample: bool = True  # sample a token after this chunk's last token
+
+
+@dataclass
+class BatchInputs:
+    """Device views of the step's batch: T tokens of B sequences, S of which sample."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64 KV slot per token
+    token_lora_slots: torch.Tensor  # [T] int32, -1 = no adapter
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32 context length after the step
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, unused entries 0
+    sample_indices: torch.Tensor  # [S] int64 rows of the flat batch whose logits are sampled
+    max_query_len: int
+    max_seq_len: int
+    has_lora: bool  # any token with a LoRA slot >= 0
+
+    @property
+    def num_tokens(self) -> int:
+        """T."""
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        """B."""
+        return self.seq_lens.shape[0]
+
+
+class _Buffer:
+    """A CPU tensor with a numpy view, mirrored on the device."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.cpu.numpy()
+        self.device = self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+
+    def copy_to_device(self, n: int) -> torch.Tensor:
+        """Copy rows [:n] to the device; returns the device view [:n]."""
+        if self.device is not self.cpu:
+            self.device[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.device[:n]
+
+
+class BatchBuilder:
+    """Writes scheduled chunks into persistent buffers sized for the largest step."""
+
+    def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device | str) -> None:
+        device = torch.device(device)
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.input_ids = _Buffer((max_num_tokens,), torch.int64, device)
+        self.positions = _Buffer((max_num_tokens,), torch.int64, device)
+        self.slot_mapping = _Buffer((max_num_tokens,), torch.int64, device)
+        self.token_lora_slots = _Buffer((max_num_tokens,), torch.int32, device)
+        self.query_start_loc = _Buffer((max_num_seqs + 1,), torch.int32, device)
+        self.seq_lens = _Buffer((max_num_seqs,), torch.int32, device)
+        self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32, device)
+        self.sample_indices = _Buffer((max_num_seqs,), torch.int64, device)
+        self._arange = np.arange(max(max_num_tokens, max_blocks_per_seq * block_size), dtype=np.int64)
+
+    def build(self, chunks: Sequence[SeqChunk]) -> BatchInputs:
+        """Flatten `chunks` (in order) into the buffers and return this step's device views."""
+        num_seqs = len(chunks)
+        num_tokens = sum(c.num_new_tokens for c in chunks)
+        if not 0 < num_seqs <= self.max_num_seqs or num_tokens > self.max_num_tokens:
+            raise ValueError(f"batch of {num_seqs} sequences / {num_tokens} tokens exceeds the "
+                             f"buffers ({self.max_num_seqs} / {self.max_num_tokens})")
+        bs = self.block_size
+        self.block_tables.np[:num_seqs] = 0
+        self.query_start_loc.np[0] = 0
+        offset, num_samples, max_query_len, max_seq_len = 0, 0, 0, 0
+        for i, chunk in enumerate(chunks):
+            n, start = chunk.num_new_tokens, chunk.start
+            end = start + n
+            if (n < 1 or end > len(chunk.token_ids) or len(chunk.block_table) * bs < end
+                    or len(chunk.block_table) > self.max_blocks_per_seq):
+                raise ValueError(f"chunk {i}: {n} tokens from {start} do not fit its "
+                                 f"{len(chunk.token_ids)} tokens / {len(chunk.block_table)} blocks")
+            rows = slice(offset, offset + n)
+            positions = self._arange[start:end]  # [n]
+            table = np.asarray(chunk.block_table, dtype=np.int64)  # [num_blocks]
+            self.input_ids.np[rows] = chunk.token_ids[start:end]
+            self.positions.np[rows] = positions
+            self.slot_mapping.np[rows] = table[positions // bs] * bs + positions % bs
+            self.token_lora_slots.np[rows] = chunk.lora_slot
+            self.block_tables.np[i, :len(table)] = table
+            self.seq_lens.np[i] = end
+            offset += n
+            self.query_start_loc.np[i + 1] = offset
+            if chunk.sample:
+                self.sample_indices.np[num_samples] = offset - 1
+                num_samples += 1
+            max_query_len, max_seq_len = max(max_query_len, n), max(max_seq_len, end)
+        has_lora = any(c.lora_slot >= 0 for c in chunks)
+        return BatchInputs(
+            input_ids=self.input_ids.copy_to_device(num_tokens),
+            positions=self.positions.copy_to_device(num_tokens),
+            slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
+            token_lora_slots=self.token_lora_slots.copy_to_device(num_tokens),
+            query_start_loc=self.query_start_loc.copy_to_device(num_seqs + 1),
+            seq_lens=self.seq_lens.copy_to_device(num_seqs),
+            block_tables=self.block_tables.copy_to_device(num_seqs),
+            sample_indices=self.sample_indices.copy_to_device(num_samples),
+            max_query_len=max_query_len, max_seq_len=max_seq_len, has_lora=has_lora)

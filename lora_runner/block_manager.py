@@ -1,0 +1,78 @@
+"""Paged KV-cache bookkeeping: a free list of fixed-size blocks and one block table per request."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+logger = logging.getLogger(__name__)
+
+
+class BlockManager:
+    """Hands out KV-cache blocks of `block_size` tokens from a pool of `num_blocks`.
+
+    A request's block table lists the blocks that hold its tokens in order: token position p lives
+    in block table[p // block_size] at offset p % block_size, i.e. KV slot
+    table[p // block_size] * block_size + p % block_size. Tables only grow while a request runs and
+    are returned whole when it finishes or is preempted.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by requests."""
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """Extra blocks `request_id` needs so that its table covers `num_tokens` tokens."""
+        held = len(self._tables.get(request_id, ()))
+        return max(0, self.blocks_for(num_tokens) - held)
+
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        """True when enough blocks are free to cover `num_tokens` tokens of `request_id`."""
+        return self.blocks_needed(request_id, num_tokens) <= len(self._free)
+
+    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Grow (or create) the table of `request_id` to cover `num_tokens` tokens; returns the table.
+
+        Raises RuntimeError when too few blocks are free (check with can_allocate first).
+        """
+        needed = self.blocks_needed(request_id, num_tokens)
+        if needed > len(self._free):
+            raise RuntimeError(f"request {request_id!r} needs {needed} KV blocks, only "
+                               f"{len(self._free)} free")
+        table = self._tables.setdefault(request_id, [])
+        table.extend(self._free.popleft() for _ in range(needed))
+        return table
+
+    def table(self, request_id: str) -> list[int]:
+        """The block table of `request_id` (empty when it holds no blocks)."""
+        return self._tables.get(request_id, [])
+
+    def free(self, request_id: str) -> int:
+        """Return every block of `request_id` to the free list; returns how many were freed."""
+        table = self._tables.pop(request_id, [])
+        self._free.extend(table)
+        if table:
+            logger.debug("freed %d KV blocks of request %r", len(table), request_id)
+        return len(table)
+
+    def holders(self) -> list[str]:
+        """Ids of the requests that hold blocks."""
+        return list(self._tables)

@@ -1,0 +1,141 @@
+"""Engine configuration (what the user sets) and the limits derived from it and the model."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from lora_runner.model.loader import resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 2048
+_CPU_KV_CAP_BYTES = 4 << 30  # default CPU KV budget cap
+_CUDA_KV_FRACTION = 0.8  # default share of free device memory for the KV cache
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the user chooses about an engine; validated on construction (ValueError).
+
+    model / revision: local dir or Hub repo id (and branch/tag/commit). max_loras: LoRA device slots
+    (distinct LoRAs per step); max_lora_rank: largest adapter rank accepted; max_cpu_loras: adapters
+    kept in CPU memory (None: max(16, max_loras)). max_prompt_adapters / max_prompt_adapter_tokens:
+    soft-prompt slots (0 = off). device: "auto" (cuda if available, else cpu), "cpu", "cuda[:i]".
+    dtype: "auto" (bf16 on CUDA, fp32 on CPU), a name ("float32", "bf16", ...) or a torch.dtype.
+    max_num_seqs: requests running at once. max_model_len: prompt + generated tokens per request
+    (None: min(2048, the model's max_position_embeddings); a larger explicit value is an error).
+    max_num_batched_tokens: tokens per step (None: max(min(max_model_len, 8192), max_num_seqs));
+    longer prompts are prefilled in chunks. block_size: tokens per KV block. kv_cache_memory_bytes:
+    KV-cache budget (None: enough for max_num_seqs full-length requests, capped at 4 GiB on CPU and
+    at 80% of free device memory on CUDA). enforce_eager: never use CUDA graphs. seed: for requests
+    without their own seed. allow_pickle / local_files_only / max_adapter_bytes: adapter loading.
+    """
+
+    model: str
+    revision: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    max_prompt_adapters: int = 0
+    max_prompt_adapter_tokens: int = 0
+    device: str = "auto"
+    dtype: str | torch.dtype = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool = False
+    seed: int = 0
+    allow_pickle: bool = False
+    local_files_only: bool | None = None
+    max_adapter_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a local directory or a Hub repo id, got {self.model!r}")
+        for name in ("max_loras", "max_lora_rank", "max_num_seqs", "block_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("max_prompt_adapters", "max_prompt_adapter_tokens"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("max_cpu_loras", "max_model_len", "max_num_batched_tokens",
+                     "kv_cache_memory_bytes", "max_adapter_bytes"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras}): every adapter on the device is also kept on the CPU")
+        if (self.max_prompt_adapters > 0) != (self.max_prompt_adapter_tokens > 0):
+            raise ValueError("set both max_prompt_adapters and max_prompt_adapter_tokens > 0 to enable "
+                             "prompt adapters, or leave both 0")
+        self.torch_device()  # validates device
+        self.torch_dtype()  # validates dtype
+
+    @property
+    def cpu_loras(self) -> int:
+        """max_cpu_loras with its default applied."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(16, self.max_loras)
+
+    def torch_device(self) -> torch.device:
+        """The device "auto" resolves to (cuda when available, else cpu)."""
+        device = resolve_device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but no CUDA device is available; use 'cpu' or 'auto'")
+        return device
+
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype "auto" resolves to: bfloat16 on CUDA, float32 on CPU."""
+        return resolve_dtype(self.dtype, self.torch_device())
+
+    def limits(self, max_position_embeddings: int, kv_bytes_per_token: int,
+               free_device_bytes: int | None = None) -> EngineLimits:
+        """Derive the runtime limits once the model's context size and KV footprint are known.
+
+        kv_bytes_per_token: K and V bytes of one token over all layers. free_device_bytes: free
+        accelerator memory (None on CPU). Raises ValueError when the settings cannot work.
+        """
+        if self.max_model_len is None:
+            max_model_len = min(DEFAULT_MAX_MODEL_LEN, max_position_embeddings)
+        elif self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_position_embeddings}; lower it")
+        else:
+            max_model_len = self.max_model_len
+        max_batched = self.max_num_batched_tokens or max(min(max_model_len, 8192), self.max_num_seqs)
+        full_bytes = self.max_num_seqs * max_model_len * kv_bytes_per_token
+        budget = self.kv_cache_memory_bytes
+        if budget is None:
+            cap = _CPU_KV_CAP_BYTES if free_device_bytes is None else int(free_device_bytes * _CUDA_KV_FRACTION)
+            budget = min(full_bytes, cap)
+        block_bytes = self.block_size * kv_bytes_per_token
+        num_blocks = budget // block_bytes
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        if num_blocks < max_blocks_per_seq:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {self.block_size} "
+                f"tokens, but one request of max_model_len={max_model_len} needs {max_blocks_per_seq} "
+                f"({max_blocks_per_seq * block_bytes} bytes): raise kv_cache_memory_bytes or lower max_model_len")
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len=%d, %d tokens per step",
+                    num_blocks, self.block_size, num_blocks * block_bytes / 2**20, max_model_len, max_batched)
+        return EngineLimits(max_model_len=max_model_len, max_num_batched_tokens=max_batched,
+                            num_kv_blocks=num_blocks, max_blocks_per_seq=max_blocks_per_seq)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Runtime sizes derived from EngineConfig and the model."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    max_blocks_per_seq: int
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

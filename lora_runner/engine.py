@@ -1,0 +1,312 @@
+"""LLMEngine: requests in, one continuously batched step at a time, RequestOutputs out.
+
+``step()`` = take new requests and aborts -> scheduler.schedule() -> make the step's LoRAs resident
+-> runner.execute() -> append tokens, finish requests, free blocks, release adapters -> outputs.
+Adapters load in the background (acquired at add_request); the scheduler only admits requests
+whose adapter is ready, so a slow download never stalls running requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterable
+from itertools import count
+from pathlib import Path
+
+import torch
+
+from adapters import LoRARequest
+from adapters.manager import AdapterManager
+from lora_runner.batch import SeqChunk
+from lora_runner.block_manager import BlockManager
+from lora_runner.config import EngineConfig
+from lora_runner.kv_cache import kv_block_bytes
+from lora_runner.model import load_model
+from lora_runner.outputs import CompletionOutput, RequestOutput
+from lora_runner.runner import ModelRunner
+from lora_runner.sampling_params import SamplingParams
+from lora_runner.scheduler import Scheduler, ScheduledRequest
+from lora_runner.sequence import Request
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """The serving engine: ``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``.
+
+    Build it from an EngineConfig or from the same keyword arguments
+    (``LLMEngine("path/or/repo", max_loras=4, ...)``). add_request, abort_request and add_lora may
+    be called from other threads while one thread loops on step(): they only touch an intake
+    guarded by a lock, which step() moves into the scheduler at its start.
+    """
+
+    def __init__(self, model: str | EngineConfig, **kwargs) -> None:
+        if isinstance(model, EngineConfig) and kwargs:
+            raise ValueError("pass either an EngineConfig or keyword arguments, not both")
+        self.config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **kwargs)
+        cfg = self.config
+        device, dtype = cfg.torch_device(), cfg.torch_dtype()
+        self.model, self.model_config, self.model_dir = load_model(
+            cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only)
+        self.adapter_manager = AdapterManager(
+            self.model_config.spec(), max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+            max_cpu_loras=cfg.cpu_loras, max_prompt_adapters=cfg.max_prompt_adapters,
+            max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=dtype,
+            allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
+            max_adapter_bytes=cfg.max_adapter_bytes)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        self.limits = cfg.limits(self.model_config.max_position_embeddings,
+                                 kv_block_bytes(self.model_config, 1, dtype), free)
+        self.block_manager = BlockManager(self.limits.num_kv_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=self.limits.max_num_batched_tokens,
+                                   max_loras=cfg.max_loras, adapter_state=self.adapter_manager.loras.state,
+                                   reserved_lora_slots=self._reserved_lora_slots)
+        self.runner = ModelRunner(
+            self.model, self.model_config, self.adapter_manager.lora_slots, num_kv_blocks=self.limits.num_kv_blocks,
+            block_size=cfg.block_size, max_num_tokens=self.limits.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs, max_blocks_per_seq=self.limits.max_blocks_per_seq,
+            max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank, dtype=dtype, device=device, seed=cfg.seed)
+        self.tokenizer = LazyTokenizer(self.model_dir)
+        self.eos_token_ids = eos_token_ids(self.model_config, self.model_dir)
+        self._lock = threading.Lock()  # guards the intake: _new, _aborts, _live_ids
+        self._new: list[Request] = []
+        self._aborts: list[str] = []
+        self._live_ids: set[str] = set()  # added and not yet reported finished
+        # pins and removals wait for the step's schedule + activate (a pin could take a counted-on slot)
+        self._adapter_lock = threading.Lock()
+        self._pinned: set[str] = set()  # LoRA names pinned through this engine; guarded by _adapter_lock
+        self._arrivals = count()
+
+    # ----------------------------------------------------------------------------- intake (any thread)
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None, prompt_adapter_request=None) -> None:
+        """Queue a request. Its adapter starts loading in the background now.
+
+        prompt: a string (tokenized with the model dir's tokenizer) or a list of token ids.
+        Raises ValueError for a duplicate id, an empty prompt, a prompt longer than max_model_len,
+        token ids outside the vocabulary, or a string prompt when the model has no tokenizer. An
+        adapter that fails to load does not raise here: that request finishes with "error".
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+        if prompt_adapter_request is not None:
+            raise ValueError("prompt adapters are not supported by this engine yet")
+        token_ids = self._prompt_token_ids(prompt)
+        generator = self.runner.make_generator(params.seed) if params.seed is not None else None
+        with self._lock:
+            if request_id in self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live_ids.add(request_id)
+        try:
+            ref = self.adapter_manager.loras.acquire(lora_request) if lora_request is not None else None
+        except BaseException:
+            with self._lock:
+                self._live_ids.discard(request_id)
+            raise
+        request = Request(request_id, token_ids, params, arrival=next(self._arrivals),
+                          prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
+                          lora_ref=ref, generator=generator)
+        with self._lock:
+            self._new.append(request)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests by id (unknown ids are ignored); the next step() reports them as "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            self._aborts.extend(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any added request has not been reported finished."""
+        with self._lock:
+            return bool(self._live_ids)
+
+    def add_lora(self, lora_request: LoRARequest):
+        """Load and validate an adapter now (hot-load; a new path under a known name replaces it for
+        new requests while running ones keep the old weights). Raises its adapters.AdapterError."""
+        return self.adapter_manager.loras.add(lora_request)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter; deferred while running requests use it (they finish on its weights)."""
+        with self._adapter_lock:
+            self.adapter_manager.loras.remove(name)
+            self._pinned.discard(name)
+
+    def pin_lora(self, name: str) -> None:
+        """Keep an adapter cached and, once resident, in its device slot (fewer slots for the rest)."""
+        with self._adapter_lock:
+            self.adapter_manager.loras.pin(name)
+            self._pinned.add(name)
+
+    def unpin_lora(self, name: str) -> None:
+        """Make a pinned adapter evictable again."""
+        with self._adapter_lock:
+            self.adapter_manager.loras.unpin(name)
+            self._pinned.discard(name)
+
+    def list_loras(self) -> list[str]:
+        """Names of the LoRAs in the CPU cache, least recently used first."""
+        return self.adapter_manager.loras.list()
+
+    def _reserved_lora_slots(self, refs: set) -> int:
+        """Device slots pinned adapters other than `refs` may hold (an upper bound: pinned ones that
+        are not resident yet hold none). Called by the scheduler under _adapter_lock."""
+        return len(self._pinned - {ref.name for ref in refs})
+
+    # ----------------------------------------------------------------------------- the step loop
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the outputs of requests that progressed or finished."""
+        outputs = self._take_intake()
+        with self._adapter_lock:  # a pin from another thread must not take a slot this step counted on
+            sched = self.scheduler.schedule()
+            slot_of = self._activate(sched.scheduled)
+        for request in sched.failed:
+            error = request.error or self.adapter_manager.loras.error(request.lora_ref)
+            logger.warning("request %r failed on its adapter %r: %s", request.request_id,
+                           request.lora_request.name, error)
+            outputs.append(self._finish(request, "error", error))
+        if sched.scheduled:
+            outputs += self._run(sched.scheduled, slot_of)
+        return outputs
+
+    def _take_intake(self) -> list[RequestOutput]:
+        with self._lock:
+            new, aborts = self._new, self._aborts
+            self._new, self._aborts = [], []
+        for request in new:
+            self.scheduler.add(request)
+        outputs = []
+        for request_id in aborts:
+            request = self._find(request_id)
+            if request is not None:
+                outputs.append(self._finish(request, "abort"))
+        return outputs
+
+    def _find(self, request_id: str) -> Request | None:
+        for request in (*self.scheduler.running, *self.scheduler.waiting):
+            if request.request_id == request_id:
+                return request
+        return None
+
+    def _activate(self, scheduled: list[ScheduledRequest]) -> dict:
+        """Make the step's LoRAs resident; adapter ref -> device slot."""
+        refs = list(dict.fromkeys(s.request.lora_ref for s in scheduled if s.request.lora_ref is not None))
+        return dict(zip(refs, self.adapter_manager.loras.activate(refs))) if refs else {}
+
+    def _run(self, scheduled: list[ScheduledRequest], slot_of: dict) -> list[RequestOutput]:
+        chunks = [SeqChunk(token_ids=s.request.token_ids, start=s.start, num_new_tokens=s.num_new_tokens,
+                           block_table=self.block_manager.table(s.request.request_id),
+                           lora_slot=slot_of.get(s.request.lora_ref, -1), sample=s.samples)
+                  for s in scheduled]
+        sampling = [s.request for s in scheduled if s.samples]
+        result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling])
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        outputs = []
+        for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
+            request.token_ids.append(token)
+            if request.logprobs is not None:
+                request.logprobs.append(logprobs)
+            reason = self._stop_reason(request, token)
+            outputs.append(self._finish(request, reason) if reason else self._output(request))
+        return outputs
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str, error: BaseException | None = None) -> RequestOutput:
+        request.finish(reason, error)
+        self.scheduler.remove(request)
+        if request.lora_ref is not None:
+            self.adapter_manager.loras.release(request.lora_ref)
+        with self._lock:
+            self._live_ids.discard(request.request_id)
+        return self._output(request)
+
+    def _output(self, request: Request) -> RequestOutput:
+        completion = CompletionOutput(index=0, token_ids=request.output_token_ids,
+                                      text=self.tokenizer.decode(request.output_token_ids),
+                                      finish_reason=request.finish_reason,
+                                      logprobs=list(request.logprobs) if request.logprobs is not None else None,
+                                      error=request.error)
+        return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
+                             finished=request.is_finished, prompt=request.prompt)
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) > self.limits.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
+                             f"{self.limits.max_model_len}")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary)")
+        return token_ids
+
+
+def eos_token_ids(model_config, model_dir: str | Path) -> frozenset[int]:
+    """End-of-sequence ids: config.json's plus generation_config.json's (chat models list several)."""
+    ids = set(model_config.eos_token_ids)
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class LazyTokenizer:
+    """The model dir's tokenizer, loaded with transformers.AutoTokenizer on first use.
+
+    A model dir without tokenizer files has none: encode() raises ValueError, decode() gives "".
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._tokenizer = None
+        self._loaded = False
+        self._lock = threading.Lock()
+
+    def get(self):
+        """The transformers tokenizer, or None when the model dir has none."""
+        with self._lock:
+            if not self._loaded:
+                if any((self.model_dir / name).is_file() for name in _TOKENIZER_FILES):
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+                else:
+                    logger.info("no tokenizer in %s: token-id prompts only, empty output text", self.model_dir)
+                self._loaded = True
+            return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the special tokens (BOS) the tokenizer adds by itself."""
+        tokenizer = self.get()
+        if tokenizer is None:
+            raise ValueError(f"string prompts need a tokenizer, but {self.model_dir} has none: "
+                             "pass the prompt as a list of token ids")
+        return list(tokenizer.encode(text))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of `token_ids` without special tokens ("" without a tokenizer)."""
+        tokenizer = self.get()
+        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -1,0 +1,109 @@
+"""LLM: the offline API. generate() runs a list of prompts, each with its own LoRA, to completion."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from itertools import count
+
+from tqdm.auto import tqdm
+
+from adapters import LoRARequest
+from lora_runner.engine import LLMEngine
+from lora_runner.outputs import RequestOutput
+from lora_runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """One base model serving many LoRA adapters: ``LLM(model, **EngineConfig kwargs)``.
+
+    ``generate(prompts, sampling_params, lora_request)`` returns one RequestOutput per prompt, in
+    input order. Adapters are managed with add_lora / remove_lora / pin_lora / list_loras.
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(model, **kwargs)
+        self._ids = count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 prompt_adapter_request=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run `prompts` to completion, continuously batched; outputs in input order.
+
+        prompts: a string, a list of token ids, or a list of either. sampling_params and
+        lora_request: one for all prompts or a list aligned with them (None = base model).
+        Every distinct named adapter is loaded and validated before any prompt runs, so a bad
+        adapter raises its adapters.AdapterError with nothing lost. ValueError for misaligned lists
+        or a bad prompt.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _aligned(sampling_params if sampling_params is not None else SamplingParams(),
+                          SamplingParams, len(prompt_list), "sampling_params")
+        loras = _aligned(lora_request, LoRARequest, len(prompt_list), "lora_request")
+        if prompt_adapter_request is not None:
+            raise ValueError("prompt adapters are not supported by this engine yet")
+        for request in dict.fromkeys(r for r in loras if r is not None):
+            self.engine.add_lora(request)
+        request_ids = [f"generate-{next(self._ids)}" for _ in prompt_list]
+        try:
+            for request_id, prompt, p, lora in zip(request_ids, prompt_list, params, loras):
+                self.engine.add_request(request_id, prompt, p, lora_request=lora)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            self._drain()
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def add_lora(self, lora_request: LoRARequest):
+        """Load and validate an adapter now; a new path under an existing name replaces it for new requests."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, name: str) -> None:
+        """Remove an adapter by name (deferred while running requests still use it)."""
+        self.engine.remove_lora(name)
+
+    def pin_lora(self, name: str) -> None:
+        """Keep an adapter cached and, once resident, in its device slot."""
+        self.engine.pin_lora(name)
+
+    def list_loras(self) -> list[str]:
+        """Names of the LoRAs in the CPU cache, least recently used first."""
+        return self.engine.list_loras()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return list(prompts)
+    raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of either")
+
+
+def _aligned(value, kind: type, n: int, name: str) -> list:
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} prompts: pass one for all, or one per prompt")
+    return values

@@ -1,0 +1,45 @@
+"""What the engine hands back for a request: its tokens, text and why it stopped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request.
+
+    finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_model_len), "abort"
+    (abort_request), "error" (the request failed, e.g. its adapter could not be loaded: the exception
+    is in `error`), or None while the request is still running.
+    logprobs: when SamplingParams.logprobs is set, one dict token_id -> logprob per generated token,
+    always containing the chosen token.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish_reason is set."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step: prompt ids and its (single) completion so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    prompt: str | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that failed this request (finish_reason "error"), else None."""
+        return self.outputs[0].error if self.outputs else None

@@ -1,0 +1,80 @@
+"""ModelRunner: one forward pass + sampling over the step's flat batch.
+
+It owns the model, the paged KV cache, the persistent batch buffers and the step's punica LoRAMeta.
+The meta is prepared once per step and read by every LoRA-aware layer; when no token of the step
+uses an adapter, ctx.lora is None and the model skips the LoRA path entirely.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from lora_runner.batch import BatchBuilder, BatchInputs, SeqChunk
+from lora_runner.forward_context import AttentionMetadata, ForwardContext, LoRAContext
+from lora_runner.kv_cache import allocate_kv_cache
+from lora_runner.sampler import Sampler, SamplerOutput
+from lora_runner.sampling_params import SamplingParams
+from punica_kernels import LoRAMeta
+
+logger = logging.getLogger(__name__)
+
+_MAX_LORA_SLICES = 3  # qkv has the most slices
+
+
+class ModelRunner:
+    """Runs the model for scheduled chunks and samples the rows that reach their last token.
+
+    Args:
+        model: the decoder (``model(input_ids, positions, ctx)``, ``model.compute_logits``).
+        model_config: its ModelConfig (sizes for the KV cache, vocab size).
+        lora_slots: the adapters manager's LoRASlots (``.weights(layer, packed)``, ``.slot_ranks``).
+        num_kv_blocks, block_size: the paged KV cache to allocate.
+        max_num_tokens, max_num_seqs, max_blocks_per_seq: largest step (buffer sizes).
+        max_loras, max_lora_rank: LoRA slot count and padded rank.
+        dtype, device: of the KV cache and buffers. seed: for requests without their own seed.
+    """
+
+    def __init__(self, model, model_config, lora_slots, *, num_kv_blocks: int, block_size: int,
+                 max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, max_loras: int,
+                 max_lora_rank: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.lora_slots = lora_slots
+        self.device = device
+        self.kv_cache = allocate_kv_cache(model_config, num_kv_blocks, block_size, dtype, device)
+        self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
+                                          max_blocks_per_seq=max_blocks_per_seq, block_size=block_size,
+                                          device=device)
+        self.lora_meta = LoRAMeta(max_num_tokens, max_loras, device, max_rank=max_lora_rank,
+                                  max_slices=_MAX_LORA_SLICES)
+        self.sampler = Sampler(model_config.vocab_size, device, seed)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> SamplerOutput:
+        """Forward `chunks` and sample one token for each chunk with sample=True.
+
+        params / generators: one per sampling chunk, in chunk order.
+        """
+        batch = self.batch_builder.build(chunks)
+        hidden = self.model(batch.input_ids, batch.positions, self._forward_context(batch))  # [T, hidden]
+        if not params:
+            return SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab] float32
+        return self.sampler(logits, self.sampler.make_batch(params, generators))
+
+    def _forward_context(self, batch: BatchInputs) -> ForwardContext:
+        attn = AttentionMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
+                                 seq_lens=batch.seq_lens, block_tables=batch.block_tables,
+                                 max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
+        lora = None
+        if batch.has_lora:
+            self.lora_meta.prepare(batch.token_lora_slots, self.lora_slots.slot_ranks)
+            lora = LoRAContext(meta=self.lora_meta, slots=self.lora_slots)
+        return ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=lora)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A per-request generator on the sampling device."""
+        return torch.Generator(device=self.device).manual_seed(seed)

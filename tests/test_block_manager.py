@@ -1,0 +1,47 @@
+"""BlockManager: free list, growing block tables, freeing, counts."""
+
+import pytest
+
+from lora_runner.block_manager import BlockManager
+
+
+def test_allocate_grows_table_and_counts():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.blocks_needed("a", 5) == 2
+    table = bm.allocate("a", 5)
+    assert len(table) == 2 and bm.num_free_blocks == 6 and bm.num_used_blocks == 2
+    assert bm.blocks_needed("a", 8) == 0  # the second block has room for tokens 5..7
+    assert bm.allocate("a", 8) == table and len(table) == 2
+    bm.allocate("a", 9)  # token 8 starts a third block
+    assert len(bm.table("a")) == 3 and bm.num_free_blocks == 5
+
+
+def test_tables_are_disjoint_and_free_returns_all():
+    bm = BlockManager(num_blocks=10, block_size=2)
+    bm.allocate("a", 7)
+    bm.allocate("b", 3)
+    bm.allocate("c", 6)
+    used = bm.table("a") + bm.table("b") + bm.table("c")
+    assert len(used) == len(set(used)) == 9 and all(0 <= b < 10 for b in used)
+    assert bm.free("b") == 2 and bm.free("b") == 0
+    assert sorted(bm.holders()) == ["a", "c"]
+    bm.allocate("d", 4)  # reuses b's blocks
+    assert set(bm.table("d")) <= set(range(10)) - set(bm.table("a")) - set(bm.table("c"))
+    for rid in ("a", "c", "d"):
+        bm.free(rid)
+    assert bm.num_free_blocks == 10 and bm.holders() == []
+
+
+def test_allocate_refuses_when_full_without_side_effects():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    bm.allocate("a", 8)
+    assert not bm.can_allocate("b", 5) and bm.can_allocate("b", 4)
+    with pytest.raises(RuntimeError, match="needs 2 KV blocks, only 1 free"):
+        bm.allocate("b", 5)
+    assert bm.num_free_blocks == 1 and bm.table("b") == []
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(0, 4), (4, 0)])
+def test_bad_sizes(num_blocks, block_size):
+    with pytest.raises(ValueError):
+        BlockManager(num_blocks, block_size)

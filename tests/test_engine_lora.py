@@ -1,0 +1,129 @@
+"""LLMEngine with many PEFT LoRAs in one batch against PEFT: greedy tokens and logprobs per adapter,
+eviction (more adapters than slots), staggered arrivals, failed / loading / pinned adapters."""
+
+import random
+
+import torch
+
+from adapters import AdapterError, LoRARequest
+from lora_runner import LLMEngine, SamplingParams
+from lora_runner.kv_cache import kv_block_bytes
+from lora_runner.model import ModelConfig
+
+NAMES = ["r4", "r8-rslora", "r16-patterns", "r8-qv", "r16-mlp"]
+
+
+def make_engine(path, **kwargs):
+    kwargs = {"device": "cpu", "max_num_seqs": 4, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 16,
+              "max_cpu_loras": 2, "block_size": 4, **kwargs}
+    return LLMEngine(path, **kwargs)
+
+
+def run_all(engine, requests, per_step=2, on_step=None):
+    """requests: [(id, prompt, params, lora)] added `per_step` before each step; returns {id: output}."""
+    pending, done, step = list(requests), {}, 0
+    while pending or engine.has_unfinished_requests():
+        for _ in range(per_step):
+            if pending:
+                request_id, prompt, params, lora = pending.pop(0)
+                engine.add_request(request_id, prompt, params, lora_request=lora)
+        outputs = engine.step()
+        if on_step:
+            on_step(step, outputs)
+        step += 1
+        done.update({o.request_id: o for o in outputs if o.finished})
+    return done
+
+
+def check_against_oracle(output, model, prompt, max_tokens, oracle):
+    tokens, logprobs = oracle(model, prompt, max_tokens)
+    completion = output.outputs[0]
+    assert completion.token_ids == tokens, output.request_id
+    for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
+        assert abs(got[tokens[step]] - want) <= 1e-4, (output.request_id, step)
+
+
+def test_mixed_adapters_match_peft_with_eviction(engine_checkpoint, greedy_oracle):
+    path, hf, adapters = engine_checkpoint
+    rng = random.Random(0)
+    # 16 tokens per step: prompts are prefilled in chunks; 14 KV blocks of 4 tokens cannot hold
+    # several requests of up to 29 tokens: some are preempted and recomputed
+    block_bytes = kv_block_bytes(ModelConfig.from_dir(path), 4, torch.float32)
+    engine = make_engine(path, max_num_batched_tokens=16, max_model_len=48, kv_cache_memory_bytes=14 * block_bytes)
+    assert engine.block_manager.num_blocks == 14
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    names = NAMES + [None] + NAMES[::-1] + [None]  # 10 LoRA requests over 5 adapters, 2 slots
+    requests = []
+    for i, name in enumerate(names):
+        prompt = [rng.randrange(3, 256) for _ in range(rng.randint(2, 24))]
+        lora = LoRARequest(name, adapters[name][0]) if name else None
+        requests.append((f"q{i}", prompt, params, lora))
+    steps_loras = []
+
+    def on_step(step, outputs):
+        steps_loras.append(len({r.lora_ref for r in engine.scheduler.running} - {None}))
+
+    done = run_all(engine, requests, per_step=3, on_step=on_step)
+    assert max(steps_loras) == 2 and engine.scheduler.num_preemptions > 0
+    for (request_id, prompt, _, lora), name in zip(requests, names):
+        model = adapters[name][1] if name else hf
+        check_against_oracle(done[request_id], model, prompt, 5, greedy_oracle)
+        assert len(done[request_id].outputs[0].logprobs[0]) in (2, 3)
+    differs = [greedy_oracle(adapters[n][1], p, 5)[0] != greedy_oracle(hf, p, 5)[0]
+               for (_, p, _, _), n in zip(requests, names) if n]
+    assert sum(differs) >= len(differs) // 2  # the adapters matter: a dropped delta would show
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert engine.adapter_manager.loras.memory_stats()["num_cpu"] <= 2  # held refs all released
+
+
+def test_failed_adapter_fails_only_its_request(engine_checkpoint, greedy_oracle, tmp_path):
+    path, hf, adapters = engine_checkpoint
+    engine = make_engine(path)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    requests = [("ok", [5, 6, 7], params, LoRARequest("r4", adapters["r4"][0])),
+                ("bad", [5, 6, 7], params, LoRARequest("missing", str(tmp_path / "nope"))),
+                ("base", [8, 9], params, None)]
+    done = run_all(engine, requests, per_step=3)
+    assert done["bad"].finished and done["bad"].outputs[0].finish_reason == "error"
+    assert isinstance(done["bad"].error, AdapterError) and done["bad"].outputs[0].token_ids == []
+    assert done["ok"].outputs[0].token_ids == greedy_oracle(adapters["r4"][1], [5, 6, 7], 4)[0]
+    assert done["base"].outputs[0].token_ids == greedy_oracle(hf, [8, 9], 4)[0]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_loading_adapter_does_not_stall_running_requests(engine_checkpoint, greedy_oracle):
+    path, hf, adapters = engine_checkpoint
+    engine = make_engine(path)
+    real_state = engine.scheduler.adapter_state
+    slow = {"loading": True}
+    engine.scheduler.adapter_state = lambda ref: "loading" if slow["loading"] and ref.name == "r8-qv" \
+        else real_state(ref)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("base", [5, 6, 7], params)
+    engine.add_request("slow", [9, 10], params, lora_request=LoRARequest("r8-qv", adapters["r8-qv"][0]))
+    progress = [len(o.outputs[0].token_ids) for _ in range(3) for o in engine.step() if o.request_id == "base"]
+    assert progress == [1, 2, 3]  # base kept decoding while the adapter "loaded"
+    assert [r.request_id for r in engine.scheduler.waiting] == ["slow"]
+    slow["loading"] = False
+    done = {o.request_id: o for _ in range(20) for o in engine.step() if o.finished}
+    assert done["slow"].outputs[0].token_ids == greedy_oracle(adapters["r8-qv"][1], [9, 10], 6)[0]
+    assert done["base"].outputs[0].token_ids == greedy_oracle(hf, [5, 6, 7], 6)[0]
+
+
+def test_pinned_adapters_keep_their_slot_and_others_still_run(engine_checkpoint, greedy_oracle):
+    path, _, adapters = engine_checkpoint
+    engine = make_engine(path, max_cpu_loras=4)
+    for name in ("r4", "r16-mlp"):
+        engine.add_lora(LoRARequest(name, adapters[name][0]))
+    engine.pin_lora("r4")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    requests = [(f"p{i}", [5 + i, 6], params, LoRARequest(n, adapters[n][0]))
+                for i, n in enumerate(["r4", "r8-qv", "r16-mlp", "r4"])]
+    done = run_all(engine, requests, per_step=4)
+    for (request_id, prompt, _, lora) in requests:
+        assert done[request_id].outputs[0].token_ids == greedy_oracle(adapters[lora.name][1], prompt, 3)[0]
+    engine.pin_lora("r16-mlp")  # both slots pinned: an unpinned adapter can never run -> error, no hang
+    done = run_all(engine, [("never", [5], params, LoRARequest("r8-qv", adapters["r8-qv"][0]))])
+    assert done["never"].outputs[0].finish_reason == "error" and "pinned" in str(done["never"].error)
+    assert "r4" in engine.list_loras()

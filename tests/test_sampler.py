@@ -1,0 +1,100 @@
+"""Sampler: greedy, temperature / top-k / top-p distributions, per-request seeds, logprobs."""
+
+import pytest
+import torch
+
+from lora_runner.sampler import Sampler
+from lora_runner.sampling_params import SamplingParams
+
+V = 8
+
+
+def sample(sampler, logits, params, generators=None):
+    generators = generators or [None] * len(params)
+    return sampler(logits, sampler.make_batch(params, generators))
+
+
+def reference_probs(logits, temperature, top_k, top_p):
+    """float64 target distribution: softmax(logits / T) restricted to top-k, then to the top-p nucleus."""
+    scaled = logits.double() / temperature
+    order = scaled.argsort(descending=True)
+    keep = torch.zeros_like(scaled, dtype=torch.bool)
+    keep[order[:top_k if top_k > 0 else len(scaled)]] = True
+    probs = torch.where(keep, scaled, torch.tensor(float("-inf"), dtype=torch.float64)).softmax(-1)
+    sorted_probs = probs[order]
+    before = sorted_probs.cumsum(0) - sorted_probs
+    nucleus = torch.zeros_like(keep)
+    nucleus[order[before <= top_p]] = True
+    probs = torch.where(nucleus & keep, probs, 0.0)
+    return probs / probs.sum()
+
+
+def test_greedy_is_argmax_whatever_top_k_top_p():
+    logits = torch.randn(6, V)
+    params = [SamplingParams(temperature=0.0, top_k=k, top_p=p) for k, p in
+              [(-1, 1.0), (2, 0.5), (1, 0.1), (-1, 1.0), (3, 1.0), (-1, 0.3)]]
+    out = sample(Sampler(V, "cpu"), logits, params)
+    assert out.token_ids == logits.argmax(-1).tolist() and out.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, 3, 1.0), (1.5, -1, 0.6),
+                                                       (1.0, 4, 0.8)])
+def test_sampled_frequencies_match_distribution(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(V) * 1.5
+    n = 20000
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    out = sample(Sampler(V, "cpu", seed=1), logits.expand(n, V).clone(), [params] * n)
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=V).double() / n
+    want = reference_probs(logits, temperature, top_k, top_p)
+    assert torch.all(freq[want == 0] == 0), "a token outside top-k/top-p was sampled"
+    assert torch.allclose(freq, want, atol=0.015), (freq, want)
+
+
+def test_seeded_rows_reproduce_regardless_of_batch():
+    logits = torch.randn(5, V)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    other = SamplingParams(temperature=1.0)
+
+    def run(row, batch_size, sampler_seed):
+        sampler = Sampler(V, "cpu", seed=sampler_seed)
+        gen = torch.Generator().manual_seed(seeded.seed)
+        tokens = []
+        for _ in range(20):  # one generator, several steps, like a request's decode steps
+            params = [other] * batch_size
+            params[row] = seeded
+            gens = [None] * batch_size
+            gens[row] = gen
+            batch_logits = torch.randn(batch_size, V)
+            batch_logits[row] = logits[0]
+            tokens.append(sample(sampler, batch_logits, params, gens).token_ids[row])
+        return tokens
+
+    first = run(0, 1, 0)
+    assert run(3, 5, 99) == first and run(1, 2, 7) == first
+    assert len(set(first)) > 1  # actually random
+
+    gen_other = torch.Generator().manual_seed(4321)
+    sampler = Sampler(V, "cpu")
+    diff = [sample(sampler, logits[:1], [seeded], [gen_other]).token_ids[0] for _ in range(20)]
+    assert diff != first
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_raw_log_softmax_with_chosen_token(temperature):
+    logits = torch.randn(4, 64) * 3
+    params = [SamplingParams(temperature=temperature, logprobs=k, top_k=5 if temperature else -1)
+              for k in (None, 0, 3, 10)]
+    out = sample(Sampler(64, "cpu"), logits, params)
+    ref = torch.log_softmax(logits.double(), -1)
+    assert out.logprobs[0] is None
+    assert list(out.logprobs[1]) == [out.token_ids[1]]
+    for row, k in ((2, 3), (3, 10)):
+        lp = out.logprobs[row]
+        top = ref[row].topk(k).indices.tolist()
+        assert set(top) | {out.token_ids[row]} == set(lp)
+        for tok, value in lp.items():
+            assert abs(value - ref[row, tok].item()) < 1e-5
+    for row in range(1, 4):
+        chosen = out.token_ids[row]
+        assert abs(out.logprobs[row][chosen] - ref[row, chosen].item()) < 1e-5

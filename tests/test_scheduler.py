@@ -1,0 +1,200 @@
+"""Scheduler: continuous batching, chunked prefill, preemption by recompute, adapter-aware admission."""
+
+import random
+
+import pytest
+
+from lora_runner.block_manager import BlockManager
+from lora_runner.sampling_params import SamplingParams
+from lora_runner.scheduler import Scheduler
+from lora_runner.sequence import Request, RequestStatus
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_tokens=32, max_loras=2, states=None):
+    states = {} if states is None else states
+    bm = BlockManager(num_blocks, block_size)
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                      max_loras=max_loras, adapter_state=lambda ref: states[ref])
+    return sched, bm
+
+
+def make_request(i, prompt_len, max_tokens=4, lora=None):
+    return Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+                   arrival=i, lora_ref=lora)
+
+
+def run_step(sched, out, next_token=7):
+    """What the engine does after the model ran: advance, append sampled tokens, finish."""
+    finished = []
+    for s in out.scheduled:
+        req = s.request
+        req.num_computed_tokens += s.num_new_tokens
+        if s.samples:
+            req.token_ids.append(next_token)
+            if req.num_output_tokens >= req.params.max_tokens:
+                req.finish("length")
+                sched.remove(req)
+                finished.append(req)
+    return finished
+
+
+def test_prefill_then_decode_and_join_between_steps():
+    sched, bm = make_scheduler(max_tokens=32)
+    a, b = make_request(0, 10), make_request(1, 6)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.request, s.start, s.num_new_tokens, s.samples) for s in out.scheduled] == \
+        [(a, 0, 10, True), (b, 0, 6, True)]
+    run_step(sched, out)
+    c = make_request(2, 5)
+    sched.add(c)  # joins while a and b decode
+    out = sched.schedule()
+    assert [(s.request, s.start, s.num_new_tokens) for s in out.scheduled] == [(a, 10, 1), (b, 6, 1), (c, 0, 5)]
+    assert len(bm.table("r0")) == 3  # 11 tokens in blocks of 4
+
+
+def test_chunked_prefill_under_token_budget():
+    sched, _ = make_scheduler(max_tokens=8)
+    a, b = make_request(0, 13), make_request(1, 3)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.request, s.num_new_tokens, s.samples) for s in out.scheduled] == [(a, 8, False)]
+    run_step(sched, out)
+    out = sched.schedule()  # a's last 5 tokens, then b's 3: the budget is exactly used
+    assert [(s.request, s.start, s.num_new_tokens, s.samples) for s in out.scheduled] == \
+        [(a, 8, 5, True), (b, 0, 3, True)]
+
+
+def test_max_num_seqs_limits_admission():
+    sched, _ = make_scheduler(max_num_seqs=2)
+    reqs = [make_request(i, 3) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == reqs[:2]
+    assert list(sched.waiting) == reqs[2:]
+
+
+def test_preemption_recomputes_newest_and_requeues_it_first():
+    sched, bm = make_scheduler(num_blocks=4, block_size=4, max_tokens=64)
+    a, b = make_request(0, 8, max_tokens=8), make_request(1, 7, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, sched.schedule())  # a: 9 tokens (needs block 3 next), b: 8 tokens
+    assert bm.num_free_blocks == 0
+    out = sched.schedule()  # a needs a third block: b (newest) is preempted
+    assert out.preempted == [b] and [s.request for s in out.scheduled] == [a]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and bm.table("b") == []
+    assert sched.waiting[0] is b and b.num_preemptions == 1
+    run_step(sched, out)
+    while a.status is not RequestStatus.FINISHED:
+        out = sched.schedule()
+        assert b not in [s.request for s in out.scheduled]  # a holds every block
+        run_step(sched, out)
+    out = sched.schedule()  # b comes back and recomputes prompt + its generated token
+    assert [(s.request, s.start, s.num_new_tokens) for s in out.scheduled] == [(b, 0, 8)]
+
+
+def test_single_request_preempts_itself_only_when_alone_and_full():
+    sched, bm = make_scheduler(num_blocks=2, block_size=4)
+    a = make_request(0, 8, max_tokens=4)
+    sched.add(a)
+    run_step(sched, sched.schedule())
+    out = sched.schedule()
+    assert out.preempted == [a] and out.scheduled == [] and bm.num_free_blocks == 2
+
+
+def test_loading_adapter_is_skipped_not_waited_on():
+    states = {"A": "loading", "B": "ready"}
+    sched, _ = make_scheduler(states=states)
+    a, base, b = make_request(0, 3, lora="A"), make_request(1, 3), make_request(2, 3, lora="B")
+    for r in (a, base, b):
+        sched.add(r)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [base, b] and list(sched.waiting) == [a]
+    run_step(sched, out)
+    states["A"] = "ready"
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [base, b, a]
+
+
+def test_failed_adapter_is_handed_back_alone():
+    states = {"A": "failed", "B": "ready"}
+    sched, bm = make_scheduler(states=states)
+    a, b = make_request(0, 3, lora="A"), make_request(1, 3, lora="B")
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.failed == [a] and [s.request for s in out.scheduled] == [b]
+    assert a not in sched.waiting and bm.table("r0") == []
+
+
+def test_at_most_max_loras_distinct_adapters_run():
+    states = {"A": "ready", "B": "ready", "C": "ready"}
+    sched, _ = make_scheduler(max_num_seqs=8, max_loras=2, states=states)
+    reqs = [make_request(0, 3, lora="A"), make_request(1, 3, lora="B"), make_request(2, 3, lora="C"),
+            make_request(3, 3, lora="A"), make_request(4, 3)]
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [reqs[0], reqs[1], reqs[3], reqs[4]]
+    assert list(sched.waiting) == [reqs[2]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_keeps_invariants_and_frees_every_block(seed):
+    rng = random.Random(seed)
+    states = {name: "ready" for name in "ABCDE"}
+    max_loras, max_seqs, budget = 2, 3, rng.choice([4, 8, 16])
+    sched, bm = make_scheduler(num_blocks=rng.randint(6, 12), block_size=4, max_num_seqs=max_seqs,
+                               max_tokens=budget, max_loras=max_loras, states=states)
+    pending = [make_request(i, rng.randint(1, 12), max_tokens=rng.randint(1, 10),
+                            lora=rng.choice([None, *"ABCDE"])) for i in range(20)]
+    finished, steps = [], 0
+    while pending or sched.has_unfinished():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                sched.add(pending.pop(0))
+        out = sched.schedule()
+        assert out.num_tokens <= budget and len(out.scheduled) <= max_seqs
+        assert len({s.request.lora_ref for s in out.scheduled} - {None}) <= max_loras
+        for s in out.scheduled:
+            assert s.start == s.request.num_computed_tokens
+            assert len(bm.table(s.request.request_id)) * 4 >= s.start + s.num_new_tokens
+        held = sum(len(bm.table(r)) for r in bm.holders())
+        assert held == bm.num_used_blocks
+        finished += run_step(sched, out)
+        steps += 1
+        assert steps < 2000
+    assert len(finished) == 20 and bm.num_free_blocks == bm.num_blocks
+    assert all(r.num_output_tokens == r.params.max_tokens for r in finished)
+
+
+def test_pinned_slots_outside_the_step_reduce_lora_room():
+    states = {"A": "ready", "B": "ready", "P": "ready"}
+    pinned = {"P"}
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_loras=2,
+                      adapter_state=lambda ref: states[ref], reserved_lora_slots=lambda refs: len(pinned - refs))
+    a, b, p = make_request(0, 3, lora="A"), make_request(1, 3, lora="B"), make_request(2, 3, lora="P")
+    for r in (a, b, p):
+        sched.add(r)
+    out = sched.schedule()  # P keeps a slot, so only one of A/B fits; P itself needs no extra slot
+    assert [s.request for s in out.scheduled] == [a, p] and list(sched.waiting) == [b]
+
+
+def test_adapter_that_can_never_get_a_slot_fails_with_capacity_error():
+    from adapters import AdapterCapacityError
+
+    states = {"A": "ready"}
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_loras=2,
+                      adapter_state=lambda ref: states[ref], reserved_lora_slots=lambda refs: 2)
+    a, base = make_request(0, 3, lora="A"), make_request(1, 3)
+    sched.add(a)
+    sched.add(base)
+    out = sched.schedule()
+    assert out.failed == [a] and isinstance(a.error, AdapterCapacityError) and "pinned" in str(a.error)
+    assert [s.request for s in out.scheduled] == [base]
