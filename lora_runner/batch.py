@@ -3,6 +3,11 @@
 Every buffer is allocated once at its maximum size, as a CPU tensor (written through a numpy view)
 plus a device copy; a step writes rows [:n] and copies only those. On CPU the device tensor is the
 CPU tensor itself, so nothing is copied.
+
+Prompt adapters: a sequence's first `num_virtual_tokens` positions are its soft prompt's
+placeholders. Each such token gets its prompt-adapter slot and virtual index (its position) in
+`token_prompt_slots` / `token_prompt_positions`; every other token gets -1, and the model's
+embedding step overwrites only the mapped tokens. Only prefill chunks can contain them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class SeqChunk:
     block_table: list[int]  # KV blocks covering positions [0, start + num_new_tokens)
     lora_slot: int = -1  # device LoRA slot of the sequence's adapter, -1 = base model
     sample: bool = True  # sample a token after this chunk's last token
+    prompt_adapter_slot: int = -1  # device slot of its soft prompt; needed while start < num_virtual_tokens
+    num_virtual_tokens: int = 0  # positions [0, num_virtual_tokens) are soft-prompt placeholders
 
 
 @dataclass
@@ -41,6 +48,14 @@ class BatchInputs:
     max_query_len: int
     max_seq_len: int
     has_lora: bool  # any token with a LoRA slot >= 0
+    # None when no token of the step is a soft-prompt placeholder (decode-only steps, for instance)
+    token_prompt_slots: torch.Tensor | None = None  # [T] int64 prompt-adapter slot, -1 = ordinary token
+    token_prompt_positions: torch.Tensor | None = None  # [T] int64 index in the soft prompt, -1 = ordinary
+
+    @property
+    def has_prompt_adapter(self) -> bool:
+        """True when some token of the step is a soft-prompt placeholder."""
+        return self.token_prompt_slots is not None
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +98,8 @@ class BatchBuilder:
         self.positions = _Buffer((max_num_tokens,), torch.int64, device)
         self.slot_mapping = _Buffer((max_num_tokens,), torch.int64, device)
         self.token_lora_slots = _Buffer((max_num_tokens,), torch.int32, device)
+        self.token_prompt_slots = _Buffer((max_num_tokens,), torch.int64, device)
+        self.token_prompt_positions = _Buffer((max_num_tokens,), torch.int64, device)
         self.query_start_loc = _Buffer((max_num_seqs + 1,), torch.int32, device)
         self.seq_lens = _Buffer((max_num_seqs,), torch.int32, device)
         self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32, device)
@@ -99,7 +116,7 @@ class BatchBuilder:
         bs = self.block_size
         self.block_tables.np[:num_seqs] = 0
         self.query_start_loc.np[0] = 0
-        offset, num_samples, max_query_len, max_seq_len = 0, 0, 0, 0
+        offset, num_samples, max_query_len, max_seq_len, num_virtual = 0, 0, 0, 0, 0
         for i, chunk in enumerate(chunks):
             n, start = chunk.num_new_tokens, chunk.start
             end = start + n
@@ -114,6 +131,7 @@ class BatchBuilder:
             self.positions.np[rows] = positions
             self.slot_mapping.np[rows] = table[positions // bs] * bs + positions % bs
             self.token_lora_slots.np[rows] = chunk.lora_slot
+            num_virtual += self._map_virtual_tokens(i, chunk, offset, positions)
             self.block_tables.np[i, :len(table)] = table
             self.seq_lens.np[i] = end
             offset += n
@@ -123,6 +141,10 @@ class BatchBuilder:
                 num_samples += 1
             max_query_len, max_seq_len = max(max_query_len, n), max(max_seq_len, end)
         has_lora = any(c.lora_slot >= 0 for c in chunks)
+        prompt_slots = prompt_positions = None
+        if num_virtual:
+            prompt_slots = self.token_prompt_slots.copy_to_device(num_tokens)
+            prompt_positions = self.token_prompt_positions.copy_to_device(num_tokens)
         return BatchInputs(
             input_ids=self.input_ids.copy_to_device(num_tokens),
             positions=self.positions.copy_to_device(num_tokens),
@@ -132,4 +154,18 @@ class BatchBuilder:
             seq_lens=self.seq_lens.copy_to_device(num_seqs),
             block_tables=self.block_tables.copy_to_device(num_seqs),
             sample_indices=self.sample_indices.copy_to_device(num_samples),
-            max_query_len=max_query_len, max_seq_len=max_seq_len, has_lora=has_lora)
+            max_query_len=max_query_len, max_seq_len=max_seq_len, has_lora=has_lora,
+            token_prompt_slots=prompt_slots, token_prompt_positions=prompt_positions)
+
+    def _map_virtual_tokens(self, i: int, chunk: SeqChunk, offset: int, positions: np.ndarray) -> int:
+        """Write chunk i's prompt-adapter rows (positions: its [n] positions); returns its virtual-token count."""
+        n = chunk.num_new_tokens
+        num_virtual = min(max(chunk.num_virtual_tokens - chunk.start, 0), n)  # placeholders lead the chunk
+        if num_virtual and chunk.prompt_adapter_slot < 0:
+            raise ValueError(f"chunk {i}: {num_virtual} soft-prompt placeholder(s) but no prompt-adapter slot")
+        slots, virtual = self.token_prompt_slots.np, self.token_prompt_positions.np
+        slots[offset:offset + n] = -1
+        virtual[offset:offset + n] = -1
+        slots[offset:offset + num_virtual] = chunk.prompt_adapter_slot
+        virtual[offset:offset + num_virtual] = positions[:num_virtual]
+        return num_virtual

@@ -1,4 +1,4 @@
-"""LLM: the offline API. generate() runs a list of prompts, each with its own LoRA, to completion."""
+"""LLM: the offline API. generate() runs a list of prompts, each with its own adapters, to completion."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from itertools import count
 
 from tqdm.auto import tqdm
 
-from adapters import LoRARequest
+from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.engine import LLMEngine
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
@@ -19,10 +19,12 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """One base model serving many LoRA adapters: ``LLM(model, **EngineConfig kwargs)``.
+    """One base model serving many LoRA and prompt adapters: ``LLM(model, **EngineConfig kwargs)``.
 
-    ``generate(prompts, sampling_params, lora_request)`` returns one RequestOutput per prompt, in
-    input order. Adapters are managed with add_lora / remove_lora / pin_lora / list_loras.
+    ``generate(prompts, sampling_params, lora_request, prompt_adapter_request)`` returns one
+    RequestOutput per prompt, in input order. Adapters are managed with add_lora / remove_lora /
+    pin_lora / list_loras and add_prompt_adapter / remove_prompt_adapter / pin_prompt_adapter /
+    list_prompt_adapters.
     """
 
     def __init__(self, model: str, **kwargs) -> None:
@@ -32,27 +34,31 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 prompt_adapter_request=None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 prompt_adapter_request: PromptAdapterRequest | Sequence[PromptAdapterRequest | None] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Run `prompts` to completion, continuously batched; outputs in input order.
 
-        prompts: a string, a list of token ids, or a list of either. sampling_params and
-        lora_request: one for all prompts or a list aligned with them (None = base model).
+        prompts: a string, a list of token ids, or a list of either. sampling_params,
+        lora_request and prompt_adapter_request: one for all prompts or a list aligned with them
+        (None = no adapter of that kind); a prompt may use a LoRA and a prompt adapter at once.
         Every distinct named adapter is loaded and validated before any prompt runs, so a bad
-        adapter raises its adapters.AdapterError with nothing lost. ValueError for misaligned lists
-        or a bad prompt.
+        adapter raises its adapters.AdapterError with nothing lost. ValueError for misaligned lists,
+        a bad prompt, or prompt adapters on an engine without prompt-adapter slots.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _aligned(sampling_params if sampling_params is not None else SamplingParams(),
                           SamplingParams, len(prompt_list), "sampling_params")
         loras = _aligned(lora_request, LoRARequest, len(prompt_list), "lora_request")
-        if prompt_adapter_request is not None:
-            raise ValueError("prompt adapters are not supported by this engine yet")
+        soft_prompts = _aligned(prompt_adapter_request, PromptAdapterRequest, len(prompt_list),
+                                "prompt_adapter_request")
         for request in dict.fromkeys(r for r in loras if r is not None):
             self.engine.add_lora(request)
+        for request in dict.fromkeys(r for r in soft_prompts if r is not None):
+            self.engine.add_prompt_adapter(request)
         request_ids = [f"generate-{next(self._ids)}" for _ in prompt_list]
         try:
-            for request_id, prompt, p, lora in zip(request_ids, prompt_list, params, loras):
-                self.engine.add_request(request_id, prompt, p, lora_request=lora)
+            for request_id, prompt, p, lora, soft in zip(request_ids, prompt_list, params, loras, soft_prompts):
+                self.engine.add_request(request_id, prompt, p, lora_request=lora, prompt_adapter_request=soft)
         except BaseException:
             self.engine.abort_request(request_ids)
             self._drain()
@@ -88,6 +94,22 @@ class LLM:
     def list_loras(self) -> list[str]:
         """Names of the LoRAs in the CPU cache, least recently used first."""
         return self.engine.list_loras()
+
+    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest):
+        """Load and validate a prompt adapter now; a new path under an existing name replaces it."""
+        return self.engine.add_prompt_adapter(prompt_adapter_request)
+
+    def remove_prompt_adapter(self, name: str) -> None:
+        """Remove a prompt adapter by name (deferred while running requests still use it)."""
+        self.engine.remove_prompt_adapter(name)
+
+    def pin_prompt_adapter(self, name: str) -> None:
+        """Keep a prompt adapter cached and, once resident, in its device slot."""
+        self.engine.pin_prompt_adapter(name)
+
+    def list_prompt_adapters(self) -> list[str]:
+        """Names of the prompt adapters in the CPU cache, least recently used first."""
+        return self.engine.list_prompt_adapters()
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
