@@ -29,8 +29,10 @@ class EngineConfig:
     (None: min(2048, the model's max_position_embeddings); a larger explicit value is an error).
     max_num_batched_tokens: tokens per step (None: max(min(max_model_len, 8192), max_num_seqs));
     longer prompts are prefilled in chunks. block_size: tokens per KV block. kv_cache_memory_bytes:
-    KV-cache budget (None: enough for max_num_seqs full-length requests, capped at 4 GiB on CPU and
-    at 80% of free device memory on CUDA). enforce_eager: never use CUDA graphs. seed: for requests
+    KV-cache budget (None: enough for max_num_seqs full-length requests, capped at 4 GiB on CPU and, on
+    CUDA, at what the start-up memory profile leaves under gpu_memory_utilization, a fraction of the
+    device's memory, see lora_runner.memory_profile). enforce_eager: never use CUDA graphs (else decode
+    steps replay graphs on CUDA, see lora_runner.cuda_graphs). seed: for requests
     without their own seed. allow_pickle / local_files_only / max_adapter_bytes: adapter loading.
     """
 
@@ -49,6 +51,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
     seed: int = 0
     allow_pickle: bool = False
     local_files_only: bool | None = None
@@ -65,6 +68,9 @@ class EngineConfig:
                      "kv_cache_memory_bytes", "max_adapter_bytes"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {utilization!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras}): every adapter on the device is also kept on the CPU")
@@ -92,13 +98,10 @@ class EngineConfig:
         """The dtype "auto" resolves to: bfloat16 on CUDA, float32 on CPU."""
         return resolve_dtype(self.dtype, self.torch_device())
 
-    def limits(self, max_position_embeddings: int, kv_bytes_per_token: int,
-               free_device_bytes: int | None = None) -> EngineLimits:
-        """Derive the runtime limits once the model's context size and KV footprint are known.
+    def step_sizes(self, max_position_embeddings: int) -> tuple[int, int, int]:
+        """(max_model_len, max_num_batched_tokens, max_blocks_per_seq) with defaults applied.
 
-        kv_bytes_per_token: K and V bytes of one token over all layers. free_device_bytes: free
-        accelerator memory (None on CPU). Raises ValueError when the settings cannot work.
-        """
+        Raises ValueError when max_model_len exceeds the model's max_position_embeddings."""
         if self.max_model_len is None:
             max_model_len = min(DEFAULT_MAX_MODEL_LEN, max_position_embeddings)
         elif self.max_model_len > max_position_embeddings:
@@ -107,14 +110,27 @@ class EngineConfig:
         else:
             max_model_len = self.max_model_len
         max_batched = self.max_num_batched_tokens or max(min(max_model_len, 8192), self.max_num_seqs)
+        return max_model_len, max_batched, -(-max_model_len // self.block_size)
+
+    def limits(self, max_position_embeddings: int, kv_bytes_per_token: int,
+               free_device_bytes: int | None = None, device_kv_budget_bytes: int | None = None) -> EngineLimits:
+        """Derive the runtime limits once the model's context size and KV footprint are known.
+
+        kv_bytes_per_token: K and V bytes of one token over all layers. free_device_bytes: free
+        accelerator memory (None on CPU); the default budget takes at most 80% of it, unless
+        device_kv_budget_bytes (what the start-up memory profile left for the KV cache) is given:
+        then at most that. Raises ValueError when the settings cannot work.
+        """
+        max_model_len, max_batched, max_blocks_per_seq = self.step_sizes(max_position_embeddings)
         full_bytes = self.max_num_seqs * max_model_len * kv_bytes_per_token
         budget = self.kv_cache_memory_bytes
         if budget is None:
             cap = _CPU_KV_CAP_BYTES if free_device_bytes is None else int(free_device_bytes * _CUDA_KV_FRACTION)
+            if device_kv_budget_bytes is not None:
+                cap = device_kv_budget_bytes
             budget = min(full_bytes, cap)
         block_bytes = self.block_size * kv_bytes_per_token
         num_blocks = budget // block_bytes
-        max_blocks_per_seq = -(-max_model_len // self.block_size)
         if num_blocks < max_blocks_per_seq:
             raise ValueError(
                 f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {self.block_size} "

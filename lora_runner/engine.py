@@ -1,9 +1,10 @@
 """LLMEngine: requests in, one continuously batched step at a time, RequestOutputs out.
 
-``step()`` = take new requests and aborts -> scheduler.schedule() -> make the step's LoRAs resident
--> runner.execute() -> append tokens, finish requests, free blocks, release adapters -> outputs.
-Adapters load in the background (acquired at add_request); the scheduler only admits requests
-whose adapter is ready, so a slow download never stalls running requests.
+``step()`` = take new requests and aborts -> scheduler.schedule() -> make the step's LoRAs and soft
+prompts resident -> runner.execute() -> append tokens, finish requests, free blocks, release
+adapters -> outputs. Adapters load in the background (acquired at add_request); the scheduler only
+admits requests whose adapters are ready, so a slow download never stalls running requests.
+Prompt adapters (soft prompts as placeholder tokens) are described in lora_runner.prompt_adapters.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from pathlib import Path
 
 import torch
 
-from adapters import LoRARequest
+from adapters import LoRARequest, PromptAdapterRequest
 from adapters.manager import AdapterManager
 from lora_runner.batch import SeqChunk
 from lora_runner.block_manager import BlockManager
 from lora_runner.config import EngineConfig
+from lora_runner.cuda_graphs import cuda_graphs_available
 from lora_runner.kv_cache import kv_block_bytes
+from lora_runner.memory_profile import profile_kv_cache_budget
 from lora_runner.model import load_model
 from lora_runner.outputs import CompletionOutput, RequestOutput
+from lora_runner.prompt_adapters import EnginePromptAdapters
 from lora_runner.runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.scheduler import Scheduler, ScheduledRequest
@@ -57,18 +61,22 @@ class LLMEngine:
             allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
             max_adapter_bytes=cfg.max_adapter_bytes)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
+        kv_budget = (self._profile_kv_budget(use_graphs)
+                     if device.type == "cuda" and cfg.kv_cache_memory_bytes is None else None)
         self.limits = cfg.limits(self.model_config.max_position_embeddings,
-                                 kv_block_bytes(self.model_config, 1, dtype), free)
+                                 kv_block_bytes(self.model_config, 1, dtype), free, kv_budget)
         self.block_manager = BlockManager(self.limits.num_kv_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=self.limits.max_num_batched_tokens,
                                    max_loras=cfg.max_loras, adapter_state=self.adapter_manager.loras.state,
-                                   reserved_lora_slots=self._reserved_lora_slots)
-        self.runner = ModelRunner(
-            self.model, self.model_config, self.adapter_manager.lora_slots, num_kv_blocks=self.limits.num_kv_blocks,
-            block_size=cfg.block_size, max_num_tokens=self.limits.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs, max_blocks_per_seq=self.limits.max_blocks_per_seq,
-            max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank, dtype=dtype, device=device, seed=cfg.seed)
+                                   reserved_lora_slots=self._reserved_lora_slots,
+                                   max_prompt_adapters=cfg.max_prompt_adapters,
+                                   prompt_adapter_state=self.adapter_manager.prompts.state,
+                                   reserved_prompt_slots=self._reserved_prompt_slots)
+        self.runner = self._make_runner(self.limits.num_kv_blocks)
+        if use_graphs:
+            self.runner.capture_decode_graphs(self.adapter_manager.loras, cfg.max_lora_rank)
         self.tokenizer = LazyTokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_config, self.model_dir)
         self._lock = threading.Lock()  # guards the intake: _new, _aborts, _live_ids
@@ -78,48 +86,75 @@ class LLMEngine:
         # pins and removals wait for the step's schedule + activate (a pin could take a counted-on slot)
         self._adapter_lock = threading.Lock()
         self._pinned: set[str] = set()  # LoRA names pinned through this engine; guarded by _adapter_lock
+        self.prompt_adapters = EnginePromptAdapters(self.adapter_manager.prompts, self._adapter_lock,
+                                                    self.limits.max_model_len, cfg.max_prompt_adapters > 0)
         self._arrivals = count()
+
+    def _make_runner(self, num_kv_blocks: int) -> ModelRunner:
+        cfg = self.config
+        _, max_batched, max_blocks_per_seq = cfg.step_sizes(self.model_config.max_position_embeddings)
+        return ModelRunner(
+            self.model, self.model_config, self.adapter_manager.lora_slots, num_kv_blocks=num_kv_blocks,
+            block_size=cfg.block_size, max_num_tokens=max_batched, max_num_seqs=cfg.max_num_seqs,
+            max_blocks_per_seq=max_blocks_per_seq, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+            dtype=cfg.torch_dtype(), device=cfg.torch_device(), seed=cfg.seed,
+            prompt_slots=self.adapter_manager.prompt_slots)
+
+    def _profile_kv_budget(self, use_graphs: bool) -> int:
+        """CUDA start-up memory profile (lora_runner.memory_profile): bytes left for the KV cache."""
+        cfg = self.config
+        max_model_len, max_batched, _ = cfg.step_sizes(self.model_config.max_position_embeddings)
+        return profile_kv_cache_budget(
+            self._make_runner, self.adapter_manager.loras, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+            block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs)
 
     # ----------------------------------------------------------------------------- intake (any thread)
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    lora_request: LoRARequest | None = None, prompt_adapter_request=None) -> None:
-        """Queue a request. Its adapter starts loading in the background now.
+                    lora_request: LoRARequest | None = None,
+                    prompt_adapter_request: PromptAdapterRequest | None = None) -> None:
+        """Queue a request. Its adapters start loading in the background now.
 
         prompt: a string (tokenized with the model dir's tokenizer) or a list of token ids.
-        Raises ValueError for a duplicate id, an empty prompt, a prompt longer than max_model_len,
-        token ids outside the vocabulary, or a string prompt when the model has no tokenizer. An
-        adapter that fails to load does not raise here: that request finishes with "error".
+        prompt_adapter_request: a soft prompt put in front of the prompt (may be combined with a LoRA).
+        Raises ValueError for a duplicate id, an empty prompt, a prompt longer than max_model_len
+        (virtual tokens included, when the prompt adapter is loaded already), token ids outside the
+        vocabulary, a string prompt when the model has no tokenizer, or a prompt adapter when they
+        are disabled. An adapter that fails to load does not raise here: that request finishes with
+        "error".
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
-        if prompt_adapter_request is not None:
-            raise ValueError("prompt adapters are not supported by this engine yet")
+        self.prompt_adapters.check(prompt_adapter_request)
         token_ids = self._prompt_token_ids(prompt)
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
         with self._lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
+        request = Request(request_id, token_ids, params, arrival=next(self._arrivals),
+                          prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
+                          prompt_adapter_request=prompt_adapter_request, generator=generator)
         try:
-            ref = self.adapter_manager.loras.acquire(lora_request) if lora_request is not None else None
+            if lora_request is not None:
+                request.lora_ref = self.adapter_manager.loras.acquire(lora_request)
+            self.prompt_adapters.acquire(request)
         except BaseException:
+            self._release_adapters(request)
             with self._lock:
                 self._live_ids.discard(request_id)
             raise
-        request = Request(request_id, token_ids, params, arrival=next(self._arrivals),
-                          prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
-                          lora_ref=ref, generator=generator)
         with self._lock:
             self._new.append(request)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests by id (unknown ids are ignored); the next step() reports them as "abort"."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        with self._lock:
-            self._aborts.extend(ids)
+        with self._lock:  # only ids live now: an abort must not hit a request added later under that id
+            self._aborts.extend(i for i in ids if i in self._live_ids)
 
     def has_unfinished_requests(self) -> bool:
         """True while any added request has not been reported finished."""
@@ -153,6 +188,30 @@ class LLMEngine:
         """Names of the LoRAs in the CPU cache, least recently used first."""
         return self.adapter_manager.loras.list()
 
+    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest):
+        """Load and validate a prompt adapter now (hot-load or replace, like add_lora). Raises its
+        adapters.AdapterError, or ValueError when prompt adapters are disabled."""
+        return self.prompt_adapters.add(prompt_adapter_request)
+
+    def remove_prompt_adapter(self, name: str) -> None:
+        """Forget a prompt adapter; deferred while running requests use it."""
+        self.prompt_adapters.remove(name)
+
+    def pin_prompt_adapter(self, name: str) -> None:
+        """Keep a prompt adapter cached and, once resident, in its device slot."""
+        self.prompt_adapters.pin(name)
+
+    def unpin_prompt_adapter(self, name: str) -> None:
+        """Make a pinned prompt adapter evictable again."""
+        self.prompt_adapters.unpin(name)
+
+    def list_prompt_adapters(self) -> list[str]:
+        """Names of the prompt adapters in the CPU cache, least recently used first."""
+        return self.prompt_adapters.list()
+
+    def _reserved_prompt_slots(self, refs: set) -> int:
+        return self.prompt_adapters.reserved_slots(refs)
+
     def _reserved_lora_slots(self, refs: set) -> int:
         """Device slots pinned adapters other than `refs` may hold (an upper bound: pinned ones that
         are not resident yet hold none). Called by the scheduler under _adapter_lock."""
@@ -162,17 +221,31 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of requests that progressed or finished."""
         outputs = self._take_intake()
+        self.prompt_adapters.insert_virtual_tokens(self.scheduler.waiting)
         with self._adapter_lock:  # a pin from another thread must not take a slot this step counted on
             sched = self.scheduler.schedule()
             slot_of = self._activate(sched.scheduled)
+            prompt_slot_of = self.prompt_adapters.activate(sched.scheduled)
         for request in sched.failed:
-            error = request.error or self.adapter_manager.loras.error(request.lora_ref)
-            logger.warning("request %r failed on its adapter %r: %s", request.request_id,
-                           request.lora_request.name, error)
+            error = request.error or self._adapter_error(request)
+            logger.warning("request %r failed: %s", request.request_id, error)
             outputs.append(self._finish(request, "error", error))
         if sched.scheduled:
-            outputs += self._run(sched.scheduled, slot_of)
+            outputs += self._run(sched.scheduled, slot_of, prompt_slot_of)
         return outputs
+
+    def _adapter_error(self, request: Request) -> BaseException | None:
+        """The load error of the request's adapter that failed (LoRA first)."""
+        for tier, ref in ((self.adapter_manager.loras, request.lora_ref),
+                          (self.adapter_manager.prompts, request.prompt_adapter_ref)):
+            if ref is not None and tier.state(ref) == "failed":
+                return tier.error(ref)
+        return None
+
+    def _release_adapters(self, request: Request) -> None:
+        if request.lora_ref is not None:
+            self.adapter_manager.loras.release(request.lora_ref)
+        self.prompt_adapters.release(request)
 
     def _take_intake(self) -> list[RequestOutput]:
         with self._lock:
@@ -198,10 +271,12 @@ class LLMEngine:
         refs = list(dict.fromkeys(s.request.lora_ref for s in scheduled if s.request.lora_ref is not None))
         return dict(zip(refs, self.adapter_manager.loras.activate(refs))) if refs else {}
 
-    def _run(self, scheduled: list[ScheduledRequest], slot_of: dict) -> list[RequestOutput]:
+    def _run(self, scheduled: list[ScheduledRequest], slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
         chunks = [SeqChunk(token_ids=s.request.token_ids, start=s.start, num_new_tokens=s.num_new_tokens,
                            block_table=self.block_manager.table(s.request.request_id),
-                           lora_slot=slot_of.get(s.request.lora_ref, -1), sample=s.samples)
+                           lora_slot=slot_of.get(s.request.lora_ref, -1), sample=s.samples,
+                           prompt_adapter_slot=prompt_slot_of.get(s.request.prompt_adapter_ref, -1),
+                           num_virtual_tokens=s.request.num_virtual_tokens)
                   for s in scheduled]
         sampling = [s.request for s in scheduled if s.samples]
         result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling])
@@ -227,8 +302,7 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str, error: BaseException | None = None) -> RequestOutput:
         request.finish(reason, error)
         self.scheduler.remove(request)
-        if request.lora_ref is not None:
-            self.adapter_manager.loras.release(request.lora_ref)
+        self._release_adapters(request)
         with self._lock:
             self._live_ids.discard(request.request_id)
         return self._output(request)

@@ -2,7 +2,9 @@
 
 It owns the model, the paged KV cache, the persistent batch buffers and the step's punica LoRAMeta.
 The meta is prepared once per step and read by every LoRA-aware layer; when no token of the step
-uses an adapter, ctx.lora is None and the model skips the LoRA path entirely.
+uses an adapter, ctx.lora is None and the model skips the LoRA path entirely. Likewise ctx.prompt_adapter
+is set only in steps with soft-prompt placeholders (prefill of prompt-adapter requests).
+After capture_decode_graphs (CUDA), decode-only steps replay CUDA graphs (lora_runner.cuda_graphs).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from lora_runner.batch import BatchBuilder, BatchInputs, SeqChunk
-from lora_runner.forward_context import AttentionMetadata, ForwardContext, LoRAContext
+from lora_runner.cuda_graphs import DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
+from lora_runner.forward_context import AttentionMetadata, ForwardContext, LoRAContext, PromptAdapterContext
 from lora_runner.kv_cache import allocate_kv_cache
 from lora_runner.sampler import Sampler, SamplerOutput
 from lora_runner.sampling_params import SamplingParams
@@ -31,6 +34,7 @@ class ModelRunner:
         model: the decoder (``model(input_ids, positions, ctx)``, ``model.compute_logits``).
         model_config: its ModelConfig (sizes for the KV cache, vocab size).
         lora_slots: the adapters manager's LoRASlots (``.weights(layer, packed)``, ``.slot_ranks``).
+        prompt_slots: the manager's PromptSlots (``.embeddings``); None when prompt adapters are off.
         num_kv_blocks, block_size: the paged KV cache to allocate.
         max_num_tokens, max_num_seqs, max_blocks_per_seq: largest step (buffer sizes).
         max_loras, max_lora_rank: LoRA slot count and padded rank.
@@ -39,9 +43,11 @@ class ModelRunner:
 
     def __init__(self, model, model_config, lora_slots, *, num_kv_blocks: int, block_size: int,
                  max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, max_loras: int,
-                 max_lora_rank: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+                 max_lora_rank: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 prompt_slots=None) -> None:
         self.model = model
         self.lora_slots = lora_slots
+        self.prompt_slots = prompt_slots
         self.device = device
         self.kv_cache = allocate_kv_cache(model_config, num_kv_blocks, block_size, dtype, device)
         self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
@@ -50,6 +56,7 @@ class ModelRunner:
         self.lora_meta = LoRAMeta(max_num_tokens, max_loras, device, max_rank=max_lora_rank,
                                   max_slices=_MAX_LORA_SLICES)
         self.sampler = Sampler(model_config.vocab_size, device, seed)
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
@@ -59,7 +66,9 @@ class ModelRunner:
         params / generators: one per sampling chunk, in chunk order.
         """
         batch = self.batch_builder.build(chunks)
-        hidden = self.model(batch.input_ids, batch.positions, self._forward_context(batch))  # [T, hidden]
+        hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None  # [T, hidden]
+        if hidden is None:  # no graph for this step: eager
+            hidden = self.model(batch.input_ids, batch.positions, self._forward_context(batch))  # [T, hidden]
         if not params:
             return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab] float32
@@ -73,7 +82,23 @@ class ModelRunner:
         if batch.has_lora:
             self.lora_meta.prepare(batch.token_lora_slots, self.lora_slots.slot_ranks)
             lora = LoRAContext(meta=self.lora_meta, slots=self.lora_slots)
-        return ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=lora)
+        prompt_adapter = None
+        if batch.has_prompt_adapter:
+            prompt_adapter = PromptAdapterContext(self.prompt_slots.embeddings, batch.token_prompt_slots,
+                                                  batch.token_prompt_positions)
+        return ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=lora, prompt_adapter=prompt_adapter)
+
+    def capture_decode_graphs(self, lora_tier, max_lora_rank: int, make_graph=None, progress: bool = True) -> None:
+        """Capture decode graphs with a dummy warmup LoRA of max_lora_rank resident in lora_tier (the
+        manager's LoRA tier), removed afterwards. make_graph: see DecodeGraphs (default: CUDA graphs)."""
+        builder = self.batch_builder
+        # a padded decode step has as many tokens as sequences: never more than the token buffers hold
+        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), builder.max_blocks_per_seq,
+                               builder.block_size)
+        graphs = DecodeGraphs(self.model, self.kv_cache, builder, self.lora_meta, self.lora_slots, plan, make_graph)
+        with resident_dummy_loras(lora_tier, 1, max_lora_rank) as slots:
+            graphs.capture(slots[0], progress=progress)
+        self.decode_graphs = graphs
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A per-request generator on the sampling device."""

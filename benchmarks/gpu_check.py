@@ -1,0 +1,303 @@
+"""The one GPU check: gpu-marked tests, kernel benchmark, engine decode benchmark; one table, one JSON.
+
+    python benchmarks/gpu_check.py               # one GPU, no network, < 8 minutes
+    python benchmarks/gpu_check.py --cpu-smoke   # the same code paths at tiny sizes on CPU (torch backend)
+
+Sections (each in its own try/except: a failure is recorded and the next section runs):
+  tests   ``pytest -m gpu`` over tests/ in a subprocess (CUDA-graph replay == eager, compiled kernels)
+  kernels benchmarks/bench_kernels.py's bench_point at hidden 4096 in bf16: add_lora time, its CUDA-graph
+          replay time, GB/s by design.md section 4's byte count, ratio to the gather+bmm baseline
+  engine  decode tokens/s of LLMEngine for 32 and 128 requests: base only vs 8 and 32 distinct rank-16
+          adapters, eager (enforce_eager=True) vs decode CUDA graphs, on a random Llama-shaped model
+          (hidden 4096, 8 layers, MLP 11008, GQA 32/8 heads, vocab 32000: 1.7B parameters, bf16) that the
+          script writes itself. Adapters: AdapterManager.add_dummy (random weights, every module, rank 16;
+          no files). Decode tokens/s = tokens generated after every request's prefill / their wall time.
+The table is printed whatever happened; JSON goes to $OUT/gpu_check.json if OUT is set, else results/.
+Needs only torch, triton, safetensors, huggingface_hub, peft, transformers and numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # a script: the library and bench_kernels
+
+logger = logging.getLogger("gpu_check")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything that differs between the GPU run and the CPU smoke run."""
+
+    device: str
+    dtype: torch.dtype
+    test_paths: tuple[str, ...]
+    test_timeout_s: int
+    hidden: int  # kernels
+    kernel_tokens: tuple[int, ...]
+    kernel_ranks: tuple[int, ...]
+    kernel_distinct: tuple[int, ...]
+    model: dict  # LlamaConfig kwargs
+    num_requests: tuple[int, ...]
+    adapter_counts: tuple[int, ...]
+    prompt_len: tuple[int, int]
+    output_len: int
+    max_model_len: int
+
+
+GPU = Sizes("cuda", torch.bfloat16, ("tests",), 240, 4096, (1, 16, 64, 256, 1024), (16, 64), (1, 8, 32),
+            dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=32000),
+            (32, 128), (0, 8, 32), (16, 48), 64, 512)
+CPU_SMOKE = Sizes("cpu", torch.float32, ("tests/test_cuda_graphs_replay.py",), 120, 128, (1, 16), (16,), (1, 8),
+                  dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512),
+                  (4, 8), (0, 2, 4), (4, 12), 4, 64)
+
+
+def run_tests(sizes: Sizes, results: dict) -> None:
+    """pytest -m gpu in a subprocess; records the summary counts."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *sizes.test_paths]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=sizes.test_timeout_s)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-40:]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)",
+                                                     "\n".join(tail[-3:]))}
+    results["tests"] = dict(returncode=proc.returncode, counts=counts, tail=tail)
+    if proc.returncode not in (0, 5):  # 5: nothing collected (no gpu tests selected)
+        raise RuntimeError(f"gpu tests failed (exit {proc.returncode}): {tail[-1] if tail else ''}")
+
+
+def run_kernels(sizes: Sizes, results: dict, deadline: float) -> None:
+    """bench_kernels.bench_point over the grid; each row has GB/s and speedup over gather+bmm."""
+    import bench_kernels
+
+    device, gen = torch.device(sizes.device), torch.Generator().manual_seed(0)
+    rows = results.setdefault("kernels", [])
+    min_seconds = 0.05 if device.type == "cuda" else 0.01
+    for num_tokens in sizes.kernel_tokens:
+        x = torch.randn(num_tokens, sizes.hidden, generator=gen).to(device, sizes.dtype)  # [T, K]
+        weight = (torch.randn(sizes.hidden, sizes.hidden, generator=gen) * sizes.hidden ** -0.5).to(device, sizes.dtype)
+        base_us = bench_kernels.time_us(lambda: x @ weight.T, device, min_seconds)
+        for rank in sizes.kernel_ranks:
+            for distinct in sizes.kernel_distinct:
+                if time.time() > deadline:
+                    raise TimeoutError(f"kernel benchmark stopped at T={num_tokens}: out of time")
+                try:
+                    rows.append(bench_kernels.bench_point(num_tokens, rank, distinct, sizes.hidden, sizes.dtype,
+                                                          device, base_us, min_seconds, gen))
+                except Exception as exc:  # noqa: BLE001 -- one bad point must not hide the others
+                    logger.exception("kernel point T=%d r=%d n=%d failed", num_tokens, rank, distinct)
+                    rows.append(dict(num_tokens=num_tokens, rank=rank, distinct=distinct, error=repr(exc)[:200]))
+    if any("error" in row for row in rows):
+        raise RuntimeError(f"{sum('error' in row for row in rows)} kernel point(s) failed (see the table)")
+
+
+def write_random_model(path: Path, sizes: Sizes) -> None:
+    """config.json + model.safetensors of a random Llama (weights drawn on the device, std 0.02)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      **sizes.model)
+    cfg.save_pretrained(str(path))
+    hidden, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    kv = cfg.num_key_value_heads * hidden // cfg.num_attention_heads
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+              "model.norm.weight": (hidden,)}
+    layer_shapes = {"input_layernorm": (hidden,), "post_attention_layernorm": (hidden,),
+                    "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+                    "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+                    "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                    "mlp.down_proj": (hidden, inter)}
+    for i in range(cfg.num_hidden_layers):
+        shapes.update({f"model.layers.{i}.{module}.weight": shape for module, shape in layer_shapes.items()})
+    gen = torch.Generator(device=sizes.device).manual_seed(0)
+    tensors = {name: (torch.ones(shape, dtype=sizes.dtype) if name.endswith("norm.weight") else
+                      (torch.randn(shape, generator=gen, device=sizes.device) * 0.02).to(sizes.dtype).cpu())
+               for name, shape in shapes.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    logger.info("random model: %.2fB parameters", sum(t.numel() for t in tensors.values()) / 1e9)
+
+
+def make_engine(model_dir: Path, sizes: Sizes, graphs: bool):
+    """An LLMEngine for the benchmark; on CPU "graphs" are emulated (RerunGraph) through the same hook."""
+    from lora_runner import LLMEngine
+    from lora_runner.cuda_graphs import RerunGraph
+
+    max_loras = max(sizes.adapter_counts)
+    engine = LLMEngine(str(model_dir), device=sizes.device, dtype=sizes.dtype, max_loras=max_loras, max_lora_rank=16,
+                       max_cpu_loras=2 * max_loras, max_num_seqs=max(sizes.num_requests),
+                       max_model_len=sizes.max_model_len, max_num_batched_tokens=8192,
+                       enforce_eager=not graphs, gpu_memory_utilization=0.8)
+    if graphs and sizes.device == "cpu":
+        engine.runner.capture_decode_graphs(engine.adapter_manager.loras, 16, make_graph=RerunGraph, progress=False)
+    for i in range(max_loras):
+        engine.adapter_manager.loras.add_dummy(f"bench-{i}", 16)
+    return engine
+
+
+def decode_run(engine, sizes: Sizes, num_requests: int, num_adapters: int, tag: str) -> dict:
+    """Serve num_requests prompts (adapters round-robin over num_adapters) to sizes.output_len tokens."""
+    from adapters import LoRARequest
+    from lora_runner import SamplingParams
+
+    gen = torch.Generator().manual_seed(num_requests)
+    params = SamplingParams(temperature=0.0, max_tokens=sizes.output_len, ignore_eos=True)
+    for i in range(num_requests):
+        length = int(torch.randint(sizes.prompt_len[0], sizes.prompt_len[1] + 1, (), generator=gen))
+        prompt = torch.randint(4, sizes.model["vocab_size"], (length,), generator=gen).tolist()
+        lora = LoRARequest(f"bench-{i % num_adapters}", "<dummy>") if num_adapters else None
+        engine.add_request(f"{tag}-{i}", prompt, params, lora_request=lora)
+    progress, tokens, decode_start, decode_tokens = {}, {}, None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            completion = out.outputs[0]
+            if completion.finish_reason == "error":
+                raise RuntimeError(f"request {out.request_id} failed") from completion.error
+            new = len(completion.token_ids) - progress.get(out.request_id, 0)
+            progress[out.request_id] = len(completion.token_ids)
+            if decode_start is not None:
+                decode_tokens += new
+            tokens[out.request_id] = completion.token_ids
+        if decode_start is None and len(progress) == num_requests:  # every prompt prefilled
+            decode_start = time.perf_counter()
+    seconds = time.perf_counter() - decode_start
+    return dict(tokens_per_s=decode_tokens / seconds, decode_tokens=decode_tokens, seconds=seconds,
+                token_ids=[tokens[f"{tag}-{i}"] for i in range(num_requests)])
+
+
+def run_engine(sizes: Sizes, results: dict, deadline: float) -> None:
+    """Eager engine, then graph engine; each serves every (requests, adapters) point."""
+    rows = results.setdefault("engine", {})
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_model(Path(tmp), sizes)
+        for mode in ("eager", "graphs"):
+            start = time.perf_counter()
+            engine = make_engine(Path(tmp), sizes, graphs=mode == "graphs")
+            graphs = engine.runner.decode_graphs
+            results.setdefault("engine_setup", {})[mode] = dict(
+                seconds=time.perf_counter() - start, num_kv_blocks=engine.limits.num_kv_blocks,
+                num_graphs=len(graphs) if graphs is not None else 0)
+            decode_run(engine, sizes, 4, 1, f"{mode}-warmup")  # compile kernels outside the timing
+            for num_requests in sizes.num_requests:
+                for num_adapters in sizes.adapter_counts:
+                    if time.time() > deadline:
+                        raise TimeoutError(f"engine benchmark stopped at {mode} n={num_requests}: out of time")
+                    replays = graphs.num_replays if graphs is not None else 0
+                    run = decode_run(engine, sizes, num_requests, num_adapters, f"{mode}-{num_requests}-{num_adapters}")
+                    run["graph_replays"] = (graphs.num_replays if graphs is not None else 0) - replays
+                    rows.setdefault(f"{num_requests}/{num_adapters}", {})[mode] = run
+                    logger.info("%s: %d requests, %d adapters: %.0f decode tok/s", mode, num_requests,
+                                num_adapters, run["tokens_per_s"])
+            engine.adapter_manager.close()
+            del engine, graphs
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def engine_table(results: dict) -> list[str]:
+    lines = ["| requests | adapters | eager tok/s | graphs tok/s | graphs/eager | vs base (graphs) | replays "
+             "| same tokens |", "|---|---|---|---|---|---|---|---|"]
+    for key, modes in results.get("engine", {}).items():
+        num_requests, num_adapters = key.split("/")
+        eager, graphs = modes.get("eager", {}), modes.get("graphs", {})
+        base = results["engine"].get(f"{num_requests}/0", {}).get("graphs", {}).get("tokens_per_s")
+        fmt = lambda v, spec=".0f": "n/a" if v is None else format(v, spec)  # noqa: E731
+        ratio = graphs["tokens_per_s"] / eager["tokens_per_s"] if eager and graphs else None
+        vs_base = graphs["tokens_per_s"] / base if graphs and base else None
+        same = (sum(a == b for a, b in zip(eager["token_ids"], graphs["token_ids"])) / len(eager["token_ids"])
+                if eager and graphs else None)
+        lines.append(f"| {num_requests} | {num_adapters} | {fmt(eager.get('tokens_per_s'))} | "
+                     f"{fmt(graphs.get('tokens_per_s'))} | {fmt(ratio, '.2f')} | {fmt(vs_base, '.2f')} | "
+                     f"{graphs.get('graph_replays', 'n/a')} | {fmt(same, '.0%')} |")
+    return lines
+
+
+def kernel_table(results: dict) -> list[str]:
+    lines = ["| T | rank | adapters | add_lora us | graph us | GB/s | x faster than gather+bmm |",
+             "|---|---|---|---|---|---|---|"]
+    for row in results.get("kernels", []):
+        if "error" in row:
+            lines.append(f"| {row['num_tokens']} | {row['rank']} | {row['distinct']} | {row['error']} | | | |")
+            continue
+        graph = "n/a" if row["graph_us"] is None else f"{row['graph_us']:.1f}"
+        lines.append(f"| {row['num_tokens']} | {row['rank']} | {row['distinct']} | {row['lora_us']:.1f} | {graph} | "
+                     f"{row['lora_gbps']:.1f} | {row['speedup_vs_gather']:.2f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (torch backend)")
+    parser.add_argument("--sections", default="tests,kernels,engine", help="comma-separated subset")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="seconds: the kernel section stops at 70%% of it, the engine section at 100%%")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    sizes = CPU_SMOKE if args.cpu_smoke else GPU
+    if args.cpu_smoke:
+        torch.set_num_threads(1)  # tiny ops: more threads only add contention
+    start = time.time()
+    results = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "sections": {},
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__}
+    sections = {"tests": lambda: run_tests(sizes, results),
+                "kernels": lambda: run_kernels(sizes, results, start + 0.7 * args.budget_s),
+                "engine": lambda: run_engine(sizes, results, start + args.budget_s)}
+    for name in args.sections.split(","):
+        begin = time.time()
+        try:
+            if sizes.device == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device: run with --cpu-smoke")
+            sections[name]()
+            status = "ok"
+        except Exception as exc:  # noqa: BLE001 -- record any failure and go on to the next section
+            status = f"FAILED: {exc!r}"[:300]
+            results.setdefault("errors", {})[name] = traceback.format_exc()
+            logger.error("section %s failed:\n%s", name, traceback.format_exc())
+        results["sections"][name] = dict(status=status, seconds=round(time.time() - begin, 1))
+    report(results, args.cpu_smoke)
+    return results
+
+
+def report(results: dict, smoke: bool) -> None:
+    """Print the final table and write the JSON."""
+    lines = [f"\n## gpu_check ({results['mode']}, {results['device']}, torch {results['torch']})", "",
+             "| section | status | seconds |", "|---|---|---|"]
+    lines += [f"| {name} | {s['status']} | {s['seconds']} |" for name, s in results["sections"].items()]
+    if "tests" in results:
+        lines += ["", f"gpu tests: {results['tests']['counts']}"]
+    lines += ["", *kernel_table(results), "", *engine_table(results)]
+    for mode, setup in results.get("engine_setup", {}).items():
+        lines.append(f"{mode} engine start-up: {setup['seconds']:.1f} s, {setup['num_kv_blocks']} KV blocks, "
+                     f"{setup['num_graphs']} decode graphs")
+    print("\n".join(lines), flush=True)
+    for modes in results.get("engine", {}).values():  # the table compared them; keep the JSON small
+        for run in modes.values():
+            run.pop("token_ids", None)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "results"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = "gpu_check.json" if os.environ.get("OUT") else f"gpu_check-{results['mode']}-{stamp}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / name).write_text(json.dumps(results, indent=1, default=str))
+    print(f"wrote {out_dir / name}")
+
+
+if __name__ == "__main__":
+    main()
