@@ -3,12 +3,14 @@
 It wires each kind's loader (resolve through the Hub or a local dir, read, validate; see
 ``adapters.lora`` and ``adapters.prompt``) and slot writer (``adapters.slots``) into the generic
 LRU tier (``adapters.tier``), which documents the life of an adapter version and thread-safety.
-Background loads of both kinds share one small thread pool.
+Background loads of both kinds share two small thread pools: one for adapters already in local
+directories and one for Hub downloads, so a stalled or slow Hub never delays an adapter on disk.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -64,14 +66,15 @@ class AdapterManager:
         cache_dir: Hub cache directory for the default resolver.
         max_cpu_prompt_adapters: prompt-adapter CPU cache capacity (default: max_cpu_loras, at
             least max_prompt_adapters).
-        load_workers: threads for background loading.
+        load_workers: threads for background loads of adapters in local directories.
+        download_workers: threads for background loads from the Hub (downloads may stall for long).
     """
 
     def __init__(self, spec: ModelSpec, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
                  max_prompt_adapters: int = 0, max_prompt_adapter_tokens: int = 0, device="cpu",
                  dtype: torch.dtype = torch.float32, allow_pickle: bool = False, local_files_only: bool | None = None,
                  max_adapter_bytes: int | None = None, resolver: Callable | None = None, cache_dir=None,
-                 max_cpu_prompt_adapters: int | None = None, load_workers: int = 2):
+                 max_cpu_prompt_adapters: int | None = None, load_workers: int = 2, download_workers: int = 8):
         if max_adapter_bytes is not None and max_adapter_bytes <= 0:
             raise ValueError(f"max_adapter_bytes must be positive or None, got {max_adapter_bytes}")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
@@ -82,7 +85,7 @@ class AdapterManager:
         self._pin_memory = self.device.type == "cuda"
         self.lora_slots = LoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
         self.prompt_slots = PromptSlots(spec, max_prompt_adapters, max_prompt_adapter_tokens, self.device, dtype)
-        self._executor = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="adapter-load")
+        self._executor = _LoadPools(load_workers, download_workers)
         self.loras = AdapterTier("LoRA", LoRARequest, self._load_lora, self._dummy_lora, self.lora_slots,
                                  max_cpu_loras, self._executor)
         if max_cpu_prompt_adapters is None:
@@ -149,6 +152,29 @@ class AdapterManager:
         if self.prompt_slots.num_slots == 0:
             raise AdapterCapacityError(f"prompt adapter {name!r}: prompt adapters are disabled "
                                        "(max_prompt_adapters=0)")
+
+
+class _LoadPools:
+    """Runs background loads on two pools, chosen by where the adapter lives: local directories on
+    one, Hub repos on the other. A Hub download can stall for minutes; with one shared pool a few
+    stalled downloads would hold every worker and delay adapters that are already on disk."""
+
+    def __init__(self, load_workers: int, download_workers: int):
+        if load_workers < 1 or download_workers < 1:
+            raise ValueError(f"load_workers and download_workers must be >= 1, got {load_workers}, "
+                             f"{download_workers}")
+        self._local = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="adapter-load")
+        self._hub = ThreadPoolExecutor(max_workers=download_workers, thread_name_prefix="adapter-download")
+
+    def submit(self, load: Callable, version) -> Future:
+        """Run ``load(version)`` on the pool matching ``version.request.path`` (local dir or Hub id)."""
+        local = os.path.isdir(os.path.expanduser(version.request.path))
+        return (self._local if local else self._hub).submit(load, version)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """Stop both pools."""
+        for pool in (self._local, self._hub):
+            pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 def _default_resolve(path, revision, allow_patterns, local_files_only, cache_dir=None) -> str:

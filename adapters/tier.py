@@ -72,11 +72,12 @@ class AdapterTier:
         make_dummy: (name, size) -> weights with the right shapes, no file.
         slots: the device slots (``num_slots``, ``write(slot, weights)``, ``clear(slot)``, ``nbytes``).
         max_cpu: CPU cache capacity (adapters); pinned and held adapters are never evicted.
-        executor: the thread pool background loads run on.
+        executor: runs background loads: ``executor.submit(fn, version)`` with ``version.request`` the
+            request being loaded (a ThreadPoolExecutor, or the manager's pools that route by source).
     """
 
     def __init__(self, kind: str, request_type: type, load: Callable, make_dummy: Callable, slots, max_cpu: int,
-                 executor: ThreadPoolExecutor):
+                 executor: ThreadPoolExecutor | Any):
         if max_cpu < slots.num_slots:
             raise ValueError(f"the {kind} CPU cache ({max_cpu}) must hold at least as many adapters as there are "
                              f"device slots ({slots.num_slots})")

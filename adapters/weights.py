@@ -3,7 +3,10 @@
 A pickle ``adapter_model.bin`` is read only when the user opted in (``allow_pickle=True``), and then
 with ``torch.load(weights_only=True)``, which refuses to build anything but tensors and plain
 containers, so a malicious pickle raises instead of running code. File sizes are checked on disk
-against ``max_bytes`` before anything is read.
+against ``max_bytes`` before anything is read; for a pickle, so is the size it unpacks to, because
+torch.load allocates what the archive declares: only zip-format checkpoints with uncompressed
+entries (what torch.save writes) are read, never compressed entries (a zip bomb) or the legacy
+format (whose pickle declares storage sizes that are allocated before any data is read).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import logging
 import os
 import pickle
+import zipfile
 
 import torch
 
@@ -65,7 +69,29 @@ def _read_safetensors(name: str, path: str) -> dict[str, torch.Tensor]:
         raise InvalidAdapterError(f"adapter {name!r}: corrupt safetensors file {path}: {exc}") from exc
 
 
-def _read_pickle(name: str, path: str) -> dict[str, torch.Tensor]:
+def _check_pickle_archive(name: str, path: str, max_bytes: int | None) -> None:
+    """Refuse a pickle checkpoint whose memory use its file size does not bound (see module docstring)."""
+    if not zipfile.is_zipfile(path):
+        raise UnsafeAdapterError(f"adapter {name!r}: {path} is not a zip-format torch checkpoint; legacy and raw "
+                                 "pickles declare tensor sizes that would be allocated before reading, so they are "
+                                 f"refused (re-save it with torch >= 1.6, or convert it to {SAFETENSORS_FILE})")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise InvalidAdapterError(f"adapter {name!r}: corrupt pickle file {path}: {exc}") from exc
+    compressed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED]
+    if compressed:
+        raise UnsafeAdapterError(f"adapter {name!r}: {path} has compressed entries ({compressed[0]!r}), which "
+                                 "torch.save never writes: refused, it could unpack to far more than its size")
+    unpacked = sum(e.file_size for e in entries)
+    if max_bytes is not None and unpacked > max_bytes:
+        raise AdapterTooLargeError(f"adapter {name!r}: {os.path.basename(path)} unpacks to {unpacked} bytes, "
+                                   f"over the limit max_adapter_bytes={max_bytes}")
+
+
+def _read_pickle(name: str, path: str, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
+    _check_pickle_archive(name, path, max_bytes)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # raised before any disallowed object is built
@@ -88,8 +114,9 @@ def read_adapter_tensors(name: str, local_dir: str, *, allow_pickle: bool = Fals
     Raises:
         AdapterNotFoundError: neither weights file exists.
         UnsafeAdapterError: only a pickle ``.bin`` exists and ``allow_pickle`` is False, or the
-            pickle holds anything but tensors.
-        AdapterTooLargeError: the file is larger than ``max_bytes`` (checked before reading).
+            pickle holds anything but tensors, is compressed or is in the legacy format.
+        AdapterTooLargeError: the file (or what a pickle unpacks to) is larger than ``max_bytes``
+            (checked before reading).
         InvalidAdapterError: the file is corrupt.
     """
     st_path, bin_path = os.path.join(local_dir, SAFETENSORS_FILE), os.path.join(local_dir, PICKLE_FILE)
@@ -103,5 +130,5 @@ def read_adapter_tensors(name: str, local_dir: str, *, allow_pickle: bool = Fals
                                      f"(convert the adapter to {SAFETENSORS_FILE} to avoid this)")
         _check_size(name, bin_path, max_bytes)
         logger.info("adapter %r: reading pickle checkpoint %s with weights_only=True", name, bin_path)
-        return _read_pickle(name, bin_path)
+        return _read_pickle(name, bin_path, max_bytes)
     raise AdapterNotFoundError(f"adapter {name!r}: no {SAFETENSORS_FILE} (or {PICKLE_FILE}) in {local_dir}")
