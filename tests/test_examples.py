@@ -1,0 +1,173 @@
+"""The demo (examples/) and the engine benchmark's machinery (benchmarks/).
+
+The demo is checked against PEFT as the oracle: every tenant's output from the engine equals PEFT's
+greedy output for that tenant, and tenants differ from each other and from the base model.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_RECIPE = dict(pretrain_steps=150, lora_steps=80, tenants=("pirate", "weather", "chef"))
+
+
+@pytest.fixture
+def examples(monkeypatch):
+    """The examples/ scripts as modules (they import each other as scripts do); the demo sets
+    torch's thread count, which is restored afterwards."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import demo_artifacts
+    import multi_tenant
+
+    threads = torch.get_num_threads()
+    yield demo_artifacts, multi_tenant
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """benchmarks/common.py and bench_engine.py as modules."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_engine
+    import common
+
+    return common, bench_engine
+
+
+def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt: str, max_tokens: int) -> str:
+    """The oracle: transformers/PEFT greedy decoding, stopped at EOS, special tokens skipped."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    ids = torch.tensor([tokenizer.encode(prompt)])  # [1, S]
+    with torch.no_grad():
+        out = model.eval().generate(ids, max_new_tokens=max_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return " ".join(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split())
+
+
+def test_demo_artifacts_cached_and_demo_matches_peft(examples, tmp_path, monkeypatch):
+    demo_artifacts, multi_tenant = examples
+    recipe = demo_artifacts.Recipe(**SMALL_RECIPE)
+    assert recipe.key != demo_artifacts.Recipe().key  # another recipe -> another cache folder
+    artifacts = demo_artifacts.build_demo_artifacts(tmp_path, recipe, progress=False)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (artifacts.base_dir / name).is_file(), name
+    for path in artifacts.adapters.values():
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            assert (path / name).is_file(), path / name
+    assert list(tmp_path.iterdir()) == [tmp_path / recipe.key]  # no temporary build folder left
+
+    def no_rebuild(*args):
+        raise AssertionError("cached artifacts were rebuilt")
+
+    monkeypatch.setattr(demo_artifacts, "_build", no_rebuild)
+    assert demo_artifacts.build_demo_artifacts(tmp_path, recipe, progress=False) == artifacts
+
+    # The reduced demo run: a mixed batch, then "chef" hot-loaded while others decode.
+    monkeypatch.setattr(multi_tenant, "Recipe", lambda: recipe)
+    max_tokens = 14
+    result = multi_tenant.main(["--cache-dir", str(tmp_path), "--quiet", "--max-tokens", str(max_tokens),
+                                "--device", "cpu"])
+    batch = result["batch"]
+    assert {label for _, label, _ in batch} == {"pirate", "weather", multi_tenant.BASE}
+    for prompt in {p for p, _, _ in batch}:
+        texts = {label: text for p, label, text in batch if p == prompt}
+        assert len(set(texts.values())) == len(texts), f"tenants not distinct on {prompt!r}: {texts}"
+        for label, text in texts.items():
+            adapter = artifacts.adapters.get(label)
+            assert text == peft_greedy(artifacts.base_dir, adapter, prompt, max_tokens), (prompt, label)
+
+    hot = result["hot_load"]
+    new = [r for r in hot.values() if r["tenant"] == "chef"]
+    early = [r for r in hot.values() if r["tenant"] != "chef"]
+    assert len(new) == 1 and new[0]["finish_reason"] in ("stop", "length")
+    assert new[0]["added_step"] > 1 and all(r["added_step"] == 0 for r in early)
+    # the new tenant joined while the others were still running
+    assert all(r["finished_step"] > new[0]["added_step"] for r in early)
+    assert new[0]["text"] == peft_greedy(artifacts.base_dir, artifacts.adapters["chef"], new[0]["prompt"],
+                                         max_tokens)
+
+
+def test_demo_argument_errors(examples):
+    _, multi_tenant = examples
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        multi_tenant.parse_adapter("no-equals-sign")
+    assert multi_tenant.parse_adapter("a=org/repo=x") == ("a", "org/repo=x")
+    with pytest.raises(SystemExit):
+        multi_tenant.parse_args(["--adapter", "a=b"])  # --adapter without --model
+
+
+def test_workload_generator_is_deterministic(bench):
+    common, bench_engine = bench
+    specs = bench_engine.quick_workloads(32) + bench_engine.full_workloads(64)
+    assert {s.num_adapters for s in specs} == {1, 8, 32, 128}
+    assert {s.popularity for s in specs} == set(common.POPULARITIES)
+    assert {s.arrival for s in specs} == set(common.ARRIVALS)
+    assert all(s.max_loras < 32 for s in specs)  # 32 and 128 adapters must page
+    for spec in specs:
+        first, again = common.make_workload(spec, 32000), common.make_workload(spec, 32000)
+        assert first == again
+        for r in first:
+            assert spec.prompt_len[0] <= len(r.prompt_token_ids) <= spec.prompt_len[1]
+            assert spec.output_len[0] <= r.max_tokens <= spec.output_len[1]
+            assert all(common.FIRST_ORDINARY_TOKEN <= t < 32000 for t in r.prompt_token_ids)
+            assert 0 <= r.adapter < spec.num_adapters
+        arrivals = [r.arrival_s for r in first]
+        assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
+        if spec.arrival == "batch":
+            assert set(arrivals) == {0.0}
+    spec = specs[0]
+    other_seed = common.make_workload(common.WorkloadSpec(**{**spec.__dict__, "seed": 1}), 32000)
+    assert other_seed != common.make_workload(spec, 32000)
+
+
+def test_popularity_laws(bench):
+    common, _ = bench
+    rng = np.random.default_rng(0)
+    assert common.adapter_choices(10, 4, "distinct", rng) == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    counts = np.bincount(common.adapter_choices(20000, 8, "zipf", rng), minlength=8)
+    expected = 1.0 / np.arange(1, 9) ** 1.5
+    np.testing.assert_allclose(counts / counts.sum(), expected / expected.sum(), atol=0.01)
+    counts = np.bincount(common.adapter_choices(20000, 8, "uniform", rng), minlength=8)
+    np.testing.assert_allclose(counts / counts.sum(), np.full(8, 1 / 8), atol=0.01)
+    gaps = np.diff([r.arrival_s for r in common.make_workload(
+        common.WorkloadSpec(num_requests=4000, num_adapters=2, arrival="poisson", rate=20.0), 100)])
+    assert abs(gaps.mean() - 1 / 20.0) < 0.005  # exponential inter-arrival times of mean 1/rate
+    with pytest.raises(ValueError, match="popularity"):
+        common.WorkloadSpec(num_requests=1, num_adapters=1, popularity="pareto")
+
+
+def test_bench_engine_smoke(bench, tmp_path):
+    """A tiny model through the whole benchmark row: engine with adapters, base, PEFT."""
+    common, bench_engine = bench
+    shape = common.ModelShape(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                              num_kv_heads=2, vocab_size=256)
+    model = common.save_random_model(tmp_path / "model", shape, initializer_range=0.2)
+    paths = common.save_random_adapters(model, tmp_path / "adapters", 6, rank=8, progress=False)
+    spec = common.WorkloadSpec(num_requests=8, num_adapters=6, popularity="distinct", max_loras=2,
+                               prompt_len=(3, 9), output_len=(2, 6))
+    args = Namespace(rank=8, device="cpu", repeats=1, clock="wall")
+    peft = bench_engine.PeftRunner(str(tmp_path / "model"), paths, torch.device("cpu"), torch.float32)
+    row = bench_engine.run_workload(spec, str(tmp_path / "model"), paths, args, peft, shape.vocab_size)
+    requests = common.make_workload(spec, shape.vocab_size)
+    assert row["tokens"] == sum(r.max_tokens for r in requests)
+    # 6 adapters through 2 slots (adapter 0 may still be resident from the warm-up)
+    assert row["loads"] >= 5 and row["evictions"] >= row["loads"] - 2
+    for key in ("tokens_per_s", "base_tokens_per_s", "peft_tokens_per_s", "vs_base", "vs_peft",
+                "ttft_p50_s", "ttft_p99_s"):
+        assert np.isfinite(row[key]) and row[key] > 0, key
+    assert row["ttft_p50_s"] <= row["ttft_p99_s"]
+    assert row["same_as_peft"] == 1.0  # fp32 greedy: the engine reproduces PEFT token for token
+    table = common.markdown_table([row], bench_engine.COLUMNS)
+    assert table.count("\n") == 2 and "n=6 distinct" in table
