@@ -83,6 +83,7 @@ class LLMEngine:
         self._new: list[Request] = []
         self._aborts: list[str] = []
         self._live_ids: set[str] = set()  # added and not yet reported finished
+        self._stepping = threading.Lock()  # held by the one thread inside step()
         # pins and removals wait for the step's schedule + activate (a pin could take a counted-on slot)
         self._adapter_lock = threading.Lock()
         self._pinned: set[str] = set()  # LoRA names pinned through this engine; guarded by _adapter_lock
@@ -219,7 +220,19 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- the step loop
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the outputs of requests that progressed or finished."""
+        """Run one scheduling step; returns the outputs of requests that progressed or finished.
+
+        One thread at a time may step (the other methods may be called from any thread meanwhile);
+        RuntimeError if another thread is inside step() already.
+        """
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("LLMEngine.step() is already running in another thread; call it from one thread")
+        try:
+            return self._step()
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._take_intake()
         self.prompt_adapters.insert_virtual_tokens(self.scheduler.waiting)
         with self._adapter_lock:  # a pin from another thread must not take a slot this step counted on
