@@ -9,12 +9,10 @@ Prompt adapters (soft prompts as placeholder tokens) are described in lora_runne
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Iterable
 from itertools import count
-from pathlib import Path
 
 import torch
 
@@ -33,6 +31,7 @@ from lora_runner.runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.scheduler import Scheduler, ScheduledRequest
 from lora_runner.sequence import Request
+from lora_runner.tokenizer import LazyTokenizer, eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +155,16 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:  # only ids live now: an abort must not hit a request added later under that id
             self._aborts.extend(i for i in ids if i in self._live_ids)
+
+    def close(self) -> None:
+        """Stop the adapter loader threads (pending background loads are cancelled). Idempotent."""
+        self.adapter_manager.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def has_unfinished_requests(self) -> bool:
         """True while any added request has not been reported finished."""
@@ -345,55 +354,3 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary)")
         return token_ids
-
-
-def eos_token_ids(model_config, model_dir: str | Path) -> frozenset[int]:
-    """End-of-sequence ids: config.json's plus generation_config.json's (chat models list several)."""
-    ids = set(model_config.eos_token_ids)
-    path = Path(model_dir) / "generation_config.json"
-    if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return frozenset(ids)
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-class LazyTokenizer:
-    """The model dir's tokenizer, loaded with transformers.AutoTokenizer on first use.
-
-    A model dir without tokenizer files has none: encode() raises ValueError, decode() gives "".
-    """
-
-    def __init__(self, model_dir: str | Path) -> None:
-        self.model_dir = Path(model_dir)
-        self._tokenizer = None
-        self._loaded = False
-        self._lock = threading.Lock()
-
-    def get(self):
-        """The transformers tokenizer, or None when the model dir has none."""
-        with self._lock:
-            if not self._loaded:
-                if any((self.model_dir / name).is_file() for name in _TOKENIZER_FILES):
-                    from transformers import AutoTokenizer
-
-                    self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-                else:
-                    logger.info("no tokenizer in %s: token-id prompts only, empty output text", self.model_dir)
-                self._loaded = True
-            return self._tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the special tokens (BOS) the tokenizer adds by itself."""
-        tokenizer = self.get()
-        if tokenizer is None:
-            raise ValueError(f"string prompts need a tokenizer, but {self.model_dir} has none: "
-                             "pass the prompt as a list of token ids")
-        return list(tokenizer.encode(text))
-
-    def decode(self, token_ids: list[int]) -> str:
-        """Text of `token_ids` without special tokens ("" without a tokenizer)."""
-        tokenizer = self.get()
-        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)

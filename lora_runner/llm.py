@@ -79,6 +79,10 @@ class LLM:
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
+    def close(self) -> None:
+        """Release the engine's background loader threads."""
+        self.engine.close()
+
     def add_lora(self, lora_request: LoRARequest):
         """Load and validate an adapter now; a new path under an existing name replaces it for new requests."""
         return self.engine.add_lora(lora_request)
@@ -90,6 +94,10 @@ class LLM:
     def pin_lora(self, name: str) -> None:
         """Keep an adapter cached and, once resident, in its device slot."""
         self.engine.pin_lora(name)
+
+    def unpin_lora(self, name: str) -> None:
+        """Make a pinned adapter evictable again."""
+        self.engine.unpin_lora(name)
 
     def list_loras(self) -> list[str]:
         """Names of the LoRAs in the CPU cache, least recently used first."""
@@ -106,6 +114,10 @@ class LLM:
     def pin_prompt_adapter(self, name: str) -> None:
         """Keep a prompt adapter cached and, once resident, in its device slot."""
         self.engine.pin_prompt_adapter(name)
+
+    def unpin_prompt_adapter(self, name: str) -> None:
+        """Make a pinned prompt adapter evictable again."""
+        self.engine.unpin_prompt_adapter(name)
 
     def list_prompt_adapters(self) -> list[str]:
         """Names of the prompt adapters in the CPU cache, least recently used first."""

@@ -111,3 +111,21 @@ def test_hot_load_replace_and_remove_while_serving(llm, engine_checkpoint, greed
     assert "tenant" in llm.list_loras() and "late" in llm.list_loras()
     llm.pin_lora("late")
     assert_idle(llm)
+
+
+def test_unpin_and_close(engine_checkpoint):
+    path, _, adapters = engine_checkpoint
+    llm = LLM(path, device="cpu", max_loras=1, max_lora_rank=16, max_cpu_loras=2, max_num_seqs=2,
+              max_model_len=32, block_size=4)
+    llm.add_lora(lora(adapters, "r4"))
+    llm.pin_lora("r4")
+    llm.unpin_lora("r4")
+    with pytest.raises(AdapterError):
+        llm.unpin_lora("never-added")
+    out = llm.generate([[5, 6]], GREEDY, lora_request=lora(adapters, "r4"), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.close()
+    llm.close()  # idempotent
+    # after close, a new adapter cannot be loaded in the background
+    with pytest.raises(RuntimeError):
+        llm.engine.add_request("late", [5, 6], GREEDY, lora_request=lora(adapters, "r8-qv"))

@@ -1,0 +1,62 @@
+"""The model directory's tokenizer (loaded lazily) and its end-of-sequence ids."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def eos_token_ids(model_config, model_dir: str | Path) -> frozenset[int]:
+    """End-of-sequence ids: config.json's plus generation_config.json's (chat models list several)."""
+    ids = set(model_config.eos_token_ids)
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class LazyTokenizer:
+    """The model dir's tokenizer, loaded with transformers.AutoTokenizer on first use.
+
+    A model dir without tokenizer files has none: encode() raises ValueError, decode() gives "".
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._tokenizer = None
+        self._loaded = False
+        self._lock = threading.Lock()
+
+    def get(self):
+        """The transformers tokenizer, or None when the model dir has none."""
+        with self._lock:
+            if not self._loaded:
+                if any((self.model_dir / name).is_file() for name in _TOKENIZER_FILES):
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+                else:
+                    logger.info("no tokenizer in %s: token-id prompts only, empty output text", self.model_dir)
+                self._loaded = True
+            return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the special tokens (BOS) the tokenizer adds by itself."""
+        tokenizer = self.get()
+        if tokenizer is None:
+            raise ValueError(f"string prompts need a tokenizer, but {self.model_dir} has none: "
+                             "pass the prompt as a list of token ids")
+        return list(tokenizer.encode(text))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of `token_ids` without special tokens ("" without a tokenizer)."""
+        tokenizer = self.get()
+        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
