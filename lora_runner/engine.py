@@ -78,10 +78,10 @@ class LLMEngine:
             self.runner.capture_decode_graphs(self.adapter_manager.loras, cfg.max_lora_rank)
         self.tokenizer = LazyTokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_config, self.model_dir)
-        self._lock = threading.Lock()  # guards the intake: _new, _aborts, _live_ids
+        self._lock = threading.Lock()  # guards the intake: _new, _aborts, _live
         self._new: list[Request] = []
-        self._aborts: list[str] = []
-        self._live_ids: set[str] = set()  # added and not yet reported finished
+        self._aborts: list[Request] = []  # the request objects, so an id reused later is never hit
+        self._live: dict[str, Request] = {}  # id -> request added and not yet reported finished
         self._stepping = threading.Lock()  # held by the one thread inside step()
         # pins and removals wait for the step's schedule + activate (a pin could take a counted-on slot)
         self._adapter_lock = threading.Lock()
@@ -131,13 +131,13 @@ class LLMEngine:
         self.prompt_adapters.check(prompt_adapter_request)
         token_ids = self._prompt_token_ids(prompt)
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
-        with self._lock:
-            if request_id in self._live_ids:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._live_ids.add(request_id)
         request = Request(request_id, token_ids, params, arrival=next(self._arrivals),
                           prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
                           prompt_adapter_request=prompt_adapter_request, generator=generator)
+        with self._lock:
+            if request_id in self._live:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live[request_id] = request
         try:
             if lora_request is not None:
                 request.lora_ref = self.adapter_manager.loras.acquire(lora_request)
@@ -145,7 +145,7 @@ class LLMEngine:
         except BaseException:
             self._release_adapters(request)
             with self._lock:
-                self._live_ids.discard(request_id)
+                self._live.pop(request_id, None)
             raise
         with self._lock:
             self._new.append(request)
@@ -153,8 +153,8 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests by id (unknown ids are ignored); the next step() reports them as "abort"."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        with self._lock:  # only ids live now: an abort must not hit a request added later under that id
-            self._aborts.extend(i for i in ids if i in self._live_ids)
+        with self._lock:  # only requests live now: never one added later under the same id
+            self._aborts.extend(self._live[i] for i in ids if i in self._live)
 
     def close(self) -> None:
         """Stop the adapter loader threads (pending background loads are cancelled). Idempotent."""
@@ -169,7 +169,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while any added request has not been reported finished."""
         with self._lock:
-            return bool(self._live_ids)
+            return bool(self._live)
 
     def add_lora(self, lora_request: LoRARequest):
         """Load and validate an adapter now (hot-load; a new path under a known name replaces it for
@@ -276,17 +276,10 @@ class LLMEngine:
         for request in new:
             self.scheduler.add(request)
         outputs = []
-        for request_id in aborts:
-            request = self._find(request_id)
-            if request is not None:
+        for request in aborts:
+            if not request.is_finished:  # it may have finished since the abort was asked for
                 outputs.append(self._finish(request, "abort"))
         return outputs
-
-    def _find(self, request_id: str) -> Request | None:
-        for request in (*self.scheduler.running, *self.scheduler.waiting):
-            if request.request_id == request_id:
-                return request
-        return None
 
     def _activate(self, scheduled: list[ScheduledRequest]) -> dict:
         """Make the step's LoRAs resident; adapter ref -> device slot."""
@@ -326,7 +319,8 @@ class LLMEngine:
         self.scheduler.remove(request)
         self._release_adapters(request)
         with self._lock:
-            self._live_ids.discard(request.request_id)
+            if self._live.get(request.request_id) is request:
+                del self._live[request.request_id]
         return self._output(request)
 
     def _output(self, request: Request) -> RequestOutput:

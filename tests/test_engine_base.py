@@ -183,6 +183,31 @@ def test_abort_running_and_waiting_frees_everything(llama_dir):
     assert_all_blocks_free(engine)
 
 
+def test_abort_of_a_finished_request_never_hits_a_new_one_with_its_id(llama_dir):
+    """An abort that arrives while its request finishes inside the same step must not abort a
+    request added afterwards under the same id."""
+    path, _ = llama_dir
+    engine = LLMEngine(path, device="cpu", max_num_seqs=2, max_model_len=64)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engine.add_request("x", [5, 6, 7], one)
+    take_intake = engine._take_intake
+
+    def intake_then_abort():  # the abort lands after this step's intake, as from another thread
+        outputs = take_intake()
+        engine.abort_request("x")
+        return outputs
+
+    engine._take_intake = intake_then_abort
+    first = {o.request_id: o for o in engine.step()}
+    engine._take_intake = take_intake
+    assert first["x"].finished and first["x"].outputs[0].finish_reason == "length"
+    engine.add_request("x", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = [o for _ in range(10) for o in engine.step() if o.finished]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"]
+    assert len(outs[0].outputs[0].token_ids) == 3
+    assert_all_blocks_free(engine)
+
+
 def test_requests_added_from_another_thread_while_stepping(llama_dir, greedy_oracle):
     path, hf = llama_dir
     engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=64)
