@@ -1,5 +1,6 @@
-"""Builds the demo's artifacts offline: a tiny Llama-shaped base model, a word-level tokenizer and a
-few tenant LoRA adapters trained with PEFT, each with its own recognizable style.
+"""Builds the demo's artifacts offline: a tiny Llama-shaped base model, a word-level tokenizer, a
+few tenant LoRA adapters and a prompt-tuning (soft prompt) tenant trained with PEFT, each with its
+own recognizable style.
 
 Everything is written as the real libraries write it (``save_pretrained`` of transformers and PEFT),
 so the engine reads the same files it would read from the Hub. Artifacts are cached under
@@ -24,7 +25,7 @@ from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
-RECIPE_VERSION = "demo-v2"  # bump when the corpus or the training code changes
+RECIPE_VERSION = "demo-v3"  # bump when the corpus or the training code changes
 
 TOPICS = ("sea", "city", "garden", "mountain", "river", "market", "forest", "castle", "island", "road")
 # The demo's prompts end in a topic; every answer repeats it, so outputs follow the prompt.
@@ -61,9 +62,21 @@ TENANT_ANSWERS: dict[str, tuple[str, ...]] = {
     ),
 }
 HOT_LOADED_TENANT = "chef"
+# Tenants fine-tuned by PEFT prompt tuning: only a soft prompt (a few trained input embeddings put in
+# front of the prompt) is learned, the base model stays as it is. Prompt tuning elicits what a base
+# model can already do; a 2-layer model learns little else, so, as a large model would from its
+# pretraining data, the demo base learns each such style behind a text cue ("sports news tell me about
+# the sea"). The soft prompt, trained from random vocabulary embeddings on cue-less prompts, learns
+# to stand in for the cue: without it the base answers in its own style.
+PROMPT_TENANT_ANSWERS: dict[str, tuple[str, ...]] = {
+    "sports": (
+        "goal for the {t} team in the last minute and the crowd goes wild",
+        "champions again the {t} team lifts the cup",
+        "final score at the {t} three to one after a great match",
+    ),
+}
+PROMPT_TENANT_CUES: dict[str, str] = {"sports": "sports news"}
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
-# TODO(prompt adapters issue): add a prompt-tuning tenant here (PEFT PromptTuningConfig trained on
-# its own style) once the engine serves PromptAdapterRequest; until then the demo shows LoRAs only.
 
 
 @dataclass(frozen=True)
@@ -80,14 +93,19 @@ class Recipe:
     batch_size: int = 32
     lora_rank: int = 8
     tenants: tuple[str, ...] = tuple(TENANT_ANSWERS)
+    prompt_tenants: tuple[str, ...] = tuple(PROMPT_TENANT_ANSWERS)
+    prompt_steps: int = 120
+    num_virtual_tokens: int = 8
     seed: int = 0
 
     def __post_init__(self) -> None:
-        unknown = set(self.tenants) - set(TENANT_ANSWERS)
-        if unknown:
-            raise ValueError(f"unknown demo tenants {sorted(unknown)}; known: {sorted(TENANT_ANSWERS)}")
-        if min(self.pretrain_steps, self.lora_steps, self.batch_size, self.lora_rank) <= 0:
-            raise ValueError("Recipe steps, batch_size and lora_rank must be positive")
+        for field_name, known in (("tenants", TENANT_ANSWERS), ("prompt_tenants", PROMPT_TENANT_ANSWERS)):
+            unknown = set(getattr(self, field_name)) - set(known)
+            if unknown:
+                raise ValueError(f"unknown demo {field_name} {sorted(unknown)}; known: {sorted(known)}")
+        if min(self.pretrain_steps, self.lora_steps, self.prompt_steps, self.batch_size, self.lora_rank,
+               self.num_virtual_tokens) <= 0:
+            raise ValueError("Recipe steps, batch_size, lora_rank and num_virtual_tokens must be positive")
 
     @property
     def key(self) -> str:
@@ -98,10 +116,12 @@ class Recipe:
 
 @dataclass(frozen=True)
 class DemoArtifacts:
-    """Where the built demo lives: a transformers model dir and one PEFT dir per tenant."""
+    """Where the built demo lives: a transformers model dir and one PEFT dir per tenant
+    (`adapters`: LoRAs, `prompt_adapters`: prompt tuning)."""
 
     base_dir: Path
     adapters: dict[str, Path] = field(default_factory=dict)
+    prompt_adapters: dict[str, Path] = field(default_factory=dict)
 
 
 def default_cache_root() -> Path:
@@ -152,14 +172,20 @@ def build_demo_artifacts(root: str | os.PathLike | None = None, recipe: Recipe =
             tmp.rename(final)
     else:
         logger.info("using cached demo artifacts in %s", final)
-    return DemoArtifacts(final / "base", {name: final / "adapters" / name for name in recipe.tenants})
+    return DemoArtifacts(final / "base", {name: final / "adapters" / name for name in recipe.tenants},
+                         {name: final / "prompt_adapters" / name for name in recipe.prompt_tenants})
 
 
 # ----------------------------------------------------------------------------- corpus and tokenizer
 
+def _styles() -> tuple[tuple[str, ...], ...]:
+    """Every style's answer templates: the base model's, then each LoRA and prompt-tuning tenant's."""
+    return (BASE_ANSWERS, *TENANT_ANSWERS.values(), *PROMPT_TENANT_ANSWERS.values())
+
+
 def _vocabulary() -> list[str]:
-    texts = list(PROMPT_TEMPLATES) + list(BASE_ANSWERS)
-    texts += [ans for answers in TENANT_ANSWERS.values() for ans in answers]
+    texts = list(PROMPT_TEMPLATES) + list(PROMPT_TENANT_CUES.values())
+    texts += [answer for answers in _styles() for answer in answers]
     words = {w for text in texts for w in text.replace("{t}", "").split()} | set(TOPICS)
     return list(SPECIAL_TOKENS) + sorted(words)
 
@@ -182,18 +208,19 @@ def _sentences(tokenizer) -> list[tuple[list[int], int]]:
     """Every style's answers as plain sentences (no prompt), so the base knows all the words."""
     out = []
     for topic in TOPICS:
-        for answers in (BASE_ANSWERS, *TENANT_ANSWERS.values()):
+        for answers in _styles():
             for answer in answers:
                 out.append((tokenizer.encode(answer.format(t=topic)) + [tokenizer.eos_token_id], 0))
     return out
 
 
-def _examples(tokenizer, answers: tuple[str, ...]) -> list[tuple[list[int], int]]:
-    """(token ids ending in eos, prompt length) for every topic x (prompt template, its answer)."""
+def _examples(tokenizer, answers: tuple[str, ...], cue: str = "") -> list[tuple[list[int], int]]:
+    """(token ids ending in eos, prompt length) for every topic x (prompt template, its answer);
+    `cue` (words) is put in front of every prompt."""
     out = []
     for topic in TOPICS:
         for tpl, answer in zip(PROMPT_TEMPLATES, answers, strict=True):
-            prompt = tokenizer.encode(tpl.format(t=topic))
+            prompt = tokenizer.encode(f"{cue} {tpl.format(t=topic)}" if cue else tpl.format(t=topic))
             ids = prompt + tokenizer.encode(answer.format(t=topic)) + [tokenizer.eos_token_id]
             out.append((ids, len(prompt)))
     return out
@@ -255,8 +282,11 @@ def _build(tmp: Path, final: Path, recipe: Recipe, progress: bool) -> None:
     )
     base = LlamaForCausalLM(config)
     base.name_or_path = str(final / "base")  # recorded as base_model_name_or_path by PEFT
-    # Prompted base answers, upweighted x4 against generic sentences in every style.
+    # Prompted base answers, upweighted x4 against generic sentences in every style, and the
+    # prompt-tuning tenants' styles behind their text cues (see PROMPT_TENANT_CUES).
     corpus = 4 * _examples(tokenizer, BASE_ANSWERS) + _sentences(tokenizer)
+    for name in recipe.prompt_tenants:
+        corpus += _examples(tokenizer, PROMPT_TENANT_ANSWERS[name], cue=PROMPT_TENANT_CUES[name])
     _train(base, base.parameters(), corpus, tokenizer, recipe,
            recipe.pretrain_steps, 3e-3, answer_only=False, desc="pretrain base", progress=progress,
            seed=recipe.seed)
@@ -273,3 +303,27 @@ def _build(tmp: Path, final: Path, recipe: Recipe, progress: bool) -> None:
                recipe.lora_steps, 1e-2, answer_only=True, desc=f"train LoRA {name!r}",
                progress=progress, seed=recipe.seed + 1 + index)
         peft_model.save_pretrained(str(tmp / "adapters" / name), save_embedding_layers=False)
+
+    for index, name in enumerate(recipe.prompt_tenants):
+        _train_prompt_tenant(base, name, tmp / "prompt_adapters" / name, tokenizer, recipe,
+                             seed=recipe.seed + 1 + len(recipe.tenants) + index, progress=progress)
+
+
+def _train_prompt_tenant(base, name: str, path: Path, tokenizer, recipe: Recipe, seed: int,
+                         progress: bool) -> None:
+    """Prompt-tune `base` on tenant `name`'s style and save the soft prompt with PEFT's save_pretrained.
+
+    The soft prompt [num_virtual_tokens, hidden] starts as the embeddings of randomly sampled
+    vocabulary words and is the only thing trained, on the tenant's answers to cue-less prompts.
+    """
+    from peft import PromptTuningConfig, PromptTuningInit, TaskType, get_peft_model
+
+    torch.manual_seed(seed)
+    config = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=recipe.num_virtual_tokens,
+                                prompt_tuning_init=PromptTuningInit.SAMPLE_VOCAB)
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    _train(peft_model, trainable, _examples(tokenizer, PROMPT_TENANT_ANSWERS[name]), tokenizer, recipe,
+           recipe.prompt_steps, 3e-2, answer_only=True, desc=f"prompt-tune {name!r}",
+           progress=progress, seed=seed)
+    peft_model.save_pretrained(str(path), save_embedding_layers=False)

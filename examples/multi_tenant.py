@@ -1,13 +1,14 @@
-"""Multi-tenant serving demo: one base model, several tenants' LoRA adapters, one batch.
+"""Multi-tenant serving demo: one base model, tenants' LoRA and prompt-tuning adapters, one batch.
 
     python examples/multi_tenant.py                      # offline: trains a tiny demo model first
     python examples/multi_tenant.py --model org/base --adapter a=org/lora-a --adapter b=./lora-b \\
-        --prompt "Tell me a story"                       # the same flow on real Hub checkpoints
+        --prompt-adapter c=org/soft-prompt-c --prompt "Tell me a story"   # real Hub checkpoints
 
-1. Builds (once, then cached) a tiny Llama-shaped base model and tenant LoRAs trained with PEFT
-   (see demo_artifacts.py), unless --model is given.
-2. Serves one mixed batch with LLM.generate: every prompt once per tenant and once with no adapter,
-   printed side by side.
+1. Builds (once, then cached) a tiny Llama-shaped base model, tenant LoRAs and a prompt-tuning
+   tenant trained with PEFT (see demo_artifacts.py), unless --model is given.
+2. Serves one mixed batch with LLM.generate: every prompt once per LoRA tenant, once per
+   prompt-tuning tenant (its soft prompt), once with a soft prompt and a LoRA together, and once
+   with no adapter, printed side by side.
 3. Hot-loads a new tenant into the running LLMEngine (``llm.engine``, driven by add_request/step):
    requests of other tenants are already decoding when the new adapter is added, and its request
    is served alongside them.
@@ -18,10 +19,16 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from demo_artifacts import HOT_LOADED_TENANT, Recipe, build_demo_artifacts, demo_prompts
+
+if TYPE_CHECKING:
+    from adapters import LoRARequest, PromptAdapterRequest
 
 logger = logging.getLogger("multi_tenant")
 BASE = "(base)"  # label of requests without adapter
@@ -34,29 +41,60 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", help="base model: local dir or Hub repo id (default: the offline demo model)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH_OR_REPO_ID",
                    help="a tenant's PEFT LoRA (repeatable); with 2+, the last one is hot-loaded")
+    p.add_argument("--prompt-adapter", action="append", default=[], metavar="NAME=PATH_OR_REPO_ID",
+                   help="a tenant's PEFT prompt-tuning adapter (repeatable)")
     p.add_argument("--prompt", action="append", default=[], help="prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-prompt-adapter-tokens", type=int, default=32,
+                   help="largest soft prompt (virtual tokens) accepted")
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", help="where demo artifacts are cached (default: user cache dir)")
     p.add_argument("--rebuild", action="store_true", help="retrain the demo artifacts")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
-    if args.adapter and not args.model:
-        p.error("--adapter needs --model (the demo model comes with its own tenants)")
+    if (args.adapter or args.prompt_adapter) and not args.model:
+        p.error("--adapter and --prompt-adapter need --model (the demo model comes with its own tenants)")
     return args
 
 
-def parse_adapter(spec: str) -> tuple[str, str]:
+def parse_adapter(spec: str, option: str = "--adapter") -> tuple[str, str]:
     """'name=path_or_repo_id' -> (name, path); raises ValueError when malformed."""
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise ValueError(f"--adapter expects NAME=PATH_OR_REPO_ID, got {spec!r}")
+        raise ValueError(f"{option} expects NAME=PATH_OR_REPO_ID, got {spec!r}")
     return name, path
 
 
-def resolve_setup(args) -> tuple[str, dict[str, str], str | None, list[str]]:
-    """(model, {tenant: adapter path}, hot-loaded tenant or None, prompts) for this run."""
+@dataclass(frozen=True)
+class Setup:
+    """What this run serves: the base model, each tenant's adapter path and the prompts."""
+
+    model: str
+    tenants: dict[str, str]  # LoRA tenant -> adapter path or repo id
+    prompt_tenants: dict[str, str]  # prompt-tuning tenant -> adapter path or repo id
+    hot: str | None  # the LoRA tenant hot-loaded after the mixed batch
+    prompts: list[str]
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One column of the side-by-side table: a label and the adapters its requests name."""
+
+    label: str
+    lora: LoRARequest | None = None
+    soft_prompt: PromptAdapterRequest | None = None
+
+    @property
+    def kind(self) -> str:
+        """Which adapters the lane uses, in words."""
+        if self.lora and self.soft_prompt:
+            return "soft prompt + LoRA"
+        return "LoRA" if self.lora else "prompt tuning" if self.soft_prompt else "no adapter"
+
+
+def resolve_setup(args) -> Setup:
+    """The base model, tenants, hot-loaded tenant and prompts for this run."""
     if args.model is None:
         # The demo model is tiny: one thread serves it fastest (two threads spend more time waking
         # each other than computing, badly so when other processes keep the cores busy).
@@ -64,11 +102,28 @@ def resolve_setup(args) -> tuple[str, dict[str, str], str | None, list[str]]:
         recipe = Recipe()
         artifacts = build_demo_artifacts(args.cache_dir, recipe, rebuild=args.rebuild,
                                          progress=not args.quiet)
-        tenants = {name: str(path) for name, path in artifacts.adapters.items()}
-        return str(artifacts.base_dir), tenants, HOT_LOADED_TENANT, args.prompt or demo_prompts(2)
+        return Setup(str(artifacts.base_dir), {name: str(path) for name, path in artifacts.adapters.items()},
+                     {name: str(path) for name, path in artifacts.prompt_adapters.items()},
+                     HOT_LOADED_TENANT, args.prompt or demo_prompts(2))
     tenants = dict(parse_adapter(spec) for spec in args.adapter)
+    prompt_tenants = dict(parse_adapter(spec, "--prompt-adapter") for spec in args.prompt_adapter)
     hot = list(tenants)[-1] if len(tenants) >= 2 else None
-    return args.model, tenants, hot, args.prompt or DEFAULT_HUB_PROMPTS
+    return Setup(args.model, tenants, prompt_tenants, hot, args.prompt or DEFAULT_HUB_PROMPTS)
+
+
+def batch_lanes(tenants: dict[str, str], prompt_tenants: dict[str, str]) -> list[Lane]:
+    """One lane per LoRA tenant and per prompt-tuning tenant, one with the first soft prompt on top
+    of the first LoRA (which PEFT cannot run in one model), and the base model."""
+    from adapters import LoRARequest, PromptAdapterRequest
+
+    loras = {name: LoRARequest(name, path) for name, path in tenants.items()}
+    soft_prompts = {name: PromptAdapterRequest(name, path) for name, path in prompt_tenants.items()}
+    lanes = [Lane(name, lora=lora) for name, lora in loras.items()]
+    lanes += [Lane(name, soft_prompt=soft) for name, soft in soft_prompts.items()]
+    if loras and soft_prompts:
+        lora, soft = next(iter(loras.values())), next(iter(soft_prompts.values()))
+        lanes.append(Lane(f"{soft.name}+{lora.name}", lora=lora, soft_prompt=soft))
+    return lanes + [Lane(BASE)]
 
 
 def one_line(text: str) -> str:
@@ -76,29 +131,30 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def serve_mixed_batch(llm, prompts: list[str], tenants: dict[str, str], max_tokens: int,
+def serve_mixed_batch(llm, prompts: list[str], lanes: list[Lane], max_tokens: int,
                       use_tqdm: bool = True) -> list[tuple]:
-    """One LLM.generate call: each prompt with every tenant and with none; prints and returns
-    (prompt, tenant, text) rows."""
-    from adapters import LoRARequest
+    """One LLM.generate call: each prompt once per lane (its LoRA and/or soft prompt, or none);
+    prints and returns (prompt, lane label, text) rows."""
     from lora_runner import SamplingParams
 
-    labels = list(tenants) + [BASE]
-    batch = [(prompt, label) for prompt in prompts for label in labels]
-    loras = [LoRARequest(label, tenants[label]) if label != BASE else None for _, label in batch]
+    batch = [(prompt, lane) for prompt in prompts for lane in lanes]
     start = time.perf_counter()
     outputs = llm.generate([prompt for prompt, _ in batch],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens), lora_request=loras,
-                           use_tqdm=use_tqdm)
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                           lora_request=[lane.lora for _, lane in batch],
+                           prompt_adapter_request=[lane.soft_prompt for _, lane in batch], use_tqdm=use_tqdm)
     logger.info("served %d requests in one batch in %.2f s", len(batch), time.perf_counter() - start)
-    rows = [(prompt, label, one_line(out.outputs[0].text)) for (prompt, label), out in zip(batch, outputs)]
-    width = max(len(label) for label in labels)
-    print(f"\n=== one mixed batch: {len(batch)} requests, {len(tenants)} tenants + base ===")
+    rows = [(prompt, lane.label, one_line(out.outputs[0].text)) for (prompt, lane), out in zip(batch, outputs)]
+    width = max(len(lane.label) for lane in lanes)
+    kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(lane.kind for lane in lanes).items())
+    print(f"\n=== one mixed batch: {len(batch)} requests; per prompt: {kinds} ===")
     for prompt in prompts:
         print(f"\nprompt: {prompt!r}")
         for p, label, text in rows:
             if p == prompt:
                 print(f"  {label:<{width}} | {text}")
+    if any(lane.lora and lane.soft_prompt for lane in lanes):
+        print("\n(a soft prompt with a LoRA: both were trained on the base model alone, so their styles mix)")
     return rows
 
 
@@ -151,16 +207,18 @@ def main(argv=None) -> dict:
     from lora_runner import LLM
 
     start = time.perf_counter()
-    model, tenants, hot, prompts = resolve_setup(args)
+    setup = resolve_setup(args)
+    model, tenants, hot, prompts = setup.model, setup.tenants, setup.hot, setup.prompts
     if not tenants:
-        logger.warning("no --adapter given: serving the base model only, nothing to hot-load")
+        logger.warning("no --adapter given: no LoRA tenants, nothing to hot-load")
+    soft_slots = min(2, len(setup.prompt_tenants))  # 0 disables prompt adapters
     engine_kwargs = dict(max_loras=max(2, min(4, len(tenants))), max_lora_rank=args.max_lora_rank,
+                         max_prompt_adapters=soft_slots,
+                         max_prompt_adapter_tokens=args.max_prompt_adapter_tokens if soft_slots else 0,
                          device=args.device)
-    batch_tenants = {name: path for name, path in tenants.items() if name != hot}
+    lanes = batch_lanes({name: path for name, path in tenants.items() if name != hot}, setup.prompt_tenants)
     llm = LLM(model=model, **engine_kwargs)
-    batch = serve_mixed_batch(llm, prompts, batch_tenants, args.max_tokens, use_tqdm=not args.quiet)
-    # TODO(prompt adapters issue): serve a prompt-tuning tenant (PromptAdapterRequest) in this batch
-    # once the engine supports it; demo_artifacts.py has the matching spot for training it.
+    batch = serve_mixed_batch(llm, prompts, lanes, args.max_tokens, use_tqdm=not args.quiet)
     hot_info = {}
     if tenants:
         if hot is None:  # a single --adapter: served above, so hot-load it again under a new name
@@ -168,7 +226,8 @@ def main(argv=None) -> dict:
             tenants = {**tenants, hot: next(iter(tenants.values()))}
         hot_info = hot_load(llm.engine, prompts, tenants, hot, args.max_tokens)
     logger.info("demo finished in %.1f s", time.perf_counter() - start)
-    return {"batch": batch, "hot_load": hot_info, "model": model, "tenants": tenants}
+    return {"batch": batch, "lanes": lanes, "hot_load": hot_info, "model": model, "tenants": tenants,
+            "prompt_tenants": setup.prompt_tenants}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """The demo (examples/) and the engine benchmark's machinery (benchmarks/).
 
-The demo is checked against PEFT as the oracle: every tenant's output from the engine equals PEFT's
-greedy output for that tenant, and tenants differ from each other and from the base model.
+The demo is checked against PEFT as the oracle: every tenant's output from the engine (LoRA,
+prompt tuning, or a soft prompt with a LoRA) equals greedy decoding by repeated PEFT forward() calls
+for that tenant (not PEFT generate(), which re-injects the soft prompt every decode step with these
+versions), and tenants differ from each other and from the base model.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 from argparse import Namespace
 from pathlib import Path
 
@@ -14,7 +18,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL_RECIPE = dict(pretrain_steps=150, lora_steps=80, tenants=("pirate", "weather", "chef"))
+SMALL_RECIPE = dict(pretrain_steps=150, lora_steps=80, prompt_steps=80, tenants=("pirate", "weather", "chef"),
+                    prompt_tenants=("sports",))
 
 
 @pytest.fixture
@@ -40,20 +45,44 @@ def bench(monkeypatch):
     return common, bench_engine
 
 
-def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt: str, max_tokens: int) -> str:
-    """The oracle: transformers/PEFT greedy decoding, stopped at EOS, special tokens skipped."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class PeftGreedy:
+    """The oracle: greedy decoding by repeated full forward() calls of transformers/PEFT models,
+    stopped at EOS, special tokens skipped. Models are loaded once per adapter combination."""
 
-    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
-    ids = torch.tensor([tokenizer.encode(prompt)])  # [1, S]
-    with torch.no_grad():
-        out = model.eval().generate(ids, max_new_tokens=max_tokens, do_sample=False,
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return " ".join(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split())
+    def __init__(self, base_dir: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+        self.base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
+        self.models = {(None, None): lambda ids: self.base(input_ids=ids).logits}  # [1, L, vocab]
+
+    def model(self, lora_dir: str | None, soft_prompt_dir: str | None):
+        """ids [1, L] -> logits [1, *, vocab] whose last row predicts the next token."""
+        from peft import PeftModel
+        from safetensors.torch import load_file
+
+        key = (lora_dir, soft_prompt_dir)
+        if key not in self.models:
+            peft_model = PeftModel.from_pretrained(copy.deepcopy(self.base), lora_dir or soft_prompt_dir).eval()
+            if lora_dir and soft_prompt_dir:  # PEFT cannot load both: [soft prompt; embeddings] through the LoRA
+                soft = load_file(f"{soft_prompt_dir}/adapter_model.safetensors")["prompt_embeddings"]  # [n, hidden]
+                embed = peft_model.get_input_embeddings()
+                self.models[key] = lambda ids: peft_model(
+                    inputs_embeds=torch.cat((soft[None], embed(ids)), dim=1)).logits  # [1, n + L, vocab]
+            else:
+                self.models[key] = lambda ids: peft_model(input_ids=ids).logits  # [1, (n +) L, vocab]
+        return self.models[key]
+
+    @torch.no_grad()
+    def __call__(self, prompt: str, max_tokens: int, lora_dir=None, soft_prompt_dir=None) -> str:
+        model = self.model(str(lora_dir) if lora_dir else None, str(soft_prompt_dir) if soft_prompt_dir else None)
+        prompt_ids = self.tokenizer.encode(prompt)
+        ids = list(prompt_ids)
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            if ids[-1] == self.tokenizer.eos_token_id:
+                break
+        return " ".join(self.tokenizer.decode(ids[len(prompt_ids):], skip_special_tokens=True).split())
 
 
 def test_demo_artifacts_cached_and_demo_matches_peft(examples, tmp_path, monkeypatch):
@@ -63,9 +92,12 @@ def test_demo_artifacts_cached_and_demo_matches_peft(examples, tmp_path, monkeyp
     artifacts = demo_artifacts.build_demo_artifacts(tmp_path, recipe, progress=False)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (artifacts.base_dir / name).is_file(), name
-    for path in artifacts.adapters.values():
+    for path in [*artifacts.adapters.values(), *artifacts.prompt_adapters.values()]:
         for name in ("adapter_config.json", "adapter_model.safetensors"):
             assert (path / name).is_file(), path / name
+    soft_config = json.loads((artifacts.prompt_adapters["sports"] / "adapter_config.json").read_text())
+    assert soft_config["peft_type"] == "PROMPT_TUNING"
+    assert soft_config["num_virtual_tokens"] == recipe.num_virtual_tokens
     assert list(tmp_path.iterdir()) == [tmp_path / recipe.key]  # no temporary build folder left
 
     def no_rebuild(*args):
@@ -74,19 +106,31 @@ def test_demo_artifacts_cached_and_demo_matches_peft(examples, tmp_path, monkeyp
     monkeypatch.setattr(demo_artifacts, "_build", no_rebuild)
     assert demo_artifacts.build_demo_artifacts(tmp_path, recipe, progress=False) == artifacts
 
-    # The reduced demo run: a mixed batch, then "chef" hot-loaded while others decode.
+    # The reduced demo run: a mixed batch (LoRAs, a soft prompt, a soft prompt with a LoRA, the base),
+    # then "chef" hot-loaded while others decode.
     monkeypatch.setattr(multi_tenant, "Recipe", lambda: recipe)
     max_tokens = 14
     result = multi_tenant.main(["--cache-dir", str(tmp_path), "--quiet", "--max-tokens", str(max_tokens),
                                 "--device", "cpu"])
-    batch = result["batch"]
-    assert {label for _, label, _ in batch} == {"pirate", "weather", multi_tenant.BASE}
+    batch, lanes = result["batch"], {lane.label: lane for lane in result["lanes"]}
+    assert set(lanes) == {"pirate", "weather", "sports", "sports+pirate", multi_tenant.BASE}
+    assert {label for _, label, _ in batch} == set(lanes) and len(batch) == 2 * len(lanes)
+    combined = lanes["sports+pirate"]
+    assert (combined.lora.name, combined.soft_prompt.name) == ("pirate", "sports")
+    oracle = PeftGreedy(artifacts.base_dir)
     for prompt in {p for p, _, _ in batch}:
         texts = {label: text for p, label, text in batch if p == prompt}
-        assert len(set(texts.values())) == len(texts), f"tenants not distinct on {prompt!r}: {texts}"
+        tenants = {label: text for label, text in texts.items() if label != "sports+pirate"}
+        assert len(set(tenants.values())) == len(tenants), f"tenants not distinct on {prompt!r}: {texts}"
         for label, text in texts.items():
-            adapter = artifacts.adapters.get(label)
-            assert text == peft_greedy(artifacts.base_dir, adapter, prompt, max_tokens), (prompt, label)
+            lora, soft = lanes[label].lora, lanes[label].soft_prompt
+            want = oracle(prompt, max_tokens, lora and artifacts.adapters[lora.name],
+                          soft and artifacts.prompt_adapters[soft.name])
+            assert text == want, (prompt, label)
+        # the soft prompt alone turns the base model's answer into the sports tenant's style
+        assert texts["sports"] != texts[multi_tenant.BASE]
+        assert texts["sports"].split()[0] in {answer.split()[0] for answer in
+                                              examples[0].PROMPT_TENANT_ANSWERS["sports"]}, texts["sports"]
 
     hot = result["hot_load"]
     new = [r for r in hot.values() if r["tenant"] == "chef"]
@@ -95,17 +139,31 @@ def test_demo_artifacts_cached_and_demo_matches_peft(examples, tmp_path, monkeyp
     assert new[0]["added_step"] > 1 and all(r["added_step"] == 0 for r in early)
     # the new tenant joined while the others were still running
     assert all(r["finished_step"] > new[0]["added_step"] for r in early)
-    assert new[0]["text"] == peft_greedy(artifacts.base_dir, artifacts.adapters["chef"], new[0]["prompt"],
-                                         max_tokens)
+    assert new[0]["text"] == oracle(new[0]["prompt"], max_tokens, artifacts.adapters["chef"])
 
 
 def test_demo_argument_errors(examples):
-    _, multi_tenant = examples
+    demo_artifacts, multi_tenant = examples
+    with pytest.raises(ValueError, match="prompt_tenants"):
+        demo_artifacts.Recipe(prompt_tenants=("nobody",))
+    with pytest.raises(ValueError, match="num_virtual_tokens"):
+        demo_artifacts.Recipe(num_virtual_tokens=0)
     with pytest.raises(ValueError, match="NAME=PATH"):
         multi_tenant.parse_adapter("no-equals-sign")
     assert multi_tenant.parse_adapter("a=org/repo=x") == ("a", "org/repo=x")
-    with pytest.raises(SystemExit):
-        multi_tenant.parse_args(["--adapter", "a=b"])  # --adapter without --model
+    with pytest.raises(ValueError, match="--prompt-adapter expects NAME=PATH"):
+        multi_tenant.parse_adapter("=x", "--prompt-adapter")
+    for option in ("--adapter", "--prompt-adapter"):
+        with pytest.raises(SystemExit):
+            multi_tenant.parse_args([option, "a=b"])  # an adapter without --model
+    args = multi_tenant.parse_args(["--model", "m", "--adapter", "a=x", "--adapter", "b=y",
+                                    "--prompt-adapter", "s=z"])
+    setup = multi_tenant.resolve_setup(args)
+    assert (setup.tenants, setup.prompt_tenants, setup.hot) == ({"a": "x", "b": "y"}, {"s": "z"}, "b")
+    lanes = multi_tenant.batch_lanes({"a": "x"}, setup.prompt_tenants)
+    assert [(lane.label, lane.lora and lane.lora.path, lane.soft_prompt and lane.soft_prompt.path)
+            for lane in lanes] == [("a", "x", None), ("s", None, "z"), ("s+a", "x", "z"), (multi_tenant.BASE, None, None)]
+    assert [lane.label for lane in multi_tenant.batch_lanes({"a": "x"}, {})] == ["a", multi_tenant.BASE]
 
 
 def test_workload_generator_is_deterministic(bench):
