@@ -12,13 +12,18 @@ Sections (each in its own try/except: a failure is recorded and the next section
           (hidden 4096, 8 layers, MLP 11008, GQA 32/8 heads, vocab 32000: 1.7B parameters, bf16) that the
           script writes itself. Adapters: AdapterManager.add_dummy (random weights, every module, rank 16;
           no files). Decode tokens/s = tokens generated after every request's prefill / their wall time.
-The table is printed whatever happened; JSON goes to $OUT/gpu_check.json if OUT is set, else results/.
+The table is printed whatever happened; JSON goes to $OUT/gpu_check.json if OUT is set, else results/,
+rewritten after every section (a run killed from outside keeps what finished). Time: the tests get at most
+240 s, the kernel section stops at 70% of --budget-s, the engine section starts no engine within
+ENGINE_SETUP_MARGIN_S of the budget and stops between runs once it is spent; a hang dumps every thread's
+stack and exits at --budget-s + HANG_GRACE_S.
 Needs only torch, triton, safetensors, huggingface_hub, peft, transformers and numpy.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import logging
@@ -38,6 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # a script: the library and bench_kernels
 
 logger = logging.getLogger("gpu_check")
+
+ENGINE_SETUP_MARGIN_S = 60.0  # no new engine (model load, memory profile, graph capture) with less time left
+HANG_GRACE_S = 90.0  # past the budget by this much: dump stacks and exit (a hung capture or kernel)
 
 
 @dataclass(frozen=True)
@@ -187,6 +195,8 @@ def run_engine(sizes: Sizes, results: dict, deadline: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_random_model(Path(tmp), sizes)
         for mode in ("eager", "graphs"):
+            if time.time() > deadline - ENGINE_SETUP_MARGIN_S:
+                raise TimeoutError(f"engine benchmark: no time left to start the {mode} engine")
             start = time.perf_counter()
             engine = make_engine(Path(tmp), sizes, graphs=mode == "graphs")
             graphs = engine.runner.decode_graphs
@@ -254,6 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cpu_smoke:
         torch.set_num_threads(1)  # tiny ops: more threads only add contention
     start = time.time()
+    faulthandler.dump_traceback_later(args.budget_s + HANG_GRACE_S, exit=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     results = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "sections": {},
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__}
@@ -272,12 +284,29 @@ def main(argv: list[str] | None = None) -> dict:
             results.setdefault("errors", {})[name] = traceback.format_exc()
             logger.error("section %s failed:\n%s", name, traceback.format_exc())
         results["sections"][name] = dict(status=status, seconds=round(time.time() - begin, 1))
-    report(results, args.cpu_smoke)
+        write_json(results, stamp)
+    faulthandler.cancel_dump_traceback_later()
+    report(results)
+    write_json(results, stamp, final=True)
     return results
 
 
-def report(results: dict, smoke: bool) -> None:
-    """Print the final table and write the JSON."""
+def write_json(results: dict, stamp: str, final: bool = False) -> None:
+    """Write the results so far (without the compared token ids) to $OUT/gpu_check.json or results/."""
+    data = json.loads(json.dumps(results, default=str))
+    for modes in data.get("engine", {}).values():  # the table compared them; keep the JSON small
+        for run in modes.values():
+            run.pop("token_ids", None)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "results"
+    name = "gpu_check.json" if os.environ.get("OUT") else f"gpu_check-{results['mode']}-{stamp}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / name).write_text(json.dumps(data, indent=1))
+    if final:
+        print(f"wrote {out_dir / name}")
+
+
+def report(results: dict) -> None:
+    """Print the final table."""
     lines = [f"\n## gpu_check ({results['mode']}, {results['device']}, torch {results['torch']})", "",
              "| section | status | seconds |", "|---|---|---|"]
     lines += [f"| {name} | {s['status']} | {s['seconds']} |" for name, s in results["sections"].items()]
@@ -288,15 +317,6 @@ def report(results: dict, smoke: bool) -> None:
         lines.append(f"{mode} engine start-up: {setup['seconds']:.1f} s, {setup['num_kv_blocks']} KV blocks, "
                      f"{setup['num_graphs']} decode graphs")
     print("\n".join(lines), flush=True)
-    for modes in results.get("engine", {}).values():  # the table compared them; keep the JSON small
-        for run in modes.values():
-            run.pop("token_ids", None)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "results"
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = "gpu_check.json" if os.environ.get("OUT") else f"gpu_check-{results['mode']}-{stamp}.json"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / name).write_text(json.dumps(results, indent=1, default=str))
-    print(f"wrote {out_dir / name}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 Every buffer is allocated once at its maximum size, as a CPU tensor (written through a numpy view)
 plus a device copy; a step writes rows [:n] and copies only those. On CPU the device tensor is the
-CPU tensor itself, so nothing is copied.
+CPU tensor itself, so nothing is copied. On CUDA the CPU tensors are pinned and copied with
+non_blocking=True, so the copies may still be queued when build() returns (a step that samples
+nothing never waits for the device): the next build() first waits for them (a CUDA event) before
+it overwrites the CPU tensors.
 
 Prompt adapters: a sequence's first `num_virtual_tokens` positions are its soft prompt's
 placeholders. Each such token gets its prompt-adapter slot and virtual index (its position) in
@@ -105,6 +108,19 @@ class BatchBuilder:
         self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32, device)
         self.sample_indices = _Buffer((max_num_seqs,), torch.int64, device)
         self._arange = np.arange(max(max_num_tokens, max_blocks_per_seq * block_size), dtype=np.int64)
+        # recorded after each step's host->device copies; the next write of the CPU buffers waits for it
+        self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+        self._device = device
+
+    def wait_for_copies(self) -> None:
+        """Block until the last recorded host->device copies have read the CPU buffers (CUDA only)."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+
+    def record_copies(self) -> None:
+        """Mark the copies queued so far; call after copy_to_device, before the CPU buffers change again."""
+        if self._copies_done is not None:
+            self._copies_done.record(torch.cuda.current_stream(self._device))  # the copies' stream
 
     def build(self, chunks: Sequence[SeqChunk]) -> BatchInputs:
         """Flatten `chunks` (in order) into the buffers and return this step's device views."""
@@ -114,6 +130,7 @@ class BatchBuilder:
             raise ValueError(f"batch of {num_seqs} sequences / {num_tokens} tokens exceeds the "
                              f"buffers ({self.max_num_seqs} / {self.max_num_tokens})")
         bs = self.block_size
+        self.wait_for_copies()  # the previous step's non_blocking copies may not have read the buffers yet
         self.block_tables.np[:num_seqs] = 0
         self.query_start_loc.np[0] = 0
         offset, num_samples, max_query_len, max_seq_len, num_virtual = 0, 0, 0, 0, 0
@@ -145,7 +162,7 @@ class BatchBuilder:
         if num_virtual:
             prompt_slots = self.token_prompt_slots.copy_to_device(num_tokens)
             prompt_positions = self.token_prompt_positions.copy_to_device(num_tokens)
-        return BatchInputs(
+        batch = BatchInputs(
             input_ids=self.input_ids.copy_to_device(num_tokens),
             positions=self.positions.copy_to_device(num_tokens),
             slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
@@ -156,6 +173,8 @@ class BatchBuilder:
             sample_indices=self.sample_indices.copy_to_device(num_samples),
             max_query_len=max_query_len, max_seq_len=max_seq_len, has_lora=has_lora,
             token_prompt_slots=prompt_slots, token_prompt_positions=prompt_positions)
+        self.record_copies()
+        return batch
 
     def _map_virtual_tokens(self, i: int, chunk: SeqChunk, offset: int, positions: np.ndarray) -> int:
         """Write chunk i's prompt-adapter rows (positions: its [n] positions); returns its virtual-token count."""

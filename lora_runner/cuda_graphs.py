@@ -159,7 +159,7 @@ def _device_views(builder: BatchBuilder, key: DecodeGraphKey, sample_indices: to
                   has_lora: bool) -> BatchInputs:
     """Copy rows [:key.num_seqs] of the decode buffers to the device; their views as a batch."""
     n = key.num_seqs
-    return BatchInputs(
+    batch = BatchInputs(
         input_ids=builder.input_ids.copy_to_device(n), positions=builder.positions.copy_to_device(n),
         slot_mapping=builder.slot_mapping.copy_to_device(n),
         token_lora_slots=builder.token_lora_slots.copy_to_device(n),
@@ -167,6 +167,8 @@ def _device_views(builder: BatchBuilder, key: DecodeGraphKey, sample_indices: to
         seq_lens=builder.seq_lens.copy_to_device(n), block_tables=builder.block_tables.copy_to_device(n),
         sample_indices=sample_indices, max_query_len=1, max_seq_len=key.context_blocks * builder.block_size,
         has_lora=has_lora)
+    builder.record_copies()  # the next build() waits for these copies before rewriting the CPU rows
+    return batch
 
 
 # ----------------------------------------------------------------------------- graphs
