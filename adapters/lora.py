@@ -29,7 +29,7 @@ import torch
 
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
-from adapters.weights import read_adapter_config, read_adapter_tensors
+from adapters.weights import check_peft_type, read_adapter_config, read_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +141,7 @@ def _candidate_modules(spec: ModelSpec) -> list[str]:
 
 def _check_config(name: str, config: dict, spec: ModelSpec) -> None:
     """Refuse configs this engine cannot run; warn if the adapter was trained on another base model."""
-    peft_type = config.get("peft_type")
-    if peft_type is None:
-        raise InvalidAdapterError(f"adapter {name!r}: adapter_config.json has no peft_type")
-    if str(peft_type).upper() != "LORA":
-        raise UnsupportedAdapterError(f"adapter {name!r}: peft_type={peft_type!r} is not supported as a LoRA; "
-                                      f"supported: {_SUPPORTED_TEXT}")
+    check_peft_type(name, config, "LORA", "a LoRA", _SUPPORTED_TEXT)
     for field, refused, feature in _REFUSED_FIELDS:
         if refused(config.get(field)):
             raise UnsupportedAdapterError(f"adapter {name!r}: {feature} ({field}={config[field]!r}) is not "

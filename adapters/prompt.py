@@ -15,7 +15,7 @@ import torch
 
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.spec import ModelSpec
-from adapters.weights import read_adapter_config, read_adapter_tensors
+from adapters.weights import check_peft_type, read_adapter_config, read_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,7 @@ class PromptWeights:
 
 def _check_config(name: str, config: dict, spec: ModelSpec, max_tokens: int) -> int:
     """Validate the config; returns num_virtual_tokens."""
-    peft_type = config.get("peft_type")
-    if peft_type is None:
-        raise InvalidAdapterError(f"adapter {name!r}: adapter_config.json has no peft_type")
-    if str(peft_type).upper() != "PROMPT_TUNING":
-        raise UnsupportedAdapterError(f"adapter {name!r}: peft_type={peft_type!r} is not supported as a prompt "
-                                      f"adapter; supported: {_SUPPORTED_TEXT}")
+    check_peft_type(name, config, "PROMPT_TUNING", "a prompt adapter", _SUPPORTED_TEXT)
     if config.get("modules_to_save"):
         raise UnsupportedAdapterError(f"adapter {name!r}: modules_to_save={config['modules_to_save']!r} is not "
                                       f"supported; supported: {_SUPPORTED_TEXT}")

@@ -24,6 +24,7 @@ from adapters.errors import (
     AdapterTooLargeError,
     InvalidAdapterError,
     UnsafeAdapterError,
+    UnsupportedAdapterError,
 )
 from adapters.hub import CONFIG_FILE, PICKLE_FILE, SAFETENSORS_FILE
 
@@ -57,6 +58,16 @@ def read_adapter_config(name: str, local_dir: str, max_bytes: int | None = None)
     if not isinstance(config, dict):
         raise InvalidAdapterError(f"adapter {name!r}: {path} must hold a JSON object, got {type(config).__name__}")
     return config
+
+
+def check_peft_type(name: str, config: dict, expected: str, kind: str, supported: str) -> None:
+    """Refuse a config without peft_type (invalid) or of another PEFT method than `expected`."""
+    peft_type = config.get("peft_type")
+    if peft_type is None:
+        raise InvalidAdapterError(f"adapter {name!r}: adapter_config.json has no peft_type")
+    if str(peft_type).upper() != expected:
+        raise UnsupportedAdapterError(f"adapter {name!r}: peft_type={peft_type!r} is not supported as {kind}; "
+                                      f"supported: {supported}")
 
 
 def _read_safetensors(name: str, path: str) -> dict[str, torch.Tensor]:
