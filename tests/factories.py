@@ -29,6 +29,11 @@ def tiny_config(arch: str = "llama", **overrides):
     return cls(**kwargs)
 
 
+# The smallest Llama the adapter-churn tests need: loads and slot writes cost next to nothing.
+MICRO_LLAMA = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1)
+
+
 def build_tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     """A random transformers causal LM in fp32 eval mode."""
     from transformers import AutoModelForCausalLM

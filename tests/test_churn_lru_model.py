@@ -30,8 +30,7 @@ DUMMY_RANKS = st.sampled_from([1, 3])
 @pytest.fixture(scope="module")
 def lru_env(tmp_path_factory):
     root = tmp_path_factory.mktemp("lru")
-    base = factories.build_tiny_model("llama", seed=12, vocab_size=32, hidden_size=16, intermediate_size=24,
-                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    base = factories.build_tiny_model("llama", seed=12, **factories.MICRO_LLAMA)
     spec = factories.model_spec(base)
     dirs, sizes = {}, {}
     for source, rank in (("s1", 1), ("s2", 2), ("s4", 4)):

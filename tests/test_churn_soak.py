@@ -36,8 +36,7 @@ DUMMY_RANKS = (1, 3, 8)
 @pytest.fixture(scope="module")
 def soak_env(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak")
-    base = factories.build_tiny_model("llama", seed=11, vocab_size=32, hidden_size=16, intermediate_size=24,
-                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    base = factories.build_tiny_model("llama", seed=11, **factories.MICRO_LLAMA)
     spec = factories.model_spec(base)
     dirs, nbytes, ranks = {}, {}, {}
     for name, kwargs in SOURCES.items():
