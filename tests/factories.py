@@ -180,3 +180,11 @@ def write_malicious_pickle(path, marker) -> Path:
     torch.save({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(1),
                 "payload": _RunsCodeWhenUnpickled(marker)}, str(target))
     return target
+
+
+# ---------------------------------------------------------------- hostile: finite but huge LoRA weights
+def save_huge_lora(base_model, path, magnitude: float = 1e18, seed: int = 0, r: int = 4, **lora_kwargs):
+    """A PEFT LoRA whose weights are all finite (they pass the loader's NaN/inf check) but about
+    ``magnitude`` in size, so its delta overflows float32 activations: its tenant's logits turn
+    NaN/inf. Returns the PeftModel."""
+    return save_lora(base_model, path, seed=seed, r=r, scale=magnitude, **lora_kwargs)
