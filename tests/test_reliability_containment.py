@@ -188,7 +188,7 @@ def test_sampler_contains_non_finite_rows_and_rows_that_raise():
     assert [out.logprobs[i] for i in good] == alone.logprobs
 
     params[5] = SamplingParams(temperature=0.7)
-    params[5].top_p = "not a number"  # gets past validation, breaks the batch: the rows go one at a time
+    params[5].logprobs = "many"  # gets past validation and breaks the batch after the random draws
     out = _sample_rows(params, logits, seeds)
     assert out.errors[5] is not None and out.errors[:5] == [None] * 5
     assert [out.token_ids[i] for i in good] == alone.token_ids  # seeded rows rewound before the retry
