@@ -12,7 +12,7 @@ Safetensors weights are read whole into memory the process owns (one read of the
 against ``max_bytes``) and parsed from those bytes; nothing stays memory-mapped, so a file truncated
 or rewritten during a load (``cp`` over a served adapter) gives a consistent read or an
 :class:`InvalidAdapterError`, never a SIGBUS. A file that changes while it is read (its size,
-modification time or inode differ before and after) is refused; replacing a file atomically
+or modification time differ before and after) is refused; replacing a file atomically
 (write a temporary file, then rename it over) is always read consistently, old or new.
 
 ``adapter_config.json`` is capped at :data:`MAX_CONFIG_BYTES` (checked before reading), and its
@@ -52,8 +52,9 @@ def _check_size(name: str, path: str, max_bytes: int | None, size: int | None = 
 
 
 def _file_version(stat: os.stat_result) -> tuple:
-    """What changes when a file is rewritten, truncated or replaced."""
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+    """What changes when an open file's content is written or truncated (not its ctime: that also
+    changes when the file is renamed over or unlinked, which leaves the open file's content intact)."""
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _read_owned_bytes(name: str, path: str, max_bytes: int | None, limit_name: str = "max_adapter_bytes") -> bytes:

@@ -205,12 +205,13 @@ def save_hostile_pattern_lora(base_model, path, field: str, pattern: str, **lora
 
 
 def pad_adapter_config(path, nbytes: int) -> int:
-    """Grow a saved adapter's adapter_config.json to about ``nbytes`` with a junk field; returns its size."""
+    """Grow a saved adapter's adapter_config.json to ``nbytes`` with a junk field; returns its size."""
     import json
 
     config_path = Path(path) / "adapter_config.json"
     config = json.loads(config_path.read_text())
-    config["padding"] = "x" * max(0, nbytes - len(config_path.read_bytes()))
+    config["padding"] = ""
+    config["padding"] = "x" * max(0, nbytes - len(json.dumps(config)))
     config_path.write_text(json.dumps(config))
     return config_path.stat().st_size
 
