@@ -15,6 +15,10 @@ adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA, modules_to
 trainable tokens, aLoRA, QALoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA, MiCA, and un-converted
 PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA adapters (they need a modified base model). Everything is validated
 before any slot is touched.
+
+The config's regexes (target_modules as a string, exclude_modules, layers_pattern, rank_pattern and
+alpha_pattern keys) are tenant input: :mod:`adapters.patterns` runs them in RE2 (linear time), never
+in Python's backtracking ``re``.
 """
 
 from __future__ import annotations
