@@ -189,6 +189,7 @@ def save_huge_lora(base_model, path, magnitude: float = 1e18, seed: int = 0, r: 
     NaN/inf. Returns the PeftModel."""
     return save_lora(base_model, path, seed=seed, r=r, scale=magnitude, **lora_kwargs)
 
+
 # ---- hostile adapters (issue 11): backtracking regexes, files rewritten during a load, huge configs ----
 
 # Catastrophic backtracking for Python's re on any module key; RE2 answers "no match" in linear time.
