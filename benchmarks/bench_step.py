@@ -5,7 +5,8 @@ machine):
 
   host ms/step   the tiny model (2 layers, hidden 64: the model itself costs almost nothing), N
                  running requests all in decode, A distinct adapters spread round-robin over them;
-                 CPU milliseconds per `LLMEngine.step()` for N in 1/16/64/256, A in 0/8/32.
+                 median CPU milliseconds per `LLMEngine.step()` for N in 1/16/64/256, A in 0/8/32
+                 (--paths times several torch LoRA strategies on alternating steps).
   decode tok/s   the ~100M-parameter model of bench_engine --quick, one batch of equal-length
                  prompts, greedy, EOS ignored: the engine base-only and with 8 adapters, and
                  transformers' own `generate` on the same prompts (base). Decode tokens/s excludes
@@ -15,6 +16,7 @@ machine):
     python benchmarks/bench_step.py                 # both, ~3 min on one CPU core
     python benchmarks/bench_step.py --skip-decode   # host table only
     python benchmarks/bench_step.py --profile 64/8  # also a cProfile summary of that row's steps
+    python benchmarks/bench_step.py --paths auto segmented   # A/B of the torch LoRA strategies
 
 Writes results/bench_step-<time>.json. Targets (issue 14): <= 1 ms host per step at 64 requests
 with 8 adapters; engine base >= generate; engine with 8 adapters >= 0.9x engine base.
@@ -23,11 +25,13 @@ with 8 adapters; engine base >= generate; engine with 8 adapters >= 0.9x engine 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import logging
 import pstats
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -46,8 +50,17 @@ DECODE_SHAPE = ModelShape(hidden_size=768, intermediate_size=2048, num_layers=8,
 RANK = 16
 PROMPT_LEN = 16
 PROFILE_STEPS = 10  # profiled together: one step is too short for cProfile's resolution
-HOST_COLUMNS = [("num_requests", "requests", "d"), ("num_adapters", "adapters", "d"),
-                ("host_ms", "host ms/step", ".2f"), ("vs_no_adapters", "vs 0 adapters", ".2f")]
+
+
+def host_columns(paths: list[str]) -> list[tuple[str, str, str]]:
+    """Table columns: host ms per step and the ratio to 0 adapters, per torch LoRA path."""
+    columns = [("num_requests", "requests", "d"), ("num_adapters", "adapters", "d")]
+    for path in paths:
+        columns += [(f"host_ms_{path}", f"host ms/step ({path})", ".2f"),
+                    (f"vs_no_adapters_{path}", f"vs 0 adapters ({path})", ".2f")]
+    return columns
+
+
 DECODE_COLUMNS = [("run", "run", ""), ("batch", "batch", "d"), ("new_tokens", "new tokens", "d"),
                   ("decode_tokens_per_s", "decode tok/s", ".1f"),
                   ("total_tokens_per_s", "total tok/s", ".1f"),
@@ -88,35 +101,58 @@ def step_until_all_decoding(engine, num_requests: int) -> None:
         started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
 
 
-def timed_decode_steps(engine, num_requests: int, num_steps: int) -> float:
-    """CPU seconds of `num_steps` decode steps; every step must advance every request."""
-    start = time.process_time()
+def timed_decode_steps(engine, num_requests: int, num_steps: int) -> list[float]:
+    """CPU seconds of each of `num_steps` decode steps; every step must advance every request."""
+    seconds = []
     for _ in range(num_steps):
+        start = time.process_time()
         outputs = engine.step()
+        seconds.append(time.process_time() - start)
         assert len(outputs) == num_requests, f"a step advanced {len(outputs)} of {num_requests}"
-    return time.process_time() - start
+    return seconds
+
+
+@contextlib.contextmanager
+def torch_lora_path(path: str):
+    """Force the torch LoRA path's strategy ("padded" / "segmented"); "auto" leaves its choice."""
+    from punica_kernels import reference
+
+    chooser = reference.use_padded
+    if path != "auto":
+        reference.use_padded = lambda *args: path == "padded"
+    try:
+        yield
+    finally:
+        reference.use_padded = chooser
 
 
 def host_row(model_dir: str, adapter_paths: list[Path], num_requests: int, num_adapters: int,
-             num_steps: int, profile: bool) -> dict:
-    """CPU ms per decode step at `num_requests` running requests over `num_adapters` adapters."""
+             args, profile: bool) -> dict:
+    """Median CPU ms per decode step at `num_requests` running requests over `num_adapters`
+    adapters, for each torch LoRA path of args.paths (alternating steps of one engine, so a busy
+    machine slows them alike)."""
     # requests whose adapter loaded first start decoding early: leave them room to go on
-    max_tokens = 2 * num_steps + PROFILE_STEPS + 16
+    max_tokens = (len(args.paths) + 1) * args.steps + PROFILE_STEPS + 16
     engine = make_engine(model_dir, num_requests, max(1, num_adapters), PROMPT_LEN + max_tokens)
     add_requests(engine, adapter_paths, num_requests, num_adapters, max_tokens,
                  TINY_SHAPE.vocab_size)
     step_until_all_decoding(engine, num_requests)
     timed_decode_steps(engine, num_requests, 2)  # warm-up
-    seconds = timed_decode_steps(engine, num_requests, num_steps - 2)
-    row = {"num_requests": num_requests, "num_adapters": num_adapters,
-           "host_ms": 1e3 * seconds / (num_steps - 2), "steps": num_steps - 2}
+    seconds = {path: [] for path in args.paths}
+    for _ in range(args.steps):
+        for path in args.paths:
+            with torch_lora_path(path):
+                seconds[path] += timed_decode_steps(engine, num_requests, 1)
+    row = {"num_requests": num_requests, "num_adapters": num_adapters, "steps": args.steps}
+    for path in args.paths:
+        row[f"host_ms_{path}"] = 1e3 * statistics.median(seconds[path])
     if profile:
         profiler = cProfile.Profile()
         profiler.enable()
         timed_decode_steps(engine, num_requests, PROFILE_STEPS)
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
         row["profile"] = text.getvalue()
     engine.close()
     return row
@@ -130,15 +166,15 @@ def host_table(tmp: Path, args) -> list[dict]:
                                          progress=False)
     rows = []
     for num_requests in args.requests:
-        for num_adapters in args.adapters:  # the first is 0: the base of the ratio
+        for num_adapters in args.adapters:  # the first is 0: the base of the ratios
             profile = args.profile == f"{num_requests}/{num_adapters}"
-            row = host_row(str(model_dir), adapter_paths, num_requests, num_adapters,
-                           args.steps, profile)
-            base_ms = row["host_ms"] if not num_adapters else base_ms
-            row["vs_no_adapters"] = row["host_ms"] / base_ms
+            row = host_row(str(model_dir), adapter_paths, num_requests, num_adapters, args, profile)
+            base_row = row if not num_adapters else base_row
+            for path in args.paths:
+                row[f"vs_no_adapters_{path}"] = row[f"host_ms_{path}"] / base_row[f"host_ms_{path}"]
             rows.append(row)
-            logger.info("host %d requests / %d adapters: %.2f ms", num_requests, num_adapters,
-                        row["host_ms"])
+            logger.info("host %d requests / %d adapters: %s ms", num_requests, num_adapters,
+                        {path: round(row[f"host_ms_{path}"], 2) for path in args.paths})
     return rows
 
 
@@ -224,7 +260,10 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--adapters", type=int, nargs="+", default=[0, 8, 32],
                    help="distinct adapters per row; the first must be 0 (the ratio's base)")
-    p.add_argument("--steps", type=int, default=22, help="decode steps per host row (2 warm up)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per host row and path")
+    p.add_argument("--paths", nargs="+", default=["auto"], choices=("auto", "padded", "segmented"),
+                   help="torch LoRA strategies to time, alternating steps (segmented = one "
+                        "matmul group per adapter, as before issue 14)")
     p.add_argument("--profile", help="REQUESTS/ADAPTERS row to profile one step of, e.g. 64/8")
     p.add_argument("--batch", type=int, default=16, help="requests of the decode comparison")
     p.add_argument("--new-tokens", type=int, default=32)
@@ -258,7 +297,7 @@ def main(argv=None) -> dict:
             print(f"cProfile of {PROFILE_STEPS} decode steps, {row['num_requests']} requests / "
                   f"{row['num_adapters']} adapters (cumulative):\n{row['profile']}")
     if host:
-        print(markdown_table(host, HOST_COLUMNS))
+        print(markdown_table(host, host_columns(args.paths)))
     if decode:
         print("\n" + markdown_table(decode, DECODE_COLUMNS))
         print(f"engine base tokens equal generate's for "
