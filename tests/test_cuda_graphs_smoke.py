@@ -57,6 +57,7 @@ def smoke(tmp_path_factory):
     return proc.stdout, json.loads((out / "gpu_check.json").read_text())
 
 
+@pytest.mark.slow  # shares one ~30-60 s gpu_check subprocess
 def test_every_section_ran_and_every_figure_is_finite(smoke):
     stdout, results = smoke
     assert {name: s["status"] for name, s in results["sections"].items()} == {
@@ -68,6 +69,7 @@ def test_every_section_ran_and_every_figure_is_finite(smoke):
     assert len(values) > 50 and all(math.isfinite(value) for _, value in values), values
 
 
+@pytest.mark.slow  # shares one ~30-60 s gpu_check subprocess
 def test_kernel_points_match_the_reference_and_their_byte_counts(smoke):
     """bench_point asserts add_lora == gather+bmm before it times anything (a mismatch becomes an
     error row and fails the section); each row's GB/s and speedup follow from its own timings."""
@@ -86,6 +88,7 @@ def test_kernel_points_match_the_reference_and_their_byte_counts(smoke):
         assert row["speedup_vs_gather"] == pytest.approx(row["gather_us"] / row["lora_us"], rel=1e-9)
 
 
+@pytest.mark.slow  # shares one ~30-60 s gpu_check subprocess
 def test_graphed_engine_decodes_the_eager_tokens(smoke):
     """Emulated decode graphs (captured with a warmup adapter, replayed with 0, 2 or 4 distinct
     adapters) give exactly the eager engine's greedy tokens, and every decode step replays."""

@@ -206,6 +206,7 @@ def test_sgmv_kernels_compile_for_sm90_within_shared_memory(dtype, rank, monkeyp
         assert 0 < shared <= 227 * 1024, (name, constexprs, shared)
 
 
+@pytest.mark.slow  # a ~15-20 s gpu_check subprocess
 def test_gpu_check_starts_no_engine_without_time_and_still_writes_json(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--sections", "engine",
