@@ -81,9 +81,9 @@ def use_padded(layout: _Layout, n_slices: int, rank: int, in_features: int,
     """True when the padded path's copies (the present slots' A [n, R, K] and B [N, R], and
     U * width padded rows of K inputs and N outputs) stay within
     :data:`PADDED_ELEMENTS_PER_SLOT` per slot present. Pass 0 for the half an op does not touch."""
-    num_present = layout.present.shape[0]
-    per_slot = rank * (n_slices * in_features + out_features) + layout.width * (in_features + out_features)
-    return per_slot <= PADDED_ELEMENTS_PER_SLOT
+    weights = rank * (n_slices * in_features + out_features)  # one slot's A and B
+    rows = layout.width * (in_features + out_features)  # one slot's padded inputs and outputs
+    return weights + rows <= PADDED_ELEMENTS_PER_SLOT
 
 
 # ------------------------------------------------------------------ padded: one bmm for all slots
