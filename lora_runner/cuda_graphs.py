@@ -47,11 +47,11 @@ def cuda_graphs_available(device: torch.device) -> bool:
     and cannot be captured (a warning says so)."""
     if torch.device(device).type != "cuda":
         return False
-    from punica_kernels import ops
+    import punica_kernels
 
-    if ops.triton_ops is None:
+    if not punica_kernels.triton_available():
         logger.warning("CUDA graphs disabled: Triton is not importable, and the torch LoRA path cannot "
-                       "be captured (%s)", ops._TRITON_IMPORT_ERROR)
+                       "be captured (%s)", punica_kernels.triton_import_error())
         return False
     return True
 

@@ -31,6 +31,17 @@ BACKENDS = ("auto", "triton", "torch")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def triton_available() -> bool:
+    """True when the Triton kernels imported (backend="triton" works; CUDA graphs can capture
+    LoRA). When False, :func:`triton_import_error` says why."""
+    return triton_ops is not None
+
+
+def triton_import_error() -> ImportError | None:
+    """The ImportError that made Triton unavailable, or None."""
+    return _TRITON_IMPORT_ERROR
+
+
 class BackendUnavailableError(RuntimeError):
     """backend="triton" was asked for but Triton cannot be imported here."""
 

@@ -143,11 +143,10 @@ class Soak:
         self.source_of_ref[ref] = source
 
     def _wait(self, ref, timeout=20.0):
-        deadline = time.monotonic() + timeout
-        while (state := self.m.loras.state(ref)) == "loading":
-            assert time.monotonic() < deadline, f"{ref} still loading"
-            time.sleep(0.0005)
-        return state
+        """The version's state once its load is over: waits on the load's done event (set by the
+        loading thread), no polling; the timeout is a hang guard only."""
+        assert self.m.loras._get(ref).done.wait(timeout), f"{ref} still loading"
+        return self.m.loras.state(ref)
 
     def _activate(self):
         """Activate a random mix of held refs and cached names, then check each slot holds its adapter."""
@@ -204,7 +203,7 @@ class Soak:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_soak_memory_returns_to_what_resident_adapters_need(soak_env, device):
-    threads_before = threading.active_count()
+    threads_before = set(threading.enumerate())
     baseline = tensor_census()
     m = AdapterManager(soak_env["spec"], max_loras=MAX_LORAS, max_lora_rank=MAX_RANK, max_cpu_loras=MAX_CPU,
                        device=device, load_workers=2)
@@ -260,5 +259,6 @@ def test_soak_memory_returns_to_what_resident_adapters_need(soak_env, device):
               f"events {soak.events}")
     finally:
         m.close()
-    time.sleep(0.05)
-    assert threading.active_count() <= threads_before + 2  # at most the pool's workers linger
+    for thread in set(threading.enumerate()) - threads_before:  # the load pool's workers end on close()
+        thread.join(20)
+        assert not thread.is_alive(), f"{thread.name} still runs after AdapterManager.close()"

@@ -1,6 +1,10 @@
 """LLMEngine fed from other threads while one thread loops on step(): add_request (token and string
 prompts), abort_request, add_lora (including replacements), remove_lora, pin_lora and unpin_lora.
 
+No sleeps: producers and the stepping thread move in rounds through a barrier (each round, every
+producer makes its calls while the main thread is inside step()), and races are staged with
+events, so each run exercises the same interleavings up to the order of calls within a round.
+
 The contract (LLMEngine docstring): those calls are safe from any thread; step() is called by one
 thread at a time (a concurrent second caller gets RuntimeError). Every request gets exactly one finished output; a request that was not aborted matches the
 transformers/PEFT oracle of the adapter version it named, or fails alone with its AdapterError; an
@@ -18,6 +22,7 @@ from lora_runner import LLMEngine, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "is", "red", "blue"]
+WAIT_S = 60  # hang guard for barriers and events, never reached by a working engine
 
 
 def make_engine(path, **kwargs):
@@ -29,10 +34,11 @@ def make_engine(path, **kwargs):
 class Producer(threading.Thread):
     """Adds requests with random adapters and prompt forms, aborts some, churns adapters meanwhile."""
 
-    def __init__(self, engine, adapters, seed, num_requests, missing_dir):
+    def __init__(self, engine, adapters, seed, num_requests, missing_dir, rounds: threading.Barrier):
         super().__init__(name=f"producer-{seed}")
         self.engine, self.adapters, self.rng = engine, adapters, random.Random(seed)
         self.seed, self.num_requests, self.missing_dir = seed, num_requests, missing_dir
+        self.rounds = rounds  # one round: every producer's calls for one request, and one step()
         self.requests = {}  # id -> (prompt, adapter source name or None or "missing")
         self.aborted, self.errors = set(), []
 
@@ -49,6 +55,7 @@ class Producer(threading.Thread):
         rng = self.rng
         try:
             for i in range(self.num_requests):
+                self.rounds.wait(WAIT_S)
                 request_id = f"p{self.seed}-{i}"
                 choice = rng.choice([None, "r4", "r8-qv", "r16-mlp", "tenant=r4", "tenant=r8-rslora", "missing"])
                 if rng.random() < 0.3:
@@ -62,9 +69,9 @@ class Producer(threading.Thread):
                     self.engine.abort_request(victim)
                     self.aborted.add(victim)
                 self.churn()
-                time.sleep(rng.random() * 0.004)
         except Exception as exc:  # noqa: BLE001 - reported by the test
             self.errors.append(exc)
+            self.rounds.abort()  # the stepping thread stops waiting and reports it
 
     def churn(self):
         rng, engine = self.rng, self.engine
@@ -91,17 +98,30 @@ def test_engine_fed_from_threads_while_stepping(engine_checkpoint, greedy_oracle
     path, hf, adapters = engine_checkpoint
     engine = make_engine(path, max_num_seqs=8)
     tokenizer = engine.tokenizer.get()
-    producers = [Producer(engine, adapters, seed, 10, str(tmp_path / "missing")) for seed in range(3)]
+    num_rounds = 10
+    rounds = threading.Barrier(4)  # three producers and this thread
+    producers = [Producer(engine, adapters, seed, num_rounds, str(tmp_path / "missing"), rounds)
+                 for seed in range(3)]
     for producer in producers:
         producer.start()
-    done, reported, steps = {}, [], 0
-    deadline = time.monotonic() + 300
-    while any(p.is_alive() for p in producers) or engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "the step loop did not drain"
+    done, reported = {}, []
+
+    def step():
         for output in engine.step():
             if output.finished:
                 reported.append(output.request_id)
                 done[output.request_id] = output
+
+    deadline = time.monotonic() + 300  # hang guard only (background adapter loads take real time)
+    steps = 0
+    while steps < num_rounds or engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the step loop did not drain"
+        if steps < num_rounds:  # producers make their calls while this step runs
+            try:
+                rounds.wait(WAIT_S)
+            except threading.BrokenBarrierError:
+                break  # a producer failed: its error is asserted below
+        step()
         steps += 1
         # unpin now and then: with both slots pinned, requests for other LoRAs fail (by design)
         if steps % 2 == 0:
@@ -152,6 +172,31 @@ def test_engine_fed_from_threads_while_stepping(engine_checkpoint, greedy_oracle
     assert stats["num_cpu"] == 0 and stats["num_resident"] == 0 and stats["cpu_bytes"] == 0
 
 
+class ObservedLock:
+    """Stands in for a lock and sets ``contended`` when a thread has to wait for it."""
+
+    def __init__(self, lock, contended: threading.Event):
+        self._lock, self._contended = lock, contended
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self._contended.set()
+        return self._lock.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 @pytest.mark.parametrize("call", ["pin", "remove"])
 def test_adapter_calls_between_schedule_and_activate(engine_checkpoint, greedy_oracle, call):
     """A pin (or remove) from another thread lands between the step's scheduling and its activation of
@@ -168,15 +213,21 @@ def test_adapter_calls_between_schedule_and_activate(engine_checkpoint, greedy_o
     engine.step()
     engine.add_request("mlp", [7, 8, 9], PARAMS, lora_request=loras["r16-mlp"])  # will evict r4's slot
     engine.add_request("qv", [10, 11], PARAMS, lora_request=loras["r8-qv"])
-    schedule, other = engine.scheduler.schedule, {}
+    schedule, other, settled = engine.scheduler.schedule, {}, threading.Event()
+    engine._adapter_lock = ObservedLock(engine._adapter_lock, contended=settled)
+
+    def race():
+        getattr(engine, f"{call}_lora")("r4")
+        settled.set()
 
     def schedule_then_race():
         out = schedule()
         if "thread" not in other:  # once: another thread pins the slot the step is about to evict
-            other["thread"] = threading.Thread(
-                target=lambda: getattr(engine, f"{call}_lora")("r4"), name="racer")
+            other["thread"] = threading.Thread(target=race, name="racer")
             other["thread"].start()
-            other["thread"].join(timeout=0.5)
+            # the call has either finished (it landed between schedule and activate) or waits for
+            # the step's adapter lock (it lands after activation): both are legal, neither is a guess
+            assert settled.wait(WAIT_S)
         return out
 
     engine.scheduler.schedule = schedule_then_race
@@ -185,7 +236,8 @@ def test_adapter_calls_between_schedule_and_activate(engine_checkpoint, greedy_o
         done.update({o.request_id: o for o in engine.step() if o.finished})
         if not engine.has_unfinished_requests():
             break
-    other["thread"].join()
+    other["thread"].join(WAIT_S)
+    assert not other["thread"].is_alive()
     for request_id, prompt, name in (("mlp", [7, 8, 9], "r16-mlp"), ("qv", [10, 11], "r8-qv")):
         assert done[request_id].outputs[0].token_ids == greedy_oracle(adapters[name][1], prompt, PARAMS.max_tokens)[0]
     assert ("r4" in engine.list_loras()) == (call == "pin")

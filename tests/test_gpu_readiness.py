@@ -78,13 +78,49 @@ def test_decode_graph_forward_and_meta_prepare_have_no_host_sync(engine_checkpoi
         assert len(calls) == 4 * engine.model_config.num_layers and all(calls)  # every LoRA linear, right T
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def half_precision_logprob_tolerance(dtype) -> float:
+    """Two units in the last place of a logit in [8, 16) (this model's largest logits).
+
+    Graphed and eager decode are not bit-identical in half precision: a graph attends over its
+    context bucket with a mask (eager over the batch's own context length), so the attention's
+    reductions are blocked differently and round differently (fp16 SDPA already differs by an ulp
+    on a masked, padded context; bf16 on wider ones). That last-bit difference in the hidden
+    states reaches the logits as about one ulp of their magnitude: measured up to 0.056 in bf16
+    (ulp 0.0625 at 8..16) and 0.006 in fp16 (ulp 0.0078) over three seeds.
+    """
+    return 16 * torch.finfo(dtype).eps
+
+
+def assert_same_decoding(want, got, tol: float) -> int:
+    """Graphed tokens equal eager ones and every logprob agrees within tol, up to a token where a
+    near-tie flips (both engines' top two within 2 * tol; the contexts differ after it, so the
+    request is compared no further). Returns the number of requests that flipped."""
+    flips = 0
+    for request_id, out in want.items():
+        completion, expected = got[request_id].outputs[0], out.outputs[0]
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 6, request_id
+        for step, (token, expected_token) in enumerate(zip(completion.token_ids, expected.token_ids)):
+            lp, expected_lp = completion.logprobs[step], expected.logprobs[step]
+            assert all(torch.isfinite(torch.tensor(list(lp.values()))))
+            if token != expected_token:  # a flip must be a near-tie in both engines
+                assert {token, expected_token} <= lp.keys() & expected_lp.keys(), (request_id, step)
+                assert abs(lp[token] - lp[expected_token]) <= 2 * tol, (request_id, step, lp)
+                assert abs(expected_lp[token] - expected_lp[expected_token]) <= 2 * tol, (request_id, step)
+                flips += 1
+                break
+            for candidate in lp.keys() & expected_lp.keys():
+                assert abs(lp[candidate] - expected_lp[candidate]) <= tol, (request_id, step, lp, expected_lp)
+    return flips
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_engine_with_emulated_graphs_matches_eager(engine_checkpoint, dtype):
     """The CUDA default dtype (bf16) and fp16 through the whole engine on CPU: prefill, LoRA slots
-    in half precision, padded decode graphs; the graphed engine gives the eager engine's tokens."""
+    in half precision, padded decode graphs; the graphed engine gives the eager engine's tokens,
+    and logprobs within two ulps of a logit (see half_precision_logprob_tolerance)."""
     path, _, adapters = engine_checkpoint
     rng = random.Random(5)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     requests = []
     for i in range(10):
         name = rng.choice(NAMES + [None])
@@ -100,16 +136,10 @@ def test_half_precision_engine_with_emulated_graphs_matches_eager(engine_checkpo
     assert graphed.adapter_manager.lora_slots.weights(0, "qkv")[0].dtype == dtype
     want, got = run_all(eager, requests, per_step=3), run_all(graphed, requests, per_step=3)
     assert graphed.runner.decode_graphs.num_replays >= 5
-    identical = 0
-    for request_id, out in want.items():
-        completion, expected = got[request_id].outputs[0], out.outputs[0]
-        assert completion.finish_reason == "length" and len(completion.token_ids) == 6
-        assert all(torch.isfinite(torch.tensor(list(lp.values()))).all() for lp in completion.logprobs)
-        assert completion.token_ids[0] == expected.token_ids[0]  # prefills run eagerly in both engines
-        assert completion.logprobs[0] == expected.logprobs[0]
-        identical += completion.token_ids == expected.token_ids
-    # padded decode batches round differently in half precision: a near-tie may flip on some CPUs
-    assert identical >= len(want) - 2, identical
+    for request_id, out in want.items():  # prefills run eagerly in both engines: bit-identical
+        assert got[request_id].outputs[0].token_ids[0] == out.outputs[0].token_ids[0]
+        assert got[request_id].outputs[0].logprobs[0] == out.outputs[0].logprobs[0]
+    assert_same_decoding(want, got, half_precision_logprob_tolerance(dtype))
 
 
 class _RecordedLaunch:
@@ -176,6 +206,7 @@ def test_sgmv_kernels_compile_for_sm90_within_shared_memory(dtype, rank, monkeyp
         assert 0 < shared <= 227 * 1024, (name, constexprs, shared)
 
 
+@pytest.mark.slow  # a ~15-20 s gpu_check subprocess
 def test_gpu_check_starts_no_engine_without_time_and_still_writes_json(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--sections", "engine",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from punica_kernels import LoRAMeta, add_lora, lora_expand, lora_shrink
+from punica_kernels import LoRAMeta, add_lora, lora_expand, lora_shrink, reference
 
 POPULARITY = ("distinct", "uniform", "skewed", "identical", "all_none", "mixed_none")
 # name -> (K, slice_sizes): 1-3 slices, unequal widths (q,k,v under GQA), widths not multiples of 64
@@ -164,3 +164,101 @@ def test_torch_path_ignores_slot_ranks_with_zero_padding():
     add_lora(y, case.x, case.lora_a, case.lora_b, prepared_meta(case, with_ranks=True),
              case.slice_sizes, backend="torch")
     torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- both torch strategies, forced
+PATHS = ("padded", "segmented")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("num_tokens,layout", [(1, "o"), (9, "qkv"), (64, "qkv_wide"),
+                                               (200, "gate_up")])
+def test_torch_paths_match_per_token_loop(path, popularity, num_tokens, layout):
+    case = make_case(num_tokens, layout, 16, popularity, mixed_ranks=True,
+                     seed=7 * num_tokens + len(popularity), dtype=torch.float64)
+    y = case.y.clone()
+    reference.add_lora(y, case.x, case.lora_a, case.lora_b, prepared_meta(case),
+                       case.slice_sizes, path=path)
+    torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+    untouched = case.token_slots < 0
+    assert torch.equal(y[untouched], case.y[untouched])  # bit-identical
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_torch_paths_shrink_expand_poisoned(path):
+    case = make_case(33, "qkv", 8, "mixed_none", mixed_ranks=True, seed=21, dtype=torch.float64)
+    meta = prepared_meta(case)
+    inter = torch.full((33, 3, 8), float("nan"), dtype=torch.float64)  # poisoned
+    reference.lora_shrink(case.x, case.lora_a, meta, inter, path=path)
+    lora_rows = case.token_slots >= 0
+    expected = torch.einsum("tk,tjrk->tjr", case.x[lora_rows],
+                            case.lora_a[case.token_slots[lora_rows]])  # [m, n, R]
+    torch.testing.assert_close(inter[lora_rows], expected, rtol=1e-12, atol=1e-12)
+    assert inter[~lora_rows].isnan().all()
+    y = case.y.clone()
+    reference.lora_expand(y, inter, case.lora_b, meta, case.slice_sizes, path=path)
+    torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+    assert torch.equal(y[~lora_rows], case.y[~lora_rows])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_torch_paths_float32_nan_rows_stay_local(path):
+    """A NaN in the input row of a slot -1 token must not leak into LoRA rows (padding rows of the
+    padded path repeat LoRA tokens, never other rows)."""
+    case = make_case(40, "gate_up", 16, "mixed_none", seed=4, dtype=torch.float32)
+    case.x[case.token_slots < 0] = float("nan")
+    y = case.y.clone()
+    reference.add_lora(y, case.x, case.lora_a, case.lora_b, prepared_meta(case),
+                       case.slice_sizes, path=path)
+    lora_rows = case.token_slots >= 0
+    torch.testing.assert_close(y[lora_rows].double(), naive_add_lora(case)[lora_rows],
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[~lora_rows], case.y[~lora_rows])
+
+
+def test_torch_layout_follows_every_prepare():
+    """The per-prepare layout cache must not serve a previous batch's token order."""
+    first = make_case(24, "qkv", 8, "uniform", seed=1, dtype=torch.float64)
+    meta = prepared_meta(first, max_num_tokens=64)
+    y = first.y.clone()
+    add_lora(y, first.x, first.lora_a, first.lora_b, meta, first.slice_sizes, backend="torch")
+    for seed, num_tokens in ((2, 24), (3, 50)):  # same T with new slots, then a new T
+        case = make_case(num_tokens, "qkv", 8, "skewed", seed=seed, dtype=torch.float64)
+        meta.prepare(case.token_slots)
+        y = case.y.clone()
+        add_lora(y, case.x, first.lora_a, first.lora_b, meta, case.slice_sizes, backend="torch")
+        case.lora_a, case.lora_b = first.lora_a, first.lora_b
+        torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+
+
+def test_torch_path_choice_by_measured_crossover():
+    """Decode batches of small models take the padded path (cost flat in the adapters); 7B-wide
+    layers and long prefills over many slots take the per-slot path."""
+    def layout_for(num_tokens, max_loras):
+        meta = LoRAMeta(num_tokens, max_loras)
+        meta.prepare(torch.arange(num_tokens) % max_loras)
+        return reference._layout(meta)
+
+    assert reference.use_padded(layout_for(64, 32), 3, 16, 64, 128)  # tiny qkv, 32 adapters
+    assert reference.use_padded(layout_for(256, 8), 3, 16, 768, 1280)  # 100M qkv
+    assert not reference.use_padded(layout_for(4, 4), 3, 16, 4096, 12288)  # 7B qkv
+    assert not reference.use_padded(layout_for(4096, 8), 1, 16, 2048, 768)  # 4096-token prefill
+
+
+def test_triton_available_reports_the_import(monkeypatch, caplog):
+    """punica_kernels.triton_available() is what cuda_graphs asks before capturing LoRA."""
+    import punica_kernels
+    from lora_runner.cuda_graphs import cuda_graphs_available
+    from punica_kernels import ops
+
+    assert punica_kernels.triton_available() == (ops.triton_ops is not None)
+    assert punica_kernels.triton_import_error() is None or not punica_kernels.triton_available()
+    error = ImportError("No module named 'triton'")
+    monkeypatch.setattr(ops, "triton_ops", None)
+    monkeypatch.setattr(ops, "_TRITON_IMPORT_ERROR", error)
+    assert not punica_kernels.triton_available()
+    assert punica_kernels.triton_import_error() is error
+    with caplog.at_level("WARNING", logger="lora_runner.cuda_graphs"):
+        assert not cuda_graphs_available(torch.device("cuda"))  # no Triton: no graphs, said why
+    assert "No module named 'triton'" in caplog.text

@@ -1,0 +1,323 @@
+"""Host cost of one decode step, and engine decode speed against transformers' `generate`.
+
+Two measurements, one torch thread, this process's CPU time (immune to other processes on a shared
+machine):
+
+  host ms/step   the tiny model (2 layers, hidden 64: the model itself costs almost nothing), N
+                 running requests all in decode, A distinct adapters spread round-robin over them;
+                 median CPU milliseconds per `LLMEngine.step()` for N in 1/16/64/256, A in 0/8/32
+                 (--paths times several torch LoRA strategies on alternating steps).
+  decode tok/s   the ~100M-parameter model of bench_engine --quick, one batch of equal-length
+                 prompts, greedy, EOS ignored: the engine base-only and with 8 adapters, and
+                 transformers' own `generate` on the same prompts (base), best of --repeats
+                 interleaved runs. Decode tokens/s excludes the prefill: engine steps after every
+                 request has its first token; for `generate`, (time of n new tokens - time of 1)
+                 for (n-1) tokens per row.
+
+    python benchmarks/bench_step.py                 # both, ~5 min on one CPU core
+    python benchmarks/bench_step.py --skip-decode   # host table only
+    python benchmarks/bench_step.py --profile 64/8  # also a cProfile summary of that row's steps
+    python benchmarks/bench_step.py --paths auto segmented   # A/B of the torch LoRA strategies
+
+Writes results/bench_step-<time>.json. Targets (issue 14): <= 1 ms host per step at 64 requests
+with 8 adapters; engine base >= generate; engine with 8 adapters >= 0.9x engine base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import logging
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import (ModelShape, machine_description, markdown_table,  # benchmarks/common.py
+                    save_random_adapters, save_random_model)
+
+logger = logging.getLogger("bench_step")
+
+TINY_SHAPE = ModelShape(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                        num_kv_heads=2, vocab_size=256)
+DECODE_SHAPE = ModelShape(hidden_size=768, intermediate_size=2048, num_layers=8, num_heads=12,
+                          num_kv_heads=4)  # bench_engine's QUICK_SHAPE, ~100M parameters
+RANK = 16
+PROMPT_LEN = 16
+PROFILE_STEPS = 10  # profiled together: one step is too short for cProfile's resolution
+
+
+def host_columns(paths: list[str]) -> list[tuple[str, str, str]]:
+    """Table columns: host ms per step and the ratio to 0 adapters, per torch LoRA path."""
+    columns = [("num_requests", "requests", "d"), ("num_adapters", "adapters", "d")]
+    for path in paths:
+        columns += [(f"host_ms_{path}", f"host ms/step ({path})", ".2f"),
+                    (f"vs_no_adapters_{path}", f"vs 0 adapters ({path})", ".2f")]
+    return columns
+
+
+DECODE_COLUMNS = [("run", "run", ""), ("batch", "batch", "d"), ("new_tokens", "new tokens", "d"),
+                  ("decode_tokens_per_s", "decode tok/s", ".1f"),
+                  ("total_tokens_per_s", "total tok/s", ".1f"),
+                  ("vs_generate", "decode vs generate", ".2f"),
+                  ("vs_engine_base", "decode vs engine base", ".2f")]
+
+
+def make_engine(model_dir: str, num_requests: int, max_loras: int, max_model_len: int):
+    """An eager CPU engine sized for `num_requests` running requests."""
+    from lora_runner import LLMEngine
+
+    max_model_len = -(-max_model_len // 16) * 16  # whole KV blocks: the default budget rounds down
+    return LLMEngine(model=model_dir, max_loras=max_loras, max_lora_rank=RANK,
+                     max_cpu_loras=max(16, max_loras), device="cpu", dtype="float32",
+                     max_num_seqs=num_requests, max_model_len=max_model_len,
+                     max_num_batched_tokens=max(2048, num_requests * PROMPT_LEN), enforce_eager=True)
+
+
+def add_requests(engine, adapter_paths: list[Path], num_requests: int, num_adapters: int,
+                 max_tokens: int, vocab_size: int) -> None:
+    """Equal-length prompts, adapters round-robin (request i uses adapter i % num_adapters)."""
+    from adapters import LoRARequest
+    from lora_runner import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(num_requests):
+        prompt = torch.randint(4, vocab_size, (PROMPT_LEN,), generator=gen).tolist()
+        lora = (LoRARequest(f"adapter-{i % num_adapters:03d}", str(adapter_paths[i % num_adapters]))
+                if num_adapters else None)
+        engine.add_request(f"req-{i}", prompt, params, lora_request=lora)
+
+
+def step_until_all_decoding(engine, num_requests: int) -> None:
+    """Step until every request has its first token (prefill done, adapters resident)."""
+    started = set()
+    while len(started) < num_requests:
+        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+
+
+def timed_decode_steps(engine, num_requests: int, num_steps: int) -> list[float]:
+    """CPU seconds of each of `num_steps` decode steps; every step must advance every request."""
+    seconds = []
+    for _ in range(num_steps):
+        start = time.process_time()
+        outputs = engine.step()
+        seconds.append(time.process_time() - start)
+        assert len(outputs) == num_requests, f"a step advanced {len(outputs)} of {num_requests}"
+    return seconds
+
+
+@contextlib.contextmanager
+def torch_lora_path(path: str):
+    """Force the torch LoRA path's strategy ("padded" / "segmented"); "auto" leaves its choice."""
+    from punica_kernels import reference
+
+    chooser = reference.use_padded
+    if path != "auto":
+        reference.use_padded = lambda *args: path == "padded"
+    try:
+        yield
+    finally:
+        reference.use_padded = chooser
+
+
+def host_row(model_dir: str, adapter_paths: list[Path], num_requests: int, num_adapters: int,
+             args, profile: bool) -> dict:
+    """Median CPU ms per decode step at `num_requests` running requests over `num_adapters`
+    adapters, for each torch LoRA path of args.paths (alternating steps of one engine, so a busy
+    machine slows them alike)."""
+    # requests whose adapter loaded first start decoding early: leave them room to go on
+    max_tokens = (len(args.paths) + 1) * args.steps + PROFILE_STEPS + 16
+    engine = make_engine(model_dir, num_requests, max(1, num_adapters), PROMPT_LEN + max_tokens)
+    add_requests(engine, adapter_paths, num_requests, num_adapters, max_tokens,
+                 TINY_SHAPE.vocab_size)
+    step_until_all_decoding(engine, num_requests)
+    timed_decode_steps(engine, num_requests, 2)  # warm-up
+    seconds = {path: [] for path in args.paths}
+    for _ in range(args.steps):
+        for path in args.paths:
+            with torch_lora_path(path):
+                seconds[path] += timed_decode_steps(engine, num_requests, 1)
+    row = {"num_requests": num_requests, "num_adapters": num_adapters, "steps": args.steps}
+    for path in args.paths:
+        row[f"host_ms_{path}"] = 1e3 * statistics.median(seconds[path])
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        timed_decode_steps(engine, num_requests, PROFILE_STEPS)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        row["profile"] = text.getvalue()
+    engine.close()
+    return row
+
+
+def host_table(tmp: Path, args) -> list[dict]:
+    """Host ms/step for every (requests, adapters) pair of the grid."""
+    model_dir = tmp / "tiny"
+    base = save_random_model(model_dir, TINY_SHAPE, initializer_range=0.2)
+    adapter_paths = save_random_adapters(base, tmp / "tiny-adapters", max(args.adapters), RANK,
+                                         progress=False)
+    rows = []
+    for num_requests in args.requests:
+        for num_adapters in args.adapters:  # the first is 0: the base of the ratios
+            profile = args.profile == f"{num_requests}/{num_adapters}"
+            row = host_row(str(model_dir), adapter_paths, num_requests, num_adapters, args, profile)
+            base_row = row if not num_adapters else base_row
+            for path in args.paths:
+                row[f"vs_no_adapters_{path}"] = row[f"host_ms_{path}"] / base_row[f"host_ms_{path}"]
+            rows.append(row)
+            logger.info("host %d requests / %d adapters: %s ms", num_requests, num_adapters,
+                        {path: round(row[f"host_ms_{path}"], 2) for path in args.paths})
+    return rows
+
+
+def engine_decode(model_dir: str, adapter_paths: list[Path], prompts: list[list[int]],
+                  new_tokens: int, num_adapters: int) -> dict:
+    """Engine decode and end-to-end tokens per CPU second for one batch of `prompts`."""
+    from adapters import LoRARequest
+    from lora_runner import SamplingParams
+
+    engine = make_engine(model_dir, len(prompts), max(1, num_adapters),
+                         PROMPT_LEN + new_tokens + 8)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        lora = (LoRARequest(f"a{i % num_adapters}", str(adapter_paths[i % num_adapters]))
+                if num_adapters else None)
+        if lora is not None:
+            engine.add_lora(lora)  # loaded before timing, as generate's weights are
+        engine.add_request(f"r{i}", prompt, params, lora_request=lora)
+    start = time.process_time()
+    step_until_all_decoding(engine, len(prompts))
+    prefill_done = time.process_time()
+    tokens = {}
+    while engine.has_unfinished_requests():
+        tokens.update({out.request_id: out.outputs[0].token_ids for out in engine.step()})
+    end = time.process_time()
+    engine.close()
+    assert all(len(t) == new_tokens for t in tokens.values())
+    return {"decode_tokens_per_s": len(prompts) * (new_tokens - 1) / (end - prefill_done),
+            "total_tokens_per_s": len(prompts) * new_tokens / (end - start),
+            "token_ids": [tokens[f"r{i}"] for i in range(len(prompts))]}
+
+
+@torch.inference_mode()
+def generate_decode(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """transformers `generate` (greedy, no padding: equal-length prompts) on the same batch."""
+    input_ids = torch.tensor(prompts)  # [B, S]
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(input_ids))
+
+    def run(n: int) -> tuple[float, torch.Tensor]:
+        start = time.process_time()
+        out = model.generate(input_ids, max_new_tokens=n, min_new_tokens=n, **kwargs)  # [B, S+n]
+        return time.process_time() - start, out[:, input_ids.shape[1]:]
+
+    first, _ = run(1)
+    full, out = run(new_tokens)
+    return {"decode_tokens_per_s": len(prompts) * (new_tokens - 1) / (full - first),
+            "total_tokens_per_s": len(prompts) * new_tokens / full, "token_ids": out.tolist()}
+
+
+def _faster(best: dict | None, result: dict) -> dict:
+    """The run with the higher decode tokens/s."""
+    if best is None or result["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
+        return result
+    return best
+
+
+def decode_table(tmp: Path, args) -> list[dict]:
+    """Engine base, engine with 8 adapters and `generate` on one batch of the ~100M model."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp / "decode"
+    base = save_random_model(model_dir, DECODE_SHAPE)
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(4, DECODE_SHAPE.vocab_size, (args.batch, PROMPT_LEN),
+                            generator=gen).tolist()
+    adapter_paths = save_random_adapters(base, tmp / "decode-adapters", 8, RANK, progress=False)
+    del base
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    reference = engine_base = engine_lora = None
+    for _ in range(args.repeats):  # interleaved, best of N: a busy machine slows all three alike
+        reference = _faster(reference, generate_decode(model, prompts, args.new_tokens))
+        engine_base = _faster(engine_base, engine_decode(str(model_dir), adapter_paths, prompts,
+                                                         args.new_tokens, 0))
+        engine_lora = _faster(engine_lora, engine_decode(str(model_dir), adapter_paths, prompts,
+                                                         args.new_tokens, 8))
+    del model
+    same = sum(a == b for a, b in zip(engine_base["token_ids"], reference["token_ids"]))
+    rows = []
+    for name, result in (("generate (base)", reference), ("engine base", engine_base),
+                         ("engine 8 adapters", engine_lora)):
+        rows.append({"run": name, "batch": args.batch, "new_tokens": args.new_tokens,
+                     "decode_tokens_per_s": result["decode_tokens_per_s"],
+                     "total_tokens_per_s": result["total_tokens_per_s"],
+                     "vs_generate": result["decode_tokens_per_s"] / reference["decode_tokens_per_s"],
+                     "vs_engine_base": (result["decode_tokens_per_s"]
+                                        / engine_base["decode_tokens_per_s"])})
+    rows[1]["same_tokens_as_generate"] = same / len(prompts)
+    return rows
+
+
+def parse_args(argv=None):
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--adapters", type=int, nargs="+", default=[0, 8, 32],
+                   help="distinct adapters per row; the first must be 0 (the ratio's base)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per host row and path")
+    p.add_argument("--paths", nargs="+", default=["auto"], choices=("auto", "padded", "segmented"),
+                   help="torch LoRA strategies to time, alternating steps (segmented = one "
+                        "matmul group per adapter, as before issue 14)")
+    p.add_argument("--profile", help="REQUESTS/ADAPTERS row to profile one step of, e.g. 64/8")
+    p.add_argument("--batch", type=int, default=16, help="requests of the decode comparison")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="decode runs of each kind; the fastest counts")
+    p.add_argument("--skip-host", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--out-dir", default="results")
+    args = p.parse_args(argv)
+    if args.adapters[0] != 0:
+        p.error("--adapters must start with 0")
+    return args
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark; returns the report (also written as JSON)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
+        host = [] if args.skip_host else host_table(Path(tmp), args)
+        decode = [] if args.skip_decode else decode_table(Path(tmp), args)
+    report = {"clock": "process", "machine": machine_description("cpu"), "rank": RANK,
+              "seconds": time.perf_counter() - started, "host": host, "decode": decode}
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bench_step-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2))
+    for row in host:
+        if "profile" in row:
+            print(f"cProfile of {PROFILE_STEPS} decode steps, {row['num_requests']} requests / "
+                  f"{row['num_adapters']} adapters (cumulative):\n{row['profile']}")
+    if host:
+        print(markdown_table(host, host_columns(args.paths)))
+    if decode:
+        print("\n" + markdown_table(decode, DECODE_COLUMNS))
+        print(f"engine base tokens equal generate's for "
+              f"{decode[1]['same_tokens_as_generate']:.0%} of requests")
+    print(f"\nCPU seconds of this process, {args.threads} torch thread(s); written {path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
