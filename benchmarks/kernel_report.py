@@ -5,7 +5,8 @@ configuration is compiled for sm_90 (H100/H200) and sm_80 (A100) without a GPU, 
 its PTX gives registers and spills. One table per kernel:
   target, dtypes, constexprs, warps, registers/thread, spill bytes (stores+loads), shared memory,
   resident warps per SM (limited by 2048 threads, 64K registers, 228/164 KB shared per SM) and
-  occupancy (resident warps / 64).
+  occupancy (resident warps / 64); variants: configs that print alike (they differ only in how
+  Triton specialized an argument, e.g. a stride divisible by 16 or not).
 
     python benchmarks/kernel_report.py                  # both targets (a few minutes on 2 cores)
     python benchmarks/kernel_report.py --targets sm_90
@@ -25,7 +26,8 @@ from punica_kernels import aot
 
 COLUMNS = [("target", "target", "s"), ("dtypes", "dtypes", "s"), ("constexprs", "constexprs", "s"),
            ("num_warps", "warps", "d"), ("registers", "regs", "d"), ("spill_bytes", "spills B", "d"),
-           ("shared_kb", "smem KB", ".1f"), ("warps_per_sm", "warps/SM", "d"), ("occupancy", "occupancy", ".2f")]
+           ("shared_kb", "smem KB", ".1f"), ("warps_per_sm", "warps/SM", "d"), ("occupancy", "occupancy", ".2f"),
+           ("variants", "variants", "d")]
 
 
 def report_row(report: aot.KernelReport) -> dict:
@@ -38,6 +40,16 @@ def report_row(report: aot.KernelReport) -> dict:
                 spill_stores=report.spill_stores, spill_loads=report.spill_loads, spill_bytes=report.spills,
                 shared=report.shared, shared_kb=report.shared / 1024, fits_shared=report.fits_shared,
                 warps_per_sm=report.warps_per_sm(), occupancy=report.occupancy())
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """Rows sorted by target, dtypes and constexpr values; variants that differ only in argument
+    specialization (e.g. a stride divisible by 16 or not) and print alike are shown once, counted."""
+    shown: dict[tuple, dict] = {}
+    for row in sorted(rows, key=lambda r: (r["target"], r["dtypes"], tuple(r["constexpr_values"].values()))):
+        cells = tuple(row[key] for key, _, _ in COLUMNS if key != "variants")
+        shown.setdefault(cells, dict(row, variants=0))["variants"] += 1
+    return list(shown.values())
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -56,8 +68,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     for kernel in dict.fromkeys(row["kernel"] for row in rows):
         print(f"\n{kernel}")
-        print(markdown_table(sorted((r for r in rows if r["kernel"] == kernel),
-                                    key=lambda r: (r["target"], r["dtypes"], r["constexprs"])), COLUMNS))
+        print(markdown_table(table_rows([r for r in rows if r["kernel"] == kernel]), COLUMNS))
     problems = [r for r in rows if r["spill_bytes"] or not r["fits_shared"]]
     print(f"\n{len(configs)} configurations x {len(targets)} targets; {len(problems)} spill or exceed "
           f"shared memory; drive {collected - started:.1f} s, compile {compiled - collected:.1f} s")
