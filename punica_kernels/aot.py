@@ -1,15 +1,15 @@
 """Ahead-of-time compilation of every Triton kernel configuration the engine launches, no GPU needed.
 
 ```
-with record_launches() as configs:       # launches are recorded, nothing runs
-    driver.launch()                      # a launcher driven with CPU tensors of the real dtypes
-report = compile_config(configs[0], TARGETS[0])   # PTX + cubin for sm_90a, ptxas -v usage
+configs = collect_configs(all_drivers())   # {key: KernelConfig}, launches recorded, nothing run
+report = compile_config(config, TARGETS[0])  # PTX + cubin for sm_90a; registers/spills from ptxas -v
 ```
 Configurations are never restated: ``record_launches`` intercepts ``JITFunction.run`` (and the
 interpreter's twin, which the launchers pick for CPU tensors) and specializes the arguments with
 Triton's own binder, exactly as the JIT would on a GPU (dtypes, ints equal to 1, 16-divisible ints
 and pointers), so a new block size, split or slice count a launcher chooses is covered as soon as
-a driver reaches it. ``DRIVERS`` lists the drivers; covering a new kernel means adding one.
+a driver reaches it. A driver calls a launcher with representative CPU tensors (bf16 included:
+nothing runs); ``all_drivers`` lists them, and covering a new kernel means adding its drivers there.
 
 This is a tool module (tests, benchmarks/kernel_report.py); nothing in the serving path imports it.
 """
@@ -293,12 +293,14 @@ def _sgmv_operands(spec: ModelSpec, packed: str, dtype: torch.dtype, rank: int, 
 
 
 def all_drivers() -> list[Driver]:
-    """Every Triton launcher of the engine. A new kernel is covered by adding its drivers here.
-
-    Paged attention (issue 14 part 2, lora_runner/model/paged_attention.py) goes here too: its
-    decode and prefill/extend launchers driven over head_dim 64/128, GQA ratios 1/4/8, block sizes
-    16/32, short and split-context decode, with and without a sliding window.
-    """
+    """Every Triton launcher of the engine. A new kernel is covered by adding its drivers here."""
+    # >>> Paged attention (issue 14 part 2, lora_runner/model/paged_attention.py) goes here:
+    #     `return sgmv_drivers() + paged_attention_drivers()`, with a Driver per launcher (decode,
+    #     prefill/extend) that sweeps what the launcher can choose from: head_dim 64/128, GQA
+    #     ratios 1/4/8, KV block sizes 16/32, short and split-context decode (every split count),
+    #     sliding window on/off, bf16/fp16/fp32, both model shapes above. Call the Triton launcher
+    #     itself with CPU tensors (not the CPU torch fallback); import it inside that function,
+    #     since lora_runner imports punica_kernels.
     return sgmv_drivers()
 
 
