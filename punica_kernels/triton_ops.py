@@ -27,7 +27,9 @@ import triton.language as tl
 
 from .meta import FULL_RANK, LoRAMeta
 
-BLOCK_K = 64  # shrink: reduction step over the input features (32 for wide stacked ranks)
+BLOCK_K = 64  # shrink: largest reduction step over the input features (smaller for wide stacked ranks)
+# shrink: A-tile elements per thread; 64 spills registers on sm_80/sm_90 (benchmarks/kernel_report.py)
+SHRINK_TILE_ELEMENTS_PER_THREAD = 32
 BLOCK_N = 64  # expand: output columns per program
 BLOCK_R = 16  # expand: rank step, the smallest tile tl.dot takes
 MAX_SPLIT_K = 16
@@ -94,7 +96,9 @@ def _launch_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,
     """
     _, n_slices, rank, num_features = lora_a.shape
     block_nr = max(16, triton.next_power_of_2(n_slices * rank))  # stacked (slice, rank) rows
-    block_k = BLOCK_K if block_nr <= 256 else BLOCK_K // 2  # bound the A tile's shared memory
+    num_warps = 4 if block_nr <= 64 else 8
+    tile_elements = SHRINK_TILE_ELEMENTS_PER_THREAD * 32 * num_warps  # the [BLOCK_NR, BLOCK_K] A tile's bound
+    block_k = max(16, min(BLOCK_K, tile_elements // block_nr))
     k_per_split = triton.cdiv(triton.cdiv(num_features, split_k), block_k) * block_k
     grid = (meta.max_tiles(x.shape[0]), split_k)
     _kernel_for(_shrink_kernel, x.device)[grid](
@@ -103,7 +107,7 @@ def _launch_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,
         num_features, k_per_split,
         *x.stride(), *lora_a.stride(), *out.stride(),
         N_SLICES=n_slices, RANK=rank, BLOCK_M=meta.block_m, BLOCK_NR=block_nr, BLOCK_K=block_k,
-        DOT_PRECISION=_dot_precision(x.dtype),
+        DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
     )
 
 

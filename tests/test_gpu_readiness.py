@@ -3,8 +3,6 @@
 * The decode-graph forward and ``LoRAMeta.prepare`` run no op that syncs with the host on CUDA
   (item / nonzero / boolean masks / unique ...), checked with the profiler's nested aten ops.
 * The engine in bfloat16 and float16 on CPU: emulated decode graphs give the eager tokens.
-* The SGMV kernels, launched exactly as ``triton_ops.add_lora`` launches them, compile for sm_90
-  without a GPU and fit an H100/H200's shared memory.
 * benchmarks/gpu_check.py never starts an engine it has no time for and still writes its JSON.
 * (gpu) The batch builder's pinned buffers are not overwritten while a non_blocking copy of the
   previous step is still queued (a step that samples nothing never syncs).
@@ -140,70 +138,6 @@ def test_half_precision_engine_with_emulated_graphs_matches_eager(engine_checkpo
         assert got[request_id].outputs[0].token_ids[0] == out.outputs[0].token_ids[0]
         assert got[request_id].outputs[0].logprobs[0] == out.outputs[0].logprobs[0]
     assert_same_decoding(want, got, half_precision_logprob_tolerance(dtype))
-
-
-class _RecordedLaunch:
-    """Stands in for a compiled kernel: records grid, arguments and constexprs of one launch."""
-
-    def __init__(self, kernel, launches: list):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **constexprs: self.launches.append((self.kernel, grid, args, constexprs))
-
-
-def _source_for_sm90(kernel, args, constexprs):
-    """An ASTSource specialized as Triton's JIT would be for these launch arguments."""
-    from triton.compiler import ASTSource
-
-    pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-               torch.int32: "*i32"}
-    names = [p.name for p in kernel.params]
-    signature, constants = {}, dict(constexprs)
-    for name, value in zip(names, args):
-        if isinstance(value, torch.Tensor):
-            signature[name] = pointer[value.dtype]
-        elif value == 1 and name not in kernel.do_not_specialize and names.index(name) not in kernel.do_not_specialize:
-            signature[name], constants[name] = "constexpr", 1  # Triton specializes ints equal to 1
-        else:
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-    signature.update({name: "constexpr" for name in constexprs})
-    return ASTSource(kernel, signature, constants)
-
-
-@pytest.mark.parametrize("dtype,rank", [(torch.bfloat16, 16), (torch.bfloat16, 128), (torch.float32, 64)])
-def test_sgmv_kernels_compile_for_sm90_within_shared_memory(dtype, rank, monkeypatch):
-    """Compile (no GPU needed) the shrink/expand launches of a 4096-wide qkv/gate_up/down layer at
-    decode (K-split) and prefill sizes for Hopper; each must fit 227 KiB of shared memory."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
-    from punica_kernels import LoRAMeta, triton_ops
-
-    if not isinstance(triton_ops._shrink_kernel, triton.runtime.JITFunction):
-        pytest.skip("TRITON_INTERPRET=1 at import: no compilable kernels")
-    launches = []
-    monkeypatch.setattr(triton_ops, "_kernel_for", lambda kernel, device: _RecordedLaunch(kernel, launches))
-    hidden, kv, inter = 4096, 1024, 11008
-    layouts = {"qkv": (hidden, (hidden, kv, kv)), "gate_up": (hidden, (inter, inter)), "down": (inter, (hidden,))}
-    for num_tokens in (1, 256):
-        meta = LoRAMeta(1024, 4, "cpu", max_rank=rank, max_slices=3)
-        meta.prepare(torch.arange(num_tokens) % 4)
-        for num_features, slices in layouts.values():
-            x = torch.empty(num_tokens, num_features, dtype=dtype)
-            y = torch.empty(num_tokens, sum(slices), dtype=dtype)
-            lora_a = torch.empty(4, len(slices), rank, num_features, dtype=dtype)
-            lora_b = torch.empty(4, sum(slices), rank, dtype=dtype)
-            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices)  # records, runs nothing
-    assert len(launches) == 12
-    compiled = {}
-    for kernel, _, args, constexprs in launches:
-        source = _source_for_sm90(kernel, args, constexprs)
-        if source.hash() not in compiled:
-            binary = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-            compiled[source.hash()] = (kernel.fn.__name__, constexprs, binary.metadata.shared)
-    for name, constexprs, shared in compiled.values():
-        assert 0 < shared <= 227 * 1024, (name, constexprs, shared)
 
 
 @pytest.mark.slow  # a ~15-20 s gpu_check subprocess

@@ -1,0 +1,317 @@
+"""Ahead-of-time compilation of every Triton kernel configuration the engine launches, no GPU needed.
+
+```
+configs = collect_configs(all_drivers())   # {key: KernelConfig}, launches recorded, nothing run
+report = compile_config(config, TARGETS[0])  # PTX + cubin for sm_90a; registers/spills from ptxas -v
+```
+Configurations are never restated: ``record_launches`` intercepts ``JITFunction.run`` (and the
+interpreter's twin, which the launchers pick for CPU tensors) and specializes the arguments with
+Triton's own binder, exactly as the JIT would on a GPU (dtypes, ints equal to 1, 16-divisible ints
+and pointers), so a new block size, split or slice count a launcher chooses is covered as soon as
+a driver reaches it. A driver calls a launcher with representative CPU tensors (bf16 included:
+nothing runs); ``all_drivers`` lists them, and covering a new kernel means adding its drivers there.
+
+This is a tool module (tests, benchmarks/kernel_report.py); nothing in the serving path imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from adapters.spec import PACKED_MODULES, ModelSpec
+
+from . import triton_ops
+from .meta import LoRAMeta
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU the kernels must compile for, with the per-SM limits occupancy is estimated from."""
+
+    name: str
+    capability: int
+    smem_per_block: int  # largest dynamic shared memory one block may opt into, bytes
+    smem_per_sm: int  # bytes; CUDA reserves 1 KiB of it per resident block
+    regs_per_sm: int = 65536
+    threads_per_sm: int = 2048
+    blocks_per_sm: int = 32
+    reg_alloc_unit: int = 256  # registers are allocated per warp in units of 256
+
+    @property
+    def gpu_target(self) -> GPUTarget:
+        return GPUTarget("cuda", self.capability, 32)
+
+
+TARGETS = (Target("sm_90", 90, smem_per_block=227 * 1024, smem_per_sm=228 * 1024),  # H100/H200
+           Target("sm_80", 80, smem_per_block=163 * 1024, smem_per_sm=164 * 1024))  # A100
+_SMEM_RESERVED_PER_BLOCK = 1024
+# CUDA arg specialization (pointer/int alignment, ints equal to 1) is the same for every capability
+_SPECIALIZER = make_backend(TARGETS[0].gpu_target)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One compiled variant of a kernel: what Triton's JIT would key its cache on.
+
+    ``options`` are the launch options the launcher passed (num_warps, num_stages, ...).
+    """
+
+    kernel: JITFunction
+    signature: dict[str, str] = field(hash=False, compare=False)  # param name -> "*bf16", "i32", "constexpr"
+    constexprs: dict[tuple, object] = field(hash=False, compare=False)  # (param index,) -> value
+    attrs: dict[tuple, list] = field(hash=False, compare=False)  # (param index,) -> [["tt.divisibility", 16]]
+    options: tuple[tuple[str, object], ...] = ()
+    key: str = ""  # source hash + options: equal keys compile to the same binary
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+    def source(self) -> ASTSource:
+        return ASTSource(self.kernel, self.signature, self.constexprs, self.attrs)
+
+    def named_constexprs(self) -> dict[str, object]:
+        """The kernel's declared tl.constexpr parameters by name (not ints Triton folded to 1)."""
+        return {p.name: self.constexprs[(p.num,)] for p in self.kernel.params if p.is_constexpr}
+
+    def dtypes(self) -> str:
+        """Element types of the pointer arguments that are not int index buffers, e.g. 'bf16,fp32'."""
+        types = dict.fromkeys(t[1:] for t in self.signature.values() if t.startswith("*") and "i" not in t)
+        return ",".join(types)
+
+
+_JIT_OF: dict[Callable, JITFunction] = {}  # python function -> the JITFunction that compiles it
+
+
+def _resolve_jit(kernel) -> JITFunction:
+    """The JITFunction behind a launched kernel (the interpreter twin the launchers use on CPU included)."""
+    if isinstance(kernel, JITFunction):
+        return kernel
+    if kernel.fn not in _JIT_OF:
+        module = sys.modules[kernel.fn.__module__]
+        found = [v for v in vars(module).values() if isinstance(v, JITFunction) and v.fn is kernel.fn]
+        # none when the module was imported under TRITON_INTERPRET=1: rebuild it with its jit kwargs
+        _JIT_OF[kernel.fn] = found[0] if found else JITFunction(kernel.fn, **kernel.kwargs)
+    return _JIT_OF[kernel.fn]
+
+
+class _Recorder:
+    """Specializes launches as Triton's JIT does on a CUDA device, keeping one config per variant."""
+
+    def __init__(self) -> None:
+        self.configs: dict[str, KernelConfig] = {}
+        self._seen: set[tuple] = set()  # (kernel, specialization, options): skips repeat launches fast
+        self._binders: dict[JITFunction, Callable] = {}
+
+    def record(self, kernel: JITFunction, args: tuple, kwargs: dict) -> None:
+        if kernel not in self._binders:
+            self._binders[kernel] = create_function_from_signature(kernel.signature, kernel.params, _SPECIALIZER)
+        kwargs = {"debug": kernel.debug, **kwargs}
+        bound_args, specialization, launch_options = self._binders[kernel](*args, **kwargs)
+        option_items = tuple(sorted((k, v) for k, v in kwargs.items() if k not in kernel.arg_names))
+        seen_key = (kernel, tuple(specialization), option_items)
+        if seen_key in self._seen:
+            return
+        self._seen.add(seen_key)
+        _, signature, constexprs, attrs = kernel._pack_args(_SPECIALIZER, kwargs, bound_args, specialization,
+                                                            launch_options)
+        source = ASTSource(kernel, signature, constexprs, attrs)
+        key = f"{source.hash()}-{option_items}"
+        self.configs.setdefault(key, KernelConfig(kernel, signature, constexprs, attrs, option_items, key))
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[dict[str, KernelConfig]]:
+    """Within the block, Triton launches run nothing and add their config to the yielded dict.
+
+    The dict maps ``KernelConfig.key`` to the config (deduplicated). Compiled and interpreted
+    kernels are both intercepted; an autotuned kernel records every one of its configs. Not
+    thread-safe: it patches Triton's classes for the duration.
+    """
+    recorder = _Recorder()
+
+    def record(self, *args, grid, warmup, **kwargs):
+        recorder.record(_resolve_jit(self), args, kwargs)
+
+    def record_every_config(self, *args, **kwargs):
+        for config in self.configs:  # each is a variant the autotuner may pick on some device
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+    saved = JITFunction.run, InterpretedFunction.run, Autotuner.run
+    JITFunction.run = InterpretedFunction.run = record
+    Autotuner.run = record_every_config
+    try:
+        yield recorder.configs
+    finally:
+        JITFunction.run, InterpretedFunction.run, Autotuner.run = saved
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """Resource use of one config compiled for one target (registers and spills from ptxas -v)."""
+
+    config: KernelConfig
+    target: Target
+    num_warps: int
+    shared: int  # bytes of shared memory per block
+    registers: int  # per thread
+    spill_stores: int  # bytes
+    spill_loads: int  # bytes
+    ptxas_log: str
+
+    @property
+    def fits_shared(self) -> bool:
+        return self.shared <= self.target.smem_per_block
+
+    @property
+    def spills(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+    def blocks_per_sm(self) -> int:
+        """Resident blocks per SM allowed by threads, registers and shared memory (an estimate)."""
+        target, warps = self.target, self.num_warps
+        unit = target.reg_alloc_unit
+        regs_per_warp = -(-self.registers * 32 // unit) * unit
+        limits = [target.blocks_per_sm, target.threads_per_sm // (32 * warps),
+                  target.regs_per_sm // (regs_per_warp * warps) if regs_per_warp else target.blocks_per_sm,
+                  target.smem_per_sm // (self.shared + _SMEM_RESERVED_PER_BLOCK)]
+        return min(limits)
+
+    def warps_per_sm(self) -> int:
+        return self.blocks_per_sm() * self.num_warps
+
+    def occupancy(self) -> float:
+        """Resident warps over the SM's maximum (64 warps on sm_80/sm_90)."""
+        return self.warps_per_sm() / (self.target.threads_per_sm // 32)
+
+
+def compile_config(config: KernelConfig, target: Target) -> KernelReport:
+    """Compile for ``target`` (raises on failure) and read its resource use from ptxas -v."""
+    backend = make_backend(target.gpu_target)
+    options = backend.parse_options(dict(config.options))
+    compiled = triton.compile(config.source(), target=target.gpu_target, options=options.__dict__)
+    registers, stores, loads, log = ptxas_usage(compiled.asm["ptx"], target.capability)
+    return KernelReport(config, target, compiled.metadata.num_warps, compiled.metadata.shared, registers,
+                        stores, loads, log)
+
+
+_USAGE = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int, str]:
+    """(registers, spill store bytes, spill load bytes, log) of the wheel's ptxas -v on ``ptx``.
+
+    The flags match Triton's own cubin step (triton/backends/nvidia/compiler.py make_cubin).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        command = [get_ptxas(capability).path, "-v", "--regAllocOptLevel=2",
+                   f"--gpu-name={sm_arch_from_capability(capability)}", str(source), "-o", str(source) + ".o"]
+        log = subprocess.run(command, check=True, capture_output=True, text=True).stderr
+    registers, spills = _USAGE.findall(log), _SPILLS.findall(log)
+    assert len(registers) == 1 and len(spills) == 1, f"expected one kernel in ptxas output:\n{log}"
+    return int(registers[0]), int(spills[0][0]), int(spills[0][1]), log
+
+
+# ---------------------------------------------------------------------------------------------
+# Drivers: each calls a launcher with representative arguments; every launch is a config.
+
+
+@dataclass(frozen=True)
+class Driver:
+    """A launcher called the way the engine calls it; ``launch()`` runs under record_launches."""
+
+    name: str
+    launch: Callable[[], None]
+
+
+MODELS = {  # the packed LoRA module shapes (qkv, o, gate_up, down) come from ModelSpec
+    "llama-7b": ModelSpec(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
+                          intermediate_size=11008),
+    "qwen2-0.5b": ModelSpec(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64,
+                            intermediate_size=4864),
+}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LORA_RANKS = (8, 16, 64)
+MAX_LORAS = 4  # the engine's default; more slots only mean more tiles, hence smaller K splits
+DECODE_TOKENS = range(1, 257)  # every decode batch up to 256 sequences: each split-K choice
+PREFILL_TOKENS = (512, 2048, 8192)
+MAX_SLICES = max(len(spec.slice_sizes(p)) for spec in MODELS.values() for p in PACKED_MODULES)
+
+
+def sgmv_drivers() -> list[Driver]:
+    """One driver per max LoRA rank: add_lora (shrink + expand, with the K split it chooses) and the
+    public shrink/expand halves, for every packed module of each model in each dtype, over every
+    decode batch size and a few prefills."""
+    return [Driver(f"sgmv r{rank}", functools.partial(_drive_sgmv, rank)) for rank in LORA_RANKS]
+
+
+def _drive_sgmv(rank: int) -> None:
+    token_counts = [*DECODE_TOKENS, *PREFILL_TOKENS]
+    max_tokens = max(token_counts)
+    # as the runner builds it: the workspace, sized for the largest batch, bounds the K split
+    meta = LoRAMeta(max_tokens, MAX_LORAS, "cpu", max_rank=rank, max_slices=MAX_SLICES)
+    layers = [_sgmv_operands(spec, packed, dtype, rank, max_tokens)
+              for spec in MODELS.values() for packed in PACKED_MODULES for dtype in DTYPES]
+    for num_tokens in token_counts:
+        meta.prepare(torch.arange(num_tokens) % MAX_LORAS)
+        for x, y, inter, lora_a, lora_b, slices in layers:
+            x, y, inter = x[:num_tokens], y[:num_tokens], inter[:num_tokens]
+            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices)
+            triton_ops.lora_shrink(x, lora_a, meta, inter)
+            triton_ops.lora_expand(y, inter, lora_b, meta, slices)
+
+
+def _sgmv_operands(spec: ModelSpec, packed: str, dtype: torch.dtype, rank: int, max_tokens: int) -> tuple:
+    """Uninitialized (never read) operands of one packed module, laid out as the engine's slots."""
+    slices, num_features = spec.slice_sizes(packed), spec.in_features(packed)
+    x = torch.empty(max_tokens, num_features, dtype=dtype)  # [T_max, K]
+    y = torch.empty(max_tokens, sum(slices), dtype=dtype)  # [T_max, N]
+    inter = torch.empty(max_tokens, len(slices), rank)  # [T_max, n, R] float32
+    lora_a = torch.empty(MAX_LORAS, len(slices), rank, num_features, dtype=dtype)  # [L, n, R, K]
+    lora_b = torch.empty(MAX_LORAS, sum(slices), rank, dtype=dtype)  # [L, N, R]
+    return x, y, inter, lora_a, lora_b, slices
+
+
+def all_drivers() -> list[Driver]:
+    """Every Triton launcher of the engine. A new kernel is covered by adding its drivers here."""
+    # >>> Paged attention (issue 14 part 2, lora_runner/model/paged_attention.py) goes here:
+    #     `return sgmv_drivers() + paged_attention_drivers()`, with a Driver per launcher (decode,
+    #     prefill/extend) that sweeps what the launcher can choose from: head_dim 64/128, GQA
+    #     ratios 1/4/8, KV block sizes 16/32, short and split-context decode (every split count),
+    #     sliding window on/off, bf16/fp16/fp32, both model shapes above. Call the Triton launcher
+    #     itself with CPU tensors (not the CPU torch fallback); import it inside that function,
+    #     since lora_runner imports punica_kernels.
+    return sgmv_drivers()
+
+
+def collect_configs(drivers: list[Driver]) -> dict[str, KernelConfig]:
+    """Every distinct config the drivers launch, keyed by KernelConfig.key."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the drivers' small CPU ops only lose to thread-pool wake-ups
+    try:
+        with record_launches() as configs:
+            for driver in drivers:
+                driver.launch()
+    finally:
+        torch.set_num_threads(threads)
+    return configs

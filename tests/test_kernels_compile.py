@@ -1,0 +1,138 @@
+"""Every Triton kernel configuration the engine launches compiles for Hopper (sm_90) and Ampere
+(sm_80), without a GPU, and fits: shared memory within the target's limit, no register spills.
+
+Configurations come from driving the launchers (punica_kernels.aot.all_drivers) under
+``record_launches``; the whole grid is compiled once per module (the slow part: a couple of CPU
+minutes for both targets), then each test reads the reports.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from punica_kernels import LoRAMeta, aot, triton_ops
+
+TARGETS = {target.name: target for target in aot.TARGETS}
+
+
+@pytest.fixture(scope="module")
+def configs() -> dict[str, aot.KernelConfig]:
+    return aot.collect_configs(aot.all_drivers())
+
+
+@pytest.fixture(scope="module")
+def reports(configs) -> dict[tuple[str, str], aot.KernelReport]:
+    """(config key, target name) -> report; one compile per distinct config and target."""
+    return {(key, target.name): aot.compile_config(config, target)
+            for target in aot.TARGETS for key, config in configs.items()}
+
+
+def _values(configs, kernel_name: str, constexpr: str) -> set:
+    return {c.named_constexprs()[constexpr] for c in configs.values() if c.name == kernel_name}
+
+
+def test_drivers_reach_every_split_slice_count_rank_and_dtype(configs):
+    """The drivers must reach each K split add_lora can choose, each slice count, rank and dtype."""
+    splits = {2 ** i for i in range(int(math.log2(triton_ops.MAX_SPLIT_K)) + 1)}
+    assert _values(configs, "_expand_kernel", "SPLIT_K") == splits
+    assert _values(configs, "_shrink_kernel", "N_SLICES") == {1, 2, 3}
+    for name in ("_shrink_kernel", "_expand_kernel"):
+        assert _values(configs, name, "RANK") == set(aot.LORA_RANKS)
+        assert {c.dtypes() for c in configs.values() if c.name == name} == {"bf16,fp32", "fp16,fp32", "fp32"}
+    expand_splits = {(c.dtypes(), c.named_constexprs()["RANK"], c.named_constexprs()["SPLIT_K"])
+                     for c in configs.values() if c.name == "_expand_kernel"}
+    assert len(expand_splits) == 3 * len(aot.LORA_RANKS) * len(splits)  # every split in every dtype/rank
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_every_config_compiles_fits_shared_memory_and_does_not_spill(configs, reports, target):
+    limit = TARGETS[target].smem_per_block
+    failures = []
+    for key, config in configs.items():
+        report = reports[key, target]
+        assert report.registers > 0 and report.num_warps > 0
+        if report.spills or not report.fits_shared:
+            failures.append(f"{config.name} {config.dtypes()} {config.named_constexprs()} {dict(config.options)}: "
+                            f"{report.registers} regs, spill stores {report.spill_stores} B / loads "
+                            f"{report.spill_loads} B, shared {report.shared} B (limit {limit})")
+    assert not failures, f"{len(failures)} of {len(configs)} configs on {target}:\n" + "\n".join(failures)
+
+
+def test_recorded_config_is_specialized_like_the_jit():
+    """Ints equal to 1 become constexprs, do_not_specialize ints stay plain i32, 16-divisible pointers
+    and ints carry tt.divisibility: the variant a GPU would compile, not a restated one."""
+    meta = LoRAMeta(8, 2, "cpu")
+    meta.prepare(torch.tensor([0, 1, 0]))
+    x, out = torch.empty(3, 64, dtype=torch.float16), torch.empty(1, 3, 1, 16)
+    with aot.record_launches() as recorded:
+        triton_ops._launch_shrink(x, torch.empty(2, 1, 16, 64, dtype=torch.float16), meta, out, split_k=1)
+    (config,) = recorded.values()
+    index = {p.name: p.num for p in config.kernel.params}
+    assert config.signature["x_ptr"] == "*fp16" and config.signature["out_ptr"] == "*fp32"
+    assert config.signature["stride_xk"] == "constexpr" and config.constexprs[(index["stride_xk"],)] == 1
+    assert config.signature["k_per_split"] == "i32" and (index["k_per_split"],) not in config.attrs
+    assert config.attrs[(index["x_ptr"],)] == [["tt.divisibility", 16]]
+    assert config.attrs[(index["num_features"],)] == [["tt.divisibility", 16]]
+    assert config.named_constexprs()["N_SLICES"] == 1 and config.named_constexprs()["BLOCK_NR"] == 16
+
+
+def test_recording_runs_nothing_and_restores_triton():
+    saved = JITFunction.run
+    meta = LoRAMeta(4, 2, "cpu")
+    meta.prepare(torch.tensor([0, 1]))
+    y = torch.full((2, 32), float("nan"))
+    with aot.record_launches() as recorded:
+        triton_ops.add_lora(y, torch.ones(2, 16), torch.ones(2, 1, 16, 16), torch.ones(2, 32, 16), meta, (32,))
+    assert y.isnan().all()  # recorded, not run
+    assert {c.name for c in recorded.values()} == {"_shrink_kernel", "_expand_kernel"}
+    assert JITFunction.run is saved
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 32}, num_warps=1), triton.Config({"BLOCK": 64}, num_warps=2)],
+                 key=["n"])
+@triton.jit
+def _scale_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) * 2, mask=offsets < n)
+
+
+def test_autotuned_kernel_records_every_config_with_its_launch_options():
+    with aot.record_launches() as recorded:
+        _scale_kernel[(1,)](torch.empty(100), 100)
+    assert sorted((c.named_constexprs()["BLOCK"], dict(c.options)["num_warps"]) for c in recorded.values()) == [
+        (32, 1), (64, 2)]
+
+
+def test_register_cap_shows_up_as_spills():
+    """ptxas' spill lines are parsed (and launch options reach the compiler): the widest shrink
+    config capped at 64 registers must spill on both targets."""
+    meta = LoRAMeta(16, 2, "cpu")
+    meta.prepare(torch.zeros(16, dtype=torch.int64))
+    with aot.record_launches() as recorded:
+        kernel = triton_ops._shrink_kernel
+        x, lora_a, out = torch.empty(16, 256), torch.empty(2, 1, 64, 256), torch.empty(1, 16, 1, 64)
+        kernel[(1, 1)](x, lora_a, out, meta.sorted_tokens, meta.tile_slots, meta.tile_starts, meta.tile_ends,
+                       meta.slot_ranks, 256, 256, *x.stride(), *lora_a.stride(), *out.stride(), N_SLICES=1,
+                       RANK=64, BLOCK_M=16, BLOCK_NR=64, BLOCK_K=64, DOT_PRECISION="ieee", maxnreg=64)
+    (config,) = recorded.values()
+    report = aot.compile_config(config, TARGETS["sm_90"])
+    assert report.registers <= 64 and report.spill_stores > 0 and report.spill_loads > 0
+
+
+def test_occupancy_estimate_takes_the_tightest_limit():
+    sm90 = TARGETS["sm_90"]
+
+    def warps(registers, shared, num_warps=4):
+        return aot.KernelReport(None, sm90, num_warps, shared, registers, 0, 0, "").warps_per_sm()
+
+    assert warps(32, 0) == 64  # threads bound: 2048 / 128 = 16 blocks
+    assert warps(128, 0) == 16  # registers: 128 * 32 = 4096 per warp, 65536 / (4 * 4096) = 4 blocks
+    assert warps(129, 0) == 12  # rounded up to 136 per thread: 65536 // (4 * 4352) = 3 blocks
+    assert warps(32, 100 * 1024) == 8  # shared: 228 KB // (100 + 1 KB) = 2 blocks
+    assert warps(255, 0, num_warps=8) == 8
