@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_runner.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
 from lora_runner.model.loader import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class EngineConfig:
     device's memory, see lora_runner.memory_profile). enforce_eager: never use CUDA graphs (else decode
     steps replay graphs on CUDA, see lora_runner.cuda_graphs). seed: for requests
     without their own seed. allow_pickle / local_files_only / max_adapter_bytes: adapter loading.
+    scheduling_policy: "fair" (admit the least-served tenant first, Virtual Token Counter, see
+    lora_runner.fairness; fairness_prefill_weight / fairness_decode_weight price a prompt and a
+    generated token) or "fcfs" (arrival order).
     """
 
     model: str
@@ -56,6 +60,9 @@ class EngineConfig:
     allow_pickle: bool = False
     local_files_only: bool | None = None
     max_adapter_bytes: int | None = None
+    scheduling_policy: str = "fair"
+    fairness_prefill_weight: float = DEFAULT_PREFILL_WEIGHT
+    fairness_decode_weight: float = DEFAULT_DECODE_WEIGHT
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -77,6 +84,10 @@ class EngineConfig:
         if (self.max_prompt_adapters > 0) != (self.max_prompt_adapter_tokens > 0):
             raise ValueError("set both max_prompt_adapters and max_prompt_adapter_tokens > 0 to enable "
                              "prompt adapters, or leave both 0")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        for name in ("fairness_prefill_weight", "fairness_decode_weight"):
+            check_weight(name, getattr(self, name))
         self.torch_device()  # validates device
         self.torch_dtype()  # validates dtype
 
