@@ -13,7 +13,7 @@ is still loading, or whose placeholders are not inserted yet, is skipped (others
 run); one whose adapter failed, or that the engine marked with an error, is handed back in `failed`.
 
 Slot handover ("fair"): when a ready request finds no adapter slot, one held adapter is chosen to
-give its slot up (unpinned, fewest running requests); requests behind the starved one in line may
+give its slot up (unpinned, its tenants the most served); requests behind the starved one in line may
 not join that adapter, so the slot frees as its running requests finish and the starved request
 gets it. The choice is kept across steps, so the drained adapter does not flip back and forth.
 """
@@ -262,18 +262,22 @@ class Scheduler:
         return True
 
     def _pick_handover(self, kind: AdapterSlots, held: set) -> Hashable:
-        """The held ref that frees a slot soonest: unpinned first (a pinned one keeps its slot
-        anyway), then the fewest running requests, then the most recently admitted."""
+        """The held ref whose slot goes to a starved request: unpinned first (a pinned one keeps its
+        slot anyway), then the one whose tenants were served most (VTC: the most-served gives way),
+        then the fewest running requests (frees soonest), then the most recently admitted."""
+        served: dict[Hashable, float] = {}
         num_running: dict[Hashable, int] = {}
-        newest: dict[Hashable, int] = {}  # ref -> arrival of its newest running request
+        newest: dict[Hashable, int] = {}
         for request in self.running:  # oldest first
             ref = kind.ref_of(request)
             if ref in held:
+                counter = self.fairness.counter(self._tenants[request])
+                served[ref] = max(served.get(ref, counter), counter)
                 num_running[ref] = num_running.get(ref, 0) + 1
                 newest[ref] = request.arrival
         reserved = kind.reserved(set())
-        return min(held, key=lambda ref: (kind.reserved({ref}) < reserved, num_running.get(ref, 0),
-                                          -newest.get(ref, 0)))
+        return min(held, key=lambda ref: (kind.reserved({ref}) < reserved, -served.get(ref, 0.0),
+                                          num_running.get(ref, 0), -newest.get(ref, 0)))
 
     def remove(self, request: Request) -> None:
         """Take a request out of the queues and free its blocks (it finished or was aborted)."""
