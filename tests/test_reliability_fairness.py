@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from adapters import LoRARequest
+from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.block_manager import BlockManager
 from lora_runner.config import EngineConfig
@@ -119,8 +119,7 @@ def test_fair_queue_takes_the_least_served_tenant_and_reorders_as_it_admits():
 
 
 def test_tenant_is_the_id_else_the_adapter_name_else_base():
-    lora, soft = LoRARequest("sql", "/x"), object.__new__(LoRARequest)
-    object.__setattr__(soft, "name", "soft")
+    lora, soft = LoRARequest("sql", "/x"), PromptAdapterRequest("soft", "/y")
     assert tenant_of(Request("r", [3], SamplingParams(), 0, lora_request=lora)) == "sql"
     assert tenant_of(Request("r", [3], SamplingParams(), 0, lora_request=lora, tenant="acme")) == "acme"
     assert tenant_of(Request("r", [3], SamplingParams(), 0, prompt_adapter_request=soft)) == "soft"
