@@ -230,6 +230,23 @@ def test_handover_gives_the_starved_tenant_a_slot_and_stays_work_conserving():
     assert len(held_back) == 1  # one adapter gives its slot up (the same one each step), the other runs on
 
 
+def test_prompt_adapter_slot_is_handed_over_too():
+    """One soft-prompt slot held by "a": requests on "a" behind the waiting "b" do not join it."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_loras=2,
+                      adapter_state=lambda ref: "ready", max_prompt_adapters=1,
+                      prompt_adapter_state=lambda ref: "ready")
+    a, b, a_later = (Request(f"r{i}", [5, 6], SamplingParams(max_tokens=3), arrival=i, prompt_adapter_ref=pa)
+                     for i, pa in enumerate("aba"))
+    for request in (a, b, a_later):
+        request.insert_virtual_tokens(3)
+        sched.add(request)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [a]  # a_later would keep "a" held: b is ahead in line
+    advance(sched, out)
+    out = sched.schedule()  # a's soft prompt is computed: its slot is free and b takes it
+    assert [s.request for s in out.scheduled if s.start == 0] == [b]
+
+
 # ----------------------------------------------------------------------------- engine, tiny Llama
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
