@@ -10,6 +10,13 @@ All runs are greedy and ignore EOS, so each request yields exactly its drawn num
 
     python benchmarks/bench_engine.py --quick      # CPU, ~100M-parameter random model, < 5 min
     python benchmarks/bench_engine.py              # GPU, Llama-2-7B-shaped random model
+    python benchmarks/bench_engine.py --quick --policy fair,fcfs --workloads 1 --skip-peft --fairness
+
+--policy runs every workload under each scheduling policy (a row each: the cost of the policy).
+--fairness adds a table that needs no model: the scheduler alone (a fake model that samples a fixed
+token) on a skewed load, one tenant sending 10x the requests of two others, all at once, each tenant
+with its own LoRA and 2 slots: each tenant's share of the weighted served tokens (prefill 1, decode 2)
+while all three are backlogged, and the scheduler's own time per step.
 
 tok/s counts wall-clock seconds, except --quick on CPU, which runs one torch thread and counts this
 process's CPU seconds (--clock process) so that other processes on a shared machine cannot skew the
@@ -40,7 +47,7 @@ QUICK_SHAPE = ModelShape(hidden_size=768, intermediate_size=2048, num_layers=8, 
                          num_kv_heads=4)  # ~100M parameters (half in the 32000-token vocabulary)
 FULL_SHAPE = ModelShape(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                         num_kv_heads=32)  # Llama-2-7B
-COLUMNS = [("workload", "workload", ""), ("max_loras", "max_loras", "d"),
+COLUMNS = [("workload", "workload", ""), ("policy", "policy", ""), ("max_loras", "max_loras", "d"),
            ("tokens_per_s", "out tok/s", ".1f"), ("ttft_p50_s", "TTFT p50 s", ".2f"),
            ("ttft_p99_s", "TTFT p99 s", ".2f"), ("loads", "slot loads", "d"),
            ("evictions", "slot evictions", "d"), ("disk_loads", "disk loads", "d"),
@@ -78,14 +85,15 @@ class EngineRunner:
     """Replays workloads through one LLMEngine (add_request/step), timing every request."""
 
     def __init__(self, model_dir: str, adapter_paths: list[Path], spec: WorkloadSpec, rank: int,
-                 device: str, max_model_len: int, max_batched_tokens: int):
+                 device: str, max_model_len: int, max_batched_tokens: int, policy: str = "fair"):
         from adapters import LoRARequest
         from lora_runner import LLMEngine
 
         self.engine = LLMEngine(model=model_dir, max_loras=spec.max_loras, max_lora_rank=rank,
                                 max_cpu_loras=4 * spec.max_loras,  # CPU tier pages too at 128
                                 device=device, max_num_seqs=spec.num_requests,
-                                max_model_len=max_model_len, max_num_batched_tokens=max_batched_tokens)
+                                max_model_len=max_model_len, max_num_batched_tokens=max_batched_tokens,
+                                scheduling_policy=policy)
         self.loras = [LoRARequest(f"adapter-{i:03d}", str(p)) for i, p in enumerate(adapter_paths)]
         self._run_index = 0
 
@@ -138,20 +146,20 @@ def adapter_stats(engine) -> dict:
 
 
 def run_workload(spec: WorkloadSpec, model_dir: str, adapter_paths: list[Path], args,
-                 peft: PeftRunner | None, vocab_size: int) -> dict:
+                 peft: PeftRunner | None, vocab_size: int, policy: str = "fair") -> dict:
     """Engine with adapters, the same engine without, and PEFT, on the same requests."""
     requests = make_workload(spec, vocab_size)
     max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
     runner = EngineRunner(model_dir, adapter_paths[: spec.num_adapters], spec, args.rank,
                           args.device, max_model_len=max_len + 16,
-                          max_batched_tokens=max(2048, max_len + 16))
+                          max_batched_tokens=max(2048, max_len + 16), policy=policy)
     runner.run(make_workload(WorkloadSpec(num_requests=2, num_adapters=1, seed=99, prompt_len=(4, 8),
                                           output_len=(2, 2)), vocab_size), True, "warm-up")
     base = lora = None
     for _ in range(args.repeats):  # interleaved, best of N: the machine's noise hits both alike
         base = _faster(base, runner.run(requests, False, f"{spec.name}: engine base"), args.clock)
         lora = _faster(lora, runner.run(requests, True, f"{spec.name}: engine"), args.clock)
-    row = {"workload": spec.name, "spec": spec.__dict__, "max_loras": spec.max_loras,
+    row = {"workload": spec.name, "policy": policy, "spec": spec.__dict__, "max_loras": spec.max_loras,
            "tokens": lora["tokens"], "tokens_per_s": _throughput(lora, args.clock),
            "ttft_p50_s": percentile(lora["ttfts"], 50), "ttft_p99_s": percentile(lora["ttfts"], 99),
            **{key: lora[key] for key in ("loads", "evictions", "disk_loads", "cpu_evictions")},
@@ -189,6 +197,65 @@ def _faster(best: dict | None, result: dict, clock: str) -> dict:
     winner.update({key: best[key] for key in ("loads", "evictions", "disk_loads", "cpu_evictions")
                    if key in best})
     return winner
+
+
+def _policies(text: str) -> list[str]:
+    from lora_runner.fairness import POLICIES
+
+    policies = text.split(",")
+    if not policies or any(p not in POLICIES for p in policies):
+        raise argparse.ArgumentTypeError(f"policies must be among {POLICIES}, got {text!r}")
+    return policies
+
+
+FAIRNESS_COLUMNS = [("policy", "policy", ""), ("heavy_requests", "heavy requests", "d"),
+                    ("light_requests", "light requests each", "d"), ("share_heavy", "heavy share", ".1%"),
+                    ("share_light_1", "light-1 share", ".1%"), ("share_light_2", "light-2 share", ".1%"),
+                    ("window_steps", "window steps", "d"), ("us_per_step", "schedule() us/step", ".0f")]
+
+
+def fairness_row(policy: str, light_requests: int = 50, max_num_seqs: int = 8, seed: int = 0) -> dict:
+    """Skewed load through the scheduler alone: tenant "heavy" sends 10x the requests of "light-1"
+    and "light-2", interleaved 10:1:1, all at once; each tenant has its own LoRA, 2 slots. Shares
+    of weighted served tokens count the steps at whose start every tenant still had a waiting request."""
+    import numpy as np
+
+    from lora_runner.block_manager import BlockManager
+    from lora_runner.fairness import VirtualTokenCounter, served_tokens
+    from lora_runner.sampling_params import SamplingParams
+    from lora_runner.scheduler import Scheduler
+    from lora_runner.sequence import Request
+
+    rng = np.random.default_rng(seed)
+    vtc = VirtualTokenCounter()
+    sched = Scheduler(BlockManager(4096, 16), max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, max_loras=2,
+                      adapter_state=lambda ref: "ready", policy=policy, fairness=vtc)
+    tenants = (["heavy"] * 10 + ["light-1", "light-2"]) * light_requests
+    for i, tenant in enumerate(tenants):
+        prompt = rng.integers(4, 1000, size=int(rng.integers(8, 33))).tolist()
+        params = SamplingParams(max_tokens=int(rng.integers(8, 25)), ignore_eos=True)
+        sched.add(Request(f"{tenant}-{i}", prompt, params, arrival=i, lora_ref=tenant, tenant=tenant))
+    served, window_steps, seconds, steps = dict.fromkeys(("heavy", "light-1", "light-2"), 0.0), 0, 0.0, 0
+    while sched.has_unfinished():
+        backlogged = {r.tenant for r in sched.waiting} == set(served)
+        start = time.perf_counter()
+        out = sched.schedule()
+        seconds += time.perf_counter() - start
+        steps += 1
+        for s in out.scheduled:
+            if backlogged:
+                served[s.request.tenant] += vtc.cost(*served_tokens(s.request, s.num_new_tokens, s.samples))
+            s.request.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                s.request.token_ids.append(5)
+                if s.request.num_output_tokens >= s.request.params.max_tokens:
+                    s.request.finish("length")
+                    sched.remove(s.request)
+        window_steps += backlogged
+    total = sum(served.values())
+    return {"policy": policy, "heavy_requests": 10 * light_requests, "light_requests": light_requests,
+            **{f"share_{t.replace('-', '_')}": served[t] / total for t in served},
+            "window_steps": window_steps, "us_per_step": 1e6 * seconds / steps}
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -232,6 +299,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int,
                    help="torch CPU threads; default: 1 for --quick on CPU (2 threads on 2 busy cores "
                         "spin-wait and run several times slower), else torch's choice")
+    p.add_argument("--policy", default="fair", type=_policies,
+                   help="comma-separated scheduling policies (fair, fcfs); each workload runs under each")
+    p.add_argument("--workloads", type=lambda text: [int(i) for i in text.split(",")],
+                   help="comma-separated indices into the workload grid (default: all)")
+    p.add_argument("--fairness", action="store_true",
+                   help="add the skewed-load fairness table (scheduler only, no model; seconds)")
     p.add_argument("--out-dir", default="results")
     return p.parse_args(argv)
 
@@ -249,6 +322,7 @@ def main(argv=None) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     num_requests = args.num_requests or (32 if args.quick else 256)
     specs = (quick_workloads if args.quick else full_workloads)(num_requests)
+    specs = [specs[i] for i in args.workloads] if args.workloads is not None else specs
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_engine-") as tmp:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -265,18 +339,23 @@ def main(argv=None) -> list[dict]:
                                              max(s.num_adapters for s in specs), args.rank)
         del base_model
         peft = None if args.skip_peft else PeftRunner(model_dir, adapter_paths, device, dtype)
-        rows = [run_workload(spec, model_dir, adapter_paths, args, peft, vocab_size)
-                for spec in tqdm(specs, desc="workloads")]
+        rows = [run_workload(spec, model_dir, adapter_paths, args, peft, vocab_size, policy)
+                for spec in tqdm(specs, desc="workloads") for policy in args.policy]
     report = {"mode": "quick" if args.quick else "full", "model": args.model or "random",
               "rank": args.rank, "repeats": args.repeats, "clock": args.clock,
               "machine": machine_description(str(device)), "seconds": time.perf_counter() - started,
               "rows": rows}
+    if args.fairness:
+        report["fairness"] = [fairness_row(policy) for policy in args.policy]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench_engine-{report['mode']}-{time.strftime('%Y%m%d-%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
     plot(rows, stem.with_suffix(".png"))
     print(markdown_table(rows, COLUMNS))
+    if args.fairness:
+        print("\nSkewed load, scheduler only: share of weighted served tokens while all tenants are backlogged")
+        print(markdown_table(report["fairness"], FAIRNESS_COLUMNS))
     print(f"\ntok/s per {args.clock} second; {report['machine']}\n"
           f"total {report['seconds']:.0f} s; written {stem}.json")
     return rows

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_runner.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
 from lora_runner.model.loader import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ class EngineConfig:
     without their own seed. allow_pickle / local_files_only / max_adapter_bytes: adapter loading.
     max_logprobs: the most logprobs (SamplingParams.logprobs) one request may ask for (default 20,
     as in vLLM); a request over it is refused with ValueError at add_request.
+    scheduling_policy: "fair" (admit the least-served tenant first, Virtual Token Counter, see
+    lora_runner.fairness; fairness_prefill_weight / fairness_decode_weight price a prompt and a
+    generated token) or "fcfs" (arrival order).
     """
 
     model: str
@@ -59,6 +63,9 @@ class EngineConfig:
     local_files_only: bool | None = None
     max_adapter_bytes: int | None = None
     max_logprobs: int = 20
+    scheduling_policy: str = "fair"
+    fairness_prefill_weight: float = DEFAULT_PREFILL_WEIGHT
+    fairness_decode_weight: float = DEFAULT_DECODE_WEIGHT
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -80,6 +87,10 @@ class EngineConfig:
         if (self.max_prompt_adapters > 0) != (self.max_prompt_adapter_tokens > 0):
             raise ValueError("set both max_prompt_adapters and max_prompt_adapter_tokens > 0 to enable "
                              "prompt adapters, or leave both 0")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        for name in ("fairness_prefill_weight", "fairness_decode_weight"):
+            check_weight(name, getattr(self, name))
         self.torch_device()  # validates device
         self.torch_dtype()  # validates dtype
 

@@ -22,6 +22,7 @@ from lora_runner.batch import SeqChunk
 from lora_runner.block_manager import BlockManager
 from lora_runner.config import EngineConfig
 from lora_runner.cuda_graphs import cuda_graphs_available
+from lora_runner.fairness import VirtualTokenCounter
 from lora_runner.kv_cache import kv_block_bytes
 from lora_runner.memory_profile import profile_kv_cache_budget
 from lora_runner.model import load_model
@@ -72,7 +73,9 @@ class LLMEngine:
                                    reserved_lora_slots=self._reserved_lora_slots,
                                    max_prompt_adapters=cfg.max_prompt_adapters,
                                    prompt_adapter_state=self.adapter_manager.prompts.state,
-                                   reserved_prompt_slots=self._reserved_prompt_slots)
+                                   reserved_prompt_slots=self._reserved_prompt_slots,
+                                   policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
+                                       cfg.fairness_prefill_weight, cfg.fairness_decode_weight))
         self.runner = self._make_runner(self.limits.num_kv_blocks)
         if use_graphs:
             self.runner.capture_decode_graphs(self.adapter_manager.loras, cfg.max_lora_rank)
@@ -112,11 +115,14 @@ class LLMEngine:
     # ----------------------------------------------------------------------------- intake (any thread)
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None,
-                    prompt_adapter_request: PromptAdapterRequest | None = None) -> None:
+                    prompt_adapter_request: PromptAdapterRequest | None = None, *,
+                    tenant: str | None = None) -> None:
         """Queue a request. Its adapters start loading in the background now.
 
         prompt: a string (tokenized with the model dir's tokenizer) or a list of token ids.
         prompt_adapter_request: a soft prompt put in front of the prompt (may be combined with a LoRA).
+        tenant: whom fair admission (scheduling_policy="fair") accounts the request to; None: its
+        LoRA's name, else its prompt adapter's name, else "" (one tenant for the base model).
         params: checked again here with the engine's limits (max_logprobs, the vocabulary) and
         copied, so changing the caller's object later does not affect the request.
         Raises ValueError, before touching any state, for a request id that is not a string or is
@@ -130,12 +136,14 @@ class LLMEngine:
         params = self._checked_params(params)
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string or None, got {type(tenant).__name__}")
         self.prompt_adapters.check(prompt_adapter_request)
         token_ids = self._prompt_token_ids(prompt)
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
         request = Request(request_id, token_ids, params, arrival=next(self._arrivals),
                           prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
-                          prompt_adapter_request=prompt_adapter_request, generator=generator)
+                          prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant)
         with self._lock:
             if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in use")

@@ -1,15 +1,21 @@
-"""Continuous batching with chunked prefill, preemption by recompute and adapter-aware admission.
+"""Continuous batching with chunked prefill, preemption by recompute and adapter-aware, fair admission.
 
 Each step the scheduler gives every running request (oldest first) the tokens it still has to
 compute, a decode token or the next prefill chunk, within `max_num_batched_tokens`. When the KV
 cache runs out of blocks the newest running request is preempted: it frees its blocks and goes
 back to the front of the waiting queue to recompute its tokens later. Then, if nothing was
-preempted, waiting requests are admitted in arrival order while there is budget, a free sequence
-slot, enough blocks and room for their LoRA among at most `max_loras` distinct adapters and for
-their prompt adapter among at most `max_prompt_adapters` (a soft prompt needs its slot only until
-its virtual tokens are computed). A waiting request whose adapter is still loading, or whose
-placeholders are not inserted yet, is skipped (others behind it may run); one whose adapter
-failed, or that the engine marked with an error, is handed back in `failed`.
+preempted, waiting requests are admitted while there is budget, a free sequence slot, enough
+blocks and room for their LoRA among at most `max_loras` distinct adapters and for their prompt
+adapter among at most `max_prompt_adapters` (a soft prompt needs its slot only until its virtual
+tokens are computed). The order is the policy's: "fcfs" takes them in arrival order, "fair" takes
+the next request of the least-served tenant (lora_runner.fairness). A waiting request whose adapter
+is still loading, or whose placeholders are not inserted yet, is skipped (others behind it may
+run); one whose adapter failed, or that the engine marked with an error, is handed back in `failed`.
+
+Slot handover ("fair"): when a ready request finds no adapter slot, one held adapter is chosen to
+give its slot up (unpinned, its tenants the most served); requests behind the starved one in line may
+not join that adapter, so the slot frees as its running requests finish and the starved request
+gets it. The choice is kept across steps, so the drained adapter does not flip back and forth.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 
 from adapters.errors import AdapterCapacityError
 from lora_runner.block_manager import BlockManager
+from lora_runner.fairness import POLICIES, FairQueue, FcfsQueue, VirtualTokenCounter, served_tokens, tenant_of
 from lora_runner.sequence import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -93,7 +100,10 @@ class Scheduler:
                  max_loras: int, adapter_state: AdapterState,
                  reserved_lora_slots: ReservedSlots = lambda refs: 0, max_prompt_adapters: int = 0,
                  prompt_adapter_state: AdapterState | None = None,
-                 reserved_prompt_slots: ReservedSlots = lambda refs: 0) -> None:
+                 reserved_prompt_slots: ReservedSlots = lambda refs: 0,
+                 policy: str = "fair", fairness: VirtualTokenCounter | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -106,11 +116,17 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: oldest first
         self.num_preemptions = 0  # cumulative, for stats and tests
+        self.policy = policy
+        self.fairness = fairness if fairness is not None else VirtualTokenCounter()  # kept under "fcfs" too
+        self._tenants: dict[Request, str] = {}  # unfinished request -> the tenant it joined as
+        self._handover: dict[str, Hashable] = {}  # adapter kind -> held ref that gives its slot to a starved one
 
     def add(self, request: Request) -> None:
         """Queue a new request at the back of the waiting queue."""
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self._tenants[request] = tenant_of(request)
+        self.fairness.join(self._tenants[request])
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
@@ -123,6 +139,8 @@ class Scheduler:
         out.failed = self._take_failed()
         if not out.preempted:
             self._admit_waiting(out, budget)
+        for s in out.scheduled:
+            self.fairness.charge(self._tenants[s.request], *served_tokens(s.request, s.num_new_tokens, s.samples))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -196,28 +214,70 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kinds = self._adapter_slots()
         held = [{k.ref_of(r) for r in self.running} - {None} for k in kinds]  # per kind: refs with a slot
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.popleft()
+        queue = FairQueue(self.waiting, self.fairness) if self.policy == "fair" else FcfsQueue(self.waiting)
+        starved: set[str] = set()  # kinds in which a ready request ahead in line found no slot
+        admitted: set[Request] = set()
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = queue.pop()
+            if request is None:
+                self._handover = {kind: ref for kind, ref in self._handover.items() if kind in starved}
+                break
             refs = [k.ref_of(request) for k in kinds]
-            if request.awaiting_virtual_tokens or any(
-                    ref is not None and (k.state(ref) != "ready" or not self._fits(k, ref, h))
-                    for k, ref, h in zip(kinds, refs, held)):
-                skipped.append(request)  # still loading, or no slot for one of its adapters this step
-                continue
+            if not self._may_admit(request, kinds, refs, held, starved):
+                continue  # still loading, no slot for one of its adapters, or its slot is handed over
             num_new = min(request.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(request.request_id, num_new):
-                self.waiting.appendleft(request)  # FIFO: do not let later requests jump the KV queue
-                break
+                break  # in line order: do not let later requests jump the KV queue
             self.block_manager.allocate(request.request_id, num_new)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival)
             out.scheduled.append(ScheduledRequest(request, 0, num_new))
+            queue.charge(request, *served_tokens(request, num_new, num_new == request.num_uncomputed_tokens))
+            admitted.add(request)
             budget -= num_new
             for ref, h in zip(refs, held):
                 if ref is not None:
                     h.add(ref)
-        self.waiting.extendleft(reversed(skipped))
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if r not in admitted)
+
+    def _may_admit(self, request: Request, kinds: list[AdapterSlots], refs: list, held: list[set],
+                   starved: set[str]) -> bool:
+        """True when the request can join this step; under "fair", a ready request without a slot
+        marks its kind starved and picks the held ref whose slot it will get (see the module docstring)."""
+        if request.awaiting_virtual_tokens or any(
+                ref is not None and k.state(ref) != "ready" for k, ref in zip(kinds, refs)):
+            return False
+        for k, ref, h in zip(kinds, refs, held):
+            if ref is None:
+                continue
+            if k.kind in starved and ref == self._handover.get(k.kind):
+                return False  # its slot goes to a request ahead in line once the running ones finish
+            if not self._fits(k, ref, h):
+                if self.policy == "fair":
+                    starved.add(k.kind)
+                    if self._handover.get(k.kind) not in h and h:
+                        self._handover[k.kind] = self._pick_handover(k, h)
+                return False
+        return True
+
+    def _pick_handover(self, kind: AdapterSlots, held: set) -> Hashable:
+        """The held ref whose slot goes to a starved request: unpinned first (a pinned one keeps its
+        slot anyway), then the one whose tenants were served most (VTC: the most-served gives way),
+        then the fewest running requests (frees soonest), then the most recently admitted."""
+        served: dict[Hashable, float] = {}
+        num_running: dict[Hashable, int] = {}
+        newest: dict[Hashable, int] = {}
+        for request in self.running:  # oldest first
+            ref = kind.ref_of(request)
+            if ref in held:
+                counter = self.fairness.counter(self._tenants[request])
+                served[ref] = max(served.get(ref, counter), counter)
+                num_running[ref] = num_running.get(ref, 0) + 1
+                newest[ref] = request.arrival
+        reserved = kind.reserved(set())
+        return min(held, key=lambda ref: (kind.reserved({ref}) < reserved, -served.get(ref, 0.0),
+                                          num_running.get(ref, 0), -newest.get(ref, 0)))
 
     def remove(self, request: Request) -> None:
         """Take a request out of the queues and free its blocks (it finished or was aborted)."""
@@ -226,3 +286,5 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
+        if request in self._tenants:
+            self.fairness.leave(self._tenants.pop(request))

@@ -41,6 +41,7 @@ class Request:
     lora_ref: Any = None  # the manager's AdapterRef held from add_request until the request finishes
     prompt_adapter_request: Any = None  # adapters.PromptAdapterRequest or None
     prompt_adapter_ref: Any = None  # its AdapterRef, held like lora_ref
+    tenant: str | None = None  # who fair admission accounts it to; None: its adapter's name (fairness.tenant_of)
     generator: torch.Generator | None = None  # per-request, when params.seed is set
     token_ids: list[int] = field(init=False)
     logprobs: list[dict[int, float]] | None = field(init=False)

@@ -10,17 +10,19 @@ from lora_runner.scheduler import Scheduler
 from lora_runner.sequence import Request, RequestStatus
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_tokens=32, max_loras=2, states=None):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_tokens=32, max_loras=2, states=None,
+                   policy="fair"):
     states = {} if states is None else states
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                      max_loras=max_loras, adapter_state=lambda ref: states[ref])
+                      max_loras=max_loras, adapter_state=lambda ref: states[ref], policy=policy)
     return sched, bm
 
 
-def make_request(i, prompt_len, max_tokens=4, lora=None):
+def make_request(i, prompt_len, max_tokens=4, lora=None, tenant=None):
+    """tenant None: every request is the base model's tenant "" (fair admission is then FIFO)."""
     return Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
-                   arrival=i, lora_ref=lora)
+                   arrival=i, lora_ref=lora, tenant=tenant)
 
 
 def run_step(sched, out, next_token=7):
@@ -143,15 +145,17 @@ def test_at_most_max_loras_distinct_adapters_run():
     assert list(sched.waiting) == [reqs[2]]
 
 
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_keeps_invariants_and_frees_every_block(seed):
+def test_random_workload_keeps_invariants_and_frees_every_block(seed, policy):
     rng = random.Random(seed)
     states = {name: "ready" for name in "ABCDE"}
     max_loras, max_seqs, budget = 2, 3, rng.choice([4, 8, 16])
     sched, bm = make_scheduler(num_blocks=rng.randint(6, 12), block_size=4, max_num_seqs=max_seqs,
-                               max_tokens=budget, max_loras=max_loras, states=states)
-    pending = [make_request(i, rng.randint(1, 12), max_tokens=rng.randint(1, 10),
-                            lora=rng.choice([None, *"ABCDE"])) for i in range(20)]
+                               max_tokens=budget, max_loras=max_loras, states=states, policy=policy)
+    loras = [rng.choice([None, *"ABCDE"]) for _ in range(20)]  # one tenant per adapter: handover runs too
+    pending = [make_request(i, rng.randint(1, 12), max_tokens=rng.randint(1, 10), lora=lora, tenant=lora or "")
+               for i, lora in enumerate(loras)]
     finished, steps = [], 0
     while pending or sched.has_unfinished():
         for _ in range(rng.randint(0, 2)):
@@ -170,6 +174,7 @@ def test_random_workload_keeps_invariants_and_frees_every_block(seed):
         assert steps < 2000
     assert len(finished) == 20 and bm.num_free_blocks == bm.num_blocks
     assert all(r.num_output_tokens == r.params.max_tokens for r in finished)
+    assert not any(sched.fairness.is_active(t) for t in ["", *"ABCDE"])  # every join left again
 
 
 def test_pinned_slots_outside_the_step_reduce_lora_room():
