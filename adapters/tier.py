@@ -16,12 +16,13 @@ versions, so at most ``max_cpu + max_loading`` versions hold (or are reading) we
 concurrent ``add()`` caller; requests beyond that wait with their version queued (state "loading").
 
 A version is identified by an :class:`AdapterRef` (name, path, revision, version number). A request
-with a known name but another (path, revision) creates a new version that the name refers to from
-then on (``lookup``); the old version keeps serving requests for its own source until the new one
-is ready (then the old one is retired) or fails (then the name falls back to the old one), so a bad
-replacement never takes a working adapter away. A failed version with nothing to fall back to stays
-the name's version while requests hold it (they all fail alike; no reload storm), then is dropped. A retired version is dropped once no request holds
-it; ``remove`` is deferred the same way. Dropping a version frees its CPU tensors and its slot.
+with a known name but another (path, revision) creates a new version for that source; the old
+version keeps serving the name (``lookup``, ``list``, pins) until the new one is ready (then the old
+one is retired) or fails (then the name stays with the old one), so a bad replacement never takes a
+working adapter away. A failed version with nothing to fall back to stays the name's version while
+requests hold it (they all fail alike; no reload storm), then is dropped. A retired version is
+dropped once no request holds it; ``remove`` is deferred the same way. Dropping a version frees its
+CPU tensors and its slot.
 
 Pins live here only, on the version a name serves (``_Version.pinned``): a replacement inherits the
 pin once it takes over; a failed, removed or retired version holds none. At most ``num_slots - 1``
@@ -170,9 +171,9 @@ class AdapterTier:
         return version.weights.size()
 
     def lookup(self, name: str) -> AdapterRef | None:
-        """The newest version of ``name`` (None if unknown); it may still be loading."""
+        """The version ``name`` serves now (None if unknown): the old one while a replacement loads."""
         with self._lock:
-            version = self._current.get(name)
+            version = self._serving(name)
             return None if version is None else version.ref
 
     # ---- user side: add / prefetch / remove / pin ------------------------------------------------

@@ -180,3 +180,22 @@ def write_malicious_pickle(path, marker) -> Path:
     torch.save({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(1),
                 "payload": _RunsCodeWhenUnpickled(marker)}, str(target))
     return target
+
+
+# ---------------------------------------------------------------- hostile adapters: adapter state (issue 11)
+def save_nan_copy(source_dir, path) -> Path:
+    """Copy a saved adapter (LoRA or prompt adapter) to ``path`` with every tensor NaN: it passes
+    every check but the finiteness one, so its load fails with InvalidAdapterError."""
+    import shutil
+
+    shutil.copytree(source_dir, path)
+    edit_adapter_tensors(path, lambda tensors: {k: v * float("nan") for k, v in tensors.items()})
+    return Path(path)
+
+
+def save_adapter_copy(source_dir, path) -> Path:
+    """A byte-identical copy of a saved adapter under another path (another source for the same weights)."""
+    import shutil
+
+    shutil.copytree(source_dir, path)
+    return Path(path)

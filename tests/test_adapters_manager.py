@@ -162,8 +162,8 @@ def test_replacement_keeps_old_version_for_running_requests(env, make):
     assert wait(m.loras, old) == "ready"
     old_slot = m.loras.activate([old])[0]
     new = m.loras.acquire(req(env, "t", "c"))  # same name, other path: a replacement
-    assert new != old and new.name == old.name and m.loras.lookup("t") == new
-    assert wait(m.loras, new) == "ready"
+    assert new != old and new.name == old.name
+    assert wait(m.loras, new) == "ready" and m.loras.lookup("t") == new  # it took over once loaded
     slots = m.loras.activate([old, new])
     assert slots[0] == old_slot and slots[1] != old_slot
     assert_slot_holds(m, slots[0], env, "a")
