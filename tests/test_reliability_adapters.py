@@ -162,6 +162,8 @@ def test_a_failed_load_holds_no_pin(kit, greedy_oracle, kind):
     getattr(engine, k.pin)("z")  # pinned while it loads
     assert tier.num_pinned() == 1
     gate.set()
+    wait_settled(tier, getattr(engine._live["doomed"], "lora_ref" if kind == "lora" else "prompt_adapter_ref"))
+    assert tier.num_pinned() == 0  # while the request still holds the failed version
     done = drain(engine, {})
     assert done["doomed"].outputs[0].finish_reason == "error"
     assert isinstance(done["doomed"].error, InvalidAdapterError)
