@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
+from contextlib import contextmanager
 
 from adapters.manager import AdapterManager
 from adapters.request import PromptAdapterRequest
@@ -36,9 +37,6 @@ from lora_runner.scheduler import ScheduledRequest
 from lora_runner.sequence import Request
 
 logger = logging.getLogger(__name__)
-
-KINDS = ("lora", "prompt")  # the two adapter kinds, as named in EngineAdapters' calls
-
 
 class EngineClosedError(TierClosedError):
     """The engine was closed: add_request, add_lora, add_prompt_adapter, pin/unpin/remove and
@@ -175,13 +173,12 @@ class EngineAdapters:
         return None
 
 
-class _closed_as_engine_error:
-    """Context manager: a tier closed under a racing call raises EngineClosedError, as documented."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None and issubclass(exc_type, TierClosedError) and not isinstance(exc, EngineClosedError):
-            raise EngineClosedError("the engine is closed") from exc
-        return False
+@contextmanager
+def _closed_as_engine_error():
+    """A tier closed under a racing call raises EngineClosedError, as the engine documents."""
+    try:
+        yield
+    except EngineClosedError:
+        raise
+    except TierClosedError as exc:
+        raise EngineClosedError("the engine is closed") from exc
