@@ -15,6 +15,10 @@ adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA, modules_to
 trainable tokens, aLoRA, QALoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA, MiCA, and un-converted
 PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA adapters (they need a modified base model). Everything is validated
 before any slot is touched.
+
+The config's regexes (target_modules as a string, exclude_modules, layers_pattern, rank_pattern and
+alpha_pattern keys) are tenant input: :mod:`adapters.patterns` runs them in RE2 (linear time), never
+in Python's backtracking ``re``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
+from adapters.patterns import PeftTargets
 from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
 from adapters.weights import check_peft_type, read_adapter_config, read_adapter_tensors
 
@@ -91,46 +96,6 @@ class LoRAWeights:
         return LoRAWeights(self.name, self.rank, modules)
 
 
-def _pattern_value(patterns: dict, module_key: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the end of the module path wins."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module_key):
-            return value
-    return default
-
-
-def _is_targeted(config: dict, module_key: str) -> bool:
-    """Whether PEFT would put this adapter's LoRA on the module (PEFT's target matching rules)."""
-    exclude = config.get("exclude_modules")
-    if isinstance(exclude, str) and re.fullmatch(exclude, module_key):
-        return False
-    if isinstance(exclude, (list, tuple)) and any(module_key == e or module_key.endswith("." + e) for e in exclude):
-        return False
-    targets = config["target_modules"]
-    if isinstance(targets, str):
-        return re.fullmatch(targets, module_key) is not None
-    if module_key in targets:
-        return True
-    if not any(module_key.endswith("." + t) for t in targets):
-        return False
-    layers = config.get("layers_to_transform")
-    if layers is None or layers == []:
-        return True
-    patterns = config.get("layers_pattern") or None
-    if patterns is None:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_key)
-    else:
-        match = None
-        for pattern in [patterns] if isinstance(patterns, str) else patterns:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_key)
-            if match:
-                break
-    if match is None:
-        return False
-    index = int(match.group("idx"))
-    return index == layers if isinstance(layers, int) else index in layers
-
-
 def _candidate_modules(spec: ModelSpec) -> list[str]:
     """Every module of a Llama-family causal LM that PEFT LoRA can attach to."""
     keys = ["model.embed_tokens", "lm_head"]
@@ -160,9 +125,6 @@ def _check_config(name: str, config: dict, spec: ModelSpec) -> None:
         value = config.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise InvalidAdapterError(f"adapter {name!r}: {field} must be a positive number, got {value!r}")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(field) or {}, dict):
-            raise InvalidAdapterError(f"adapter {name!r}: {field} must be a dict, got {config[field]!r}")
     base = config.get("base_model_name_or_path")
     if base and spec.model_name and base != spec.model_name:
         logger.warning("adapter %r was trained on base model %r, but the served model is %r", name, base,
@@ -171,16 +133,15 @@ def _check_config(name: str, config: dict, spec: ModelSpec) -> None:
 
 def _targeted_ranks(name: str, config: dict, spec: ModelSpec, max_lora_rank: int) -> dict[str, tuple[int, float]]:
     """module key -> (rank, scaling) for every module the config targets; checks ranks before any read."""
-    targeted = {}
+    targeted, targets = {}, PeftTargets.from_config(name, config)  # every pattern runs in RE2
     for key in _candidate_modules(spec):
-        if not _is_targeted(config, key):
+        if not targets.is_targeted(key):
             continue
         if not _MODULE_RE.match(key):
             raise UnsupportedAdapterError(f"adapter {name!r}: LoRA on {key} (target_modules="
                                           f"{config['target_modules']!r}) is not supported; "
                                           f"supported: {_SUPPORTED_TEXT}")
-        rank = _pattern_value(config.get("rank_pattern") or {}, key, config["r"])
-        alpha = _pattern_value(config.get("alpha_pattern") or {}, key, config["lora_alpha"])
+        rank, alpha = targets.rank(key, config["r"]), targets.alpha(key, config["lora_alpha"])
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise InvalidAdapterError(f"adapter {name!r}: rank of {key} must be a positive int, got {rank!r}")
         if rank > max_lora_rank:

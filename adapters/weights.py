@@ -7,6 +7,16 @@ against ``max_bytes`` before anything is read; for a pickle, so is the size it u
 torch.load allocates what the archive declares: only zip-format checkpoints with uncompressed
 entries (what torch.save writes) are read, never compressed entries (a zip bomb) or the legacy
 format (whose pickle declares storage sizes that are allocated before any data is read).
+
+Safetensors weights are read whole into memory the process owns (one read of the size checked
+against ``max_bytes``) and parsed from those bytes; nothing stays memory-mapped, so a file truncated
+or rewritten during a load (``cp`` over a served adapter) gives a consistent read or an
+:class:`InvalidAdapterError`, never a SIGBUS. A file that changes while it is read (its size,
+or modification time differ before and after) is refused; replacing a file atomically
+(write a temporary file, then rename it over) is always read consistently, old or new.
+
+``adapter_config.json`` is capped at :data:`MAX_CONFIG_BYTES` (checked before reading), and its
+JSON nesting by the parser's recursion limit.
 """
 
 from __future__ import annotations
@@ -30,12 +40,38 @@ from adapters.hub import CONFIG_FILE, PICKLE_FILE, SAFETENSORS_FILE
 
 logger = logging.getLogger(__name__)
 
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: a real one is a few KB
 
-def _check_size(name: str, path: str, max_bytes: int | None) -> None:
-    size = os.path.getsize(path)
+
+def _check_size(name: str, path: str, max_bytes: int | None, size: int | None = None,
+                limit_name: str = "max_adapter_bytes") -> None:
+    size = os.path.getsize(path) if size is None else size
     if max_bytes is not None and size > max_bytes:
         raise AdapterTooLargeError(f"adapter {name!r}: {os.path.basename(path)} is {size} bytes, over the "
-                                   f"limit max_adapter_bytes={max_bytes}")
+                                   f"limit {limit_name}={max_bytes}")
+
+
+def _file_version(stat: os.stat_result) -> tuple:
+    """What changes when an open file's content is written or truncated (not its ctime: that also
+    changes when the file is renamed over or unlinked, which leaves the open file's content intact)."""
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _read_owned_bytes(name: str, path: str, max_bytes: int | None, limit_name: str = "max_adapter_bytes") -> bytes:
+    """The file's bytes, in memory this process owns: its size is checked before one bounded read,
+    and a file that changed during the read is refused."""
+    try:
+        with open(path, "rb") as f:
+            before = os.fstat(f.fileno())
+            _check_size(name, path, max_bytes, before.st_size, limit_name)
+            data = f.read(before.st_size + 1)  # one byte more: a file that grew shows as a longer read
+            after = os.fstat(f.fileno())
+    except OSError as exc:
+        raise InvalidAdapterError(f"adapter {name!r}: cannot read {path}: {exc}") from exc
+    if len(data) != before.st_size or _file_version(after) != _file_version(before):
+        raise InvalidAdapterError(f"adapter {name!r}: {path} changed while it was read ({before.st_size} bytes "
+                                  f"before, {len(data)} read); replace adapter files atomically (rename)")
+    return data
 
 
 def read_adapter_config(name: str, local_dir: str, max_bytes: int | None = None) -> dict:
@@ -43,17 +79,20 @@ def read_adapter_config(name: str, local_dir: str, max_bytes: int | None = None)
 
     Raises:
         AdapterNotFoundError: the file is missing.
-        AdapterTooLargeError: it is larger than ``max_bytes``.
-        InvalidAdapterError: it is not a JSON object.
+        AdapterTooLargeError: it is larger than ``max_bytes`` or :data:`MAX_CONFIG_BYTES` (checked
+            before reading).
+        InvalidAdapterError: it is not a JSON object (or is nested too deeply to parse).
     """
     path = os.path.join(local_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         raise AdapterNotFoundError(f"adapter {name!r}: {CONFIG_FILE} not found in {local_dir}")
-    _check_size(name, path, max_bytes)
+    limit, limit_name = MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES"
+    if max_bytes is not None and max_bytes < limit:
+        limit, limit_name = max_bytes, "max_adapter_bytes"
+    data = _read_owned_bytes(name, path, limit, limit_name)
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        config = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidAdapterError(f"adapter {name!r}: cannot parse {path}: {exc}") from exc
     if not isinstance(config, dict):
         raise InvalidAdapterError(f"adapter {name!r}: {path} must hold a JSON object, got {type(config).__name__}")
@@ -70,14 +109,19 @@ def check_peft_type(name: str, config: dict, expected: str, kind: str, supported
                                       f"supported: {supported}")
 
 
-def _read_safetensors(name: str, path: str) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
+def _read_safetensors(name: str, path: str, max_bytes: int | None) -> dict[str, torch.Tensor]:
+    """Parse the safetensors file from bytes read into memory (see module docstring); each tensor is
+    copied into its own torch-owned storage, so none aliases the read buffer."""
+    import safetensors.torch
+    from safetensors import SafetensorError
 
+    data = _read_owned_bytes(name, path, max_bytes)
     try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            return {key: f.get_tensor(key) for key in f.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        loaded = safetensors.torch.load(data)
+    except (SafetensorError, ValueError, RuntimeError, TypeError) as exc:
         raise InvalidAdapterError(f"adapter {name!r}: corrupt safetensors file {path}: {exc}") from exc
+    del data  # the per-tensor buffers below are their own copies; free the file's bytes first
+    return {key: loaded.pop(key).clone() for key in list(loaded)}  # one read-only buffer freed per clone
 
 
 def _check_pickle_archive(name: str, path: str, max_bytes: int | None) -> None:
@@ -128,12 +172,11 @@ def read_adapter_tensors(name: str, local_dir: str, *, allow_pickle: bool = Fals
             pickle holds anything but tensors, is compressed or is in the legacy format.
         AdapterTooLargeError: the file (or what a pickle unpacks to) is larger than ``max_bytes``
             (checked before reading).
-        InvalidAdapterError: the file is corrupt.
+        InvalidAdapterError: the file is corrupt, unreadable, or changed while it was read.
     """
     st_path, bin_path = os.path.join(local_dir, SAFETENSORS_FILE), os.path.join(local_dir, PICKLE_FILE)
     if os.path.isfile(st_path):
-        _check_size(name, st_path, max_bytes)
-        return _read_safetensors(name, st_path)
+        return _read_safetensors(name, st_path, max_bytes)
     if os.path.isfile(bin_path):
         if not allow_pickle:
             raise UnsafeAdapterError(f"adapter {name!r}: only a pickle checkpoint ({PICKLE_FILE}) was found in "

@@ -34,6 +34,8 @@ class EngineConfig:
     device's memory, see lora_runner.memory_profile). enforce_eager: never use CUDA graphs (else decode
     steps replay graphs on CUDA, see lora_runner.cuda_graphs). seed: for requests
     without their own seed. allow_pickle / local_files_only / max_adapter_bytes: adapter loading.
+    max_logprobs: the most logprobs (SamplingParams.logprobs) one request may ask for (default 20,
+    as in vLLM); a request over it is refused with ValueError at add_request.
     """
 
     model: str
@@ -56,13 +58,14 @@ class EngineConfig:
     allow_pickle: bool = False
     local_files_only: bool | None = None
     max_adapter_bytes: int | None = None
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a local directory or a Hub repo id, got {self.model!r}")
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "block_size"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("max_prompt_adapters", "max_prompt_adapter_tokens"):
+        for name in ("max_prompt_adapters", "max_prompt_adapter_tokens", "max_logprobs"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("max_cpu_loras", "max_model_len", "max_num_batched_tokens",
                      "kv_cache_memory_bytes", "max_adapter_bytes"):

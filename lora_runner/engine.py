@@ -120,15 +120,17 @@ class LLMEngine:
 
         prompt: a string (tokenized with the model dir's tokenizer) or a list of token ids.
         prompt_adapter_request: a soft prompt put in front of the prompt (may be combined with a LoRA).
-        Raises ValueError for a duplicate id, an empty prompt, a prompt longer than max_model_len
-        (virtual tokens included, when the prompt adapter is loaded already), token ids outside the
-        vocabulary, a string prompt when the model has no tokenizer, or a prompt adapter when they
-        are disabled. An adapter that fails to load does not raise here: that request finishes with
-        "error".
+        params: checked again here with the engine's limits (max_logprobs, the vocabulary) and
+        copied, so changing the caller's object later does not affect the request.
+        Raises ValueError, before touching any state, for a request id that is not a string or is
+        in use, bad params, an empty prompt, a prompt longer than max_model_len (virtual tokens
+        included, when the prompt adapter is loaded already), token ids outside the vocabulary, a
+        string prompt when the model has no tokenizer, or a prompt adapter when they are disabled.
+        An adapter that fails to load does not raise here: that request finishes with "error".
         """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        params = self._checked_params(params)
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         self.adapters.check_prompt_adapter(prompt_adapter_request)
@@ -156,8 +158,10 @@ class LLMEngine:
         self._wake()
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests by id (unknown ids are ignored); the next step() reports them as "abort"."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        """Abort requests by id (unknown ids are ignored); the next step() reports them as "abort".
+
+        ValueError unless request_id is a string or an iterable of strings."""
+        ids = [request_id] if isinstance(request_id, str) else _id_list(request_id)
         with self._lock:  # only requests live now: never one added later under the same id
             self._aborts.extend(self._live[i] for i in ids if i in self._live)
         self._wake()
@@ -278,7 +282,7 @@ class LLMEngine:
         with self._work:
             events_at_start = self._work_events
         outputs = self._take_intake()
-        self.adapters.insert_virtual_tokens(self.scheduler.waiting)
+        self._insert_placeholders()
         with self.adapters.step_lock:  # a pin from another thread must not take a slot this step counted on
             sched = self.scheduler.schedule()
             slot_of, prompt_slot_of = self.adapters.activate(sched.scheduled)
@@ -316,14 +320,38 @@ class LLMEngine:
         result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling])
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        outputs = []
-        for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
-            request.token_ids.append(token)
-            if request.logprobs is not None:
-                request.logprobs.append(logprobs)
-            reason = self._stop_reason(request, token)
-            outputs.append(self._finish(request, reason) if reason else self._output(request))
-        return outputs
+        return [self._advance(request, token, logprobs, error) for request, token, logprobs, error
+                in zip(sampling, result.token_ids, result.logprobs, result.errors)]
+
+    def _advance(self, request: Request, token: int, logprobs: dict | None,
+                 error: BaseException | None) -> RequestOutput:
+        """Append the request's new token and report it; finish it on a stop, or with "error" when its
+        own sampling (error) or output (stop check, detokenization) failed. Only failures of this
+        request are caught here: the others in the step go on with their tokens."""
+        text = None
+        if error is None:
+            try:
+                request.token_ids.append(token)
+                if request.logprobs is not None:
+                    request.logprobs.append(logprobs)
+                reason = self._stop_reason(request, token)
+                text = self.tokenizer.decode(request.output_token_ids)
+            except Exception as exc:  # this request's output could not be made; it alone fails
+                error = exc
+        if error is not None:
+            logger.warning("request %r failed in step: %r", request.request_id, error)
+            return self._finish(request, "error", error)
+        return self._finish(request, reason) if reason else self._output(request, text)
+
+    def _insert_placeholders(self) -> None:
+        """Soft-prompt placeholders for waiting requests whose prompt adapter is loaded; one whose
+        insertion raises gets that error, and the scheduler hands it back to fail alone."""
+        for request in list(self.scheduler.waiting):
+            try:
+                self.adapters.insert_virtual_tokens([request])
+            except Exception as error:  # this request's placeholders could not be made; it alone fails
+                logger.warning("request %r: soft-prompt placeholders failed: %r", request.request_id, error)
+                request.error = error
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
@@ -342,14 +370,33 @@ class LLMEngine:
                 del self._live[request.request_id]
         return self._output(request)
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: Request, text: str | None = None) -> RequestOutput:
+        """The request's RequestOutput; text: its detokenized output when known already."""
         completion = CompletionOutput(index=0, token_ids=request.output_token_ids,
-                                      text=self.tokenizer.decode(request.output_token_ids),
+                                      text=self._text(request) if text is None else text,
                                       finish_reason=request.finish_reason,
                                       logprobs=list(request.logprobs) if request.logprobs is not None else None,
                                       error=request.error)
         return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
                              finished=request.is_finished, prompt=request.prompt)
+
+    def _text(self, request: Request) -> str:
+        """Detokenized output; "" (logged) when that fails, so the request is still reported."""
+        try:
+            return self.tokenizer.decode(request.output_token_ids)
+        except Exception as error:  # reached for finished requests only: running ones fail in _advance
+            logger.warning("request %r: output could not be detokenized: %r", request.request_id, error)
+            return ""
+
+    def _checked_params(self, params: SamplingParams | None) -> SamplingParams:
+        """A private, validated copy of the request's params (ValueError naming a bad field)."""
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = params.clone()
+        params.validate(max_logprobs=self.config.max_logprobs, vocab_size=self.model_config.vocab_size)
+        return params
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -367,3 +414,13 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary)")
         return token_ids
+
+
+def _id_list(request_ids) -> list[str]:
+    """abort_request's ids as a list; ValueError for anything but an iterable of strings."""
+    if not hasattr(request_ids, "__iter__"):
+        raise ValueError(f"request_id must be a string or an iterable of strings, got {type(request_ids).__name__}")
+    ids = list(request_ids)
+    if not all(isinstance(i, str) for i in ids):
+        raise ValueError("request_id must be a string or an iterable of strings, got a non-string id")
+    return ids

@@ -44,7 +44,9 @@ class LLM:
         (None = no adapter of that kind); a prompt may use a LoRA and a prompt adapter at once.
         Every distinct named adapter is loaded and validated before any prompt runs, so a bad
         adapter raises its adapters.AdapterError with nothing lost. ValueError for misaligned lists,
-        a bad prompt, or prompt adapters on an engine without prompt-adapter slots.
+        an argument of the wrong type, one adapter name bound to two paths/revisions in the call,
+        bad sampling params, a bad prompt, or prompt adapters on an engine without prompt-adapter
+        slots. Whatever it raises, none of its requests is left in the engine.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _aligned(sampling_params if sampling_params is not None else SamplingParams(),
@@ -52,6 +54,8 @@ class LLM:
         loras = _aligned(lora_request, LoRARequest, len(prompt_list), "lora_request")
         soft_prompts = _aligned(prompt_adapter_request, PromptAdapterRequest, len(prompt_list),
                                 "prompt_adapter_request")
+        for requests, what in ((loras, "lora_request"), (soft_prompts, "prompt_adapter_request")):
+            _check_one_source_per_name(requests, what)
         for request in dict.fromkeys(r for r in loras if r is not None):
             self.engine.add_lora(request)
         for request in dict.fromkeys(r for r in soft_prompts if r is not None):
@@ -60,11 +64,10 @@ class LLM:
         try:
             for request_id, prompt, p, lora, soft in zip(request_ids, prompt_list, params, loras, soft_prompts):
                 self.engine.add_request(request_id, prompt, p, lora_request=lora, prompt_adapter_request=soft)
-        except BaseException:
-            self.engine.abort_request(request_ids)
-            self._drain()
+            return self._run(request_ids, use_tqdm)
+        except BaseException:  # re-raised: only makes sure none of this call's requests stays live
+            self._abort_and_drain(request_ids)
             raise
-        return self._run(request_ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -79,7 +82,9 @@ class LLM:
                 self.engine.wait_for_work(timeout=_IDLE_WAIT_S)
         return [finished[request_id] for request_id in request_ids]
 
-    def _drain(self) -> None:
+    def _abort_and_drain(self, request_ids: list[str]) -> None:
+        """Abort this call's requests and step until the engine reports them (the next step does)."""
+        self.engine.abort_request(request_ids)
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
@@ -139,9 +144,28 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 
 
 def _aligned(value, kind: type, n: int, name: str) -> list:
+    """`value` (one for all, or a list/tuple with one per prompt; None allowed) as a list of n."""
     if value is None or isinstance(value, kind):
         return [value] * n
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a {kind.__name__}, None, or a list of them, got {type(value).__name__}")
     values = list(value)
     if len(values) != n:
         raise ValueError(f"{name} has {len(values)} entries for {n} prompts: pass one for all, or one per prompt")
+    wrong = next((v for v in values if v is not None and not isinstance(v, kind)), None)
+    if wrong is not None:
+        raise ValueError(f"{name} entries must be {kind.__name__} or None, got {type(wrong).__name__}")
     return values
+
+
+def _check_one_source_per_name(requests: list, what: str) -> None:
+    """ValueError when one call binds an adapter name to two (path, revision) sources: each
+    request would replace the adapter the others use, and the load would repeat."""
+    sources: dict[str, tuple] = {}
+    for request in requests:
+        if request is None:
+            continue
+        known = sources.setdefault(request.name, request.source)
+        if known != request.source:
+            raise ValueError(f"{what}: adapter name {request.name!r} is given two sources in one call, "
+                             f"{known} and {request.source}: use one name per adapter")

@@ -5,21 +5,40 @@ top-p, and sample by an exponential race: argmax(probs / q) with q ~ Exp(1) i.i.
 with probability probs[i]. A seeded request draws its q from its own torch.Generator, so its
 tokens do not depend on what else is batched with it. All rows are computed together and the
 results reach the host in one transfer per step.
+
+Faults stay in their row: a row with NaN/inf logits, or whose sampling raises, comes back with an
+error in SamplerOutput.errors (its request fails) while every other row gets its usual token.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lora_runner.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """A row's logits hold NaN or inf (for instance an adapter whose huge weights overflow the
+    activations): its request cannot be sampled and fails, the other rows are unaffected."""
+
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings of one step (S rows), as device tensors."""
+    """The rows of one step (S rows): each row's settings and its own generator (or None)."""
+
+    params: Sequence[SamplingParams]
+    generators: Sequence[torch.Generator | None]
+
+
+@dataclass
+class _RowSettings:
+    """A SamplingBatch as device tensors."""
 
     temperatures: torch.Tensor  # [S] float32, 1.0 for greedy rows (unused there)
     top_k: torch.Tensor  # [S] int64, vocab size when off
@@ -34,14 +53,26 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
-    """Sampled token per row and, where asked, its logprobs dict."""
+    """Sampled token per row, its logprobs dict where asked, and per row the exception that kept it
+    from being sampled (None when it was; the token of a failed row is -1 and means nothing)."""
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    errors: list[BaseException | None] = field(default_factory=list)  # [] on construction = none failed
+
+    def __post_init__(self) -> None:
+        if not self.errors:
+            self.errors = [None] * len(self.token_ids)
 
 
 class Sampler:
-    """Samples one token per row of a [S, vocab] float32 logits tensor."""
+    """Samples one token per row of a [S, vocab] float32 logits tensor.
+
+    A row whose logits are not finite fails alone (NonFiniteLogitsError); the other rows are sampled
+    as if it were not there. Should sampling the rows together raise, they are sampled again one at
+    a time (generators rewound first, so seeded rows draw the same numbers) and only the rows that
+    raise alone fail.
+    """
 
     def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -51,12 +82,71 @@ class Sampler:
 
     def make_batch(self, params: Sequence[SamplingParams],
                    generators: Sequence[torch.Generator | None]) -> SamplingBatch:
-        """Collect the rows' settings; generators[i] is row i's own generator or None."""
+        """The step's rows; generators[i] is row i's own generator or None."""
+        return SamplingBatch(list(params), list(generators))
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample from `logits` [S, vocab]; returns host lists (one device->host sync)."""
+        logits = logits.float()  # [S, V]
+        states = self._generator_states(batch)
+        try:
+            return self._sample_together(logits, batch)
+        except Exception as error:  # one row broke the batch: find it below
+            logger.warning("sampling %d rows together failed (%r): sampling them one at a time",
+                           len(batch.params), error)
+        self._restore_generators(states)
+        return self._sample_one_at_a_time(logits, batch)
+
+    def _sample_together(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        finite = torch.isfinite(logits).all(dim=-1)  # [S]
+        logits = torch.where(finite[:, None], logits, 0.0)  # [S, V]; a broken row's numbers reach no other row
+        settings = self._settings(batch)
+        tokens = logits.argmax(dim=-1)  # [S]
+        if not settings.all_greedy:
+            tokens = torch.where(settings.greedy, tokens, self._sample(logits, settings))  # [S]
+        columns = [tokens[:, None].float(), finite[:, None].float()]  # [S, 1] each
+        wanted = [k for k in settings.num_logprobs if k is not None]
+        if wanted:
+            logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] raw model logprobs
+            top_vals, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)  # [S, k]
+            columns += [logprobs.gather(1, tokens[:, None]), top_vals, top_ids.float()]
+        packed = torch.cat(columns, dim=1).cpu()  # [S, 2] or [S, 3 + 2k]: the step's one transfer
+        token_ids = packed[:, 0].long().tolist()
+        dicts = self._logprob_dicts(packed, settings) if wanted else [None] * len(token_ids)
+        errors = [None if ok else NonFiniteLogitsError("the model's logits for this request hold NaN or inf "
+                                                       "(an adapter's weights may be too large)")
+                  for ok in packed[:, 1].bool().tolist()]
+        return SamplerOutput(token_ids, dicts, errors)
+
+    def _sample_one_at_a_time(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        result = SamplerOutput([], [], [])
+        for row, (params, generator) in enumerate(zip(batch.params, batch.generators)):
+            try:
+                one = self._sample_together(logits[row:row + 1], SamplingBatch([params], [generator]))
+            except Exception as error:  # this row alone fails: its request gets the error
+                logger.warning("sampling row %d failed: %r", row, error)
+                one = SamplerOutput([-1], [None], [error])
+            result.token_ids += one.token_ids
+            result.logprobs += one.logprobs
+            result.errors += one.errors
+        return result
+
+    def _generator_states(self, batch: SamplingBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
+        generators = [self.generator, *(g for g in batch.generators if g is not None)]
+        return [(g, g.get_state()) for g in generators]
+
+    @staticmethod
+    def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for generator, state in states:
+            generator.set_state(state)
+
+    def _settings(self, batch: SamplingBatch) -> _RowSettings:
+        params, generators = batch.params, batch.generators
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
         top_p = [p.top_p for p in params]
         random_rows = [i for i, g in enumerate(greedy) if not g]
-        return SamplingBatch(
+        return _RowSettings(
             temperatures=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                                       dtype=torch.float32, device=self.device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=self.device),
@@ -68,23 +158,7 @@ class Sampler:
             use_top_k=any(top_k[i] < self.vocab_size for i in random_rows),
             use_top_p=any(top_p[i] < 1.0 for i in random_rows))
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample from `logits` [S, vocab]; returns host lists (one device->host sync)."""
-        logits = logits.float()  # [S, V]
-        tokens = logits.argmax(dim=-1)  # [S]
-        if not batch.all_greedy:
-            tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))  # [S]
-        wanted = [k for k in batch.num_logprobs if k is not None]
-        if not wanted:
-            return SamplerOutput(tokens.tolist(), [None] * len(batch.num_logprobs))
-        logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] raw model logprobs
-        chosen = logprobs.gather(1, tokens[:, None])  # [S, 1]
-        top_vals, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)  # [S, k]
-        packed = torch.cat([tokens[:, None].to(logprobs.dtype), chosen, top_vals,
-                            top_ids.to(logprobs.dtype)], dim=1).cpu()  # [S, 2 + 2k]
-        return SamplerOutput(packed[:, 0].long().tolist(), self._logprob_dicts(packed, batch))
-
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, batch: _RowSettings) -> torch.Tensor:
         scaled = logits / batch.temperatures[:, None]  # [S, V]
         if batch.use_top_k or batch.use_top_p:
             scaled = self._mask_top_k_top_p(scaled, batch)
@@ -95,7 +169,7 @@ class Sampler:
         return (probs / q.clamp_min_(1e-20)).argmax(dim=-1)  # [S]
 
     @staticmethod
-    def _mask_top_k_top_p(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _mask_top_k_top_p(scaled: torch.Tensor, batch: _RowSettings) -> torch.Tensor:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [S, V] each
         if batch.use_top_k:
             ranks = torch.arange(scaled.shape[-1], device=scaled.device)  # [V]
@@ -107,15 +181,15 @@ class Sampler:
         return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)  # [S, V]
 
     @staticmethod
-    def _logprob_dicts(packed: torch.Tensor, batch: SamplingBatch) -> list[dict[int, float] | None]:
-        num_top = (packed.shape[1] - 2) // 2
-        rows = packed.tolist()
+    def _logprob_dicts(packed: torch.Tensor, settings: _RowSettings) -> list[dict[int, float] | None]:
+        """packed rows: token, finite flag, chosen logprob, k top logprobs, k top ids."""
+        num_top = (packed.shape[1] - 3) // 2
         result: list[dict[int, float] | None] = []
-        for row, k in zip(rows, batch.num_logprobs):
+        for row, k in zip(packed.tolist(), settings.num_logprobs):
             if k is None:
                 result.append(None)
                 continue
-            entry = {int(tid): lp for tid, lp in zip(row[2 + num_top:2 + num_top + k], row[2:2 + k])}
-            entry[int(row[0])] = row[1]
+            entry = {int(tid): lp for tid, lp in zip(row[3 + num_top:3 + num_top + k], row[3:3 + k])}
+            entry[int(row[0])] = row[2]
             result.append(entry)
         return result

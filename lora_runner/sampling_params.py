@@ -1,24 +1,35 @@
-"""Per-request sampling settings, validated when built."""
+"""Per-request sampling settings: checked when built, and again (with the engine's limits) when a
+request is added, on a private copy, since a caller may change the fields in between."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
+
+MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids one request may give (each is checked every token)
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample by argmax, as in vLLM (no 1/T overflow)
+_SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
 class SamplingParams:
     """How to pick each generated token of one request.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it before sampling.
-    top_k: keep the k most likely tokens (-1 or None: off). top_p: nucleus mass in (0, 1].
-    seed: per-request seed; the same seed and prompt give the same tokens whatever else is batched.
-    max_tokens: most tokens to generate. stop_token_ids: extra ids that end generation (kept in the
-    output). ignore_eos: keep going past the model's EOS ids. logprobs: k >= 0 to return, per
-    generated token, a dict token_id -> logprob of the k most likely tokens plus the chosen one
-    (raw model log-probabilities: log_softmax of the float32 logits, before temperature/top-k/top-p).
+    temperature: below 1e-5 (GREEDY_TEMPERATURE; 0 included) means greedy (argmax); otherwise logits
+    are divided by it before sampling. top_k: keep the k most likely tokens (-1 or None: off).
+    top_p: nucleus mass in (0, 1]. seed: per-request seed; the same seed and prompt give the same
+    tokens whatever else is batched. max_tokens: most tokens to generate. stop_token_ids: a list of
+    at most MAX_STOP_TOKEN_IDS (1024) extra ids that end generation (kept in the output); None at
+    construction means none. ignore_eos: keep going past the model's EOS ids. logprobs: k >= 0 to
+    return, per generated token, a dict token_id -> logprob of the k most likely tokens plus the
+    chosen one (raw model log-probabilities: log_softmax of the float32 logits, before
+    temperature/top-k/top-p); the engine caps k at its max_logprobs setting.
 
-    Raises ValueError for out-of-range values.
+    Raises ValueError naming the field for a wrong type or an out-of-range value (``bool`` is not
+    an integer). ``LLMEngine.add_request`` checks a copy again with the engine's limits (see
+    ``validate``), so a field changed after construction is caught there and later changes to this
+    object do not reach a running request.
     """
 
     temperature: float = 1.0
@@ -31,25 +42,90 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k is None:
             self.top_k = -1
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self.stop_token_ids = _copied_token_list(self.stop_token_ids)
+        self.validate()
+
+    def validate(self, max_logprobs: int | None = None, vocab_size: int | None = None) -> None:
+        """Check every field; ValueError naming the field.
+
+        max_logprobs: the most logprobs a request may ask for (None: no cap). vocab_size: token ids
+        (stop_token_ids) must lie in [0, vocab_size), and logprobs may not exceed it (None: no check).
+        """
+        _check_real("temperature", self.temperature, "a finite number >= 0 (below 1e-5 = greedy)")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (below 1e-5 = greedy), got {self.temperature}")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise ValueError(f"top_k must be -1 or None (off) or an integer >= 1, got {self.top_k!r}")
+        _check_real("top_p", self.top_p, "a number in (0, 1]")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.seed is not None and not (_is_int(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self._validate_stop_token_ids(vocab_size)
+        self._validate_logprobs(max_logprobs, vocab_size)
+
+    def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(ids)} entries, more than the limit of {MAX_STOP_TOKEN_IDS}")
+        if any(not _is_int(t) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {list(ids)!r}")
+        if vocab_size is not None and any(t >= vocab_size for t in ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab_size}) (the model's vocabulary), "
+                             f"got {max(ids)}")
+
+    def _validate_logprobs(self, max_logprobs: int | None, vocab_size: int | None) -> None:
+        if self.logprobs is None:
+            return
+        if not _is_int(self.logprobs) or self.logprobs < 0:
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        for limit, what in ((max_logprobs, "the engine's max_logprobs"), (vocab_size, "the vocabulary size")):
+            if limit is not None and self.logprobs > limit:
+                raise ValueError(f"logprobs={self.logprobs} is over {what} ({limit})")
+
+    def clone(self) -> SamplingParams:
+        """A copy that shares nothing mutable with this object (stop_token_ids is copied).
+
+        Not validated: call ``validate`` on the copy. An over-long stop_token_ids is not copied
+        (validate rejects it), so cloning stays cheap whatever the caller put there.
+        """
+        params = copy.copy(self)
+        if params.top_k is None:
+            params.top_k = -1
+        params.stop_token_ids = _copied_token_list(params.stop_token_ids)
+        return params
 
     @property
     def greedy(self) -> bool:
-        """True when tokens are picked by argmax."""
-        return self.temperature == 0.0
+        """True when tokens are picked by argmax (temperature below GREEDY_TEMPERATURE)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_real(name: str, value, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    try:
+        float(value)
+    except OverflowError:  # an int too large for a float
+        raise ValueError(f"{name} must be {what}, got an integer of {value.bit_length()} bits") from None
+
+
+def _copied_token_list(ids):
+    """A fresh list of ``ids`` when it is a list/tuple short enough to be valid; else ``ids`` itself."""
+    if isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS:
+        return list(ids)
+    return ids

@@ -182,6 +182,64 @@ def write_malicious_pickle(path, marker) -> Path:
     return target
 
 
+# ---------------------------------------------------------------- hostile: finite but huge LoRA weights
+def save_huge_lora(base_model, path, magnitude: float = 1e18, seed: int = 0, r: int = 4, **lora_kwargs):
+    """A PEFT LoRA whose weights are all finite (they pass the loader's NaN/inf check) but about
+    ``magnitude`` in size, so its delta overflows float32 activations: its tenant's logits turn
+    NaN/inf. Returns the PeftModel."""
+    return save_lora(base_model, path, seed=seed, r=r, scale=magnitude, **lora_kwargs)
+
+
+# ---- hostile adapters (issue 11): backtracking regexes, files rewritten during a load, huge configs ----
+
+# Catastrophic backtracking for Python's re on any module key; RE2 answers "no match" in linear time.
+HOSTILE_PATTERNS = ("(.|.)*Z", ".{6}(.|.)*Z")
+PATTERN_FIELDS = ("target_modules", "exclude_modules", "layers_pattern", "rank_pattern", "alpha_pattern")
+
+
+def hostile_pattern_fields(field: str, pattern: str) -> dict:
+    """adapter_config.json changes putting ``pattern`` where PEFT reads ``field`` as a regex."""
+    if field in ("target_modules", "exclude_modules"):
+        return {field: pattern}
+    if field == "layers_pattern":
+        return {"layers_pattern": pattern, "layers_to_transform": [0]}
+    return {field: {pattern: 4}}  # rank_pattern / alpha_pattern: the key is the regex
+
+
+def save_hostile_pattern_lora(base_model, path, field: str, pattern: str, **lora_kwargs) -> dict:
+    """A valid PEFT LoRA whose config then gets ``pattern`` in ``field``; returns the config."""
+    save_lora(base_model, path, **lora_kwargs)
+    return edit_adapter_config(path, **hostile_pattern_fields(field, pattern))
+
+
+def pad_adapter_config(path, nbytes: int) -> int:
+    """Grow a saved adapter's adapter_config.json to ``nbytes`` with a junk field; returns its size."""
+    import json
+
+    config_path = Path(path) / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["padding"] = ""
+    config["padding"] = "x" * max(0, nbytes - len(json.dumps(config)))
+    config_path.write_text(json.dumps(config))
+    return config_path.stat().st_size
+
+
+def write_nested_config(path, depth: int) -> None:
+    """adapter_config.json holding a list nested ``depth`` deep (small file, deep parser recursion)."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    (Path(path) / "adapter_config.json").write_text('{"peft_type": "LORA", "x": ' + "[" * depth + "]" * depth + "}")
+
+
+def save_lora_versions(base_model, root, **lora_kwargs) -> dict[str, Path]:
+    """Two versions of one adapter with the same config and different weights and file sizes
+    ("a": float32, seed 1; "b": float16, seed 2), so a mixed read of the two shows in its length."""
+    dirs = {"a": Path(root) / "version-a", "b": Path(root) / "version-b"}
+    save_lora(base_model, dirs["a"], seed=1, **lora_kwargs)
+    save_lora(base_model, dirs["b"], seed=2, **lora_kwargs)
+    edit_adapter_tensors(dirs["b"], lambda tensors: {k: v.half() for k, v in tensors.items()})
+    return dirs
+
+
 # ---------------------------------------------------------------- hostile adapters: adapter state (issue 11)
 def save_nan_copy(source_dir, path) -> Path:
     """Copy a saved adapter (LoRA or prompt adapter) to ``path`` with every tensor NaN: it passes

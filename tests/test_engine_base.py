@@ -50,7 +50,7 @@ def arch_checkpoint(request, tmp_path_factory):
 def test_logprobs_and_tokens_match_transformers(arch_checkpoint):
     """Prefill + step-by-step decode: every generated step's full log-softmax row equals transformers'."""
     path, hf = arch_checkpoint
-    engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=128, block_size=4)
+    engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=128, block_size=4, max_logprobs=VOCAB)
     prompts = make_prompts(5, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=VOCAB)
     done = run_staggered(engine, prompts, params)

@@ -14,8 +14,8 @@ from collections import Counter
 
 import huggingface_hub
 import pytest
-import safetensors
 
+import adapters.weights as adapter_files
 from adapters import AdapterNotFoundError, InvalidAdapterError, LoRARequest, UnknownAdapterError
 from lora_runner import LLMEngine, SamplingParams
 from tests import factories
@@ -136,7 +136,7 @@ def test_hub_and_disk_failures_fail_only_affected_requests_and_a_retry_succeeds(
                    "org/partial": [lambda: str(partial)],
                    "org/buggy": [RuntimeError("resolver bug")]}
     hub.gates["org/flaky"] = gate = threading.Event()  # fails only once the others are well under way
-    real_open, disk = safetensors.safe_open, {"failures": 0}
+    real_open, disk = open, {"failures": 0}
 
     def flaky_disk(filename, *args, **kwargs):  # the first read of the r8-rslora file is an I/O error
         if "r8-rslora" in str(filename) and disk["failures"] == 0:
@@ -144,7 +144,7 @@ def test_hub_and_disk_failures_fail_only_affected_requests_and_a_retry_succeeds(
             raise OSError(5, "Input/output error")
         return real_open(filename, *args, **kwargs)
 
-    monkeypatch.setattr(safetensors, "safe_open", flaky_disk)
+    monkeypatch.setattr(adapter_files, "open", flaky_disk, raising=False)  # the adapter file reader's open
     engine = make_engine(path, local_files_only=True)
     good = {"base": ([5, 6, 7], None, hf), "local": ([8, 9], LoRARequest("r4", adapters["r4"][0]), adapters["r4"][1])}
     affected = {"flaky-1": ([10, 11], "flaky", "org/flaky", AdapterNotFoundError, "Connection reset by peer"),
