@@ -3,14 +3,18 @@
 It wires each kind's loader (resolve through the Hub or a local dir, read, validate; see
 ``adapters.lora`` and ``adapters.prompt``) and slot writer (``adapters.slots``) into the generic
 LRU tier (``adapters.tier``), which documents the life of an adapter version and thread-safety.
-Background loads of both kinds share two small thread pools: one for adapters already in local
-directories and one for Hub downloads, so a stalled or slow Hub never delays an adapter on disk.
+Background loads of both kinds share two small pools of daemon threads: one for adapters already
+in local directories and one for Hub downloads, so a stalled or slow Hub never delays an adapter on
+disk. The threads are daemons and ``close()`` does not wait for them, so neither close() nor process
+exit waits for a stalled download.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -22,7 +26,6 @@ from adapters.errors import (
     AdapterError,
     AdapterNotFoundError,
     AdapterTooLargeError,
-    UnknownAdapterError,
 )
 from adapters.hub import adapter_file_patterns, resolve
 from adapters.lora import dummy_lora, load_lora
@@ -30,9 +33,11 @@ from adapters.prompt import dummy_prompt_adapter, load_prompt_adapter
 from adapters.request import LoRARequest, PromptAdapterRequest
 from adapters.slots import LoRASlots, PromptSlots
 from adapters.spec import ModelSpec
-from adapters.tier import AdapterRef, AdapterTier, PromptAdapterTier
+from adapters.tier import AdapterRef, AdapterTier, PromptAdapterTier, TierClosedError
 
-__all__ = ["AdapterManager", "AdapterRef", "AdapterStats", "AdapterTier", "PromptAdapterTier"]
+__all__ = ["AdapterManager", "AdapterRef", "AdapterStats", "AdapterTier", "PromptAdapterTier", "TierClosedError"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,13 +73,20 @@ class AdapterManager:
             least max_prompt_adapters).
         load_workers: threads for background loads of adapters in local directories.
         download_workers: threads for background loads from the Hub (downloads may stall for long).
+        on_load_done: called (from a loader thread, no lock held) whenever a load of either kind
+            finishes, fails or is cancelled; an engine uses it to wake a step loop waiting for work.
+
+    CPU memory: each tier holds at most its CPU cache capacity plus ``load_workers +
+    download_workers`` adapter versions (loads in flight), plus one per concurrent ``add`` call;
+    further requests wait with their load queued (see adapters.tier).
     """
 
     def __init__(self, spec: ModelSpec, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
                  max_prompt_adapters: int = 0, max_prompt_adapter_tokens: int = 0, device="cpu",
                  dtype: torch.dtype = torch.float32, allow_pickle: bool = False, local_files_only: bool | None = None,
                  max_adapter_bytes: int | None = None, resolver: Callable | None = None, cache_dir=None,
-                 max_cpu_prompt_adapters: int | None = None, load_workers: int = 2, download_workers: int = 8):
+                 max_cpu_prompt_adapters: int | None = None, load_workers: int = 2, download_workers: int = 8,
+                 on_load_done: Callable[[], None] | None = None):
         if max_adapter_bytes is not None and max_adapter_bytes <= 0:
             raise ValueError(f"max_adapter_bytes must be positive or None, got {max_adapter_bytes}")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
@@ -86,21 +98,14 @@ class AdapterManager:
         self.lora_slots = LoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
         self.prompt_slots = PromptSlots(spec, max_prompt_adapters, max_prompt_adapter_tokens, self.device, dtype)
         self._executor = _LoadPools(load_workers, download_workers)
+        in_flight = load_workers + download_workers
         self.loras = AdapterTier("LoRA", LoRARequest, self._load_lora, self._dummy_lora, self.lora_slots,
-                                 max_cpu_loras, self._executor)
+                                 max_cpu_loras, self._executor, max_loading=in_flight, on_settled=on_load_done)
         if max_cpu_prompt_adapters is None:
             max_cpu_prompt_adapters = max(max_cpu_loras, max_prompt_adapters)
         self.prompts = PromptAdapterTier("prompt adapter", PromptAdapterRequest, self._load_prompt,
                                          self._dummy_prompt, self.prompt_slots, max_cpu_prompt_adapters,
-                                         self._executor)
-
-    def activate(self, names: list[str]) -> dict[str, int]:
-        """Make the current versions of the named LoRAs resident; name -> slot (docs/internals.md)."""
-        refs = [self.loras.lookup(name) for name in names]
-        for name, ref in zip(names, refs):
-            if ref is None:
-                raise UnknownAdapterError(f"unknown LoRA {name!r}")
-        return dict(zip(names, self.loras.activate(refs)))
+                                         self._executor, max_loading=in_flight, on_settled=on_load_done)
 
     @property
     def stats(self) -> AdapterStats:
@@ -111,8 +116,12 @@ class AdapterManager:
                             prompt_loads=prompt["slot_loads"], prompt_evictions=prompt["slot_evictions"])
 
     def close(self) -> None:
-        """Stop background loading (pending loads are cancelled)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop background loading and return at once: queued and running loads fail ("cancelled"),
+        new acquire/add/prefetch calls raise TierClosedError; a worker stuck in a download is a
+        daemon thread that discards its result and never delays process exit. Idempotent."""
+        self.loras.close()
+        self.prompts.close()
+        self._executor.shutdown()
 
     def _resolve(self, request) -> str:
         try:
@@ -154,6 +163,48 @@ class AdapterManager:
                                        "(max_prompt_adapters=0)")
 
 
+class _DaemonPool:
+    """A fixed number of daemon worker threads (started on demand) running submitted calls in order.
+
+    Unlike ThreadPoolExecutor, whose workers the interpreter joins at exit, these threads never keep
+    the process alive: a download stalled for minutes cannot delay close() or exit."""
+
+    def __init__(self, num_workers: int, name: str):
+        self._num_workers, self._name = num_workers, name
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable, arg) -> None:
+        """Run ``fn(arg)`` on a worker (ignored after shutdown)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._tasks.put((fn, arg))
+            if len(self._threads) < self._num_workers:
+                thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    def shutdown(self) -> None:
+        """Drop queued calls and let idle workers exit; does not wait for a running call."""
+        with self._lock:
+            self._closed = True
+            while not self._tasks.empty():
+                self._tasks.get_nowait()
+            for _ in self._threads:
+                self._tasks.put(None)
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            fn, arg = task
+            try:
+                fn(arg)
+            except BaseException:  # the tier's _load catches adapter errors; anything else is a bug
+                logger.exception("background adapter load crashed")
+
+
 class _LoadPools:
     """Runs background loads on two pools, chosen by where the adapter lives: local directories on
     one, Hub repos on the other. A Hub download can stall for minutes; with one shared pool a few
@@ -163,18 +214,18 @@ class _LoadPools:
         if load_workers < 1 or download_workers < 1:
             raise ValueError(f"load_workers and download_workers must be >= 1, got {load_workers}, "
                              f"{download_workers}")
-        self._local = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="adapter-load")
-        self._hub = ThreadPoolExecutor(max_workers=download_workers, thread_name_prefix="adapter-download")
+        self._local = _DaemonPool(load_workers, "adapter-load")
+        self._hub = _DaemonPool(download_workers, "adapter-download")
 
-    def submit(self, load: Callable, version) -> Future:
+    def submit(self, load: Callable, version) -> None:
         """Run ``load(version)`` on the pool matching ``version.request.path`` (local dir or Hub id)."""
         local = os.path.isdir(os.path.expanduser(version.request.path))
-        return (self._local if local else self._hub).submit(load, version)
+        (self._local if local else self._hub).submit(load, version)
 
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        """Stop both pools."""
+    def shutdown(self) -> None:
+        """Stop both pools without waiting."""
         for pool in (self._local, self._hub):
-            pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+            pool.shutdown()
 
 
 def _default_resolve(path, revision, allow_patterns, local_files_only, cache_dir=None) -> str:

@@ -4,18 +4,30 @@ One class, :class:`AdapterTier`, serves both kinds (``adapters.manager.AdapterMa
 them); each kind brings its own loader (resolve + read + validate) and slot writer. Life of an
 adapter version:
 
-    acquire/prefetch/add -> "loading" (a worker thread resolves, reads, validates; no lock held)
+    acquire/prefetch/add -> "loading" (queued until there is room, then a worker thread resolves,
+                                       reads and validates; no lock held)
                          -> "ready"   (in the CPU cache: LRU, max_cpu entries; pinned entries and
-                                       entries held by live requests are never evicted, so the
-                                       cache exceeds max_cpu only while more than that are in use)
+                                       entries held by live requests are never evicted)
                          -> resident  (activate() wrote it into a device slot; LRU among slots)
                          or "failed"  (the AdapterError is remembered while a request holds the ref)
 
+CPU memory is bounded: a queued load starts only while ``ready + loading < max_cpu + max_loading``
+versions, so at most ``max_cpu + max_loading`` versions hold (or are reading) weights, plus one per
+concurrent ``add()`` caller; requests beyond that wait with their version queued (state "loading").
+
 A version is identified by an :class:`AdapterRef` (name, path, revision, version number). A request
-with a known name but another (path, revision) creates a new version that the name then refers
-to; requests holding the old ref keep its weights and slot until they release it, then the old
-version is dropped. ``remove`` is deferred the same way. Memory held always equals what the
-cached versions need: dropping a version frees its CPU tensors and its slot.
+with a known name but another (path, revision) creates a new version for that source; the old
+version keeps serving the name (``lookup``, ``list``, pins) until the new one is ready (then the old
+one is retired) or fails (then the name stays with the old one), so a bad replacement never takes a
+working adapter away. A failed version with nothing to fall back to stays the name's version while
+requests hold it (they all fail alike; no reload storm), then is dropped. A retired version is
+dropped once no request holds it; ``remove`` is deferred the same way. Dropping a version frees its
+CPU tensors and its slot.
+
+Pins live here only, on the version a name serves (``_Version.pinned``): a replacement inherits the
+pin once it takes over; a failed, removed or retired version holds none. At most ``num_slots - 1``
+versions are pinned, so unpinned adapters always keep a slot; ``reserved_slots`` tells the scheduler
+how many slots pinned residents keep from a step.
 
 Thread-safety: user threads (acquire/add/prefetch/remove/pin) and the engine's step thread
 (activate/release) share one lock; disk and Hub IO always run outside it.
@@ -25,10 +37,9 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections import Counter
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,6 +48,10 @@ from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterEr
 logger = logging.getLogger(__name__)
 
 LOADING, READY, FAILED = "loading", "ready", "failed"
+
+
+class TierClosedError(RuntimeError):
+    """The adapter manager was closed: it starts no new loads (lora_runner raises EngineClosedError)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,20 @@ class _Version:
         self.slot: int | None = None
         self.cpu_tick = self.slot_tick = 0  # last use, for LRU in each tier
         self.retired = False  # removed or replaced: dropped when holders reaches 0
+        self.pinned = False  # the one record of a pin; never True once failed or retired
+        self.started = False  # its load was handed to a worker (or runs in an add() caller)
+
+    @property
+    def source(self) -> tuple[str, str | None]:
+        return self.ref.path, self.ref.revision
+
+
+@dataclass
+class _SlotPlan:
+    """What activate() will do: evict ``victims``, then write each new version into its slot."""
+
+    victims: list[_Version]
+    writes: list[tuple[_Version, int]]
 
 
 class AdapterTier:
@@ -73,28 +102,44 @@ class AdapterTier:
         slots: the device slots (``num_slots``, ``write(slot, weights)``, ``clear(slot)``, ``nbytes``).
         max_cpu: CPU cache capacity (adapters); pinned and held adapters are never evicted.
         executor: runs background loads: ``executor.submit(fn, version)`` with ``version.request`` the
-            request being loaded (a ThreadPoolExecutor, or the manager's pools that route by source).
+            request being loaded (the manager's pools route by source).
+        max_loading: background loads in flight beyond the cache (see the module docstring).
+        on_settled: called (outside the lock) whenever a load finishes, fails or is cancelled, so an
+            engine waiting for work can wake up.
     """
 
     def __init__(self, kind: str, request_type: type, load: Callable, make_dummy: Callable, slots, max_cpu: int,
-                 executor: ThreadPoolExecutor | Any):
+                 executor: Any, max_loading: int = 2, on_settled: Callable[[], None] | None = None):
         if max_cpu < slots.num_slots:
             raise ValueError(f"the {kind} CPU cache ({max_cpu}) must hold at least as many adapters as there are "
                              f"device slots ({slots.num_slots})")
+        if max_loading < 1:
+            raise ValueError(f"max_loading must be >= 1, got {max_loading}")
         self.kind, self._request_type, self._load_fn, self._dummy_fn = kind, request_type, load, make_dummy
         self.slots, self._max_cpu, self._executor = slots, max_cpu, executor
+        self.max_loading, self._on_settled = max_loading, on_settled
         self._lock = threading.RLock()
-        self._current: dict[str, _Version] = {}  # name -> the version the name refers to
+        self._current: dict[str, _Version] = {}  # name -> the newest version (loading or ready)
+        self._fallback: dict[str, _Version] = {}  # name -> the ready version serving while the newest loads
         self._versions: dict[AdapterRef, _Version] = {}  # every live version (current or retired but held)
         self._slot_owner: list[_Version | None] = [None] * slots.num_slots
-        self._pinned: set[str] = set()
+        self._queue: deque[_Version] = deque()  # loads waiting for room in the CPU cache, oldest first
+        self._num_loading = 0  # loads started and not finished
+        self._closed = False
         self._ids, self._ticks = itertools.count(), itertools.count(1)
         self._counts: Counter[str] = Counter()  # cumulative events, see counts()
 
     # ---- requests' side: acquire / release -------------------------------------------------------
     def acquire(self, request) -> AdapterRef:
-        """A request starts using this adapter; starts a background load if it is not cached."""
-        return self._acquire(request, background=True).ref
+        """A request starts using this adapter; queues a background load if it is not cached.
+
+        Raises TierClosedError after close().
+        """
+        self._check_request(request)
+        with self._lock:
+            version = self._hold(request)
+            self._start_queued()
+            return version.ref
 
     def release(self, ref: AdapterRef) -> None:
         """A request using ``ref`` finished or was aborted; completes deferred removals/replacements."""
@@ -108,9 +153,10 @@ class AdapterTier:
                     self._drop(version)
                 else:
                     self._trim_cpu()
+            self._start_queued()
 
     def state(self, ref: AdapterRef) -> str:
-        """The version's load state: "loading", "ready" or "failed"."""
+        """The version's load state: "loading" (queued or reading), "ready" or "failed"."""
         return self._get(ref).state
 
     def error(self, ref: AdapterRef) -> AdapterError | None:
@@ -125,19 +171,29 @@ class AdapterTier:
         return version.weights.size()
 
     def lookup(self, name: str) -> AdapterRef | None:
-        """The version ``name`` refers to now (None if unknown)."""
+        """The version ``name`` serves now (None if unknown): the old one while a replacement loads."""
         with self._lock:
-            version = self._current.get(name)
+            version = self._serving(name)
             return None if version is None else version.ref
 
     # ---- user side: add / prefetch / remove / pin ------------------------------------------------
     def add(self, request) -> AdapterRef:
         """Resolve, load and validate ``request`` into the CPU cache now (in the calling thread).
 
-        Raises the adapter's AdapterError (not found, invalid, too large, unsupported, unsafe).
+        A new source under a known name replaces the old version only once it loaded: if it fails,
+        the old version keeps serving. Raises the adapter's AdapterError (not found, invalid, too
+        large, unsupported, unsafe), or TierClosedError after close().
         """
-        version = self._acquire(request, background=False)
+        self._check_request(request)
+        with self._lock:
+            version = self._hold(request)
+            run_here = not version.started  # queued: load it now rather than wait for room
+            if run_here:
+                version.started = True
+                self._num_loading += 1
         try:
+            if run_here:
+                self._load(version)
             version.done.wait()
             with self._lock:
                 if version.state == FAILED:  # a fresh exception per caller, chained to the loader's
@@ -147,71 +203,102 @@ class AdapterTier:
             self.release(version.ref)
 
     def prefetch(self, request) -> AdapterRef:
-        """Start loading ``request`` in the background and return at once."""
+        """Queue a background load of ``request`` and return at once."""
         self._check_request(request)
         with self._lock:
-            version, created = self._version_for(request)
+            self._check_open()
+            version = self._version_for(request)
             self._touch_cpu(version)
-        if created:
-            self._executor.submit(self._load, version)
-        return version.ref
+            self._start_queued()
+            return version.ref
 
     def add_dummy(self, name: str, size: int) -> AdapterRef:
-        """A ready adapter of the right shapes (rank or virtual tokens ``size``), no file; removable."""
+        """A ready adapter of the right shapes (rank or virtual tokens ``size``), no file; removable.
+
+        It replaces ``name`` at once and inherits its pin."""
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"dummy {self.kind} size must be a positive int, got {size!r}")
         weights = self._dummy_fn(name, size)
         with self._lock:
-            if name in self._current:
-                self._retire(self._current[name])
+            self._check_open()
             version = _Version(AdapterRef(name, "<dummy>", None, next(self._ids)), None)
-            version.state, version.weights = READY, weights
+            version.state, version.weights, version.started = READY, weights, True
             version.done.set()
+            version.pinned = self._retire_name(name)
             self._register(version)
             self._touch_cpu(version)
             self._trim_cpu()
             return version.ref
 
     def remove(self, name: str) -> None:
-        """Forget ``name``; deferred while requests hold it (they keep the weights they started with)."""
+        """Forget ``name`` (and its pin); deferred while requests hold it (they keep their weights)."""
         with self._lock:
-            version = self._current.get(name)
-            if version is None:
+            if self._serving(name) is None:
                 raise UnknownAdapterError(f"unknown {self.kind} {name!r}; known: {sorted(self._current)}")
-            self._pinned.discard(name)
-            if version.holders:
-                logger.info("%s %r: removal deferred until %d request(s) release it", self.kind, name,
-                            version.holders)
-            self._retire(version)
+            self._retire_name(name)
+            self._start_queued()
 
     def pin(self, name: str) -> None:
-        """Never evict ``name`` from the CPU cache, nor from its device slot once resident."""
+        """Never evict the version ``name`` serves from the CPU cache, nor from its slot once resident.
+
+        Raises:
+            UnknownAdapterError: ``name`` is unknown, or its version failed to load.
+            AdapterCapacityError: the pin would leave no device slot for unpinned adapters
+                (at most ``num_slots - 1`` pins).
+        """
         with self._lock:
-            if name not in self._current:
-                raise UnknownAdapterError(f"cannot pin unknown {self.kind} {name!r}")
-            if name not in self._pinned and len(self._pinned) >= self._max_cpu:
-                raise AdapterCapacityError(f"cannot pin {self.kind} {name!r}: {len(self._pinned)} adapters are "
-                                           f"pinned already and the CPU cache holds {self._max_cpu}")
-            self._pinned.add(name)
-            if len(self._pinned) >= self.slots.num_slots > 0:
-                logger.warning("%d %ss pinned with %d device slots: unpinned adapters may not fit in a step",
-                               len(self._pinned), self.kind, self.slots.num_slots)
+            version = self._serving(name)
+            if version is None or version.state == FAILED:
+                raise UnknownAdapterError(f"cannot pin {self.kind} {name!r}: it is unknown or failed to load")
+            if not version.pinned and self.num_pinned() + 1 > self.slots.num_slots - 1:
+                raise AdapterCapacityError(
+                    f"cannot pin {self.kind} {name!r}: {self.num_pinned()} of {self.slots.num_slots} device slots "
+                    f"are pinned already and at least one must stay free for unpinned adapters")
+            version.pinned = True
 
     def unpin(self, name: str) -> None:
         """Make ``name`` evictable again."""
         with self._lock:
-            if name not in self._current and name not in self._pinned:
+            version = self._serving(name)
+            if version is None:
                 raise UnknownAdapterError(f"cannot unpin unknown {self.kind} {name!r}")
-            self._pinned.discard(name)
+            version.pinned = False
             self._trim_cpu()
+            self._start_queued()
+
+    def num_pinned(self) -> int:
+        """How many versions are pinned (at most ``num_slots - 1``)."""
+        with self._lock:
+            return sum(v.pinned for v in self._versions.values())
 
     def list(self) -> list[str]:
-        """Names of the CPU-cached adapters, least recently used first."""
+        """Names whose serving version is in the CPU cache, least recently used first."""
         with self._lock:
-            ready = [v for v in self._current.values() if v.state == READY]
-            return [v.ref.name for v in sorted(ready, key=lambda v: v.cpu_tick)]
+            ready = [v for v in map(self._serving, list(self._current) + list(self._fallback))
+                     if v is not None and v.state == READY]
+            return [v.ref.name for v in sorted(set(ready), key=lambda v: v.cpu_tick)]
 
-    # ---- engine side: activate -------------------------------------------------------------------
+    def close(self) -> None:
+        """Start no more loads: queued and running loads fail now with an AdapterError ("cancelled");
+        acquire/add/prefetch raise TierClosedError from now on. Returns at once; a worker still
+        reading discards its result. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            for version in [v for v in self._versions.values() if v.state == LOADING]:
+                error = AdapterError(f"{self.kind} {version.ref.name!r}: load cancelled: the engine was closed")
+                self._settle(version, None, error)
+        self._notify()
+
+    # ---- engine side: reserved slots / activate --------------------------------------------------
+    def reserved_slots(self, refs) -> int:
+        """Device slots that pinned resident versions other than ``refs`` keep from a step.
+
+        Exact, not an upper bound: activate() can make any set of refs resident whose size plus this
+        number is at most ``num_slots``. The scheduler asks this (under the engine's step lock)."""
+        with self._lock:
+            return sum(1 for v in self._slot_owner if v is not None and v.pinned and v.ref not in refs)
+
     def activate(self, refs: list[AdapterRef]) -> list[int]:
         """Make every ref resident in a device slot; returns the slot of each ref (same order).
 
@@ -228,22 +315,11 @@ class AdapterTier:
                 if version.state != READY:
                     raise ValueError(f"cannot activate {self.kind} {version.ref.name!r}: it is {version.state}")
             needed = list(dict.fromkeys(versions))  # distinct, in order
-            if len(needed) > self.slots.num_slots:
-                raise AdapterCapacityError(f"a step needs {len(needed)} distinct {self.kind}s but there are only "
-                                           f"{self.slots.num_slots} device slots")
-            new = [v for v in needed if v.slot is None]
-            free = [s for s, owner in enumerate(self._slot_owner) if owner is None]
-            if len(new) > len(free):
-                victims = sorted((v for v in self._slot_owner if v is not None and v not in needed
-                                  and not self._is_pinned(v)), key=lambda v: v.slot_tick)
-                if len(new) - len(free) > len(victims):
-                    raise AdapterCapacityError(
-                        f"a step needs {len(needed)} {self.kind}s but only {len(free) + len(victims)} of "
-                        f"{self.slots.num_slots} device slots can be freed ({len(self._pinned)} pinned)")
-                for victim in victims[:len(new) - len(free)]:
-                    free.append(self._evict_slot(victim))
-                    self._counts["slot_evictions"] += 1
-            for version, slot in zip(new, free):
+            plan = self._choose_slots(needed)
+            for victim in plan.victims:
+                self._evict_slot(victim)
+                self._counts["slot_evictions"] += 1
+            for version, slot in plan.writes:
                 self.slots.write(slot, version.weights)
                 self._counts["slot_loads"] += 1
                 version.slot, self._slot_owner[slot] = slot, version
@@ -261,6 +337,13 @@ class AdapterTier:
                         device_bytes_used=sum(v.weights.nbytes for v in resident),
                         device_bytes_allocated=self.slots.nbytes, num_cpu=len(cached), num_resident=len(resident))
 
+    def load_stats(self) -> dict[str, int]:
+        """Versions now ``ready`` (cached), ``loading`` (load started) and ``queued`` (waiting for room)."""
+        with self._lock:
+            queued = sum(1 for v in self._versions.values() if v.state == LOADING and not v.started)
+            ready = sum(1 for v in self._versions.values() if v.state == READY)
+            return dict(ready=ready, loading=self._num_loading, queued=queued)
+
     def counts(self) -> dict[str, int]:
         """Cumulative events: slot_loads (writes into a device slot), slot_evictions (resident adapters
         evicted to make room), disk_loads / load_failures (background or add() loads), cpu_evictions."""
@@ -268,10 +351,14 @@ class AdapterTier:
             return {key: self._counts[key] for key in
                     ("slot_loads", "slot_evictions", "disk_loads", "load_failures", "cpu_evictions")}
 
-    # ---- internals (call with the lock held, except _load) ---------------------------------------
+    # ---- internals (call with the lock held, except _load and _notify) ---------------------------
     def _check_request(self, request) -> None:
         if not isinstance(request, self._request_type):
             raise ValueError(f"expected a {self._request_type.__name__}, got {type(request).__name__}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosedError(f"the {self.kind} tier is closed: no new adapters are loaded")
 
     def _get(self, ref: AdapterRef) -> _Version:
         with self._lock:
@@ -280,31 +367,50 @@ class AdapterTier:
             raise UnknownAdapterError(f"unknown {self.kind} version {ref} (removed, replaced or evicted)")
         return version
 
-    def _acquire(self, request, background: bool) -> _Version:
-        self._check_request(request)
-        with self._lock:
-            version, created = self._version_for(request)
-            version.holders += 1
-            self._touch_cpu(version)
-        if created:
-            if background:
-                self._executor.submit(self._load, version)
-            else:
-                self._load(version)
+    def _hold(self, request) -> _Version:
+        self._check_open()
+        version = self._version_for(request)
+        version.holders += 1
+        self._touch_cpu(version)
         return version
 
-    def _version_for(self, request) -> tuple[_Version, bool]:
-        """The current version of request.name if it has the same source, else a new one (replacement)."""
-        current = self._current.get(request.name)
-        if current is not None and (current.ref.path, current.ref.revision) == request.source:
-            return current, False
+    def _serving(self, name: str) -> _Version | None:
+        """The version that serves ``name`` now: the fallback while a replacement loads, else the newest."""
+        return self._fallback.get(name) or self._current.get(name)
+
+    def _version_for(self, request) -> _Version:
+        """The version of request.name with the request's source; a new source makes a new, queued
+        version that the name refers to (the old one keeps serving until the new one is ready)."""
+        name, current = request.name, self._current.get(request.name)
+        for known in (current, self._fallback.get(name)):
+            if known is not None and known.source == request.source:
+                return known
+        version = _Version(AdapterRef(name, request.path, request.revision, next(self._ids)), request)
         if current is not None:
-            logger.info("%s %r: replacing %s with %s", self.kind, request.name,
-                        (current.ref.path, current.ref.revision), request.source)
-            self._retire(current)
-        version = _Version(AdapterRef(request.name, request.path, request.revision, next(self._ids)), request)
+            logger.info("%s %r: replacing %s with %s", self.kind, name, current.source, request.source)
+            if current.state == READY:  # keep it serving until the new version loaded
+                assert name not in self._fallback, f"{name!r} has a fallback and a ready newest version"
+                self._fallback[name] = current
+            else:  # a newer source supersedes one still loading (and takes its pin, if any)
+                version.pinned = current.pinned
+                self._retire(current)
         self._register(version)
-        return version, True
+        self._queue.append(version)
+        return version
+
+    def _start_queued(self) -> None:
+        """Start queued loads, oldest first, while the CPU bound allows (module docstring)."""
+        if self._closed:
+            return
+        ready = sum(1 for v in self._versions.values() if v.state == READY)
+        while self._queue and self._num_loading < self.max_loading and \
+                ready + self._num_loading < self._max_cpu + self.max_loading:
+            version = self._queue.popleft()
+            if version.started or self._versions.get(version.ref) is not version:
+                continue  # add() took it over, or it was dropped while queued
+            version.started = True
+            self._num_loading += 1
+            self._executor.submit(self._load, version)
 
     def _load(self, version: _Version) -> None:
         """Load outside the lock, then publish the result (or discard it if the version was dropped)."""
@@ -318,20 +424,39 @@ class AdapterTier:
             error = InvalidAdapterError(f"{self.kind} {name!r}: unexpected error while loading: {exc!r}")
             error.__cause__ = exc
         with self._lock:
-            if self._versions.get(version.ref) is not version:
-                logger.debug("%s %r: dropped while loading; result discarded", self.kind, name)
-            elif error is None:
-                version.state, version.weights = READY, weights
-                self._counts["disk_loads"] += 1
-                self._touch_cpu(version)
-                self._trim_cpu()
+            self._num_loading -= 1
+            if self._versions.get(version.ref) is not version or version.state != LOADING:
+                logger.debug("%s %r: dropped or cancelled while loading; result discarded", self.kind, name)
             else:
-                logger.warning("%s %r failed to load: %s", self.kind, name, error)
-                version.state, version.error = FAILED, error
-                self._counts["load_failures"] += 1
-                if version.holders == 0:
-                    self._drop(version)
-            version.done.set()
+                self._settle(version, weights, error)
+            self._start_queued()
+        self._notify()
+
+    def _settle(self, version: _Version, weights, error: AdapterError | None) -> None:
+        """Publish a finished load: ready (and take over its name) or failed (the name falls back)."""
+        name = version.ref.name
+        if error is None:
+            version.state, version.weights = READY, weights
+            self._counts["disk_loads"] += 1
+            if self._current.get(name) is version and name in self._fallback:
+                old = self._fallback.pop(name)
+                version.pinned = version.pinned or old.pinned
+                self._retire(old)
+            self._touch_cpu(version)
+            self._trim_cpu()
+        else:
+            logger.warning("%s %r failed to load: %s", self.kind, name, error)
+            version.state, version.error, version.pinned = FAILED, error, False
+            self._counts["load_failures"] += 1
+            if self._current.get(name) is version and name in self._fallback:  # the old one serves on
+                self._current[name] = self._fallback.pop(name)
+            if version.holders == 0:
+                self._drop(version)
+        version.done.set()
+
+    def _notify(self) -> None:
+        if self._on_settled is not None:
+            self._on_settled()
 
     def _register(self, version: _Version) -> None:
         self._current[version.ref.name] = version
@@ -340,24 +465,56 @@ class AdapterTier:
     def _touch_cpu(self, version: _Version) -> None:
         version.cpu_tick = next(self._ticks)
 
-    def _is_pinned(self, version: _Version) -> bool:
-        return version.ref.name in self._pinned and self._current.get(version.ref.name) is version
+    def _retire_name(self, name: str) -> bool:
+        """Retire every version of ``name``; returns whether its serving version was pinned."""
+        serving = self._serving(name)
+        pinned = serving is not None and serving.pinned
+        for version in (self._fallback.get(name), self._current.get(name)):
+            if version is not None:
+                self._retire(version)
+        return pinned
 
     def _retire(self, version: _Version) -> None:
-        version.retired = True
-        if self._current.get(version.ref.name) is version:
-            del self._current[version.ref.name]
+        version.retired, version.pinned = True, False
+        self._forget_name(version)
         if version.holders == 0:
             self._drop(version)
+
+    def _forget_name(self, version: _Version) -> None:
+        name = version.ref.name
+        if self._current.get(name) is version:
+            del self._current[name]
+        if self._fallback.get(name) is version:
+            del self._fallback[name]
 
     def _drop(self, version: _Version) -> None:
         """Forget a version: free its CPU tensors and its slot."""
         self._versions.pop(version.ref, None)
-        if self._current.get(version.ref.name) is version:
-            del self._current[version.ref.name]
+        self._forget_name(version)
+        version.pinned = False
         if version.slot is not None:
             self._evict_slot(version)
         version.weights = None
+
+    def _choose_slots(self, needed: list[_Version]) -> _SlotPlan:
+        """Choose (without writing) a slot for each needed version that is not resident: free slots
+        first, then the least recently used resident versions that are neither needed nor pinned."""
+        if len(needed) > self.slots.num_slots:
+            raise AdapterCapacityError(f"a step needs {len(needed)} distinct {self.kind}s but there are only "
+                                       f"{self.slots.num_slots} device slots")
+        new = [v for v in needed if v.slot is None]
+        free = [s for s, owner in enumerate(self._slot_owner) if owner is None]
+        victims = []
+        if len(new) > len(free):
+            candidates = sorted((v for v in self._slot_owner if v is not None and v not in needed and not v.pinned),
+                                key=lambda v: v.slot_tick)
+            if len(new) - len(free) > len(candidates):
+                raise AdapterCapacityError(
+                    f"a step needs {len(needed)} {self.kind}s but only {len(free) + len(candidates)} of "
+                    f"{self.slots.num_slots} device slots can be freed ({self.num_pinned()} pinned)")
+            victims = candidates[:len(new) - len(free)]
+            free += [v.slot for v in victims]
+        return _SlotPlan(victims, list(zip(new, free)))
 
     def _evict_slot(self, version: _Version) -> int:
         slot = version.slot
@@ -370,8 +527,7 @@ class AdapterTier:
         cached = [v for v in self._versions.values() if v.state == READY]
         excess = len(cached) - self._max_cpu
         if excess > 0:
-            victims = sorted((v for v in cached if v.holders == 0 and not self._is_pinned(v)),
-                             key=lambda v: v.cpu_tick)
+            victims = sorted((v for v in cached if v.holders == 0 and not v.pinned), key=lambda v: v.cpu_tick)
             for victim in victims[:excess]:
                 logger.debug("%s %r evicted from the CPU cache", self.kind, victim.ref.name)
                 self._counts["cpu_evictions"] += 1

@@ -2,8 +2,10 @@
 
 from lora_runner.config import EngineConfig
 from lora_runner.engine import LLMEngine
+from lora_runner.engine_adapters import EngineClosedError
 from lora_runner.llm import LLM
 from lora_runner.outputs import CompletionOutput, RequestOutput
 from lora_runner.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "EngineClosedError"]

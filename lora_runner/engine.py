@@ -4,7 +4,8 @@
 prompts resident -> runner.execute() -> append tokens, finish requests, free blocks, release
 adapters -> outputs. Adapters load in the background (acquired at add_request); the scheduler only
 admits requests whose adapters are ready, so a slow download never stalls running requests.
-Prompt adapters (soft prompts as placeholder tokens) are described in lora_runner.prompt_adapters.
+Both adapter kinds go through one seam, lora_runner.engine_adapters (which also describes prompt
+adapters as placeholder tokens); pins and load state live in the adapter tiers only.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from lora_runner.block_manager import BlockManager
 from lora_runner.config import EngineConfig
 from lora_runner.cuda_graphs import cuda_graphs_available
 from lora_runner.fairness import VirtualTokenCounter
+from lora_runner.engine_adapters import EngineAdapters, EngineClosedError
 from lora_runner.kv_cache import kv_block_bytes
 from lora_runner.memory_profile import profile_kv_cache_budget
 from lora_runner.model import load_model
 from lora_runner.outputs import CompletionOutput, RequestOutput
-from lora_runner.prompt_adapters import EnginePromptAdapters
 from lora_runner.runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.scheduler import Scheduler, ScheduledRequest
@@ -43,7 +44,9 @@ class LLMEngine:
     Build it from an EngineConfig or from the same keyword arguments
     (``LLMEngine("path/or/repo", max_loras=4, ...)``). add_request, abort_request and add_lora may
     be called from other threads while one thread loops on step(): they only touch an intake
-    guarded by a lock, which step() moves into the scheduler at its start.
+    guarded by a lock, which step() moves into the scheduler at its start. A loop on step() can
+    call ``wait_for_work(timeout)`` between steps to sleep while every request waits for an adapter
+    load. After ``close()`` the adding and adapter-management calls raise EngineClosedError.
     """
 
     def __init__(self, model: str | EngineConfig, **kwargs) -> None:
@@ -51,6 +54,8 @@ class LLMEngine:
             raise ValueError("pass either an EngineConfig or keyword arguments, not both")
         self.config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **kwargs)
         cfg = self.config
+        self._work = threading.Condition()  # signalled by _wake(): new request, abort, load done, close
+        self._work_events, self._idle_since = 0, None  # _idle_since: _work_events when a step found nothing
         device, dtype = cfg.torch_device(), cfg.torch_dtype()
         self.model, self.model_config, self.model_dir = load_model(
             cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only)
@@ -59,7 +64,7 @@ class LLMEngine:
             max_cpu_loras=cfg.cpu_loras, max_prompt_adapters=cfg.max_prompt_adapters,
             max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=dtype,
             allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
-            max_adapter_bytes=cfg.max_adapter_bytes)
+            max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=self._wake)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
         kv_budget = (self._profile_kv_budget(use_graphs)
@@ -70,10 +75,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=self.limits.max_num_batched_tokens,
                                    max_loras=cfg.max_loras, adapter_state=self.adapter_manager.loras.state,
-                                   reserved_lora_slots=self._reserved_lora_slots,
+                                   reserved_lora_slots=self.adapter_manager.loras.reserved_slots,
                                    max_prompt_adapters=cfg.max_prompt_adapters,
                                    prompt_adapter_state=self.adapter_manager.prompts.state,
-                                   reserved_prompt_slots=self._reserved_prompt_slots,
+                                   reserved_prompt_slots=self.adapter_manager.prompts.reserved_slots,
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
                                        cfg.fairness_prefill_weight, cfg.fairness_decode_weight))
         self.runner = self._make_runner(self.limits.num_kv_blocks)
@@ -81,16 +86,14 @@ class LLMEngine:
             self.runner.capture_decode_graphs(self.adapter_manager.loras, cfg.max_lora_rank)
         self.tokenizer = LazyTokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_config, self.model_dir)
-        self._lock = threading.Lock()  # guards the intake: _new, _aborts, _live
+        self._lock = threading.Lock()  # guards the intake: _new, _aborts, _live, _adding, _closed
         self._new: list[Request] = []
         self._aborts: list[Request] = []  # the request objects, so an id reused later is never hit
-        self._live: dict[str, Request] = {}  # id -> request added and not yet reported finished
+        self._live: dict[str, Request] = {}  # id -> request queued and not yet reported finished
+        self._adding: set[str] = set()  # ids inside add_request: taken, but invisible to abort_request
+        self._closed = False
         self._stepping = threading.Lock()  # held by the one thread inside step()
-        # pins and removals wait for the step's schedule + activate (a pin could take a counted-on slot)
-        self._adapter_lock = threading.Lock()
-        self._pinned: set[str] = set()  # LoRA names pinned through this engine; guarded by _adapter_lock
-        self.prompt_adapters = EnginePromptAdapters(self.adapter_manager.prompts, self._adapter_lock,
-                                                    self.limits.max_model_len, cfg.max_prompt_adapters > 0)
+        self.adapters = EngineAdapters(self.adapter_manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
         self._arrivals = count()
 
     def _make_runner(self, num_kv_blocks: int) -> ModelRunner:
@@ -138,27 +141,29 @@ class LLMEngine:
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         if tenant is not None and not isinstance(tenant, str):
             raise ValueError(f"tenant must be a string or None, got {type(tenant).__name__}")
-        self.prompt_adapters.check(prompt_adapter_request)
+        self.adapters.check_prompt_adapter(prompt_adapter_request)
         token_ids = self._prompt_token_ids(prompt)
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
         request = Request(request_id, token_ids, params, arrival=next(self._arrivals),
                           prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
                           prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant)
         with self._lock:
-            if request_id in self._live:
+            self._check_open()
+            if request_id in self._live or request_id in self._adding:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._live[request_id] = request
+            self._adding.add(request_id)
         try:
-            if lora_request is not None:
-                request.lora_ref = self.adapter_manager.loras.acquire(lora_request)
-            self.prompt_adapters.acquire(request)
+            self.adapters.acquire(request)  # all or nothing
         except BaseException:
-            self._release_adapters(request)
             with self._lock:
-                self._live.pop(request_id, None)
+                self._adding.discard(request_id)
             raise
+        # visible to abort_request only now, queued with its adapters held: reported finished once
         with self._lock:
+            self._adding.discard(request_id)
+            self._live[request_id] = request
             self._new.append(request)
+        self._wake()
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests by id (unknown ids are ignored); the next step() reports them as "abort".
@@ -167,10 +172,29 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else _id_list(request_id)
         with self._lock:  # only requests live now: never one added later under the same id
             self._aborts.extend(self._live[i] for i in ids if i in self._live)
+        self._wake()
 
     def close(self) -> None:
-        """Stop the adapter loader threads (pending background loads are cancelled). Idempotent."""
-        self.adapter_manager.close()
+        """Cancel background adapter loads and stop the loader threads; returns at once, even while
+        a download is stalled (its daemon thread never delays process exit). Requests whose loads
+        were cancelled finish with "error" at the next step(); requests with ready adapters can
+        still be stepped to completion. From now on add_request, add_lora, add_prompt_adapter and
+        pin/unpin/remove raise EngineClosedError. Idempotent."""
+        with self._lock:
+            self._closed = True
+        self.adapters.close()
+        self._wake()
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until a step could make progress: returns at once unless the last step() found
+        nothing to run (every request waiting for an adapter load); then waits until a load
+        finishes, a request is added or aborted, or the engine is closed. Returns False on timeout.
+        Loops on step() call this between steps instead of spinning."""
+        with self._work:
+            seen = self._idle_since
+            if seen is None:
+                return True
+            return self._work.wait_for(lambda: self._work_events != seen, timeout)
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -184,60 +208,69 @@ class LLMEngine:
             return bool(self._live)
 
     def add_lora(self, lora_request: LoRARequest):
-        """Load and validate an adapter now (hot-load; a new path under a known name replaces it for
-        new requests while running ones keep the old weights). Raises its adapters.AdapterError."""
-        return self.adapter_manager.loras.add(lora_request)
+        """Load and validate an adapter now (hot-load). A new path under a known name replaces it
+        once it loaded (running requests keep the old weights); if it fails, the old version keeps
+        serving. Raises its adapters.AdapterError."""
+        self._check_open()
+        return self.adapters.add("lora", lora_request)
 
     def remove_lora(self, name: str) -> None:
-        """Forget an adapter; deferred while running requests use it (they finish on its weights)."""
-        with self._adapter_lock:
-            self.adapter_manager.loras.remove(name)
-            self._pinned.discard(name)
+        """Forget an adapter and its pin; deferred while running requests use it (they finish on its
+        weights)."""
+        self._check_open()
+        self.adapters.remove("lora", name)
 
     def pin_lora(self, name: str) -> None:
-        """Keep an adapter cached and, once resident, in its device slot (fewer slots for the rest)."""
-        with self._adapter_lock:
-            self.adapter_manager.loras.pin(name)
-            self._pinned.add(name)
+        """Keep an adapter cached and, once resident, in its device slot. At most max_loras - 1
+        adapters can be pinned (AdapterCapacityError beyond), so unpinned adapters always keep a
+        slot; a replacement inherits the pin once it takes over; a failed load holds none."""
+        self._check_open()
+        self.adapters.pin("lora", name)
 
     def unpin_lora(self, name: str) -> None:
         """Make a pinned adapter evictable again."""
-        with self._adapter_lock:
-            self.adapter_manager.loras.unpin(name)
-            self._pinned.discard(name)
+        self._check_open()
+        self.adapters.unpin("lora", name)
 
     def list_loras(self) -> list[str]:
         """Names of the LoRAs in the CPU cache, least recently used first."""
-        return self.adapter_manager.loras.list()
+        return self.adapters.list("lora")
 
     def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest):
         """Load and validate a prompt adapter now (hot-load or replace, like add_lora). Raises its
         adapters.AdapterError, or ValueError when prompt adapters are disabled."""
-        return self.prompt_adapters.add(prompt_adapter_request)
+        self._check_open()
+        return self.adapters.add("prompt", prompt_adapter_request)
 
     def remove_prompt_adapter(self, name: str) -> None:
         """Forget a prompt adapter; deferred while running requests use it."""
-        self.prompt_adapters.remove(name)
+        self._check_open()
+        self.adapters.remove("prompt", name)
 
     def pin_prompt_adapter(self, name: str) -> None:
-        """Keep a prompt adapter cached and, once resident, in its device slot."""
-        self.prompt_adapters.pin(name)
+        """Keep a prompt adapter cached and, once resident, in its device slot (at most
+        max_prompt_adapters - 1 pins, like pin_lora)."""
+        self._check_open()
+        self.adapters.pin("prompt", name)
 
     def unpin_prompt_adapter(self, name: str) -> None:
         """Make a pinned prompt adapter evictable again."""
-        self.prompt_adapters.unpin(name)
+        self._check_open()
+        self.adapters.unpin("prompt", name)
 
     def list_prompt_adapters(self) -> list[str]:
         """Names of the prompt adapters in the CPU cache, least recently used first."""
-        return self.prompt_adapters.list()
+        return self.adapters.list("prompt")
 
-    def _reserved_prompt_slots(self, refs: set) -> int:
-        return self.prompt_adapters.reserved_slots(refs)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed: create a new LLMEngine to serve more requests")
 
-    def _reserved_lora_slots(self, refs: set) -> int:
-        """Device slots pinned adapters other than `refs` may hold (an upper bound: pinned ones that
-        are not resident yet hold none). Called by the scheduler under _adapter_lock."""
-        return len(self._pinned - {ref.name for ref in refs})
+    def _wake(self) -> None:
+        """Something a step could act on happened: wake wait_for_work()."""
+        with self._work:
+            self._work_events += 1
+            self._work.notify_all()
 
     # ----------------------------------------------------------------------------- the step loop
     def step(self) -> list[RequestOutput]:
@@ -254,32 +287,23 @@ class LLMEngine:
             self._stepping.release()
 
     def _step(self) -> list[RequestOutput]:
+        with self._work:
+            events_at_start = self._work_events
         outputs = self._take_intake()
         self._insert_placeholders()
-        with self._adapter_lock:  # a pin from another thread must not take a slot this step counted on
+        with self.adapters.step_lock:  # a pin from another thread must not take a slot this step counted on
             sched = self.scheduler.schedule()
-            slot_of = self._activate(sched.scheduled)
-            prompt_slot_of = self.prompt_adapters.activate(sched.scheduled)
+            slot_of, prompt_slot_of = self.adapters.activate(sched.scheduled)
+        idle = not (outputs or sched.failed or sched.scheduled)
+        with self._work:
+            self._idle_since = events_at_start if idle else None
         for request in sched.failed:
-            error = request.error or self._adapter_error(request)
+            error = request.error or self.adapters.failure(request)
             logger.warning("request %r failed: %s", request.request_id, error)
             outputs.append(self._finish(request, "error", error))
         if sched.scheduled:
             outputs += self._run(sched.scheduled, slot_of, prompt_slot_of)
         return outputs
-
-    def _adapter_error(self, request: Request) -> BaseException | None:
-        """The load error of the request's adapter that failed (LoRA first)."""
-        for tier, ref in ((self.adapter_manager.loras, request.lora_ref),
-                          (self.adapter_manager.prompts, request.prompt_adapter_ref)):
-            if ref is not None and tier.state(ref) == "failed":
-                return tier.error(ref)
-        return None
-
-    def _release_adapters(self, request: Request) -> None:
-        if request.lora_ref is not None:
-            self.adapter_manager.loras.release(request.lora_ref)
-        self.prompt_adapters.release(request)
 
     def _take_intake(self) -> list[RequestOutput]:
         with self._lock:
@@ -292,11 +316,6 @@ class LLMEngine:
             if not request.is_finished:  # it may have finished since the abort was asked for
                 outputs.append(self._finish(request, "abort"))
         return outputs
-
-    def _activate(self, scheduled: list[ScheduledRequest]) -> dict:
-        """Make the step's LoRAs resident; adapter ref -> device slot."""
-        refs = list(dict.fromkeys(s.request.lora_ref for s in scheduled if s.request.lora_ref is not None))
-        return dict(zip(refs, self.adapter_manager.loras.activate(refs))) if refs else {}
 
     def _run(self, scheduled: list[ScheduledRequest], slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
         chunks = [SeqChunk(token_ids=s.request.token_ids, start=s.start, num_new_tokens=s.num_new_tokens,
@@ -337,7 +356,7 @@ class LLMEngine:
         insertion raises gets that error, and the scheduler hands it back to fail alone."""
         for request in list(self.scheduler.waiting):
             try:
-                self.prompt_adapters.insert_virtual_tokens([request])
+                self.adapters.insert_virtual_tokens([request])
             except Exception as error:  # this request's placeholders could not be made; it alone fails
                 logger.warning("request %r: soft-prompt placeholders failed: %r", request.request_id, error)
                 request.error = error
@@ -353,7 +372,7 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str, error: BaseException | None = None) -> RequestOutput:
         request.finish(reason, error)
         self.scheduler.remove(request)
-        self._release_adapters(request)
+        self.adapters.release(request)
         with self._lock:
             if self._live.get(request.request_id) is request:
                 del self._live[request.request_id]

@@ -16,6 +16,7 @@ from lora_runner.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+_IDLE_WAIT_S = 1.0  # longest sleep of generate() between steps while every request waits for a load
 
 
 class LLM:
@@ -76,6 +77,9 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
+                # sleeps only when the step found nothing to run (every request waits for an adapter
+                # load) until a load finishes; the timeout is a safety net, not a poll interval
+                self.engine.wait_for_work(timeout=_IDLE_WAIT_S)
         return [finished[request_id] for request_id in request_ids]
 
     def _abort_and_drain(self, request_ids: list[str]) -> None:

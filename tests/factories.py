@@ -238,3 +238,22 @@ def save_lora_versions(base_model, root, **lora_kwargs) -> dict[str, Path]:
     save_lora(base_model, dirs["b"], seed=2, **lora_kwargs)
     edit_adapter_tensors(dirs["b"], lambda tensors: {k: v.half() for k, v in tensors.items()})
     return dirs
+
+
+# ---------------------------------------------------------------- hostile adapters: adapter state (issue 11)
+def save_nan_copy(source_dir, path) -> Path:
+    """Copy a saved adapter (LoRA or prompt adapter) to ``path`` with every tensor NaN: it passes
+    every check but the finiteness one, so its load fails with InvalidAdapterError."""
+    import shutil
+
+    shutil.copytree(source_dir, path)
+    edit_adapter_tensors(path, lambda tensors: {k: v * float("nan") for k, v in tensors.items()})
+    return Path(path)
+
+
+def save_adapter_copy(source_dir, path) -> Path:
+    """A byte-identical copy of a saved adapter under another path (another source for the same weights)."""
+    import shutil
+
+    shutil.copytree(source_dir, path)
+    return Path(path)

@@ -1,8 +1,10 @@
 """Property-based test (hypothesis) of the LRU adapter tier against a simple model of its state.
 
 The model is the tier's contract written plainly: an LRU list of CPU-cached versions (most recent
-last), an LRU list of resident versions with their slot, pins by name, holders per version, and
-what each operation does to them (see adapters/tier.py's docstring). After every operation the
+last), an LRU list of resident versions with their slot, pins by name (carried by the version the
+name serves; a failed load holds none; at most MAX_LORAS - 1), holders per version, a replacement
+that takes over only once it loaded (a failed one leaves the old version serving), and what each
+operation does to them (see adapters/tier.py's docstring). After every operation the
 real tier must agree on everything a user can observe: list(), lookup(), memory_stats(), which
 operations raise, which slot activate() picks, and the rank written into every slot.
 """
@@ -55,6 +57,7 @@ class ModelVersion:
     holders: int = 0
     retired: bool = False
     slot: int | None = None
+    previous: "ModelVersion | None" = None  # the ready version it replaces once it loaded
 
 
 class LRUModel:
@@ -81,18 +84,27 @@ class LRUModel:
         version = self.current.get(name)
         if version is not None and version.source == source:
             return version, False
-        if version is not None:
+        new = ModelVersion(name, source)
+        if version is not None and version.ready:
+            new.previous = version  # serves on until the new one loaded
+        elif version is not None:
             self.retire(version)
-        version = ModelVersion(name, source)
-        self.current[name] = version
-        return version, True
+        self.current[name] = new
+        return new, True
 
     def loaded(self, version, ok):
-        version.ready = ok
+        version.ready, previous, version.previous = ok, version.previous, None
         if ok:
+            if previous is not None:
+                self.retire(previous)
             self.touch(version)
             self.trim()
-        elif version.holders == 0:
+            return
+        if previous is not None:  # a failed replacement: the name falls back to the old version
+            self.current[version.name] = previous
+        else:
+            self.pinned.discard(version.name)  # a failed version holds no pin
+        if version.holders == 0:
             self.drop(version)
 
     def retire(self, version):
@@ -183,6 +195,7 @@ def test_lru_manager_matches_model(lru_env):
             else:
                 assert ref == self.ref_of[version], "the same (name, source) must reuse the current version"
 
+        @precondition(lambda self: len(self.held) < 8)  # held versions beyond the CPU bound queue loads
         @rule(name=NAMES, source=SOURCES)
         def acquire(self, name, source):
             version, created = self.model.version_for(name, source)
@@ -251,10 +264,10 @@ def test_lru_manager_matches_model(lru_env):
         @rule(name=NAMES)
         def pin(self, name):
             model = self.model
-            if name not in model.current:
+            if name not in model.current or not model.current[name].ready:
                 with pytest.raises(UnknownAdapterError):
                     self.tier.pin(name)
-            elif name not in model.pinned and len(model.pinned) >= MAX_CPU:
+            elif name not in model.pinned and len(model.pinned) >= MAX_LORAS - 1:
                 with pytest.raises(AdapterCapacityError):
                     self.tier.pin(name)
             else:
@@ -264,7 +277,7 @@ def test_lru_manager_matches_model(lru_env):
         @rule(name=NAMES)
         def unpin(self, name):
             model = self.model
-            if name not in model.current and name not in model.pinned:
+            if name not in model.current:
                 with pytest.raises(UnknownAdapterError):
                     self.tier.unpin(name)
                 return

@@ -3,9 +3,10 @@ eviction (more adapters than slots), staggered arrivals, failed / loading / pinn
 
 import random
 
+import pytest
 import torch
 
-from adapters import AdapterError, LoRARequest
+from adapters import AdapterCapacityError, AdapterError, LoRARequest
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.kv_cache import kv_block_bytes
 from lora_runner.model import ModelConfig
@@ -123,7 +124,8 @@ def test_pinned_adapters_keep_their_slot_and_others_still_run(engine_checkpoint,
     done = run_all(engine, requests, per_step=4)
     for (request_id, prompt, _, lora) in requests:
         assert done[request_id].outputs[0].token_ids == greedy_oracle(adapters[lora.name][1], prompt, 3)[0]
-    engine.pin_lora("r16-mlp")  # both slots pinned: an unpinned adapter can never run -> error, no hang
-    done = run_all(engine, [("never", [5], params, LoRARequest("r8-qv", adapters["r8-qv"][0]))])
-    assert done["never"].outputs[0].finish_reason == "error" and "pinned" in str(done["never"].error)
+    with pytest.raises(AdapterCapacityError, match="at least one must stay free"):
+        engine.pin_lora("r16-mlp")  # both slots pinned would leave unpinned adapters no slot: refused
+    done = run_all(engine, [("later", [5], params, LoRARequest("r8-qv", adapters["r8-qv"][0]))])
+    assert done["later"].outputs[0].token_ids == greedy_oracle(adapters["r8-qv"][1], [5], 3)[0]
     assert "r4" in engine.list_loras()

@@ -115,8 +115,8 @@ def test_hot_load_replace_and_remove_while_serving(llm, engine_checkpoint, greed
 
 def test_unpin_and_close(engine_checkpoint):
     path, _, adapters = engine_checkpoint
-    llm = LLM(path, device="cpu", max_loras=1, max_lora_rank=16, max_cpu_loras=2, max_num_seqs=2,
-              max_model_len=32, block_size=4)
+    llm = LLM(path, device="cpu", max_loras=2, max_lora_rank=16, max_cpu_loras=2, max_num_seqs=2,
+              max_model_len=32, block_size=4)  # max_loras=2: at most max_loras - 1 pins
     llm.add_lora(lora(adapters, "r4"))
     llm.pin_lora("r4")
     llm.unpin_lora("r4")

@@ -29,8 +29,10 @@ Catalogue (kind -> exception: where; bare names are ADAPTER_CASES keys)
       argument types -> ValueError: test_reliability_arguments.py
   invalid sampling parameters -> ValueError: test_reliability_arguments.py (and test_sampling_params.py)
   unknown adapter name in remove / pin / unpin -> UnknownAdapterError: test_reliability_arguments.py
-  a LoRA that can never get a slot (pinned adapters hold all) -> AdapterCapacityError:
-      test_engine_lora.py::test_pinned_adapters_keep_their_slot_and_others_still_run
+  a pin that would leave no device slot for unpinned adapters -> AdapterCapacityError from pin_lora /
+      pin_prompt_adapter: test_reliability_adapters.py::test_pins_leave_a_slot_for_unpinned_adapters
+  any call that adds or manages adapters after close() -> EngineClosedError:
+      test_reliability_adapters.py::test_close_returns_at_once_with_a_stalled_download_and_fails_its_requests
   a bad adapter in LLM.generate -> raised before any work:
       test_llm_generate.py::test_bad_adapter_raises_before_any_work
 """
