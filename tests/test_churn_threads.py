@@ -214,7 +214,7 @@ def test_adapter_calls_between_schedule_and_activate(engine_checkpoint, greedy_o
     engine.add_request("mlp", [7, 8, 9], PARAMS, lora_request=loras["r16-mlp"])  # will evict r4's slot
     engine.add_request("qv", [10, 11], PARAMS, lora_request=loras["r8-qv"])
     schedule, other, settled = engine.scheduler.schedule, {}, threading.Event()
-    engine._adapter_lock = ObservedLock(engine._adapter_lock, contended=settled)
+    engine.adapters.step_lock = ObservedLock(engine.adapters.step_lock, contended=settled)
 
     def race():
         getattr(engine, f"{call}_lora")("r4")
