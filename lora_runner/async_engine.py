@@ -130,6 +130,14 @@ class AsyncLLMEngine:
         self.engine.abort_request(request_id)
         self._notify()
 
+    def abort_all(self) -> None:
+        """Abort every request with a live iterator; each ends with its "abort" output."""
+        with self._wake:
+            ids = list(self._streams)
+        if ids and self._error is None and self._thread.is_alive():
+            self.engine.abort_request(ids)
+            self._notify()
+
     def _add(self, request_id, prompt, params, lora_request, prompt_adapter_request, tenant) -> None:
         if not self.is_running:
             raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))

@@ -11,6 +11,7 @@ from lora_runner.async_engine import AsyncLLMEngine
 from lora_runner.config import EngineConfig
 from lora_runner.engine import LLMEngine
 from lora_runner.entrypoints.app import build_app
+from lora_runner.entrypoints.shutdown import GracefulServer
 from lora_runner.entrypoints.state import ServerConfig, ServerState
 from lora_runner.entrypoints.tenants import KeyRing
 
@@ -114,7 +115,7 @@ def serve(args: argparse.Namespace) -> None:
     state = build_state(args)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))
-    uvicorn.Server(config).run()
+    GracefulServer(config, state).run()
 
 
 def main(argv: list[str] | None = None) -> int:

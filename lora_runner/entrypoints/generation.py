@@ -215,13 +215,19 @@ async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Reques
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """Closes its body iterator however the response ends (a client that went away included)."""
+    """Runs `cleanup` however the response ends: a client that went away, or one that was gone
+    before the body started (then the body iterator never ran, so its own cleanup cannot)."""
+
+    def __init__(self, content, cleanup: Callable, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self._cleanup()
 
 
 async def run_generation(state: ServerState, request: Request, tenant: Tenant, target: Target,
@@ -237,7 +243,11 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
         release()
         raise
     if stream:
-        return _ClosingStreamingResponse(_events(state, runs, fmt, include_usage, release),
+        async def cleanup() -> None:
+            await close_runs(state, runs)
+            release()
+
+        return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup), cleanup,
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         body = await _cancel_on_disconnect(request, _collect(runs, fmt))
@@ -267,8 +277,8 @@ def _join(total: Delta, delta: Delta | None) -> Delta:
     return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason)
 
 
-async def _events(state: ServerState, runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: bool,
-                  release: Callable[[], None]) -> AsyncIterator[str]:
+async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: bool,
+                  cleanup: Callable) -> AsyncIterator[str]:
     rest = merged(runs)
     try:
         for run in runs:
@@ -291,8 +301,7 @@ async def _events(state: ServerState, runs: list[ChoiceRun], fmt: CompletionForm
         yield DONE_EVENT
     finally:
         await rest.aclose()
-        await close_runs(state, runs)
-        release()
+        await cleanup()
 
 
 async def _cancel_on_disconnect(request: Request, coro):

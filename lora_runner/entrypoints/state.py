@@ -64,6 +64,7 @@ class ServerState:
         self.max_model_len = engine.engine.limits.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
+        self.draining = False  # set on shutdown: new generations get 503
         self._in_flight = 0
         self._in_flight_per_tenant: Counter[str] = Counter()
 
@@ -97,8 +98,8 @@ class ServerState:
     def admit(self, tenant: Tenant, count: int) -> Callable[[], None]:
         """Take `count` generation slots; returns the (idempotent) release. 503 when the server is
         full or the engine is down, 429 over the tenant's max_concurrent_requests."""
-        if not self.engine.is_running:
-            raise APIError(503, "the engine is not serving requests", "engine_unavailable")
+        if not self.engine.is_running or self.draining:
+            raise APIError(503, "the engine is not serving requests (shutting down?)", "engine_unavailable")
         if self._in_flight + count > self.config.max_pending_requests:
             raise APIError(503, "the server is at capacity; retry later", "server_busy")
         limit = tenant.max_concurrent_requests
