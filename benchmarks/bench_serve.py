@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (ModelShape, WorkloadSpec, machine_description, make_workload, markdown_table, percentile,
+from common import (BenchRequest, ModelShape, WorkloadSpec, machine_description, make_workload, markdown_table, percentile,
                     save_random_adapters, save_random_model)
 
 logger = logging.getLogger("bench_serve")
@@ -70,6 +70,8 @@ async def _run_http(base_url: str, requests, names: list[str]) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    for name in ["base", *names]:  # warm-up: first loads and first calls are not what we measure
+        await client.completions.create(model=name, prompt=[5, 6, 7], max_tokens=2)
     ttfts, itls = [], []
     start = time.perf_counter()
     try:
@@ -186,6 +188,8 @@ def run_grid(shape: ModelShape, num_requests: int, args, rates: list[float]) -> 
             process.wait(60)
         engine = LLMEngine(str(Path(tmp) / "model"), max_loras=args.max_loras, max_lora_rank=16, device=args.device)
         try:
+            warm_up = [BenchRequest(f"warm-{i}", (5, 6, 7), 2, i, 0.0) for i in range(len(adapters))]
+            run_engine(engine, warm_up, adapters)
             for spec, http_row in zip(specs, http):
                 row = {"workload": spec.name, "rate": spec.rate, **http_row,
                        **run_engine(engine, make_workload(spec, shape.vocab_size), adapters)}
