@@ -80,6 +80,25 @@ def test_token_id_prompts_and_several_prompts(client, tokenizer, offline):
     assert [token_ids(tokenizer, c.logprobs.tokens) for c in response.choices] == [offline[j] for j in jobs]
 
 
+def test_a_soft_prompt_named_by_model_equals_it_named_by_prompt_adapter(client, tokenizer, offline):
+    job = JOBS.index((PROMPTS[3], None, "soft"))
+    response = client.completions.create(model="soft", prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0,
+                                         logprobs=0)
+    assert token_ids(tokenizer, response.choices[0].logprobs.tokens) == offline[job]
+
+
+def test_several_prompts_stream_interleaved_and_each_choice_adds_up(client):
+    kwargs = dict(model="r16-mlp", prompt=PROMPTS[:3], max_tokens=10, temperature=0)
+    whole = client.completions.create(**kwargs)
+    texts, reasons = {}, {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+
+
 @pytest.mark.parametrize("lora", [None, "r8-rslora"])
 def test_streaming_deltas_concatenate_to_the_whole_text(client, lora):
     kwargs = dict(model=lora or "base", prompt=PROMPTS[5], max_tokens=12, temperature=0)
@@ -271,7 +290,8 @@ def test_no_capacity_is_503_with_retry_after(served):
     assert _post(served, "/v1/completions", {"model": "r4", "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
-def test_client_that_disconnects_mid_stream_frees_its_blocks(served, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_that_disconnects_frees_its_blocks(served, monkeypatch, stream):
     import time
 
     state = served[1]
@@ -286,14 +306,18 @@ def test_client_that_disconnects_mid_stream_frees_its_blocks(served, monkeypatch
         return outputs
 
     monkeypatch.setattr(engine, "step", recording_step)
-    body = {"model": "r8-rslora", "prompt": PROMPTS[2], "max_tokens": 480, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", served[0].base_url + "/v1/completions", json=body, timeout=60) as stream:
-        lines = stream.iter_lines()
-        for _ in range(3):
-            next(lines)
-        assert engine.block_manager.num_used_blocks > 0
+    body = {"model": "r8-rslora", "prompt": PROMPTS[2], "max_tokens": 480, "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", served[0].base_url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+            assert engine.block_manager.num_used_blocks > 0
+    else:  # the client gives up waiting for the whole answer and closes the connection
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(served[0].base_url + "/v1/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 30
-    while (engine.has_unfinished_requests() or engine.block_manager.num_used_blocks) and time.monotonic() < deadline:
+    while (not finished or engine.block_manager.num_used_blocks) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
     [output] = finished.values()

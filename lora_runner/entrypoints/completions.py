@@ -21,7 +21,7 @@ async def create_completion(state: ServerState, tenant: Tenant, body: Completion
     """A text completion of one or several prompts."""
     started = time.monotonic()
     check_supported(body, state.config.max_n)
-    logprobs = requested_logprobs(body, state.config.max_logprobs)
+    logprobs = requested_logprobs(body, state.max_logprobs)
     target = resolve_target(state, tenant, body.model, body.prompt_adapter)
     prompts = completion_prompts(state, body.prompt)
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
@@ -37,7 +37,7 @@ async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatC
     """A chat completion through the tokenizer's chat template."""
     started = time.monotonic()
     check_supported(body, state.config.max_n)
-    logprobs = requested_logprobs(body, state.config.max_logprobs)
+    logprobs = requested_logprobs(body, state.max_logprobs)
     target = resolve_target(state, tenant, body.model, body.prompt_adapter)
     prompt = chat_prompt(state, body.messages)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(

@@ -64,6 +64,9 @@ class ServerState:
         self.max_model_len = engine.engine.limits.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
+        engine_max_logprobs = getattr(engine.engine.config, "max_logprobs", None)  # engines that bound it
+        self.max_logprobs = min(config.max_logprobs, engine_max_logprobs if engine_max_logprobs is not None
+                                else config.max_logprobs)
         self.draining = False  # set on shutdown: new generations get 503
         self._in_flight = 0
         self._in_flight_per_tenant: Counter[str] = Counter()
