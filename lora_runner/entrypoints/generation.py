@@ -175,12 +175,12 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
         for run in runs:  # an adapter that failed to load shows up here, before any byte is sent
             run.advance_first = run.advance(run.first)
     except BaseException:
-        await close_runs(state, runs)
+        await close_runs(runs)
         raise
     return runs
 
 
-async def close_runs(state: ServerState, runs: list[ChoiceRun]) -> None:
+async def close_runs(runs: list[ChoiceRun]) -> None:
     """Close every run's iterator (aborting what is unfinished)."""
     for run in runs:
         await run.close()
@@ -244,7 +244,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
         raise
     if stream:
         async def cleanup() -> None:
-            await close_runs(state, runs)
+            await close_runs(runs)
             release()
 
         return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup), cleanup,
@@ -252,7 +252,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
     try:
         body = await _cancel_on_disconnect(request, _collect(runs, fmt))
     finally:
-        await close_runs(state, runs)
+        await close_runs(runs)
         release()
     return JSONResponse(body)
 
