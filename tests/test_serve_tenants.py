@@ -145,7 +145,7 @@ def test_a_tenant_over_its_concurrency_limit_gets_429(served):
     assert other.status_code == 200
 
 
-def test_runtime_load_use_unload_while_other_streams_run(served):
+def test_runtime_load_use_unload_while_other_streams_run_and_others_fail(served):
     _, state, model_dir, root, paths = served
     tokenizer = state.tokenizer
     streams = [(PROMPTS[i], "r4") for i in range(4)]
@@ -160,6 +160,12 @@ def test_runtime_load_use_unload_while_other_streams_run(served):
 
     with ThreadPoolExecutor(len(streams)) as pool:
         running = [pool.submit(stream, job) for job in streams]
+        # other clients' errors meanwhile: a load that fails, a bad request, an escape attempt
+        assert _post(served, "/v1/load_lora_adapter", {"lora_name": "a-runtime", "lora_path": "bad-dir"},
+                     A).status_code == 422
+        assert _post(served, "/v1/completions", {"model": "r4", "prompt": [5, 99999]}, A).status_code == 400
+        assert _post(served, "/v1/load_lora_adapter", {"lora_name": "a-runtime", "lora_path": "link-out"},
+                     A).status_code == 403
         loaded = _post(served, "/v1/load_lora_adapter", {"lora_name": "a-runtime", "lora_path": "a-dir"}, A)
         assert loaded.status_code == 200, loaded.text
         assert "a-runtime" in {m.id for m in client.models.list().data}
