@@ -1,0 +1,131 @@
+"""OpenAI response bodies: completions and chat completions, whole or as stream chunks.
+
+A ``Delta`` is what one choice gained since the last chunk: text, per-token logprobs
+(token string, logprob, top alternatives) and the finish reason once it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event carrying `payload` as JSON."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token: its text, logprob and the top alternatives (text, logprob), best first."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class Delta:
+    """What a choice gained since the previous chunk."""
+
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Usage:
+    """Token counts of a response."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        """OpenAI's usage object."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+@dataclass
+class CompletionFormat:
+    """Bodies of /v1/completions."""
+
+    response_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    role_chunk: bool = False  # chat opens each choice with a role-only chunk; completions do not
+
+    def _head(self) -> dict:
+        return {"id": self.response_id, "object": "text_completion", "created": self.created, "model": self.model}
+
+    def chunk(self, delta: Delta, include_usage: bool) -> dict:
+        """A stream chunk for one choice's delta."""
+        return {**self._head(), "choices": [self._choice(delta)], **({"usage": None} if include_usage else {})}
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The last chunk with stream_options.include_usage."""
+        return {**self._head(), "choices": [], "usage": usage.as_dict()}
+
+    def response(self, deltas: list[Delta], usage: Usage) -> dict:
+        """The whole (non-streamed) response: each delta holds a choice's full text."""
+        return {**self._head(), "choices": [self._choice(d) for d in deltas], "usage": usage.as_dict()}
+
+    @staticmethod
+    def _choice(delta: Delta) -> dict:
+        return {"index": delta.index, "text": delta.text, "logprobs": _completion_logprobs(delta.logprobs),
+                "finish_reason": delta.finish_reason}
+
+
+@dataclass
+class ChatFormat(CompletionFormat):
+    """Bodies of /v1/chat/completions."""
+
+    role_chunk: bool = True
+
+    def _head(self, chunk: bool = True) -> dict:
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
+
+    def opening_chunk(self, index: int, include_usage: bool) -> dict:
+        """The first chunk of a choice: the assistant role and no content yet."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return {**self._head(), "choices": [choice], **({"usage": None} if include_usage else {})}
+
+    def response(self, deltas: list[Delta], usage: Usage) -> dict:
+        """The whole (non-streamed) chat completion."""
+        choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text},
+                    "logprobs": _chat_logprobs(d.logprobs), "finish_reason": d.finish_reason} for d in deltas]
+        return {**self._head(chunk=False), "choices": choices, "usage": usage.as_dict()}
+
+    @staticmethod
+    def _choice(delta: Delta) -> dict:
+        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        return {"index": delta.index, "delta": content, "logprobs": _chat_logprobs(delta.logprobs),
+                "finish_reason": delta.finish_reason}
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+    if logprobs is None:
+        return None
+    offsets, offset = [], 0
+    for entry in logprobs:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {"tokens": [e.token for e in logprobs], "token_logprobs": [e.logprob for e in logprobs],
+            "top_logprobs": [dict(e.top) for e in logprobs], "text_offset": offsets}
+
+
+def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+    if logprobs is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                        for e in logprobs]}

@@ -1,0 +1,117 @@
+"""API keys and tenants: who is calling, which adapters they may see, whether they are an admin.
+
+A tenant-keys file (JSON or YAML) maps each key to a tenant::
+
+    sk-acme-123:
+      name: acme            # optional; shown in logs and passed to the engine's fair scheduling
+      adapters: [acme-support, acme-sql]   # names this key may list and use ("*": every adapter)
+      base: true            # may use the base model (default false)
+      admin: false          # may load/unload its own adapters at run time (default false)
+      max_concurrent_requests: 8   # optional: more in flight at once is a 429
+
+Keys given with ``--api-key`` are tenants that may use everything and are admins. Keys are
+compared in constant time (hmac.compare_digest) against every configured key.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ALL_ADAPTERS = "*"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """What one key may do. adapters: allowed adapter names (None: all)."""
+
+    name: str
+    adapters: frozenset[str] | None = None
+    base: bool = True
+    admin: bool = False
+    max_concurrent_requests: int | None = None
+
+    def may_use(self, adapter_name: str) -> bool:
+        """True when this tenant may list, use, load or unload the adapter `adapter_name`."""
+        return self.adapters is None or adapter_name in self.adapters
+
+
+# Without any key configured, every caller is this tenant (the server binds 127.0.0.1 by default).
+ANONYMOUS = Tenant("anonymous", None, base=True, admin=True)
+
+
+class _TenantEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str | None = None
+    adapters: list[str] = Field(default_factory=list)
+    base: bool = False
+    admin: bool = False
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+
+
+def load_tenant_keys(path: str | Path) -> dict[str, Tenant]:
+    """Read a tenant-keys file: key -> Tenant. Raises ValueError with the offending key or field."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())  # YAML is a superset of JSON
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read tenant keys file {path}: {exc}") from exc
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"tenant keys file {path} must map API keys to tenant entries")
+    tenants = {}
+    for index, (key, entry) in enumerate(raw.items()):
+        if not isinstance(key, str) or len(key) < 8:
+            raise ValueError(f"tenant keys file {path}: entry {index}: keys must be strings of 8+ characters")
+        try:
+            parsed = _TenantEntry.model_validate(entry or {})
+        except ValidationError as exc:
+            raise ValueError(f"tenant keys file {path}: entry {index} ({parsed_name(entry)}): {exc}") from exc
+        adapters = None if ALL_ADAPTERS in parsed.adapters else frozenset(parsed.adapters)
+        tenants[key] = Tenant(parsed.name or f"tenant-{index}", adapters, parsed.base, parsed.admin,
+                              parsed.max_concurrent_requests)
+    return tenants
+
+
+def parsed_name(entry) -> str:
+    """The entry's name for an error message (never the key)."""
+    return str(entry.get("name")) if isinstance(entry, dict) and entry.get("name") else "unnamed"
+
+
+class KeyRing:
+    """The configured keys; ``authenticate`` finds the tenant of an Authorization header."""
+
+    def __init__(self, tenants: dict[str, Tenant]) -> None:
+        self._keys = [(key.encode(), tenant) for key, tenant in tenants.items()]
+
+    @classmethod
+    def from_options(cls, api_keys: list[str], tenant_file: str | None) -> KeyRing:
+        """--api-key keys (full access, admin) plus the --tenant-keys file's tenants."""
+        tenants = {key: Tenant(f"api-key-{i}", None, base=True, admin=True) for i, key in enumerate(api_keys)}
+        if tenant_file:
+            file_tenants = load_tenant_keys(tenant_file)
+            clash = set(file_tenants) & set(tenants)
+            if clash:
+                raise ValueError("a key is given both with --api-key and in --tenant-keys")
+            tenants.update(file_tenants)
+        return cls(tenants)
+
+    @property
+    def enabled(self) -> bool:
+        """True when callers must present a key."""
+        return bool(self._keys)
+
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The tenant of ``Authorization: Bearer KEY`` (ANONYMOUS when no key is configured), else None."""
+        if not self.enabled:
+            return ANONYMOUS
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return None
+        presented, found = token.strip().encode(), None
+        for key, tenant in self._keys:  # no early exit: the time taken does not depend on which key matched
+            if hmac.compare_digest(key, presented):
+                found = tenant
+        return found

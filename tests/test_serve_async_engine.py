@@ -1,0 +1,142 @@
+"""AsyncLLMEngine: routing outputs to asyncio, idle sleep, cancellation, step failures, shutdown."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from lora_runner import LLMEngine, SamplingParams
+from lora_runner.async_engine import AsyncLLMEngine, EngineDeadError
+
+
+@pytest.fixture
+def engine(engine_checkpoint):
+    model_dir, _, _ = engine_checkpoint
+    async_engine = AsyncLLMEngine(LLMEngine(model_dir, device="cpu", dtype="float32", max_model_len=512))
+    yield async_engine
+    async_engine.shutdown()
+
+
+def _count_steps(engine: AsyncLLMEngine) -> list:
+    calls, step = [], engine.engine.step
+
+    def counting_step():
+        calls.append(time.monotonic())
+        return step()
+
+    engine.engine.step = counting_step
+    return calls
+
+
+async def _collect(engine, request_id, prompt, **params):
+    return [o async for o in engine.generate(prompt, SamplingParams(temperature=0.0, **params), request_id)]
+
+
+def test_outputs_reach_their_own_iterators_and_equal_the_sync_engine(engine, engine_checkpoint):
+    from lora_runner import LLM
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+    async def main():
+        return await asyncio.gather(*(_collect(engine, f"r{i}", p, max_tokens=6) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(main())
+    llm = LLM(engine_checkpoint[0], device="cpu", dtype="float32", max_model_len=512)
+    try:
+        expected = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    finally:
+        llm.close()
+    for i, outputs in enumerate(results):
+        assert all(o.request_id == f"r{i}" for o in outputs)
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+        assert outputs[-1].outputs[0].token_ids == expected[i].outputs[0].token_ids
+
+
+def test_the_step_thread_sleeps_without_work(engine):
+    calls = _count_steps(engine)
+    asyncio.run(_collect(engine, "warm", [5, 6], max_tokens=2))
+    settled = len(calls)
+    time.sleep(0.3)
+    assert len(calls) == settled  # no step at all while idle (a busy loop would call it thousands of times)
+    asyncio.run(_collect(engine, "again", [5, 6], max_tokens=2))  # and it wakes up for new work
+    assert len(calls) > settled
+
+
+def test_a_cancelled_iterator_aborts_its_request(engine):
+    finished = {}
+    step = engine.engine.step
+
+    def recording_step():
+        time.sleep(0.002)
+        outputs = step()
+        finished.update({o.request_id: o for o in outputs if o.finished})
+        return outputs
+
+    engine.engine.step = recording_step
+
+    async def main():
+        task = asyncio.ensure_future(_collect(engine, "long", [5, 6, 7], max_tokens=400, ignore_eos=True))
+        while not engine.engine.block_manager.num_used_blocks:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert finished["long"].outputs[0].finish_reason == "abort"
+    assert engine.engine.block_manager.num_used_blocks == 0 and engine.num_in_flight() == 0
+
+
+def test_an_exception_in_step_reaches_every_waiting_iterator(engine):
+    started = threading.Event()
+    step = engine.engine.step
+
+    def failing_step():
+        outputs = step()
+        if started.is_set():
+            raise RuntimeError("device fell over")
+        return outputs
+
+    engine.engine.step = failing_step
+
+    async def main():
+        tasks = [asyncio.ensure_future(_collect(engine, f"r{i}", [5, 6], max_tokens=300, ignore_eos=True))
+                 for i in range(3)]
+        await asyncio.sleep(0.05)
+        started.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and "device fell over" in str(r) for r in results)
+    assert not engine.is_running and isinstance(engine.error, RuntimeError)
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_collect(engine, "late", [5], max_tokens=2))
+
+
+def test_shutdown_ends_waiting_iterators_within_its_bound(engine):
+    async def main():
+        task = asyncio.ensure_future(_collect(engine, "long", [5, 6], max_tokens=450, ignore_eos=True))
+        while not engine.engine.block_manager.num_used_blocks:
+            await asyncio.sleep(0.005)
+        began = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, 5.0)
+        took = time.monotonic() - began
+        result = await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), timeout=10)
+        return took, result[0]
+
+    took, result = asyncio.run(main())
+    assert took < 5.0
+    # the request was aborted at shutdown: its iterator ends either with the "abort" output or the error
+    assert isinstance(result, EngineDeadError) or result[-1].outputs[0].finish_reason == "abort"
+    assert not engine.is_running
+
+
+def test_bad_requests_raise_from_generate_and_leave_the_engine_serving(engine):
+    with pytest.raises(ValueError, match="vocabulary"):
+        asyncio.run(_collect(engine, "bad", [10_000], max_tokens=2))
+    assert engine.num_in_flight() == 0
+    assert asyncio.run(_collect(engine, "bad", [5, 6], max_tokens=2))[-1].finished  # the id is free again
