@@ -27,8 +27,9 @@ from lora_runner.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # While every unfinished request only waits for its adapter to load, step() makes no progress and
-# returns nothing: the thread then polls at this period instead of spinning.
-ADAPTER_WAIT_POLL_S = 0.015
+# returns nothing: the thread then blocks in LLMEngine.wait_for_work (woken by a finished load, a new
+# request or an abort); the timeout only bounds how long a shutdown waits to be noticed.
+ADAPTER_WAIT_TIMEOUT_S = 0.25
 
 
 class EngineDeadError(RuntimeError):
@@ -181,12 +182,10 @@ class AsyncLLMEngine:
             return not self._stopping
 
     def _wait_for_adapter_loads(self) -> None:
-        """A step that produced nothing: requests wait for adapter loads. Hook: when the engine
-        offers a blocking wait for pending loads, call it here (with a timeout, so aborts and
-        shutdown still get through) instead of polling."""
-        with self._wake:
-            if not self._stopping:
-                self._wake.wait(ADAPTER_WAIT_POLL_S)
+        """A step that produced nothing: sleep until the engine has work it can run (returns at
+        once when the step did run something, e.g. a prefill chunk that samples nothing)."""
+        if not self._stopping:
+            self.engine.wait_for_work(ADAPTER_WAIT_TIMEOUT_S)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._wake:
