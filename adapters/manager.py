@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import threading
+import zlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -148,7 +149,8 @@ class AdapterManager:
     def _dummy_lora(self, name: str, rank: int):
         if rank > self.max_lora_rank:
             raise AdapterTooLargeError(f"dummy LoRA {name!r}: rank {rank} > max_lora_rank={self.max_lora_rank}")
-        return dummy_lora(name, self.spec, rank, self.dtype)
+        # seeded by name: distinct dummies differ, so a benchmark that mixes them can see a wrong slot
+        return dummy_lora(name, self.spec, rank, self.dtype, seed=zlib.crc32(name.encode()))
 
     def _dummy_prompt(self, name: str, num_virtual_tokens: int):
         self._check_prompts_enabled(name)
