@@ -299,3 +299,23 @@ def test_gpu_one_decode_graph_replays_every_context_length():
         graph.replay()
         torch.cuda.synchronize()
         check(out, case, 128 ** -0.5, None)
+
+
+def test_gpu_check_attention_section_on_cpu():
+    """benchmarks/gpu_check.py's attention section at its CPU-smoke sizes (interpreter): rows for every
+    batch x context plus the prefill point, Triton within fp32 rounding of the torch path."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_check
+
+    results = {}
+    gpu_check.run_attention(gpu_check.CPU_SMOKE, results, deadline=float("inf"))
+    rows = results["attention"]
+    cfg = gpu_check.CPU_SMOKE.attention
+    assert [(r["kind"], r["batch"], r["context"]) for r in rows] == [
+        *[("decode", b, c) for b in cfg["batches"] for c in cfg["contexts"]],
+        ("prefill", cfg["prefill"][0], max(cfg["contexts"]))]
+    assert all(r["max_abs_diff"] < 1e-5 for r in rows), rows
+    assert len(gpu_check.attention_table(results)) == 2 + len(rows)
