@@ -36,9 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-DECODE_BLOCK_N = 64  # context tokens per decode step (several cache blocks when block_size < 64)
-PREFILL_BLOCK_M = 64  # new tokens per prefill program
-PREFILL_BLOCK_N = 64  # context tokens per prefill step
+# Tile sizes and warps per element size, chosen so every configuration compiles without register
+# spills on sm_80 and sm_90 (ptxas -v) and fits sm_80's shared memory; fp32 (3xTF32 dots) needs
+# smaller tiles than fp16/bf16.
+DECODE_CONFIG = {2: dict(BLOCK_N=64, num_warps=4), 4: dict(BLOCK_N=32, num_warps=4)}  # BLOCK_N: context step
+PREFILL_CONFIG = {2: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),  # BLOCK_M: new tokens per program
+                  4: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256  # a context split covers at least this many tokens of the table's capacity
 TARGET_PROGRAMS = 256  # split decode until about this many programs run (~2 per SM on H100/H200)
@@ -63,7 +66,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int) -> int
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs: no tf32 rounding of q.k
+    return "tf32x3" if dtype == torch.float32 else "tf32"  # fp32: 3xTF32 tensor-core dots, ~fp32 accuracy
 
 
 def _kernel_for(kernel, device: torch.device):
@@ -91,6 +94,8 @@ def _check_cache(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         raise ValueError(f"query {tuple(query.shape)} must be [*, H, {head_dim}] with H a multiple of {num_kv_heads}")
     if query.stride(-1) != 1 or kv_layer.stride(-1) != 1:
         raise ValueError("query and kv_layer must be contiguous in head_dim")
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
     if query.dtype != kv_layer.dtype:
         raise ValueError(f"query dtype {query.dtype} differs from the cache's {kv_layer.dtype}")
     if block_tables.dim() != 2 or seq_lens.shape != block_tables.shape[:1]:
@@ -214,8 +219,8 @@ def decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: 
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=block_size, BLOCK_N=DECODE_BLOCK_N,
-        SPLIT=split, DOT_PRECISION=_dot_precision(query.dtype))
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=block_size, SPLIT=split,
+        DOT_PRECISION=_dot_precision(query.dtype), **DECODE_CONFIG[query.element_size()])
     if split:
         combine_decode_splits(part_max, part_sum, part_acc, out)
     return out
@@ -363,7 +368,8 @@ def prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables:
     out.zero_()  # padding rows (no sequence) stay zero
     if num_seqs == 0 or query.shape[0] == 0 or max_query_len < 1:
         return out
-    grid = (num_seqs, triton.cdiv(max_query_len, PREFILL_BLOCK_M), num_heads)
+    config = PREFILL_CONFIG[query.element_size()]
+    grid = (num_seqs, triton.cdiv(max_query_len, config["BLOCK_M"]), num_heads)
     _kernel_for(_prefill_kernel, query.device)[grid](
         query, kv_layer, out, block_tables, seq_lens, query_start_loc,
         scale * LOG2E, sliding_window or 0,
@@ -371,6 +377,5 @@ def prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables:
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PAGE=block_size, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        DOT_PRECISION=_dot_precision(query.dtype))
+        PAGE=block_size, DOT_PRECISION=_dot_precision(query.dtype), **config)
     return out
