@@ -41,7 +41,7 @@ import triton.language as tl
 # smaller tiles than fp16/bf16.
 DECODE_CONFIG = {2: dict(BLOCK_N=64, num_warps=4), 4: dict(BLOCK_N=32, num_warps=4)}  # BLOCK_N: context step
 PREFILL_CONFIG = {2: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),  # BLOCK_M: new tokens per program
-                  4: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)}
+                  4: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=3)}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256  # a context split covers at least this many tokens of the table's capacity
 TARGET_PROGRAMS = 256  # split decode until about this many programs run (~2 per SM on H100/H200)
