@@ -12,7 +12,7 @@ Design points:
   table width) only, so one captured CUDA graph serves every context length. The sliding window
   is a runtime int that Triton does not specialize.
 * Decode: one program per (sequence, KV head, context split) loads the KV head's whole query group
-  ([group, head_dim], padded to 16 rows for ``tl.dot``), so each K/V tile is read once per group.
+  ([group, head_dim], padded to a power of two >= 16 rows for ``tl.dot``), so each K/V tile is read once per group.
   Long contexts are split into ``num_splits`` equal parts per sequence (computed in the kernel from
   its own length); each split writes its (max, sum, acc) partial, and a second kernel combines the
   partials in split order: deterministic, no atomics. The split count comes from the batch size
@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 # Tile sizes and warps per element size, chosen so every configuration compiles without register
-# spills on sm_80 and sm_90 (ptxas -v) and fits sm_80's shared memory; fp32 (3xTF32 dots) needs
-# smaller tiles than fp16/bf16.
+# spills on sm_80 and sm_90 (ptxas -v; checked for head_dim 64/128 and query groups up to 16) and
+# fits sm_80's shared memory; fp32 (3xTF32 dots) needs smaller tiles than fp16/bf16.
 DECODE_CONFIG = {2: dict(BLOCK_N=64, num_warps=4), 4: dict(BLOCK_N=32, num_warps=4)}  # BLOCK_N: context step
 PREFILL_CONFIG = {2: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),  # BLOCK_M: new tokens per program
                   4: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=3)}
@@ -185,7 +185,7 @@ def decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: 
     A sequence with L_b = 0 gets zeros.
 
     Args:
-        query: [B, H, D] fp16/bf16/fp32 (RoPE applied), head_dim D <= 256.
+        query: [B, H, D] fp16/bf16/fp32 (RoPE applied); D is padded to a power of two >= 16.
         kv_layer: [2, num_blocks, bs, H_kv, D] in query's dtype; contiguous in its last dim.
         block_tables: [B, max_blocks] int32; seq_lens: [B] int32, each <= max_blocks * bs.
         scale: softmax scale (head_dim ** -0.5 for Llama).
