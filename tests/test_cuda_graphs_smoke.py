@@ -33,4 +33,4 @@ def test_gpu_check_cpu_smoke(tmp_path):
             assert run["decode_tokens"] == num_requests * 3 and run["tokens_per_s"] > 0, (key, mode)
         assert modes["eager"]["graph_replays"] == 0 and modes["graphs"]["graph_replays"] == 3, key
     setup = results["engine_setup"]
-    assert setup["eager"]["num_graphs"] == 0 and setup["graphs"]["num_graphs"] == 4
+    assert setup["eager"]["num_graphs"] == 0 and setup["graphs"]["num_graphs"] == 8  # sizes 1, 2, 4, 8 x LoRA or not
