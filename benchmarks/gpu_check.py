@@ -7,6 +7,10 @@ Sections (each in its own try/except: a failure is recorded and the next section
   tests   ``pytest -m gpu`` over tests/ in a subprocess (CUDA-graph replay == eager, compiled kernels)
   kernels benchmarks/bench_kernels.py's bench_point at hidden 4096 in bf16: add_lora time, its CUDA-graph
           replay time, GB/s by design.md section 4's byte count, ratio to the gather+bmm baseline
+  attention  Triton paged attention (lora_runner/model/paged_attention.py) vs the torch gather path: decode
+          at batch 32/128 x context 1k/4k (GQA 32/8, head_dim 128, bf16), eager and replaying one CUDA graph
+          captured once per batch size (contexts change in place), GB/s of K/V + q + out against HBM_GBPS;
+          one chunked-prefill point. With --cpu-smoke only when named in --sections (the interpreter).
   engine  decode tokens/s of LLMEngine for 32 and 128 requests: base only vs 8 and 32 distinct rank-16
           adapters, eager (enforce_eager=True) vs decode CUDA graphs, on a random Llama-shaped model
           (hidden 4096, 8 layers, MLP 11008, GQA 32/8 heads, vocab 32000: 1.7B parameters, bf16) that the
@@ -45,6 +49,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # a script: the library an
 logger = logging.getLogger("gpu_check")
 
 ENGINE_SETUP_MARGIN_S = 60.0  # no new engine (model load, memory profile, graph capture) with less time left
+HBM_GBPS = 4300.0  # device-to-device copy bandwidth measured on the H200 this check targets
+LM_HEAD_STD = 0.2  # logits ~ N(0, 0.2 * sqrt(hidden)): top-2 margins far above bf16 rounding
 HANG_GRACE_S = 90.0  # past the budget by this much: dump stacks and exit (a hung capture or kernel)
 
 
@@ -66,16 +72,21 @@ class Sizes:
     prompt_len: tuple[int, int]
     output_len: int
     max_model_len: int
+    attention: dict  # batches, contexts, heads, kv_heads, head_dim, block_size, prefill (chunks, chunk_len)
 
 
 GPU = Sizes("cuda", torch.bfloat16, ("tests",), 240, 4096, (1, 16, 64, 256, 1024), (16, 64), (1, 8, 32),
             dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=32000),
-            (32, 128), (0, 8, 32), (16, 48), 64, 512)
+            (32, 128), (0, 8, 32), (16, 48), 64, 512,
+            dict(batches=(32, 128), contexts=(1024, 4096), heads=32, kv_heads=8, head_dim=128, block_size=16,
+                 prefill=(8, 512)))
 CPU_SMOKE = Sizes("cpu", torch.float32, ("tests/test_cuda_graphs_replay.py",), 120, 128, (1, 16), (16,), (1, 8),
                   dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=512),
-                  (4, 8), (0, 2, 4), (4, 12), 4, 64)
+                  (4, 8), (0, 2, 4), (4, 12), 4, 64,
+                  dict(batches=(2,), contexts=(16, 64), heads=4, kv_heads=2, head_dim=64, block_size=16,
+                       prefill=(2, 16)))
 
 
 def run_tests(sizes: Sizes, results: dict) -> None:
@@ -115,8 +126,109 @@ def run_kernels(sizes: Sizes, results: dict, deadline: float) -> None:
         raise RuntimeError(f"{sum('error' in row for row in rows)} kernel point(s) failed (see the table)")
 
 
+def run_attention(sizes: Sizes, results: dict, deadline: float) -> None:
+    """Paged decode (eager, one graph replayed for every context, torch path) and one prefill point."""
+    cfg, device = sizes.attention, torch.device(sizes.device)
+    rows = results.setdefault("attention", [])
+    for batch in cfg["batches"]:
+        if time.time() > deadline:
+            raise TimeoutError(f"attention benchmark stopped at batch {batch}: out of time")
+        rows.extend(_attention_decode_rows(cfg, batch, sizes.dtype, device))
+    rows.append(_attention_prefill_row(cfg, sizes.dtype, device))
+
+
+def _attention_inputs(cfg: dict, num_seqs: int, num_tokens: int, dtype: torch.dtype, device: torch.device):
+    """(query [T, H, D], kv_layer over shuffled blocks, metadata at the largest context) of random data."""
+    from lora_runner.forward_context import AttentionMetadata
+
+    bs, context = cfg["block_size"], max(cfg["contexts"])
+    blocks = context // bs
+    gen = torch.Generator(device=device).manual_seed(num_seqs)
+    kv_layer = torch.randn(2, num_seqs * blocks, bs, cfg["kv_heads"], cfg["head_dim"], generator=gen,
+                           device=device).to(dtype)
+    tables = torch.randperm(num_seqs * blocks, generator=gen, device=device).view(num_seqs, blocks).int()
+    query = torch.randn(num_tokens, cfg["heads"], cfg["head_dim"], generator=gen, device=device).to(dtype)
+    starts = torch.arange(num_seqs + 1, device=device, dtype=torch.int32) * (num_tokens // num_seqs)
+    attn = AttentionMetadata(slot_mapping=torch.full((num_tokens,), -1, device=device), query_start_loc=starts,
+                             seq_lens=torch.full((num_seqs,), context, dtype=torch.int32, device=device),
+                             block_tables=tables, max_query_len=num_tokens // num_seqs, max_seq_len=context)
+    return query, kv_layer, attn
+
+
+def _attention_decode_rows(cfg: dict, batch: int, dtype: torch.dtype, device: torch.device) -> list[dict]:
+    import dataclasses
+
+    import bench_kernels
+    from lora_runner.attention import paged_attention
+
+    query, kv_layer, attn = _attention_inputs(cfg, batch, batch, dtype, device)
+    scale, min_seconds = cfg["head_dim"] ** -0.5, (0.05 if device.type == "cuda" else 0.0)
+    triton_fn = lambda: paged_attention(query, kv_layer, attn, scale, backend="triton")  # noqa: E731
+    graph = out = None
+    if device.type == "cuda":  # one graph, captured at the largest context, replayed for every context
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            triton_fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = triton_fn()
+    rows = []
+    for context in cfg["contexts"]:
+        attn.seq_lens.fill_(context)  # in place: the graph reads it at replay
+        torch_attn = dataclasses.replace(attn, max_seq_len=context)
+        torch_fn = lambda: paged_attention(query, kv_layer, torch_attn, scale, backend="torch")  # noqa: E731
+        triton_us = bench_kernels.time_us(triton_fn, device, min_seconds, max_repeats=50)
+        graph_us = bench_kernels.time_us(graph.replay, device, min_seconds, max_repeats=50) if graph else None
+        torch_us = bench_kernels.time_us(torch_fn, device, min_seconds, max_repeats=20)
+        expected = torch_fn().float()
+        if graph is not None:
+            graph.replay()
+        got = (out if graph is not None else triton_fn()).float()
+        element = query.element_size()
+        nbytes = 2 * batch * context * cfg["kv_heads"] * cfg["head_dim"] * element + 2 * query.numel() * element
+        best_us = min(triton_us, graph_us or triton_us)
+        rows.append(dict(kind="decode", batch=batch, context=context, triton_us=triton_us, graph_us=graph_us,
+                         torch_us=torch_us, gbps=nbytes / best_us / 1e3, hbm_fraction=nbytes / best_us / 1e3 / HBM_GBPS,
+                         speedup_vs_torch=torch_us / best_us, max_abs_diff=float((got - expected).abs().max())))
+        logger.info("attention decode B=%d ctx=%d: %s", batch, context, rows[-1])
+    return rows
+
+
+def _attention_prefill_row(cfg: dict, dtype: torch.dtype, device: torch.device) -> dict:
+    import bench_kernels
+    from lora_runner.attention import paged_attention
+
+    chunks, chunk_len = cfg["prefill"]
+    query, kv_layer, attn = _attention_inputs(cfg, chunks, chunks * chunk_len, dtype, device)
+    scale, min_seconds = cfg["head_dim"] ** -0.5, (0.05 if device.type == "cuda" else 0.0)
+    triton_us = bench_kernels.time_us(lambda: paged_attention(query, kv_layer, attn, scale, backend="triton"),
+                                      device, min_seconds, max_repeats=20)
+    torch_us = bench_kernels.time_us(lambda: paged_attention(query, kv_layer, attn, scale, backend="torch"),
+                                     device, min_seconds, max_repeats=10)
+    diff = (paged_attention(query, kv_layer, attn, scale, backend="triton").float()
+            - paged_attention(query, kv_layer, attn, scale, backend="torch").float()).abs().max()
+    flops = 4 * chunks * chunk_len * attn.max_seq_len * cfg["heads"] * cfg["head_dim"]  # q.k and p.v, prefix-dominated
+    return dict(kind="prefill", batch=chunks, context=attn.max_seq_len, triton_us=triton_us, graph_us=None,
+                torch_us=torch_us, tflops=flops / triton_us / 1e6, speedup_vs_torch=torch_us / triton_us,
+                max_abs_diff=float(diff))
+
+
+def attention_table(results: dict) -> list[str]:
+    lines = [f"| kind | batch | context | triton us | graph us | torch us | GB/s (of {HBM_GBPS:.0f}) | x torch "
+             "| max diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in results.get("attention", []):
+        graph = "n/a" if row["graph_us"] is None else f"{row['graph_us']:.1f}"
+        rate = f"{row['gbps']:.0f} ({row['hbm_fraction']:.0%})" if "gbps" in row else f"{row['tflops']:.1f} TFLOP/s"
+        lines.append(f"| {row['kind']} | {row['batch']} | {row['context']} | {row['triton_us']:.1f} | {graph} | "
+                     f"{row['torch_us']:.1f} | {rate} | {row['speedup_vs_torch']:.2f} | {row['max_abs_diff']:.2g} |")
+    return lines
+
+
 def write_random_model(path: Path, sizes: Sizes) -> None:
-    """config.json + model.safetensors of a random Llama (weights drawn on the device, std 0.02)."""
+    """config.json + model.safetensors of a random Llama (weights drawn on the device, std 0.02; lm_head
+    std LM_HEAD_STD so greedy tokens have clear margins and eager vs graphs compares kernels, not ties)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
@@ -136,7 +248,8 @@ def write_random_model(path: Path, sizes: Sizes) -> None:
         shapes.update({f"model.layers.{i}.{module}.weight": shape for module, shape in layer_shapes.items()})
     gen = torch.Generator(device=sizes.device).manual_seed(0)
     tensors = {name: (torch.ones(shape, dtype=sizes.dtype) if name.endswith("norm.weight") else
-                      (torch.randn(shape, generator=gen, device=sizes.device) * 0.02).to(sizes.dtype).cpu())
+                      (torch.randn(shape, generator=gen, device=sizes.device)
+                       * (LM_HEAD_STD if name == "lm_head.weight" else 0.02)).to(sizes.dtype).cpu())
                for name, shape in shapes.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     logger.info("random model: %.2fB parameters", sum(t.numel() for t in tensors.values()) / 1e9)
@@ -255,7 +368,9 @@ def kernel_table(results: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (torch backend)")
-    parser.add_argument("--sections", default="tests,kernels,engine", help="comma-separated subset")
+    parser.add_argument("--sections", default=None,
+                        help="comma-separated subset (default tests,kernels,attention,engine; with --cpu-smoke "
+                             "tests,kernels,engine)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="seconds: the kernel section stops at 70%% of it, the engine section at 100%%")
     args = parser.parse_args(argv)
@@ -271,8 +386,10 @@ def main(argv: list[str] | None = None) -> dict:
                "torch": torch.__version__}
     sections = {"tests": lambda: run_tests(sizes, results),
                 "kernels": lambda: run_kernels(sizes, results, start + 0.7 * args.budget_s),
+                "attention": lambda: run_attention(sizes, results, start + 0.8 * args.budget_s),
                 "engine": lambda: run_engine(sizes, results, start + args.budget_s)}
-    for name in args.sections.split(","):
+    default_sections = "tests,kernels,engine" if args.cpu_smoke else "tests,kernels,attention,engine"
+    for name in (args.sections or default_sections).split(","):
         begin = time.time()
         try:
             if sizes.device == "cuda" and not torch.cuda.is_available():
@@ -312,7 +429,7 @@ def report(results: dict) -> None:
     lines += [f"| {name} | {s['status']} | {s['seconds']} |" for name, s in results["sections"].items()]
     if "tests" in results:
         lines += ["", f"gpu tests: {results['tests']['counts']}"]
-    lines += ["", *kernel_table(results), "", *engine_table(results)]
+    lines += ["", *kernel_table(results), "", *attention_table(results), "", *engine_table(results)]
     for mode, setup in results.get("engine_setup", {}).items():
         lines.append(f"{mode} engine start-up: {setup['seconds']:.1f} s, {setup['num_kv_blocks']} KV blocks, "
                      f"{setup['num_graphs']} decode graphs")

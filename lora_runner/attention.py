@@ -12,14 +12,59 @@ max_seq_len) are fixed.
 
 Sliding windows (Mistral, Qwen2's windowed layers) are one more mask term, so contexts longer than
 the window are exact; blocks that left the window stay allocated (no memory saving).
+
+On CUDA (Triton importable) ``paged_attention`` runs the Triton kernels of
+lora_runner/model/paged_attention.py instead: they read the context through the block tables in
+place (no padded gather) and take context lengths from ``seq_lens`` at run time, so a decode
+graph does not depend on ``max_seq_len``. ``backend`` (or the environment variable
+LORA_RUNNER_ATTENTION) picks "auto" (Triton on CUDA, torch elsewhere), "triton" (CPU tensors run
+the Triton interpreter: tests) or "torch".
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
 
 from lora_runner.forward_context import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+BACKEND_ENV = "LORA_RUNNER_ATTENTION"
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def triton_attention():
+    """The Triton kernels module, or None when Triton cannot be imported (a warning says why).
+
+    Imported on first use: Triton is optional, and lora_runner.model's package import reaches
+    this module through llama.py, so a top-level import would be circular.
+    """
+    try:
+        return importlib.import_module("lora_runner.model.paged_attention")
+    except ImportError as error:
+        logger.warning("Triton paged attention unavailable, using the torch path: %s", error)
+        return None
+
+
+def resolve_backend(backend: str | None, query: torch.Tensor) -> str:
+    """"triton" or "torch" for `query`; None reads LORA_RUNNER_ATTENTION (default "auto")."""
+    backend = backend or os.environ.get(BACKEND_ENV, "auto")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        use_triton = query.is_cuda and query.dtype in _TRITON_DTYPES and triton_attention() is not None
+        return "triton" if use_triton else "torch"
+    if backend == "triton" and triton_attention() is None:
+        raise RuntimeError("attention backend 'triton' asked for, but Triton cannot be imported")
+    return backend
 
 
 def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -63,14 +108,34 @@ def token_seq_lens(attn: AttentionMetadata, num_tokens: int) -> torch.Tensor:
 
 
 def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, backend: str | None = None) -> torch.Tensor:
     """Attend each new token to its sequence's cached + new tokens (causal); returns [T, H, D].
 
     query [T, H, D] (RoPE applied); kv_layer [2, num_blocks, block_size, H_kv, D] already holding
     this step's K/V (see write_kv); H must be a multiple of H_kv (GQA: head h reads KV head
     h // (H / H_kv)). `sliding_window` w: a token at position p sees positions p-w+1..p only.
-    Padding tokens (past query_start_loc[-1]) get zeros.
+    Padding tokens (past query_start_loc[-1]) get zeros. backend: see the module docstring.
     """
+    if resolve_backend(backend, query) == "triton":
+        return _triton_paged_attention(query, kv_layer, attn, scale, sliding_window)
+    return _torch_paged_attention(query, kv_layer, attn, scale, sliding_window)
+
+
+def _triton_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
+                            sliding_window: int | None) -> torch.Tensor:
+    """The decode kernel when every sequence adds one token and there is no padding token (graph
+    padding comes as extra sequences), the prefill kernel otherwise; both read seq_lens at run time."""
+    kernels = triton_attention()
+    num_seqs = attn.seq_lens.shape[0]
+    if attn.max_query_len == 1 and query.shape[0] == num_seqs:
+        return kernels.decode_attention(query, kv_layer, attn.block_tables, attn.seq_lens, scale, sliding_window)
+    return kernels.prefill_attention(query, kv_layer, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                     attn.max_query_len, scale, sliding_window)
+
+
+def _torch_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
+                           sliding_window: int | None) -> torch.Tensor:
+    """The gather + scaled_dot_product_attention path (CPU, and the oracle of the Triton kernels)."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = attn.seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:

@@ -1,15 +1,20 @@
 """CUDA graphs for decode steps: capture sizes, padding into the persistent buffers, capture, replay.
 
 A decode-only step (every sequence adds one token, no soft-prompt placeholder) of B sequences
-whose longest context is S tokens replays the graph of key (smallest capture size >= B, smallest
-context bucket >= S). Padding sequences fill rows B..size-1 of the persistent batch buffers: token
-0 at position 0, LoRA slot -1, KV slot -1 (``write_kv`` skips it), context length 1 over block 0
-(read, never written). Prefill, mixed steps and steps beyond the largest size run eagerly.
+replays the graph of key (smallest capture size >= B, whether any token uses an adapter). Padding
+sequences fill rows B..size-1 of the persistent batch buffers: token 0 at position 0, LoRA slot -1,
+KV slot -1 (``write_kv`` skips it), context length 1 over block 0 (read, never written). Prefill,
+mixed steps and steps beyond the largest size run eagerly.
 
-Why a context bucket: the torch paged attention gathers every sequence's context up to the host
-int ``max_seq_len``, which a graph bakes in. Capturing at ``max_model_len`` only would make a
-decode of short sequences gather (and pay for) the full context, so graphs are also keyed by a
-power-of-two number of KV blocks (``context_buckets``).
+No context-length key: the Triton paged attention (lora_runner/model/paged_attention.py) reads
+``seq_lens`` and the block tables at run time, so one graph serves every context length. Its
+metadata's host int ``max_seq_len`` is the table's capacity (max_blocks_per_seq * block_size),
+which only the torch attention path reads (CPU emulation with RerunGraph): it then gathers the whole
+table, correct but slow. On CUDA with the torch attention forced (LORA_RUNNER_ATTENTION=torch) graphs
+are off.
+
+Base-only steps (no token with an adapter) replay graphs captured without the LoRA context, so
+they run no LoRA kernel at all; steps with adapters replay graphs captured with one dummy adapter.
 
 Everything a graph reads lives in fixed buffers: the batch builder's device buffers, the LoRA
 meta's buffers (``meta.prepare`` runs outside the graph each step, with the padded token slots),
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -32,20 +38,24 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from lora_runner.attention import BACKEND_ENV
 from lora_runner.batch import BatchBuilder, BatchInputs
 from lora_runner.forward_context import AttentionMetadata, ForwardContext, LoRAContext
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZE_STEP = 8  # capture sizes: 1, 2, 4, then every 8
-MIN_CONTEXT_TOKENS = 256  # smallest context bucket, in tokens (rounded up to whole blocks)
 WARMUP_LORA_NAME = "__cuda_graph_warmup__"
 
 
 def cuda_graphs_available(device: torch.device) -> bool:
     """True on CUDA with the Triton LoRA kernels importable: the torch LoRA path syncs with the host
-    and cannot be captured (a warning says so)."""
+    and cannot be captured (a warning says so). False when the torch attention is forced: graphs
+    no longer bucket contexts, and it would gather every sequence's whole block table."""
     if torch.device(device).type != "cuda":
+        return False
+    if os.environ.get(BACKEND_ENV, "auto") == "torch":
+        logger.warning("CUDA graphs disabled: %s=torch forces the torch attention", BACKEND_ENV)
         return False
     import punica_kernels
 
@@ -67,26 +77,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def context_buckets(max_blocks_per_seq: int, block_size: int,
-                    min_context_tokens: int = MIN_CONTEXT_TOKENS) -> list[int]:
-    """Context lengths in KV blocks, ascending: doubling from min_context_tokens' blocks, ending at
-    max_blocks_per_seq (always included)."""
-    if max_blocks_per_seq < 1 or block_size < 1 or min_context_tokens < 1:
-        raise ValueError("max_blocks_per_seq, block_size and min_context_tokens must be >= 1")
-    blocks = -(-min_context_tokens // block_size)
-    buckets = []
-    while blocks < max_blocks_per_seq:
-        buckets.append(blocks)
-        blocks *= 2
-    return buckets + [max_blocks_per_seq]
-
-
 @dataclass(frozen=True, order=True)
 class DecodeGraphKey:
     """What a decode graph was captured for."""
 
     num_seqs: int  # padded batch size (== tokens): a capture size
-    context_blocks: int  # KV blocks each sequence's context is gathered over: a context bucket
+    has_lora: bool  # captured with the LoRA context (a dummy adapter); False: no LoRA kernel in the graph
 
 
 class DecodeGraphPlan:
@@ -94,30 +90,23 @@ class DecodeGraphPlan:
 
     Args:
         max_num_seqs: largest decode batch (the batch buffers' size).
-        max_blocks_per_seq: KV blocks of a max_model_len sequence.
-        block_size: tokens per KV block.
-        min_context_tokens: smallest context bucket.
     """
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 min_context_tokens: int = MIN_CONTEXT_TOKENS) -> None:
+    def __init__(self, max_num_seqs: int) -> None:
         self.sizes = capture_sizes(max_num_seqs)
-        self.context_blocks = context_buckets(max_blocks_per_seq, block_size, min_context_tokens)
-        self.block_size = block_size
 
     def keys(self) -> list[DecodeGraphKey]:
         """Every key, largest first (the capture order: later, smaller graphs reuse its memory)."""
-        return sorted((DecodeGraphKey(s, c) for s in self.sizes for c in self.context_blocks), reverse=True)
+        return sorted((DecodeGraphKey(s, lora) for s in self.sizes for lora in (True, False)), reverse=True)
 
     def key_for(self, batch: BatchInputs) -> DecodeGraphKey | None:
         """The graph for `batch`, or None when it must run eagerly (prefill or mixed step, soft-prompt
-        placeholders, more sequences than the largest capture size, a context past the buckets)."""
+        placeholders, more sequences than the largest capture size)."""
         decode_only = batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
         if not decode_only or batch.has_prompt_adapter:
             return None
         size = _round_up(self.sizes, batch.num_seqs)
-        blocks = _round_up(self.context_blocks, -(-batch.max_seq_len // self.block_size))
-        return None if size is None or blocks is None else DecodeGraphKey(size, blocks)
+        return None if size is None else DecodeGraphKey(size, batch.has_lora)
 
 
 def _round_up(values: list[int], x: int) -> int | None:
@@ -149,14 +138,13 @@ def padded_decode_batch(builder: BatchBuilder, batch: BatchInputs, key: DecodeGr
     """Pad the decode step `batch` (just built by `builder`) to key.num_seqs sequences and copy the
     padded rows to the device buffers; returns views of the first key.num_seqs rows.
 
-    sample_indices stay the real step's; max_seq_len becomes the bucket's context length.
+    sample_indices stay the real step's; max_seq_len becomes the block tables' capacity.
     """
     write_decode_padding(builder, batch.num_seqs, key.num_seqs)
-    return _device_views(builder, key, batch.sample_indices, batch.has_lora)
+    return _device_views(builder, key, batch.sample_indices)
 
 
-def _device_views(builder: BatchBuilder, key: DecodeGraphKey, sample_indices: torch.Tensor,
-                  has_lora: bool) -> BatchInputs:
+def _device_views(builder: BatchBuilder, key: DecodeGraphKey, sample_indices: torch.Tensor) -> BatchInputs:
     """Copy rows [:key.num_seqs] of the decode buffers to the device; their views as a batch."""
     n = key.num_seqs
     batch = BatchInputs(
@@ -165,8 +153,8 @@ def _device_views(builder: BatchBuilder, key: DecodeGraphKey, sample_indices: to
         token_lora_slots=builder.token_lora_slots.copy_to_device(n),
         query_start_loc=builder.query_start_loc.copy_to_device(n + 1),
         seq_lens=builder.seq_lens.copy_to_device(n), block_tables=builder.block_tables.copy_to_device(n),
-        sample_indices=sample_indices, max_query_len=1, max_seq_len=key.context_blocks * builder.block_size,
-        has_lora=has_lora)
+        sample_indices=sample_indices, max_query_len=1, max_seq_len=builder.max_blocks_per_seq * builder.block_size,
+        has_lora=key.has_lora)
     builder.record_copies()  # the next build() waits for these copies before rewriting the CPU rows
     return batch
 
@@ -258,8 +246,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, lora_slot: int, progress: bool = True) -> None:
-        """Capture every key of the plan, largest first, with every capture token on `lora_slot`
-        (the resident warmup adapter, so the LoRA kernels run for real in the warm-up pass)."""
+        """Capture every key of the plan, largest first; in graphs with LoRA every capture token is on
+        `lora_slot` (the resident warmup adapter, so the LoRA kernels run for real in the warm-up pass)."""
         from tqdm.auto import tqdm
 
         on_cuda = self.kv_cache.device.type == "cuda"
@@ -271,14 +259,15 @@ class DecodeGraphs:
         if on_cuda:
             torch.cuda.synchronize(self.kv_cache.device)
         used = free_before - torch.cuda.mem_get_info(self.kv_cache.device)[0] if on_cuda else 0
-        logger.info("captured %d decode graphs (batch sizes %s x context blocks %s) in %.1f s, using %.0f MiB",
-                    len(keys), self.plan.sizes, self.plan.context_blocks, time.perf_counter() - start, used / 2**20)
+        logger.info("captured %d decode graphs (batch sizes %s, with and without LoRA) in %.1f s, using %.0f MiB",
+                    len(keys), self.plan.sizes, time.perf_counter() - start, used / 2**20)
 
     def _capture_one(self, key: DecodeGraphKey, lora_slot: int) -> None:
         write_decode_padding(self.builder, 0, key.num_seqs)  # every capture sequence is padding...
-        self.builder.token_lora_slots.np[:key.num_seqs] = lora_slot  # ...on the warmup adapter
-        batch = _device_views(self.builder, key, self.builder.sample_indices.device[:0], has_lora=True)
-        self.lora_meta.prepare(batch.token_lora_slots, self.lora_slots.slot_ranks)
+        if key.has_lora:
+            self.builder.token_lora_slots.np[:key.num_seqs] = lora_slot  # ...on the warmup adapter
+        batch = _device_views(self.builder, key, self.builder.sample_indices.device[:0])
+        self._prepare_lora(batch)
         forward = self._forward_fn(batch)
         forward()  # warm-up outside capture: compiles kernels, caches slice offsets
         if self.kv_cache.device.type == "cuda":
@@ -290,9 +279,14 @@ class DecodeGraphs:
         attn = AttentionMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
                                  seq_lens=batch.seq_lens, block_tables=batch.block_tables,
                                  max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
-        ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache,
-                             lora=LoRAContext(meta=self.lora_meta, slots=self.lora_slots))
+        lora = LoRAContext(meta=self.lora_meta, slots=self.lora_slots) if batch.has_lora else None
+        ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=lora)
         return lambda: self.model(batch.input_ids, batch.positions, ctx)  # [num_seqs, hidden]
+
+    def _prepare_lora(self, padded: BatchInputs) -> None:
+        """Prepare the LoRA meta for a padded step of a graph with LoRA (outside the graph)."""
+        if padded.has_lora:
+            self.lora_meta.prepare(padded.token_lora_slots, self.lora_slots.slot_ranks)
 
     @torch.inference_mode()
     def run(self, batch: BatchInputs) -> torch.Tensor | None:
@@ -303,7 +297,7 @@ class DecodeGraphs:
         if captured is None:
             return None
         padded = padded_decode_batch(self.builder, batch, key)
-        self.lora_meta.prepare(padded.token_lora_slots, self.lora_slots.slot_ranks)
+        self._prepare_lora(padded)
         captured.graph.replay()
         self.num_replays += 1
         return captured.hidden[:batch.num_tokens]  # [T, hidden]
@@ -316,7 +310,7 @@ class DecodeGraphs:
         if key is None:
             raise ValueError("this step has no decode graph (prefill, mixed, or too large)")
         padded = padded_decode_batch(self.builder, batch, key)
-        self.lora_meta.prepare(padded.token_lora_slots, self.lora_slots.slot_ranks)
+        self._prepare_lora(padded)
         return self._forward_fn(padded)()[:batch.num_tokens]  # [T, hidden]
 
 

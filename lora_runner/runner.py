@@ -93,8 +93,7 @@ class ModelRunner:
         manager's LoRA tier), removed afterwards. make_graph: see DecodeGraphs (default: CUDA graphs)."""
         builder = self.batch_builder
         # a padded decode step has as many tokens as sequences: never more than the token buffers hold
-        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), builder.max_blocks_per_seq,
-                               builder.block_size)
+        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens))
         graphs = DecodeGraphs(self.model, self.kv_cache, builder, self.lora_meta, self.lora_slots, plan, make_graph)
         with resident_dummy_loras(lora_tier, 1, max_lora_rank) as slots:
             graphs.capture(slots[0], progress=progress)

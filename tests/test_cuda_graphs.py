@@ -1,4 +1,4 @@
-"""CUDA-graph logic without CUDA: capture sizes, context buckets, the eager-vs-graph decision,
+"""CUDA-graph logic without CUDA: capture sizes, keys (size, has_lora), the eager-vs-graph decision,
 padding written into the persistent buffers, memory-profile steps and the KV budget arithmetic."""
 
 import random
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lora_runner.batch import BatchBuilder, SeqChunk
-from lora_runner.cuda_graphs import (DecodeGraphKey, DecodeGraphPlan, capture_sizes, context_buckets,
-                                     padded_decode_batch, write_decode_padding)
+from lora_runner.cuda_graphs import (DecodeGraphKey, DecodeGraphPlan, capture_sizes, padded_decode_batch,
+                                     write_decode_padding)
 from lora_runner.memory_profile import MemoryProfile, profile_steps
 
 BUFFERS = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",
@@ -39,19 +39,6 @@ def test_capture_sizes_rejects_zero():
         capture_sizes(0)
 
 
-@pytest.mark.parametrize("max_blocks,block_size,min_tokens,want", [
-    (128, 16, 256, [16, 32, 64, 128]),
-    (100, 16, 256, [16, 32, 64, 100]),
-    (8, 16, 256, [8]),
-    (16, 16, 256, [16]),
-    (17, 4, 16, [4, 8, 16, 17]),
-    (5, 1, 1, [1, 2, 4, 5]),
-    (3, 16, 20, [2, 3]),  # 20 tokens round up to 2 blocks
-])
-def test_context_buckets(max_blocks, block_size, min_tokens, want):
-    assert context_buckets(max_blocks, block_size, min_tokens) == want
-
-
 def decode_chunks(rng, num_seqs, block_size, width, lora_choices=(-1, 0, 1, 2)):
     """num_seqs decode chunks (one new token each) with distinct random blocks."""
     free = list(range(1, 1 + num_seqs * width))
@@ -71,26 +58,26 @@ def make_builder(max_num_seqs=32, width=8, block_size=4):
 
 
 def test_plan_keys_largest_first_and_decision():
-    plan = DecodeGraphPlan(max_num_seqs=20, max_blocks_per_seq=8, block_size=4, min_context_tokens=8)
-    assert plan.sizes == [1, 2, 4, 8, 16, 20] and plan.context_blocks == [2, 4, 8]
+    plan = DecodeGraphPlan(max_num_seqs=20)
+    assert plan.sizes == [1, 2, 4, 8, 16, 20]
     keys = plan.keys()
-    assert keys[0] == DecodeGraphKey(20, 8) and keys[-1] == DecodeGraphKey(1, 2) and len(keys) == 18
+    assert keys[0] == DecodeGraphKey(20, True) and keys[-1] == DecodeGraphKey(1, False) and len(keys) == 12
     assert all(a > b for a, b in zip(keys, keys[1:]))
     builder = make_builder(max_num_seqs=32, width=8, block_size=4)
     rng = random.Random(0)
-    for num_seqs in (1, 3, 5, 8, 9, 17, 20):
-        chunks = decode_chunks(rng, num_seqs, 4, 8)
+    for num_seqs, lora_choices in ((1, (-1,)), (3, (-1, 0)), (5, (-1,)), (8, (2,)), (9, (-1,)), (17, (-1, 1)),
+                                   (20, (-1,))):
+        chunks = decode_chunks(rng, num_seqs, 4, 8, lora_choices)
         batch = builder.build(chunks)
         key = plan.key_for(batch)
-        longest = max(c.start + 1 for c in chunks)
         assert key.num_seqs == min(s for s in plan.sizes if s >= num_seqs)
-        assert key.context_blocks == min(b for b in plan.context_blocks if b * 4 >= longest)
+        assert key.has_lora == any(c.lora_slot >= 0 for c in chunks)  # base-only steps: the graph without LoRA
     # more sequences than the largest capture size: eager
     assert plan.key_for(builder.build(decode_chunks(rng, 21, 4, 8))) is None
 
 
 def test_prefill_mixed_and_prompt_adapter_steps_run_eagerly():
-    plan = DecodeGraphPlan(max_num_seqs=32, max_blocks_per_seq=8, block_size=4)
+    plan = DecodeGraphPlan(max_num_seqs=32)
     builder = make_builder()
     rng = random.Random(1)
     decodes = decode_chunks(rng, 4, 4, 8)
@@ -112,7 +99,7 @@ def test_prefill_mixed_and_prompt_adapter_steps_run_eagerly():
 @pytest.mark.parametrize("seed", range(4))
 def test_padding_keeps_real_rows_and_writes_padding_rows(seed):
     rng = random.Random(seed)
-    plan = DecodeGraphPlan(max_num_seqs=32, max_blocks_per_seq=8, block_size=4, min_context_tokens=8)
+    plan = DecodeGraphPlan(max_num_seqs=32)
     builder = make_builder()
     for _ in range(3):  # reuse: leftovers of a bigger step must be overwritten
         for name in BUFFERS:
@@ -125,7 +112,8 @@ def test_padding_keeps_real_rows_and_writes_padding_rows(seed):
         padded = padded_decode_batch(builder, batch, key)
         p = key.num_seqs
         assert padded.num_tokens == p and padded.num_seqs == p and padded.max_query_len == 1
-        assert padded.max_seq_len == key.context_blocks * 4 >= batch.max_seq_len
+        assert padded.max_seq_len == 8 * 4 >= batch.max_seq_len  # the tables' capacity: any context fits
+        assert padded.has_lora == key.has_lora == batch.has_lora
         assert torch.equal(padded.sample_indices, torch.arange(n))
         for name in ("input_ids", "positions", "slot_mapping", "token_lora_slots", "seq_lens", "block_tables"):
             assert torch.equal(getattr(padded, name)[:n], real[name]), name

@@ -12,7 +12,7 @@ import torch
 from adapters import LoRARequest
 from adapters.manager import AdapterManager
 from lora_runner.batch import SeqChunk
-from lora_runner.cuda_graphs import DecodeGraphPlan, DecodeGraphs, RerunGraph, resident_dummy_loras
+from lora_runner.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, RerunGraph, resident_dummy_loras
 from lora_runner.forward_context import ForwardContext
 from lora_runner.model import load_model
 from lora_runner.runner import ModelRunner
@@ -38,13 +38,13 @@ class Rig:
                                   block_size=BLOCK_SIZE, max_num_tokens=128, max_num_seqs=MAX_NUM_SEQS,
                                   max_blocks_per_seq=WIDTH, max_loras=MAX_LORAS, max_lora_rank=MAX_RANK,
                                   dtype=dtype, device=torch.device(device))
-        plan = DecodeGraphPlan(MAX_NUM_SEQS, WIDTH, BLOCK_SIZE, min_context_tokens=8)  # buckets 2, 4, 8 blocks
+        plan = DecodeGraphPlan(MAX_NUM_SEQS)
         runner = self.runner
         self.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.batch_builder, runner.lora_meta,
                                    self.manager.lora_slots, plan, make_graph=RerunGraph if device == "cpu" else None)
         with resident_dummy_loras(self.manager.loras, 1, MAX_RANK) as slots:
             self.graphs.capture(slots[0], progress=False)
-        assert len(self.graphs) == len(plan.keys()) == 7 * 3
+        assert len(self.graphs) == len(plan.keys()) == 7 * 2  # sizes x (with LoRA, without)
         assert int(self.manager.lora_slots.slot_ranks.max()) == 0 and self.manager.loras.list() == []
 
     def activate(self, names):
@@ -148,7 +148,7 @@ def test_eager_fallbacks(rig):
     assert graphs.run(builder.build([prefill])) is None
     assert graphs.run(builder.build(chunks + [prefill])) is None
     small = DecodeGraphs(rig.runner.model, rig.runner.kv_cache, builder, rig.runner.lora_meta,
-                         rig.manager.lora_slots, DecodeGraphPlan(4, WIDTH, BLOCK_SIZE), make_graph=RerunGraph)
+                         rig.manager.lora_slots, DecodeGraphPlan(4), make_graph=RerunGraph)
     assert len(small) == 0 and small.run(builder.build(chunks)) is None  # nothing captured
 
 
@@ -167,3 +167,27 @@ def test_replay_step_does_not_sync(rig):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def test_base_only_step_replays_the_graph_without_lora(rig, monkeypatch):
+    """A step without adapters replays a (size, has_lora=False) graph: equal to the base model, and on
+    CPU (where replay reruns the captured function) no LoRA kernel is called; a step with one adapter
+    replays the LoRA graph of the same size."""
+    import punica_kernels
+
+    rig, tol = rig
+    slot_of = rig.activate(FIRST_ADAPTERS[:1])
+    chunks = rig.decode_step(random.Random(13), 5, [-1])
+    calls = []
+    add_lora = punica_kernels.add_lora
+    monkeypatch.setattr(punica_kernels, "add_lora", lambda *args, **kwargs: calls.append(1) or add_lora(*args, **kwargs))
+    batch = rig.runner.batch_builder.build(chunks)
+    assert rig.graphs.plan.key_for(batch) == DecodeGraphKey(8, False)
+    rig.check_step(chunks, tol)
+    assert not calls
+    chunks[2].lora_slot = slot_of[FIRST_ADAPTERS[0]]
+    assert rig.graphs.plan.key_for(rig.runner.batch_builder.build(chunks)) == DecodeGraphKey(8, True)
+    rig.check_step(chunks, tol)
+    assert calls or rig.runner.device.type == "cuda"  # a CUDA replay runs no Python
+    rig.manager.loras.remove(FIRST_ADAPTERS[0])

@@ -105,17 +105,17 @@ def test_graphed_engine_decodes_the_eager_tokens(smoke):
         assert modes["eager"]["graph_replays"] == 0 and modes["graphs"]["graph_replays"] == 3, cells
     assert sorted(results["engine"]) == sorted(f"{n}/{a}" for n, a in ENGINE_POINTS)
     setup = results["engine_setup"]
-    assert setup["eager"]["num_graphs"] == 0 and setup["graphs"]["num_graphs"] == 4
+    assert setup["eager"]["num_graphs"] == 0 and setup["graphs"]["num_graphs"] == 8  # sizes 1, 2, 4, 8 x LoRA or not
 
 
 def test_graphed_engine_with_distinct_adapters_decodes_the_eager_tokens(monkeypatch, tmp_path):
     """The smoke's engine section in-process, with adapters that differ from each other and
-    change the tokens. gpu_check's dummy adapters all share one seed at scale 0.01, so its
-    eager/graphs token comparison cannot see a graph that reads the wrong slot; this one can."""
+    change the tokens. gpu_check's dummy adapters are at scale 0.01, too small to move its
+    eager/graphs token comparison when a graph reads the wrong slot; these at 0.1 do."""
     import adapters.manager
 
     real_dummy = adapters.manager.dummy_lora
-    monkeypatch.setattr(adapters.manager, "dummy_lora", lambda name, spec, rank, dtype: real_dummy(
+    monkeypatch.setattr(adapters.manager, "dummy_lora", lambda name, spec, rank, dtype, **_: real_dummy(
         name, spec, rank, dtype, scale=0.1, seed=zlib.crc32(name.encode())))
     sizes = dataclasses.replace(gpu_check.CPU_SMOKE, output_len=6)
     gpu_check.write_random_model(tmp_path, sizes)
