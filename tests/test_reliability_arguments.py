@@ -117,6 +117,7 @@ def _serve_bystanders(engine, adapters, attacks=None):
                             LoRARequest("r4", adapters["r4"][0])),
                   "by-seeded": ([9, 10, 11], SamplingParams(temperature=1.0, seed=11, max_tokens=5, ignore_eos=True,
                                                             logprobs=2), None)}
+    engine.add_lora(bystanders["by-r4"][2])  # loaded before the first step: the same batches in every run
     for request_id, (prompt, params, lora) in bystanders.items():
         engine.add_request(request_id, prompt, params, lora_request=lora)
     if attacks is not None:
