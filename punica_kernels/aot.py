@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import re
 import subprocess
 import sys
@@ -294,14 +295,60 @@ def _sgmv_operands(spec: ModelSpec, packed: str, dtype: torch.dtype, rank: int, 
 
 def all_drivers() -> list[Driver]:
     """Every Triton launcher of the engine. A new kernel is covered by adding its drivers here."""
-    # >>> Paged attention (issue 14 part 2, lora_runner/model/paged_attention.py) goes here:
-    #     `return sgmv_drivers() + paged_attention_drivers()`, with a Driver per launcher (decode,
-    #     prefill/extend) that sweeps what the launcher can choose from: head_dim 64/128, GQA
-    #     ratios 1/4/8, KV block sizes 16/32, short and split-context decode (every split count),
-    #     sliding window on/off, bf16/fp16/fp32, both model shapes above. Call the Triton launcher
-    #     itself with CPU tensors (not the CPU torch fallback); import it inside that function,
-    #     since lora_runner imports punica_kernels.
-    return sgmv_drivers()
+    return sgmv_drivers() + paged_attention_drivers()
+
+
+ATTENTION_BLOCK_SIZES = (16, 32)
+SLIDING_WINDOWS = (None, 1024)
+# block-table capacities in tokens: a short one (at most 2 splits; its width in blocks is not a multiple
+# of 16, a variant the JIT specializes separately) and a long one that lets decode reach MAX_SPLITS
+ATTENTION_CAPACITIES = (900, 32768)
+ATTENTION_PREFILL = (512, (300, 212))  # one prefill step: its flat tokens, and the chunk of each sequence
+
+
+def paged_attention_drivers() -> list[Driver]:
+    """Decode (with the split combine it launches) and prefill attention for both model shapes,
+    every dtype, KV block size and table capacity, over every decode batch size (each split count
+    decode_num_splits can choose), with and without a sliding window."""
+    return [Driver(f"paged attention {name}", functools.partial(_drive_attention, spec))
+            for name, spec in MODELS.items()]
+
+
+def _drive_attention(spec: ModelSpec) -> None:
+    # imported here: lora_runner imports punica_kernels, never the other way round at import time
+    from lora_runner.model import paged_attention
+
+    max_seqs = max(DECODE_TOKENS)
+    scale = spec.head_dim ** -0.5
+    for dtype in DTYPES:
+        for block_size in ATTENTION_BLOCK_SIZES:
+            for capacity in ATTENTION_CAPACITIES:
+                kv, tables = _attention_cache(spec, dtype, block_size, capacity, max_seqs)
+                query = torch.empty(max_seqs, spec.num_heads, spec.head_dim, dtype=dtype)  # [B_max, H, D]
+                seq_lens = torch.empty(max_seqs, dtype=torch.int32)
+                for window in SLIDING_WINDOWS:
+                    for num_seqs in DECODE_TOKENS:
+                        paged_attention.decode_attention(query[:num_seqs], kv, tables[:num_seqs],
+                                                         seq_lens[:num_seqs], scale, window)
+                    _drive_prefill(paged_attention, spec, kv, tables, dtype, scale, window)
+
+
+def _attention_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, capacity: int,
+                     max_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (never read) one-layer KV cache and the block-table buffer, laid out as the runner's."""
+    max_blocks = -(-capacity // block_size)
+    kv = torch.empty(2, 4, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype)  # [2, blocks, bs, Hkv, D]
+    return kv, torch.zeros(max_seqs, max_blocks, dtype=torch.int32)  # [B_max, max_blocks]
+
+
+def _drive_prefill(paged_attention, spec: ModelSpec, kv: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype,
+                   scale: float, window: int | None) -> None:
+    num_tokens, chunks = ATTENTION_PREFILL
+    query = torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=dtype)  # [T, H, D]
+    starts = torch.tensor([0, *itertools.accumulate(chunks)], dtype=torch.int32)  # [B+1]
+    seq_lens = torch.tensor(chunks, dtype=torch.int32)
+    paged_attention.prefill_attention(query, kv, tables[:len(chunks)], seq_lens, starts, max(chunks), scale,
+                                      window)
 
 
 def collect_configs(drivers: list[Driver]) -> dict[str, KernelConfig]:
