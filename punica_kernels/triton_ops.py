@@ -101,7 +101,7 @@ def _launch_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,
     block_k = max(16, min(BLOCK_K, tile_elements // block_nr))
     k_per_split = triton.cdiv(triton.cdiv(num_features, split_k), block_k) * block_k
     grid = (meta.max_tiles(x.shape[0]), split_k)
-    _kernel_for(_shrink_kernel, x.device)[grid](
+    kernel_for(_shrink_kernel, x.device)[grid](
         x, lora_a, out,
         meta.sorted_tokens, meta.tile_slots, meta.tile_starts, meta.tile_ends, meta.slot_ranks,
         num_features, k_per_split,
@@ -173,7 +173,7 @@ def _launch_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, m
     """
     split_k, _, _, rank = inter.shape
     grid = (meta.max_tiles(y.shape[0]), len(slice_sizes), triton.cdiv(max(slice_sizes), BLOCK_N))
-    _kernel_for(_expand_kernel, y.device)[grid](
+    kernel_for(_expand_kernel, y.device)[grid](
         y, inter, lora_b, meta.slice_offsets(slice_sizes),
         meta.sorted_tokens, meta.tile_slots, meta.tile_starts, meta.tile_ends, meta.slot_ranks,
         *y.stride(), *inter.stride(), *lora_b.stride(),
@@ -243,8 +243,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _kernel_for(kernel, device: torch.device):
-    """The compiled kernel for GPU tensors; an interpreted twin for CPU tensors."""
+def kernel_for(kernel, device: torch.device):
+    """The compiled kernel for GPU tensors; an interpreted twin for CPU tensors (shared by every
+    Triton kernel in the project, the paged attention too)."""
     if device.type != "cpu" or not isinstance(kernel, triton.runtime.JITFunction):
         return kernel  # GPU, or this module was imported under TRITON_INTERPRET=1
     return _interpreted(kernel)

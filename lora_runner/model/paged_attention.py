@@ -30,11 +30,11 @@ this module was imported; bf16 does not run there.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from punica_kernels.triton_ops import kernel_for
 
 # Tile sizes and warps per element size, chosen so every configuration compiles without register
 # spills on sm_80 and sm_90 (ptxas -v; checked for head_dim 64/128 and query groups up to 16) and
@@ -67,20 +67,6 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int) -> int
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"  # fp32: 3xTF32 tensor-core dots, ~fp32 accuracy
-
-
-def _kernel_for(kernel, device: torch.device):
-    """The compiled kernel for GPU tensors; an interpreted twin for CPU tensors."""
-    if device.type != "cpu" or not isinstance(kernel, triton.runtime.JITFunction):
-        return kernel  # GPU, or this module was imported under TRITON_INTERPRET=1
-    return _interpreted(kernel)
-
-
-@functools.cache
-def _interpreted(kernel):
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(kernel.fn)
 
 
 def _check_cache(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
@@ -211,7 +197,7 @@ def decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: 
     part_sum = torch.empty_like(part_max)  # [B, H, S]
     part_acc = torch.empty(*part_shape, head_dim if split else 1, dtype=torch.float32,
                            device=query.device)  # [B, H, S, D]
-    kernel = _kernel_for(_decode_kernel, query.device)
+    kernel = kernel_for(_decode_kernel, query.device)
     kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_layer, out, part_max, part_sum, part_acc, block_tables, seq_lens,
         scale * LOG2E, sliding_window or 0, num_splits,
@@ -266,7 +252,7 @@ def combine_decode_splits(part_max: torch.Tensor, part_sum: torch.Tensor, part_a
     head_dim = part_acc.shape[-1]
     if part_acc.shape != (num_seqs, num_heads, num_splits, head_dim) or out.shape != (num_seqs, num_heads, head_dim):
         raise ValueError(f"partials {tuple(part_max.shape)}/{tuple(part_acc.shape)} do not match out {tuple(out.shape)}")
-    kernel = _kernel_for(_combine_kernel, out.device)
+    kernel = kernel_for(_combine_kernel, out.device)
     kernel[(num_seqs, num_heads)](
         part_max, part_sum, part_acc, out, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
@@ -370,7 +356,7 @@ def prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables:
         return out
     config = PREFILL_CONFIG[query.element_size()]
     grid = (num_seqs, triton.cdiv(max_query_len, config["BLOCK_M"]), num_heads)
-    _kernel_for(_prefill_kernel, query.device)[grid](
+    kernel_for(_prefill_kernel, query.device)[grid](
         query, kv_layer, out, block_tables, seq_lens, query_start_loc,
         scale * LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1),
