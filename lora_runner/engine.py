@@ -325,7 +325,8 @@ class LLMEngine:
                            num_virtual_tokens=s.request.num_virtual_tokens)
                   for s in scheduled]
         sampling = [s.request for s in scheduled if s.samples]
-        result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling])
+        result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling],
+                                     _penalty_histories(sampling))
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         return [self._advance(request, token, logprobs, error) for request, token, logprobs, error
@@ -422,6 +423,12 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary)")
         return token_ids
+
+
+def _penalty_histories(requests: list[Request]) -> list[tuple[list[int], list[int]] | None]:
+    """Per sampled request, the (prompt, generated) token ids its penalties count; None for the
+    requests without penalties (nothing is copied for them)."""
+    return [(r.prompt_token_ids, r.output_token_ids) if r.params.has_penalties else None for r in requests]
 
 
 def _id_list(request_ids) -> list[str]:
