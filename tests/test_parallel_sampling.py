@@ -49,7 +49,23 @@ def test_seeded_samples_are_reproducible_and_equal_single_requests(llm, engine_c
 
 def test_seed_near_the_top_wraps():
     params = sampled(n=3, seed=2**64 - 2)
-    assert [params.sample_params(i).seed for i in range(3)] == [2**64 - 2, 2**64 - 1, -(2**64) + 2**64]  # 2**64 wraps to 0
+    assert [params.sample_params(i).seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]  # 2**64 wraps to 0
+
+
+def test_block_manager_fork_counts_references():
+    from lora_runner.block_manager import BlockManager
+
+    bm = BlockManager(8, 4)
+    leader = list(bm.allocate("a", 10))  # 3 blocks
+    assert bm.fork("a", "b", 2) == leader[:2] and bm.ref_count(leader[0]) == 2
+    bm.allocate("b", 12)  # its own third block
+    assert bm.num_used_blocks == 4
+    with pytest.raises(RuntimeError):
+        bm.fork("a", "b", 1)  # b holds blocks already
+    with pytest.raises(RuntimeError):
+        bm.fork("a", "c", 4)  # more than a holds
+    assert bm.free("a") == 1 and bm.ref_count(leader[0]) == 1  # the shared two stay with b
+    assert bm.free("b") == 3 and bm.num_free_blocks == 8 and bm.ref_count(leader[0]) == 0
 
 
 def test_greedy_samples_are_identical_and_equal_the_oracle(llm, engine_checkpoint, greedy_oracle):
