@@ -15,6 +15,11 @@ class BlockManager:
     in block table[p // block_size] at offset p % block_size, i.e. KV slot
     table[p // block_size] * block_size + p % block_size. Tables only grow while a request runs and
     are returned whole when it finishes or is preempted.
+
+    Blocks are reference counted so that requests can share them: ``fork`` gives a request the first
+    full blocks of another's table (the parallel samples of one prompt share its prefill this way).
+    Shared blocks are never written again (they hold only full, computed prompt blocks), so no
+    copy-on-write is needed; a block returns to the free list when its last holder frees it.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -24,6 +29,7 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[str, list[int]] = {}
+        self._refs: dict[int, int] = {}  # block -> number of tables holding it (held blocks only)
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,20 +64,48 @@ class BlockManager:
             raise RuntimeError(f"request {request_id!r} needs {needed} KV blocks, only "
                                f"{len(self._free)} free")
         table = self._tables.setdefault(request_id, [])
-        table.extend(self._free.popleft() for _ in range(needed))
+        for _ in range(needed):
+            block = self._free.popleft()
+            self._refs[block] = 1
+            table.append(block)
         return table
+
+    def fork(self, source_id: str, request_id: str, num_blocks: int) -> list[int]:
+        """Start the table of `request_id` (which must hold no blocks) with the first `num_blocks`
+        blocks of `source_id`'s table, shared (reference counted), and return it. The caller must
+        only share blocks that are full and computed: neither request writes them again."""
+        source = self._tables.get(source_id, [])
+        if request_id in self._tables or not 0 <= num_blocks <= len(source):
+            raise RuntimeError(f"cannot fork {num_blocks} blocks of {source_id!r} ({len(source)} held) "
+                               f"into {request_id!r}")
+        shared = source[:num_blocks]
+        for block in shared:
+            self._refs[block] += 1
+        self._tables[request_id] = list(shared)
+        return self._tables[request_id]
+
+    def ref_count(self, block: int) -> int:
+        """How many tables hold `block` (0 when it is free)."""
+        return self._refs.get(block, 0)
 
     def table(self, request_id: str) -> list[int]:
         """The block table of `request_id` (empty when it holds no blocks)."""
         return self._tables.get(request_id, [])
 
     def free(self, request_id: str) -> int:
-        """Return every block of `request_id` to the free list; returns how many were freed."""
+        """Release every block of `request_id`; those no other table holds return to the free list.
+        Returns how many returned."""
         table = self._tables.pop(request_id, [])
-        self._free.extend(table)
+        freed = 0
+        for block in table:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:  # its last holder: the block is free again
+                del self._refs[block]
+                self._free.append(block)
+                freed += 1
         if table:
-            logger.debug("freed %d KV blocks of request %r", len(table), request_id)
-        return len(table)
+            logger.debug("released %d KV blocks of request %r (%d now free)", len(table), request_id, freed)
+        return freed
 
     def holders(self) -> list[str]:
         """Ids of the requests that hold blocks."""

@@ -29,6 +29,7 @@ from lora_runner.kv_cache import kv_block_bytes
 from lora_runner.memory_profile import profile_kv_cache_budget
 from lora_runner.model import load_model
 from lora_runner.outputs import CompletionOutput, RequestOutput
+from lora_runner.parallel_sampling import SampleGroup, merge_outputs, sample_ids
 from lora_runner.runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.scheduler import Scheduler, ScheduledRequest
@@ -91,6 +92,8 @@ class LLMEngine:
         self._aborts: list[Request] = []  # the request objects, so an id reused later is never hit
         self._live: dict[str, Request] = {}  # id -> request queued and not yet reported finished
         self._adding: set[str] = set()  # ids inside add_request: taken, but invisible to abort_request
+        self._groups: dict[str, SampleGroup] = {}  # caller id -> its samples, for requests with n > 1
+        self._sample_of: dict[str, tuple[SampleGroup, int]] = {}  # sample id -> (group, index)
         self._closed = False
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self.adapters = EngineAdapters(self.adapter_manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
@@ -133,6 +136,9 @@ class LLMEngine:
         included, when the prompt adapter is loaded already), token ids outside the vocabulary, a
         string prompt when the model has no tokenizer, or a prompt adapter when they are disabled.
         An adapter that fails to load does not raise here: that request finishes with "error".
+        params.n > 1: n samples (lora_runner.parallel_sampling) that share the prompt's prefill,
+        reported as one RequestOutput with n CompletionOutputs; their internal ids
+        f"{request_id}[i]" are taken too while it runs; abort_request(request_id) aborts them all.
         """
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
@@ -143,27 +149,51 @@ class LLMEngine:
             raise ValueError(f"tenant must be a string or None, got {type(tenant).__name__}")
         self.adapters.check_prompt_adapter(prompt_adapter_request)
         token_ids = self._prompt_token_ids(prompt)
-        generator = self.runner.make_generator(params.seed) if params.seed is not None else None
-        request = Request(request_id, token_ids, params, arrival=next(self._arrivals),
-                          prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
-                          prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant)
+        ids = sample_ids(request_id, params.n)
+        samples = [self._new_request(sample_id, token_ids, params.sample_params(i), prompt, lora_request,
+                                     prompt_adapter_request, tenant) for i, sample_id in enumerate(ids)]
+        taken = {request_id, *ids}
         with self._lock:
             self._check_open()
-            if request_id in self._live or request_id in self._adding:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._adding.add(request_id)
+            if any(i in self._live or i in self._adding or i in self._groups for i in taken):
+                raise ValueError(f"request id {request_id!r} is already in use"
+                                 + (f" (or one of its sample ids {ids})" if params.n > 1 else ""))
+            self._adding |= taken
         try:
-            self.adapters.acquire(request)  # all or nothing
+            self._acquire_all(samples)
         except BaseException:
             with self._lock:
-                self._adding.discard(request_id)
+                self._adding -= taken
             raise
         # visible to abort_request only now, queued with its adapters held: reported finished once
         with self._lock:
-            self._adding.discard(request_id)
-            self._live[request_id] = request
-            self._new.append(request)
+            self._adding -= taken
+            if params.n > 1:
+                group = self._groups[request_id] = SampleGroup(request_id, samples)
+                self._sample_of.update((r.request_id, (group, i)) for i, r in enumerate(samples))
+            for request in samples:
+                self._live[request.request_id] = request
+            self._new.extend(samples)
         self._wake()
+
+    def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams, prompt, lora_request,
+                     prompt_adapter_request, tenant) -> Request:
+        generator = self.runner.make_generator(params.seed) if params.seed is not None else None
+        return Request(request_id, list(token_ids), params, arrival=next(self._arrivals),
+                       prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
+                       prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant)
+
+    def _acquire_all(self, samples: list[Request]) -> None:
+        """Acquire every sample's adapters, all or nothing."""
+        acquired = []
+        try:
+            for request in samples:
+                self.adapters.acquire(request)  # all or nothing for one request
+                acquired.append(request)
+        except BaseException:
+            for request in acquired:
+                self.adapters.release(request)
+            raise
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests by id (unknown ids are ignored); the next step() reports them as "abort".
@@ -171,8 +201,14 @@ class LLMEngine:
         ValueError unless request_id is a string or an iterable of strings."""
         ids = [request_id] if isinstance(request_id, str) else _id_list(request_id)
         with self._lock:  # only requests live now: never one added later under the same id
+            ids = [sample for i in ids for sample in self._sample_ids(i)]
             self._aborts.extend(self._live[i] for i in ids if i in self._live)
         self._wake()
+
+    def _sample_ids(self, request_id: str) -> list[str]:
+        """The ids to abort for `request_id`: its samples' when it has n > 1 (call under _lock)."""
+        group = self._groups.get(request_id)
+        return [request_id] if group is None else [r.request_id for r in group.samples]
 
     def close(self) -> None:
         """Cancel background adapter loads and stop the loader threads; returns at once, even while
@@ -282,9 +318,23 @@ class LLMEngine:
         if not self._stepping.acquire(blocking=False):
             raise RuntimeError("LLMEngine.step() is already running in another thread; call it from one thread")
         try:
-            return self._step()
+            return self._merge_samples(self._step())
         finally:
             self._stepping.release()
+
+    def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One RequestOutput per request with n > 1 (lora_runner.parallel_sampling); a finished
+        group is forgotten."""
+        with self._lock:
+            if not self._groups:
+                return outputs
+            merged = merge_outputs(outputs, self._sample_of)
+            for output in merged:
+                if output.finished and output.request_id in self._groups:
+                    group = self._groups.pop(output.request_id)
+                    for request in group.samples:
+                        self._sample_of.pop(request.request_id, None)
+        return merged
 
     def _step(self) -> list[RequestOutput]:
         with self._work:
@@ -310,7 +360,8 @@ class LLMEngine:
             new, aborts = self._new, self._aborts
             self._new, self._aborts = [], []
         for request in new:
-            self.scheduler.add(request)
+            group = self._sample_of.get(request.request_id, (None,))[0]
+            self.scheduler.add(request, group.leader_of(request) if group is not None else None)
         outputs = []
         for request in aborts:
             if not request.is_finished:  # it may have finished since the abort was asked for
@@ -325,7 +376,8 @@ class LLMEngine:
                            num_virtual_tokens=s.request.num_virtual_tokens)
                   for s in scheduled]
         sampling = [s.request for s in scheduled if s.samples]
-        result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling])
+        result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling],
+                                     _penalty_histories(sampling))
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         return [self._advance(request, token, logprobs, error) for request, token, logprobs, error
@@ -422,6 +474,12 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary)")
         return token_ids
+
+
+def _penalty_histories(requests: list[Request]) -> list[tuple[list[int], list[int]] | None]:
+    """Per sampled request, the (prompt, generated) token ids its penalties count; None for the
+    requests without penalties (nothing is copied for them)."""
+    return [(r.prompt_token_ids, r.output_token_ids) if r.params.has_penalties else None for r in requests]
 
 
 def _id_list(request_ids) -> list[str]:

@@ -60,10 +60,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]) -> SamplerOutput:
+                generators: Sequence[torch.Generator | None], histories=None) -> SamplerOutput:
         """Forward `chunks` and sample one token for each chunk with sample=True.
 
-        params / generators: one per sampling chunk, in chunk order.
+        params / generators / histories: one per sampling chunk, in chunk order; histories[i] is the
+        (prompt token ids, generated token ids) the penalties of row i count (None: no row has any).
         """
         batch = self.batch_builder.build(chunks)
         hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None  # [T, hidden]
@@ -72,7 +73,7 @@ class ModelRunner:
         if not params:
             return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab] float32
-        return self.sampler(logits, self.sampler.make_batch(params, generators))
+        return self.sampler(logits, self.sampler.make_batch(params, generators, histories))
 
     def _forward_context(self, batch: BatchInputs) -> ForwardContext:
         attn = AttentionMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,

@@ -6,6 +6,12 @@ with probability probs[i]. A seeded request draws its q from its own torch.Gener
 tokens do not depend on what else is batched with it. All rows are computed together and the
 results reach the host in one transfer per step.
 
+Penalties (SamplingParams.presence_penalty, frequency_penalty, repetition_penalty) change the
+logits of the rows that set them before greedy/temperature/top-k/top-p, from per-row token counts
+built on the device with one scatter_add into a [P, vocab] buffer (P = rows with a penalty); a
+step without penalised rows skips all of it, and rows without penalties are never touched. The
+logprobs returned stay the raw model log-probabilities (before penalties, like the other settings).
+
 Faults stay in their row: a row with NaN/inf logits, or whose sampling raises, comes back with an
 error in SamplerOutput.errors (its request fails) while every other row gets its usual token.
 """
@@ -34,6 +40,20 @@ class SamplingBatch:
 
     params: Sequence[SamplingParams]
     generators: Sequence[torch.Generator | None]
+    # per row (prompt token ids, generated token ids), read only for rows with penalties; None: none given
+    histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None
+
+    def history(self, row: int) -> tuple[Sequence[int], Sequence[int]]:
+        """Row `row`'s (prompt, generated) token ids; ValueError when the caller gave none."""
+        entry = self.histories[row] if self.histories is not None else None
+        if entry is None:
+            raise ValueError(f"row {row} has penalties but its prompt/generated token ids were not given")
+        return entry
+
+    def row(self, row: int) -> SamplingBatch:
+        """The one-row batch of row `row`."""
+        histories = None if self.histories is None else [self.histories[row]]
+        return SamplingBatch([self.params[row]], [self.generators[row]], histories)
 
 
 @dataclass
@@ -80,10 +100,11 @@ class Sampler:
         # draws for rows without their own seed
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    def make_batch(self, params: Sequence[SamplingParams],
-                   generators: Sequence[torch.Generator | None]) -> SamplingBatch:
-        """The step's rows; generators[i] is row i's own generator or None."""
-        return SamplingBatch(list(params), list(generators))
+    def make_batch(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                   histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> SamplingBatch:
+        """The step's rows; generators[i] is row i's own generator or None; histories[i] is row i's
+        (prompt token ids, generated token ids), needed by rows with penalties."""
+        return SamplingBatch(list(params), list(generators), None if histories is None else list(histories))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample from `logits` [S, vocab]; returns host lists (one device->host sync)."""
@@ -101,9 +122,13 @@ class Sampler:
         finite = torch.isfinite(logits).all(dim=-1)  # [S]
         logits = torch.where(finite[:, None], logits, 0.0)  # [S, V]; a broken row's numbers reach no other row
         settings = self._settings(batch)
-        tokens = logits.argmax(dim=-1)  # [S]
+        penalized = self._apply_penalties(logits, batch)  # [S, V]; `logits` stay raw for the logprobs
+        if penalized is not logits:  # a tiny repetition_penalty can overflow a row: it fails alone
+            finite &= torch.isfinite(penalized).all(dim=-1)
+            penalized = torch.where(finite[:, None], penalized, 0.0)
+        tokens = penalized.argmax(dim=-1)  # [S]
         if not settings.all_greedy:
-            tokens = torch.where(settings.greedy, tokens, self._sample(logits, settings))  # [S]
+            tokens = torch.where(settings.greedy, tokens, self._sample(penalized, settings))  # [S]
         columns = [tokens[:, None].float(), finite[:, None].float()]  # [S, 1] each
         wanted = [k for k in settings.num_logprobs if k is not None]
         if wanted:
@@ -120,9 +145,9 @@ class Sampler:
 
     def _sample_one_at_a_time(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         result = SamplerOutput([], [], [])
-        for row, (params, generator) in enumerate(zip(batch.params, batch.generators)):
+        for row in range(len(batch.params)):
             try:
-                one = self._sample_together(logits[row:row + 1], SamplingBatch([params], [generator]))
+                one = self._sample_together(logits[row:row + 1], batch.row(row))
             except Exception as error:  # this row alone fails: its request gets the error
                 logger.warning("sampling row %d failed: %r", row, error)
                 one = SamplerOutput([-1], [None], [error])
@@ -130,6 +155,47 @@ class Sampler:
             result.logprobs += one.logprobs
             result.errors += one.errors
         return result
+
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """`logits` [S, V] with each penalised row's presence/frequency/repetition penalties applied
+        (a new tensor; `logits` itself when no row has a penalty)."""
+        rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
+        if not rows:
+            return logits
+        counts, in_prompt = self._token_counts(rows, batch, logits.shape[-1])  # [P, V] each
+        params = [batch.params[i] for i in rows]
+
+        def column(values: list[float]) -> torch.Tensor:  # [P, 1]
+            return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
+
+        repetition = column([p.repetition_penalty for p in params])  # [P, 1]
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [P]
+        picked = logits.index_select(0, index)  # [P, V]
+        seen = in_prompt | (counts > 0)  # [P, V]: repetition covers prompt and generated tokens
+        picked = torch.where(seen, torch.where(picked > 0, picked / repetition, picked * repetition), picked)
+        picked = picked - column([p.frequency_penalty for p in params]) * counts  # [P, V]
+        picked = picked - column([p.presence_penalty for p in params]) * (counts > 0)  # [P, V]
+        return logits.index_copy(0, index, picked)  # [S, V]; the other rows are copied bit for bit
+
+    def _token_counts(self, rows: list[int], batch: SamplingBatch,
+                      vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the rows `rows`: how often each token occurs among their generated tokens, and
+        whether it occurs in their prompt ([P, V] float32 and bool); one host->device copy each."""
+        tokens, owners, generated = [], [], []  # per token: its id, its row among `rows`, 1.0 if generated
+        for position, row in enumerate(rows):
+            for ids, is_generated in zip(batch.history(row), (0.0, 1.0)):
+                if len(ids) and not (0 <= min(ids) and max(ids) < vocab):
+                    raise ValueError(f"row {row}: a token id of its history lies outside the vocabulary [0, {vocab})")
+                tokens.append(torch.as_tensor(ids, dtype=torch.int64))
+                owners.append(torch.full((len(ids),), position, dtype=torch.int64))
+                generated.append(torch.full((len(ids),), is_generated))
+        flat = (torch.cat(owners) * vocab + torch.cat(tokens)).to(self.device)  # [N] index into [P * V]
+        is_generated = torch.cat(generated).to(self.device)  # [N] float32
+        counts = torch.zeros(len(rows) * vocab, dtype=torch.float32, device=self.device)
+        counts.scatter_add_(0, flat, is_generated)
+        in_prompt = torch.zeros(len(rows) * vocab, dtype=torch.float32, device=self.device)
+        in_prompt.scatter_add_(0, flat, 1.0 - is_generated)
+        return counts.view(len(rows), vocab), in_prompt.view(len(rows), vocab) > 0
 
     def _generator_states(self, batch: SamplingBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
         generators = [self.generator, *(g for g in batch.generators if g is not None)]

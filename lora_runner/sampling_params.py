@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids one request may give (each is checked every token)
+MAX_N = 16  # most parallel samples (SamplingParams.n) of one prompt
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY], as in OpenAI's API
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample by argmax, as in vLLM (no 1/T overflow)
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
@@ -25,6 +27,13 @@ class SamplingParams:
     return, per generated token, a dict token_id -> logprob of the k most likely tokens plus the
     chosen one (raw model log-probabilities: log_softmax of the float32 logits, before
     temperature/top-k/top-p); the engine caps k at its max_logprobs setting.
+    presence_penalty / frequency_penalty: numbers in [-2, 2] (OpenAI's semantics): each token's
+    logit drops by presence_penalty if it occurs among this request's generated tokens, plus
+    frequency_penalty times how often it does. repetition_penalty: a number > 0 (1 = off; HF's and
+    vLLM's semantics): a token that occurs in the prompt or the generated tokens has its logit
+    divided by it when positive, multiplied by it otherwise. Logprobs stay the raw model ones.
+    n: how many samples of the prompt to generate, 1..MAX_N (16); sample i uses seed + i (mod 2**64,
+    when seed is set), so it equals a single request with that seed.
 
     Raises ValueError naming the field for a wrong type or an out-of-range value (``bool`` is not
     an integer). ``LLMEngine.add_request`` checks a copy again with the engine's limits (see
@@ -39,6 +48,11 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # penalties (lora_runner.sampler applies them before temperature/top-k/top-p)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    n: int = 1  # parallel samples of the prompt, sharing its prefill (see LLMEngine.add_request)
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -69,8 +83,36 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self._validate_penalties()
         self._validate_stop_token_ids(vocab_size)
         self._validate_logprobs(max_logprobs, vocab_size)
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_real(name, value, "a number in [-2, 2]")
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # False for NaN too
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _check_real("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+
+    def sample_params(self, index: int) -> SamplingParams:
+        """The params of parallel sample `index` (0..n-1): n=1 and, with a seed, seed + index
+        (wrapped into [0, 2**64) past the top), so each sample equals a single request with it."""
+        params = self.clone()
+        params.n = 1
+        if self.seed is not None and index:
+            seed = self.seed + index
+            params.seed = seed - 2**64 if seed >= 2**64 else seed
+        return params
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
         ids = self.stop_token_ids

@@ -120,9 +120,18 @@ class Scheduler:
         self.fairness = fairness if fairness is not None else VirtualTokenCounter()  # kept under "fcfs" too
         self._tenants: dict[Request, str] = {}  # unfinished request -> the tenant it joined as
         self._handover: dict[str, Hashable] = {}  # adapter kind -> held ref that gives its slot to a starved one
+        self._leaders: dict[Request, Request] = {}  # parallel sample -> sample 0 of its prompt (see add)
 
-    def add(self, request: Request) -> None:
-        """Queue a new request at the back of the waiting queue."""
+    def add(self, request: Request, leader: Request | None = None) -> None:
+        """Queue a new request at the back of the waiting queue.
+
+        leader: for parallel sample i > 0 of one prompt, sample 0 (added first). The sample then
+        waits until the leader has computed its prompt, and starts by sharing the leader's full
+        prompt blocks (BlockManager.fork); it computes only the rest itself (less than one block
+        plus the last prompt token). If the leader finished or was preempted, it computes it all.
+        """
+        if leader is not None:
+            self._leaders[request] = leader
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self._tenants[request] = tenant_of(request)
@@ -225,13 +234,15 @@ class Scheduler:
             refs = [k.ref_of(request) for k in kinds]
             if not self._may_admit(request, kinds, refs, held, starved):
                 continue  # still loading, no slot for one of its adapters, or its slot is handed over
+            self._share_leader_prompt(request)
+            start = request.num_computed_tokens  # 0 unless it shares its leader's prompt blocks
             num_new = min(request.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(request.request_id, num_new):
+            if not self.block_manager.can_allocate(request.request_id, start + num_new):
                 break  # in line order: do not let later requests jump the KV queue
-            self.block_manager.allocate(request.request_id, num_new)
+            self.block_manager.allocate(request.request_id, start + num_new)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival)
-            out.scheduled.append(ScheduledRequest(request, 0, num_new))
+            out.scheduled.append(ScheduledRequest(request, start, num_new))
             queue.charge(request, *served_tokens(request, num_new, num_new == request.num_uncomputed_tokens))
             admitted.add(request)
             budget -= num_new
@@ -241,10 +252,32 @@ class Scheduler:
         if admitted:
             self.waiting = deque(r for r in self.waiting if r not in admitted)
 
+    def _prompt_blocks_to_share(self, request: Request) -> int | None:
+        """Full blocks of the leader's computed prompt `request` can share now; None while it should
+        wait for its leader's prefill; 0 when there is nothing to share (no leader, or it is gone)."""
+        leader = self._leaders.get(request)
+        if leader is None or leader.is_finished or request.num_computed_tokens or \
+                self.block_manager.table(request.request_id):
+            return 0
+        prompt_len = leader.num_virtual_tokens + leader.num_prompt_tokens  # the tokens both have in common
+        if leader not in self.running or leader.num_computed_tokens < prompt_len:
+            return None
+        # at least the last prompt token stays to compute: the sample needs its own logits to sample from
+        return min(leader.num_computed_tokens, request.num_tokens - 1, prompt_len - 1) // self.block_manager.block_size
+
+    def _share_leader_prompt(self, request: Request) -> None:
+        num_blocks = self._prompt_blocks_to_share(request)
+        if num_blocks:
+            self.block_manager.fork(self._leaders[request].request_id, request.request_id, num_blocks)
+            request.num_computed_tokens = num_blocks * self.block_manager.block_size
+
     def _may_admit(self, request: Request, kinds: list[AdapterSlots], refs: list, held: list[set],
                    starved: set[str]) -> bool:
         """True when the request can join this step; under "fair", a ready request without a slot
-        marks its kind starved and picks the held ref whose slot it will get (see the module docstring)."""
+        marks its kind starved and picks the held ref whose slot it will get (see the module docstring).
+        A parallel sample waits for its leader's prefill (see add)."""
+        if self._prompt_blocks_to_share(request) is None:
+            return False
         if request.awaiting_virtual_tokens or any(
                 ref is not None and k.state(ref) != "ready" for k, ref in zip(kinds, refs)):
             return False
@@ -286,5 +319,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
+        self._leaders.pop(request, None)
         if request in self._tenants:
             self.fairness.leave(self._tenants.pop(request))

@@ -191,11 +191,12 @@ ERRORS = [  # (body changes to a valid completion, status, code)
     ({"prompt_adapter": "no-such-soft-prompt"}, 404, "model_not_found"),
     ({"prompt_adapter": "r4"}, 404, "model_not_found"),  # a LoRA is not a soft prompt
     ({"model": "soft", "prompt_adapter": "soft"}, 400, "invalid_value"),
-    ({"n": 2}, 400, "unsupported_parameter"),
     ({"n": 1000}, 400, "invalid_value"),
+    ({"n": 0}, 400, "invalid_request"),
     ({"stop": ["cat"]}, 400, "unsupported_parameter"),
-    ({"presence_penalty": 0.5}, 400, "unsupported_parameter"),
-    ({"frequency_penalty": -0.5}, 400, "unsupported_parameter"),
+    ({"presence_penalty": 2.5}, 400, "invalid_value"),  # SamplingParams' ValueError
+    ({"frequency_penalty": -3}, 400, "invalid_value"),
+    ({"repetition_penalty": 0}, 400, "invalid_value"),
     ({"logit_bias": {"5": 1.0}}, 400, "unsupported_parameter"),
     ({"echo": True}, 400, "unsupported_parameter"),
     ({"best_of": 3}, 400, "unsupported_parameter"),
@@ -323,3 +324,44 @@ def test_client_that_disconnects_frees_its_blocks(served, monkeypatch, stream):
     [output] = finished.values()
     assert output.outputs[0].finish_reason == "abort" and len(output.outputs[0].token_ids) < 480
     assert "lora_runner_kv_blocks_used 0.0" in httpx.get(served[0].base_url + "/metrics").text
+
+
+# ----------------------------------------------------------------------------- n and penalties
+def test_n_with_a_seed_is_reproducible_and_streams_choice_indices(client):
+    kwargs = dict(model="r4", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=1.0, seed=1234, n=3, logprobs=0)
+    first, again = (client.completions.create(**kwargs) for _ in range(2))
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices] and len(set(texts)) == 3
+    assert first.usage.completion_tokens == 3 * MAX_TOKENS
+    streamed = {0: "", 1: "", 2: ""}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert [streamed[i] for i in range(3)] == texts
+    two_prompts = client.completions.create(**{**kwargs, "prompt": [PROMPTS[0], PROMPTS[1]], "n": 2})
+    assert [c.index for c in two_prompts.choices] == [0, 1, 2, 3]
+    assert [c.text for c in two_prompts.choices[:2]] == texts[:2]  # prompt 0's samples: the same seeds
+
+
+def test_chat_n_gives_n_choices(client):
+    response = client.chat.completions.create(model="base", messages=[{"role": "user", "content": "the cat"}],
+                                              max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.choices[0].message.content == response.choices[1].message.content  # greedy
+
+
+def test_penalties_equal_llm_generate(served, client, tokenizer):
+    from lora_runner import LLM, SamplingParams
+
+    penalties = dict(presence_penalty=-2.0, frequency_penalty=-1.0, repetition_penalty=1.3)  # negative: repeats
+    response = client.completions.create(model="base", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                         logprobs=0, presence_penalty=-2.0, frequency_penalty=-1.0,
+                                         extra_body={"repetition_penalty": 1.3})
+    llm = LLM(served[2], device="cpu", dtype="float32", max_model_len=512)
+    try:
+        expected, plain = (llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **kw),
+                                        use_tqdm=False)[0].outputs[0].token_ids for kw in (penalties, {}))
+    finally:
+        llm.close()
+    assert token_ids(tokenizer, response.choices[0].logprobs.tokens) == expected != plain

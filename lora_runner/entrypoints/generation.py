@@ -1,7 +1,9 @@
 """Running one OpenAI generation request on the async engine: one ChoiceRun per prompt.
 
 Each run follows its request's RequestOutputs and turns them into Deltas (new text, new logprobs,
-finish reason), recording time to first token and inter-token latency on the way. Every run's first
+finish reason), recording time to first token and inter-token latency on the way. With n > 1 a
+run's engine request has n samples (sharing the prompt's prefill): prompt p's samples are the
+choices p * n .. p * n + n - 1, each with its own Delta. Every run's first
 output is awaited before the response starts, so a request that fails at once (bad prompt, adapter
 that fails to load) gets a real HTTP status even when streamed.
 """
@@ -75,53 +77,76 @@ def check_lengths(state: ServerState, prompts: list[list[int]], max_tokens: int)
                            f"{len(ids)} prompt tokens + {max_tokens} max_tokens were requested", "context_length_exceeded")
 
 
+@dataclass
+class _Sent:
+    """What has been sent of one sample (choice)."""
+
+    tokens: int = 0
+    text: str = ""
+    done: bool = False  # its finish (or error) was reported
+
+
 class ChoiceRun:
-    """One prompt's generation and what has been sent of it."""
+    """One prompt's generation (n samples: choices index .. index + n - 1) and what has been sent of it."""
 
     def __init__(self, state: ServerState, index: int, request_id: str, prompt_len: int,
-                 gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None) -> None:
+                 gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1) -> None:
         self.state, self.index, self.request_id, self.prompt_len = state, index, request_id, prompt_len
         self.gen, self.started, self.logprobs_k = gen, started, logprobs_k
         self.first: RequestOutput | None = None
-        self.advance_first: Delta | None = None  # the first output's delta, sent before the rest
-        self.sent_tokens, self.sent_text = 0, ""
+        self.advance_first: list[Delta] = []  # the first output's deltas, sent before the rest
+        self.sent = [_Sent() for _ in range(n)]
         self.last_token_at: float | None = None
         self.num_output_tokens = 0
 
-    def advance(self, output: RequestOutput) -> Delta | None:
-        """The delta since the last call (None when nothing changed); APIError for a failed request."""
-        completion = output.outputs[0]
-        if completion.finish_reason == "error":
-            self._finished("error")
-            raise api_error_from(completion.error or RuntimeError("the request failed"))
-        new_ids = completion.token_ids[self.sent_tokens:]
-        self._record_latency(len(new_ids))
-        text = self._new_text(completion.text, output.finished)
-        logprobs = self._logprobs(completion, len(new_ids))
-        self.sent_tokens += len(new_ids)
-        self.num_output_tokens = len(completion.token_ids)
-        if output.finished:
-            self._finished(completion.finish_reason)
-        if not text and not new_ids and not output.finished:
-            return None
-        return Delta(self.index, text, logprobs, completion.finish_reason)
+    @property
+    def choice_indices(self) -> range:
+        """The choice index of each sample."""
+        return range(self.index, self.index + len(self.sent))
 
-    def _new_text(self, text: str, finished: bool) -> str:
+    def advance(self, output: RequestOutput) -> list[Delta]:
+        """Each sample's delta since the last call (samples without news left out); APIError for a
+        sample that failed (reported once)."""
+        self._record_latency(sum(len(c.token_ids) - sent.tokens for c, sent in zip(output.outputs, self.sent)))
+        self.num_output_tokens = sum(len(c.token_ids) for c in output.outputs)
+        deltas = [self._advance_sample(sample, completion) for sample, completion in enumerate(output.outputs)]
+        return [delta for delta in deltas if delta is not None]
+
+    def _advance_sample(self, sample: int, completion) -> Delta | None:
+        sent = self.sent[sample]
+        if sent.done:
+            return None
+        if completion.finish_reason == "error":
+            sent.done = True
+            self._finished("error", len(completion.token_ids))
+            raise api_error_from(completion.error or RuntimeError("the request failed"))
+        new_ids = completion.token_ids[sent.tokens:]
+        text = self._new_text(sent, completion.text, completion.finished)
+        logprobs = self._logprobs(completion, sent.tokens, len(new_ids))
+        sent.tokens += len(new_ids)
+        if completion.finished:
+            sent.done = True
+            self._finished(completion.finish_reason, len(completion.token_ids))
+        if not text and not new_ids and not completion.finished:
+            return None
+        return Delta(self.index + sample, text, logprobs, completion.finish_reason)
+
+    def _new_text(self, sent: _Sent, text: str, finished: bool) -> str:
         # The engine re-decodes the whole output each step; hold back a trailing partial character.
         if not finished:
             text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent_text):
+        if not text.startswith(sent.text):
             logger.debug("request %s: decoded text changed under already-sent text", self.request_id)
             return ""
-        delta, self.sent_text = text[len(self.sent_text):], text
+        delta, sent.text = text[len(sent.text):], text
         return delta
 
-    def _logprobs(self, completion, num_new: int) -> list[TokenLogprob] | None:
+    def _logprobs(self, completion, start: int, num_new: int) -> list[TokenLogprob] | None:
         if completion.logprobs is None:
             return None
         k = self.logprobs_k or 0
-        ids = completion.token_ids[self.sent_tokens:self.sent_tokens + num_new]
-        entries = completion.logprobs[self.sent_tokens:self.sent_tokens + num_new]
+        ids = completion.token_ids[start:start + num_new]
+        entries = completion.logprobs[start:start + num_new]
         return [_token_logprob(self.state, token, table, k) for token, table in zip(ids, entries)]
 
     def _record_latency(self, num_new: int) -> None:
@@ -135,9 +160,9 @@ class ChoiceRun:
             metrics.itl.observe((now - self.last_token_at) / num_new)
         self.last_token_at = now
 
-    def _finished(self, reason: str | None) -> None:
+    def _finished(self, reason: str | None, num_tokens: int) -> None:
         self.state.metrics.finished.labels(reason or "unknown").inc()
-        self.state.metrics.generation_tokens.inc(self.num_output_tokens)
+        self.state.metrics.generation_tokens.inc(num_tokens)
 
     async def close(self) -> None:
         """Close the iterator (aborting an unfinished request)."""
@@ -166,7 +191,7 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
     for index, ids in enumerate(prompts):
         request_id = state.new_id("req")
         gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name)
-        runs.append(ChoiceRun(state, index, request_id, len(ids), gen, started, params.logprobs))
+        runs.append(ChoiceRun(state, index * params.n, request_id, len(ids), gen, started, params.logprobs, params.n))
     results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     try:
@@ -234,7 +259,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
                          prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
                          stream: bool, include_usage: bool, started: float):
     """Admit, start and answer one generation request (streamed or whole)."""
-    release = state.admit(tenant, len(prompts))
+    release = state.admit(tenant, len(prompts) * params.n)
     try:
         state.metrics.requests.labels(target.model).inc()
         state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
@@ -262,12 +287,15 @@ def _usage(runs: list[ChoiceRun]) -> Usage:
 
 
 async def _collect(runs: list[ChoiceRun], fmt: CompletionFormat) -> dict:
-    totals = {run.index: _join(Delta(run.index, logprobs=None), run.advance_first) for run in runs}
+    totals = {choice: Delta(choice, logprobs=None) for run in runs for choice in run.choice_indices}
+    for delta in (d for run in runs for d in run.advance_first):
+        totals[delta.index] = _join(totals[delta.index], delta)
     async for run, item in merged(runs):
         if isinstance(item, BaseException):
             raise api_error_from(item)
-        totals[run.index] = _join(totals[run.index], run.advance(item))
-    return fmt.response([totals[run.index] for run in runs], _usage(runs))
+        for delta in run.advance(item):
+            totals[delta.index] = _join(totals[delta.index], delta)
+    return fmt.response([totals[choice] for choice in sorted(totals)], _usage(runs))
 
 
 def _join(total: Delta, delta: Delta | None) -> Delta:
@@ -283,18 +311,19 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
     try:
         for run in runs:
             if fmt.role_chunk:
-                yield sse(fmt.opening_chunk(run.index, include_usage))
-            if run.advance_first is not None:
-                yield sse(fmt.chunk(run.advance_first, include_usage))
+                for choice in run.choice_indices:
+                    yield sse(fmt.opening_chunk(choice, include_usage))
+            for delta in run.advance_first:
+                yield sse(fmt.chunk(delta, include_usage))
         async for run, item in rest:
             try:
                 if isinstance(item, BaseException):
                     raise api_error_from(item)
-                delta = run.advance(item)
+                deltas = run.advance(item)
             except APIError as err:  # this choice failed mid-stream: tell the client, go on with the rest
                 yield sse(error_body(err.status, err.message, err.code))
                 continue
-            if delta is not None:
+            for delta in deltas:
                 yield sse(fmt.chunk(delta, include_usage))
         if include_usage:
             yield sse(fmt.usage_chunk(_usage(runs)))

@@ -1,6 +1,6 @@
 """From an OpenAI request body to the engine's SamplingParams, refusing what cannot be honoured.
 
-The engine has no stop strings, penalties, n > 1, best_of, echo, suffix or logit_bias yet: a
+The engine has no stop strings, best_of, echo, suffix or logit_bias yet: a
 request that asks for one gets a 400 naming the field, never a silently different result.
 """
 
@@ -19,15 +19,8 @@ def check_supported(body: CompletionRequest | ChatCompletionRequest, max_n: int)
     """400 for every field set to something the engine cannot do."""
     if body.n > max_n:
         raise APIError(400, f"n must be <= {max_n}, got {body.n}", "invalid_value")
-    if body.n > 1:
-        raise _unsupported("n", "more than one choice per prompt")
     if body.stop:
         raise _unsupported("stop", "stop strings")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise _unsupported(name, "a non-zero penalty")
-    if body.repetition_penalty not in (None, 1.0):
-        raise _unsupported("repetition_penalty", "a repetition penalty other than 1")
     if body.logit_bias:
         raise _unsupported("logit_bias", "logit bias")
     if body.stream_options is not None and not body.stream:
@@ -62,7 +55,9 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k is None else body.top_k,
-            seed=body.seed, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos, logprobs=logprobs)
+            seed=body.seed, n=body.n, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from exc
