@@ -5,6 +5,8 @@ import random
 import pytest
 
 from lora_runner.block_manager import BlockManager
+from lora_runner.output_processor import OutputProcessor
+from lora_runner.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.scheduler import Scheduler
 from lora_runner.sequence import Request, RequestStatus
@@ -26,18 +28,13 @@ def make_request(i, prompt_len, max_tokens=4, lora=None, tenant=None):
 
 
 def run_step(sched, out, next_token=7):
-    """What the engine does after the model ran: advance, append sampled tokens, finish."""
-    finished = []
-    for s in out.scheduled:
-        req = s.request
-        req.num_computed_tokens += s.num_new_tokens
-        if s.samples:
-            req.token_ids.append(next_token)
-            if req.num_output_tokens >= req.params.max_tokens:
-                req.finish("length")
-                sched.remove(req)
-                finished.append(req)
-    return finished
+    """What the engine does after the model ran (the shared Scheduler.postprocess): advance, append
+    sampled tokens, finish; returns the requests that finished."""
+    num_sampled = sum(s.samples for s in out.scheduled)
+    sampled = SamplerOutput([next_token] * num_sampled, [None] * num_sampled)
+    results = sched.postprocess(out.scheduled, sampled, OutputProcessor(None, eos_token_ids=(), max_model_len=10**6))
+    assert all(error is None for _, error in results)
+    return [request for request, _ in results if request.is_finished]
 
 
 def test_prefill_then_decode_and_join_between_steps():
