@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lora_runner.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, OutputText
-from tests.factories import MULTIBYTE_CORPUS, make_byte_level_tokenizer, save_tiny_tokenizer
+from factories import MULTIBYTE_CORPUS, make_byte_level_tokenizer, save_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
