@@ -84,7 +84,7 @@ class ChoiceRun:
         self.gen, self.started, self.logprobs_k = gen, started, logprobs_k
         self.first: RequestOutput | None = None
         self.advance_first: Delta | None = None  # the first output's delta, sent before the rest
-        self.sent_tokens, self.sent_text = 0, ""
+        self.sent_tokens = 0
         self.last_token_at: float | None = None
         self.num_output_tokens = 0
 
@@ -96,7 +96,7 @@ class ChoiceRun:
             raise api_error_from(completion.error or RuntimeError("the request failed"))
         new_ids = completion.token_ids[self.sent_tokens:]
         self._record_latency(len(new_ids))
-        text = self._new_text(completion.text, output.finished)
+        text = completion.text_delta  # the engine's incremental text: whole characters, stop strings cut
         logprobs = self._logprobs(completion, len(new_ids))
         self.sent_tokens += len(new_ids)
         self.num_output_tokens = len(completion.token_ids)
@@ -105,16 +105,6 @@ class ChoiceRun:
         if not text and not new_ids and not output.finished:
             return None
         return Delta(self.index, text, logprobs, completion.finish_reason)
-
-    def _new_text(self, text: str, finished: bool) -> str:
-        # The engine re-decodes the whole output each step; hold back a trailing partial character.
-        if not finished:
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent_text):
-            logger.debug("request %s: decoded text changed under already-sent text", self.request_id)
-            return ""
-        delta, self.sent_text = text[len(self.sent_text):], text
-        return delta
 
     def _logprobs(self, completion, num_new: int) -> list[TokenLogprob] | None:
         if completion.logprobs is None:

@@ -1,6 +1,6 @@
 """From an OpenAI request body to the engine's SamplingParams, refusing what cannot be honoured.
 
-The engine has no stop strings, penalties, n > 1, best_of, echo, suffix or logit_bias yet: a
+The engine has no penalties, n > 1, best_of, echo, suffix or logit_bias yet: a
 request that asks for one gets a 400 naming the field, never a silently different result.
 """
 
@@ -21,8 +21,6 @@ def check_supported(body: CompletionRequest | ChatCompletionRequest, max_n: int)
         raise APIError(400, f"n must be <= {max_n}, got {body.n}", "invalid_value")
     if body.n > 1:
         raise _unsupported("n", "more than one choice per prompt")
-    if body.stop:
-        raise _unsupported("stop", "stop strings")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) != 0:
             raise _unsupported(name, "a non-zero penalty")
@@ -63,6 +61,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k is None else body.top_k,
             seed=body.seed, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos, logprobs=logprobs)
+            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            stop=body.stop, include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from exc
