@@ -89,3 +89,40 @@ def test_output_text_holds_back_what_a_stop_string_may_still_cut(word_level):
         reported.append(text.take_delta())
     assert matched == "on the mat" and text.text == "the cat sat "
     assert "".join(reported) == "the cat sat "  # "on the" was never reported, then cut
+
+
+@pytest.fixture(scope="module")
+def byte_level_model(tmp_path_factory):
+    """A tiny Llama whose vocabulary is the byte-level BPE's (300 tokens)."""
+    from factories import save_tiny_model
+
+    path = tmp_path_factory.mktemp("byte-level-model")
+    save_tiny_model(path, "llama", seed=1, tokenizer=False, vocab_size=300)
+    make_byte_level_tokenizer().save_pretrained(str(path))
+    return str(path)
+
+
+def test_engine_streams_whole_characters_and_adds_up(byte_level_model, byte_level):
+    """Sampled tokens of a byte-level vocabulary end mid-character all the time: every running
+    output's delta ends on a whole character, and the deltas add up to the decode of all ids."""
+    from lora_runner import LLMEngine, SamplingParams
+
+    engine = LLMEngine(byte_level_model, device="cpu", max_num_seqs=4, max_model_len=64)
+    for i in range(4):
+        engine.add_request(f"r{i}", byte_level.encode("中文 café"),
+                           SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True))
+    deltas, final = {f"r{i}": [] for i in range(4)}, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            completion = output.outputs[0]
+            deltas[output.request_id].append(completion.text_delta)
+            if output.finished:
+                final[output.request_id] = completion
+            else:
+                assert not completion.text.endswith(REPLACEMENT_CHAR)
+    held_back = 0
+    for request_id, completion in final.items():
+        whole = byte_level.decode(completion.token_ids, skip_special_tokens=True)
+        assert "".join(deltas[request_id]) == completion.text == whole
+        held_back += sum(d == "" for d in deltas[request_id][:-1])
+    assert held_back > 0  # some sampled token did end mid-character

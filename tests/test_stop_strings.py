@@ -137,3 +137,26 @@ def test_output_processor_cuts_across_tokens_and_holds_back():
     request.finish("stop")
     final = processor.completion(request)
     assert (final.text, final.text_delta, final.stop_reason) == ("5 ", " ", "6 7")
+
+
+@pytest.mark.parametrize("fields,name", [
+    (dict(stop=[""]), "stop"), (dict(stop=[3]), "stop"), (dict(stop="x" * 257), "stop"),
+    (dict(stop=["a"] * 65), "stop"), (dict(stop={"a": 1}), "stop"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=17), "min_tokens"), (dict(min_tokens=True), "min_tokens"),
+])
+def test_bad_stop_settings_raise_naming_the_field(fields, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**fields)
+
+
+def test_stop_settings_are_copied_and_checked_again_at_add_request(engine):
+    params = SamplingParams(stop="ab", max_tokens=4)
+    assert params.stop == ["ab"] and SamplingParams(stop=None).stop == []
+    copy = params.clone()
+    params.stop.append("cd")
+    assert copy.stop == ["ab"]
+    params.stop = [""]  # changed after construction: add_request checks its copy
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request("bad", [5, 6], params)
+    assert not engine.has_unfinished_requests()
