@@ -44,12 +44,12 @@ def oracle(decode, tokens, stops, include):
 
 
 def stops_from(text, rng):
-    """1-3 stop strings cut from the text (crossing token boundaries), or one that never occurs."""
+    """1-3 stop strings cut from the text (often crossing token boundaries)."""
     stops = []
     for _ in range(rng.randint(1, 3)):
         start = rng.randrange(len(text))
         stops.append(text[start:start + rng.randint(1, 6)])
-    return stops if rng.random() < 0.9 else ["#never#"]
+    return stops
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -61,7 +61,7 @@ def test_stop_strings_match_the_oracle(engine, engine_checkpoint, greedy_oracle,
     greedy = [greedy_oracle(hf, p, MAX_TOKENS)[0] for p in prompts]
     requests, expected = {}, {}
     for i, (prompt, tokens) in enumerate(zip(prompts, greedy)):
-        stops, include = stops_from(decode(tokens), rng), rng.random() < 0.5
+        stops, include = stops_from(decode(tokens), rng) if i else ["#never#"], rng.random() < 0.5
         requests[f"s{i}"] = (prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                     stop=stops, include_stop_str_in_output=include))
         expected[f"s{i}"] = (*oracle(decode, tokens, stops, include), tokens)
