@@ -121,12 +121,12 @@ def test_stop_strings_cut_the_text_streamed_or_not(client, stream, include):
     if stream:
         chunks = [c for c in client.completions.create(**kwargs, stop=[stop, "#never#"], stream=True,
                                                        extra_body=extra) if c.choices]
-        text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        text, choice = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0]
     else:
         choice = client.completions.create(**kwargs, stop=[stop, "#never#"], extra_body=extra).choices[0]
-        text, finish = choice.text, choice.finish_reason
+        text = choice.text
     cut = whole.index(stop) + (len(stop) if include else 0)
-    assert (text, finish) == (whole[:cut], "stop")
+    assert (text, choice.finish_reason, choice.model_extra["stop_reason"]) == (whole[:cut], "stop", stop)
 
 
 def test_stop_and_min_tokens_in_chat(client):
@@ -135,6 +135,7 @@ def test_stop_and_min_tokens_in_chat(client):
     first_word = whole.split(" ")[0]
     stopped = client.chat.completions.create(**kwargs, stop=first_word).choices[0]
     assert (stopped.message.content, stopped.finish_reason) == ("", "stop")
+    assert stopped.model_extra["stop_reason"] == first_word
     deferred = client.chat.completions.create(**kwargs, stop=first_word, extra_body={"min_tokens": 10})
     assert deferred.choices[0].message.content.startswith(whole[:len(first_word)])
     assert deferred.usage.completion_tokens == 10

@@ -104,7 +104,7 @@ class ChoiceRun:
             self._finished(completion.finish_reason)
         if not text and not new_ids and not output.finished:
             return None
-        return Delta(self.index, text, logprobs, completion.finish_reason)
+        return Delta(self.index, text, logprobs, completion.finish_reason, completion.stop_reason)
 
     def _logprobs(self, completion, num_new: int) -> list[TokenLogprob] | None:
         if completion.logprobs is None:
@@ -264,7 +264,7 @@ def _join(total: Delta, delta: Delta | None) -> Delta:
     if delta is None:
         return total
     logprobs = None if delta.logprobs is None else (total.logprobs or []) + delta.logprobs
-    return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason)
+    return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason, delta.stop_reason)
 
 
 async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: bool,
