@@ -55,9 +55,9 @@ class IncrementalDetokenizer:
 class OutputText:
     """One request's output text: decoded incrementally, cut at its first stop string.
 
-    decode: as for IncrementalDetokenizer. stop: the stop strings; include_stop: keep the matched one in the text; holdback: characters
-    at the end of the text not reported yet (SamplingParams.stop_text_holdback), since a stop string
-    completing later may cut them.
+    decode: as for IncrementalDetokenizer. stop: the stop strings; include_stop: keep the matched one
+    in the text; holdback: characters at the end of the text not reported yet
+    (SamplingParams.stop_text_holdback), since a stop string completing later may cut them.
     """
 
     def __init__(self, decode: Callable[[list[int]], str] | None, stop: Sequence[str] = (),
@@ -94,14 +94,14 @@ class OutputText:
     def _cut_at_stop(self, new_start: int) -> str | None:
         """Find the stop string completed first (the earliest end; at equal ends the longest) among
         those ending in the new text; cut the text there."""
-        best = None  # (end, -length, stop string)
+        hits = []  # (end, -length, stop string); searched from where an occurrence would end in the new text
         for stop in self.stop:
             found = self.text.find(stop, max(0, new_start - len(stop) + 1))
             if found >= 0:
-                best = min(best or (found + len(stop), -len(stop), stop), (found + len(stop), -len(stop), stop))
-        if best is None:
+                hits.append((found + len(stop), -len(stop), stop))
+        if not hits:
             return None
-        end, neg_length, stop = best
+        end, neg_length, stop = min(hits)
         self.text = self.text[:end if self.include_stop else end + neg_length]
         self.stopped = True
         return stop
@@ -109,7 +109,9 @@ class OutputText:
     @property
     def reportable(self) -> str:
         """The text that may be handed out now (the held-back tail excluded)."""
-        return self.text[:max(len(self.text) - self.holdback, 0)] if self.holdback and not self.stopped else self.text
+        if self.stopped or not self.holdback:
+            return self.text
+        return self.text[:max(len(self.text) - self.holdback, 0)]
 
     def take_delta(self) -> str:
         """The reportable text not handed out before; marks it handed out."""

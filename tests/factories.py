@@ -260,8 +260,9 @@ def save_adapter_copy(source_dir, path) -> Path:
 
 
 # --- a byte-level BPE tokenizer whose tokens split UTF-8 sequences (incremental detokenization tests)
-MULTIBYTE_CORPUS = ["café au lait, crème brûlée et déjà vu", "中文字符和汉字的句子", "emoji 🙂🚀👍🏽 mixed with text",
-                    "naïve façade über straße", "日本語のテキスト and ascii words", "the cat sat on the mat"]
+MULTIBYTE_CORPUS = ["café au lait, crème brûlée et déjà vu", "中文字符和汉字的句子",
+                    "emoji 🙂🚀👍🏽 mixed with text", "naïve façade über straße",
+                    "日本語のテキスト and ascii words", "the cat sat on the mat"]
 
 
 def make_byte_level_tokenizer(vocab_size: int = 300):
