@@ -1,7 +1,8 @@
 """LLMEngine: requests in, one continuously batched step at a time, RequestOutputs out.
 
 ``step()`` = take new requests and aborts -> scheduler.schedule() -> make the step's LoRAs and soft
-prompts resident -> runner.execute() -> append tokens, finish requests, free blocks, release
+prompts resident -> runner.execute() -> scheduler.postprocess() (append tokens, detokenize
+incrementally, stop checks: lora_runner.output_processor; finish requests, free blocks) -> release
 adapters -> outputs. Adapters load in the background (acquired at add_request); the scheduler only
 admits requests whose adapters are ready, so a slow download never stalls running requests.
 Both adapter kinds go through one seam, lora_runner.engine_adapters (which also describes prompt
@@ -28,7 +29,8 @@ from lora_runner.engine_adapters import EngineAdapters, EngineClosedError
 from lora_runner.kv_cache import kv_block_bytes
 from lora_runner.memory_profile import profile_kv_cache_budget
 from lora_runner.model import load_model
-from lora_runner.outputs import CompletionOutput, RequestOutput
+from lora_runner.output_processor import OutputProcessor
+from lora_runner.outputs import RequestOutput
 from lora_runner.parallel_sampling import SampleGroup, merge_outputs, sample_ids
 from lora_runner.runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
@@ -86,7 +88,10 @@ class LLMEngine:
         if use_graphs:
             self.runner.capture_decode_graphs(self.adapter_manager.loras, cfg.max_lora_rank)
         self.tokenizer = LazyTokenizer(self.model_dir)
-        self.eos_token_ids = eos_token_ids(self.model_config, self.model_dir)
+        # decode looked up per call, so a tokenizer swapped on the engine (tests) is the one used
+        self.output_processor = OutputProcessor(lambda ids: self.tokenizer.decode(ids),
+                                                eos_token_ids(self.model_config, self.model_dir),
+                                                self.limits.max_model_len)
         self._lock = threading.Lock()  # guards the intake: _new, _aborts, _live, _adding, _closed
         self._new: list[Request] = []
         self._aborts: list[Request] = []  # the request objects, so an id reused later is never hit
@@ -117,6 +122,15 @@ class LLMEngine:
             self._make_runner, self.adapter_manager.loras, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
             block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a request (unless ignore_eos); settable, read by the output processor."""
+        return self.output_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.output_processor.eos_token_ids = frozenset(ids)
 
     # ----------------------------------------------------------------------------- intake (any thread)
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -378,30 +392,19 @@ class LLMEngine:
         sampling = [s.request for s in scheduled if s.samples]
         result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling],
                                      _penalty_histories(sampling))
-        for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-        return [self._advance(request, token, logprobs, error) for request, token, logprobs, error
-                in zip(sampling, result.token_ids, result.logprobs, result.errors)]
+        return [self._report(request, error)
+                for request, error in self.scheduler.postprocess(scheduled, result, self.output_processor)]
 
-    def _advance(self, request: Request, token: int, logprobs: dict | None,
-                 error: BaseException | None) -> RequestOutput:
-        """Append the request's new token and report it; finish it on a stop, or with "error" when its
-        own sampling (error) or output (stop check, detokenization) failed. Only failures of this
-        request are caught here: the others in the step go on with their tokens."""
-        text = None
-        if error is None:
-            try:
-                request.token_ids.append(token)
-                if request.logprobs is not None:
-                    request.logprobs.append(logprobs)
-                reason = self._stop_reason(request, token)
-                text = self.tokenizer.decode(request.output_token_ids)
-            except Exception as exc:  # this request's output could not be made; it alone fails
-                error = exc
+    def _report(self, request: Request, error: BaseException | None) -> RequestOutput:
+        """A sampled request's output after Scheduler.postprocess; a finished one gives its adapters
+        back, a failed one (its own sampling, stop check or detokenization raised) finishes with
+        "error" alone: the others in the step go on with their tokens."""
         if error is not None:
             logger.warning("request %r failed in step: %r", request.request_id, error)
             return self._finish(request, "error", error)
-        return self._finish(request, reason) if reason else self._output(request, text)
+        if request.is_finished:
+            self._release(request)
+        return self._output(request)
 
     def _insert_placeholders(self) -> None:
         """Soft-prompt placeholders for waiting requests whose prompt adapter is loaded; one whose
@@ -413,40 +416,24 @@ class LLMEngine:
                 logger.warning("request %r: soft-prompt placeholders failed: %r", request.request_id, error)
                 request.error = error
 
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        params = request.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return "stop"
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
-            return "length"
-        return None
-
     def _finish(self, request: Request, reason: str, error: BaseException | None = None) -> RequestOutput:
         request.finish(reason, error)
         self.scheduler.remove(request)
+        self._release(request)
+        return self._output(request)
+
+    def _release(self, request: Request) -> None:
+        """A finished request gives back its adapters and stops being live."""
         self.adapters.release(request)
         with self._lock:
             if self._live.get(request.request_id) is request:
                 del self._live[request.request_id]
-        return self._output(request)
 
-    def _output(self, request: Request, text: str | None = None) -> RequestOutput:
-        """The request's RequestOutput; text: its detokenized output when known already."""
-        completion = CompletionOutput(index=0, token_ids=request.output_token_ids,
-                                      text=self._text(request) if text is None else text,
-                                      finish_reason=request.finish_reason,
-                                      logprobs=list(request.logprobs) if request.logprobs is not None else None,
-                                      error=request.error)
+    def _output(self, request: Request) -> RequestOutput:
+        """The request's RequestOutput (its text and the text since its previous output)."""
+        completion = self.output_processor.completion(request)
         return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
                              finished=request.is_finished, prompt=request.prompt)
-
-    def _text(self, request: Request) -> str:
-        """Detokenized output; "" (logged) when that fails, so the request is still reported."""
-        try:
-            return self.tokenizer.decode(request.output_token_ids)
-        except Exception as error:  # reached for finished requests only: running ones fail in _advance
-            logger.warning("request %r: output could not be detokenized: %r", request.request_id, error)
-            return ""
 
     def _checked_params(self, params: SamplingParams | None) -> SamplingParams:
         """A private, validated copy of the request's params (ValueError naming a bad field)."""

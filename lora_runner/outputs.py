@@ -16,6 +16,11 @@ class CompletionOutput:
     or None while the request is still running.
     logprobs: when SamplingParams.logprobs is set, one dict token_id -> logprob per generated token,
     always containing the chosen token.
+    text: the output text so far (cut at a stop string; while stop strings are set and the request
+    runs, without its last characters, which a stop string may still cut). text_delta: the part of
+    `text` not in the previous output of this request (deltas concatenate to the final text).
+    stop_reason: the stop string or stop token id that finished the request (None for EOS and
+    every other finish_reason).
     """
 
     index: int
@@ -24,6 +29,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
     error: BaseException | None = None
+    text_delta: str = ""
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:

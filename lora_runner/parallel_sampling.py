@@ -29,6 +29,7 @@ class SampleGroup:
         self.samples = samples
         self._latest: list[CompletionOutput] = [CompletionOutput(index=i, token_ids=[]) for i in range(len(samples))]
         self._prompt: tuple[list[int], str | None] = (samples[0].prompt_token_ids, samples[0].prompt)
+        self._fresh: set[int] = set()  # samples with an output since the last merged one
 
     def leader_of(self, request: Request) -> Request | None:
         """Sample 0 for the other samples, None for sample 0 itself."""
@@ -37,6 +38,7 @@ class SampleGroup:
     def update(self, index: int, output: RequestOutput) -> None:
         """Record sample `index`'s output of this step."""
         self._latest[index] = dataclasses.replace(output.outputs[0], index=index)
+        self._fresh.add(index)
 
     @property
     def finished(self) -> bool:
@@ -46,7 +48,11 @@ class SampleGroup:
     def output(self) -> RequestOutput:
         """The caller's RequestOutput: every sample's latest completion, in index order."""
         prompt_token_ids, prompt = self._prompt
-        return RequestOutput(self.request_id, prompt_token_ids, list(self._latest), finished=self.finished,
+        # a sample that made no progress this step gained no text: never repeat its last delta
+        completions = [c if i in self._fresh else dataclasses.replace(c, text_delta="")
+                       for i, c in enumerate(self._latest)]
+        self._fresh.clear()
+        return RequestOutput(self.request_id, prompt_token_ids, completions, finished=self.finished,
                              prompt=prompt)
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids one request may give (each is checked every token)
 MAX_N = 16  # most parallel samples (SamplingParams.n) of one prompt
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY], as in OpenAI's API
+MAX_STOP_STRINGS = 64  # most stop strings one request may give (each is searched every step)
+MAX_STOP_STRING_CHARS = 256  # longest stop string (streamed text is held back by its length - 1)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample by argmax, as in vLLM (no 1/T overflow)
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
@@ -34,6 +36,13 @@ class SamplingParams:
     divided by it when positive, multiplied by it otherwise. Logprobs stay the raw model ones.
     n: how many samples of the prompt to generate, 1..MAX_N (16); sample i uses seed + i (mod 2**64,
     when seed is set), so it equals a single request with that seed.
+    stop: strings (a str or a list of at most MAX_STOP_STRINGS, each 1..MAX_STOP_STRING_CHARS
+    characters) that end generation as soon as the output text contains one (the first to be
+    completed wins); the text is cut before it, or after it with include_stop_str_in_output=True.
+    While stop strings are set, streamed text lags by the longest one's length - 1 characters.
+    min_tokens: no EOS, stop token or stop string ends the request before this many tokens (at most
+    max_tokens). They are not masked from sampling: an EOS or stop token sampled earlier stays in
+    token_ids (a special token adds no text) and generation goes on.
 
     Raises ValueError naming the field for a wrong type or an out-of-range value (``bool`` is not
     an integer). ``LLMEngine.add_request`` checks a copy again with the engine's limits (see
@@ -54,6 +63,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     n: int = 1  # parallel samples of the prompt, sharing its prefill (see LLMEngine.add_request)
     logprobs: int | None = None
+    # stop strings and min_tokens (lora_runner.detokenizer, lora_runner.output_processor)
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.top_k is None:
@@ -61,6 +74,7 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         self.stop_token_ids = _copied_token_list(self.stop_token_ids)
+        self.stop = _stop_list(self.stop)
         self.validate()
 
     def validate(self, max_logprobs: int | None = None, vocab_size: int | None = None) -> None:
@@ -86,6 +100,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_stop_token_ids(vocab_size)
         self._validate_logprobs(max_logprobs, vocab_size)
+        self._validate_stop_strings()
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -135,6 +150,31 @@ class SamplingParams:
             if limit is not None and self.logprobs > limit:
                 raise ValueError(f"logprobs={self.logprobs} is over {what} ({limit})")
 
+    def _validate_stop_strings(self) -> None:
+        stop = self.stop
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stop)} entries, more than the limit of {MAX_STOP_STRINGS}")
+        for s in stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop must hold non-empty strings of at most {MAX_STOP_STRING_CHARS} "
+                                 f"characters, got {s!r:.80}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be True or False, "
+                             f"got {self.include_stop_str_in_output!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+
+    @property
+    def stop_text_holdback(self) -> int:
+        """Characters of output text held back from streaming: a stop string may still complete there
+        and cut them (0 without stop strings, or when the stop string is kept in the output)."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
     def clone(self) -> SamplingParams:
         """A copy that shares nothing mutable with this object (stop_token_ids is copied).
 
@@ -145,6 +185,7 @@ class SamplingParams:
         if params.top_k is None:
             params.top_k = -1
         params.stop_token_ids = _copied_token_list(params.stop_token_ids)
+        params.stop = _stop_list(params.stop)
         return params
 
     @property
@@ -171,3 +212,14 @@ def _copied_token_list(ids):
     if isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS:
         return list(ids)
     return ids
+
+
+def _stop_list(stop):
+    """stop as a fresh list: None -> [], a str -> [str]; anything else invalid is left for validate."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOP_STRINGS:
+        return list(stop)
+    return stop

@@ -25,11 +25,16 @@ import logging
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from adapters.errors import AdapterCapacityError
 from lora_runner.block_manager import BlockManager
 from lora_runner.fairness import POLICIES, FairQueue, FcfsQueue, VirtualTokenCounter, served_tokens, tenant_of
 from lora_runner.sequence import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from lora_runner.output_processor import OutputProcessor
+    from lora_runner.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -322,3 +327,29 @@ class Scheduler:
         self._leaders.pop(request, None)
         if request in self._tenants:
             self.fairness.leave(self._tenants.pop(request))
+
+    def postprocess(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
+                    processor: OutputProcessor) -> list[tuple[Request, BaseException | None]]:
+        """After the model ran: count each scheduled chunk as computed, append every sampled token
+        (processor.append: detokenize, check stops) and finish and remove (free the blocks of) the
+        requests that stopped. sampled: one row per chunk with samples=True, in order.
+
+        Returns (request, error) per sampled request. error: the sampler's error for its row, or what
+        appending its token raised; that request alone failed and is left for the caller to finish
+        with "error" (it releases adapters too); the others go on.
+        """
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        sampling = [s.request for s in scheduled if s.samples]
+        results = []
+        for request, token, logprobs, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors):
+            if error is None:
+                try:
+                    reason = processor.append(request, token, logprobs)
+                    if reason is not None:
+                        request.finish(processor.finish(request, reason))
+                        self.remove(request)
+                except Exception as exc:  # this request's output could not be made; it alone fails
+                    error = exc
+            results.append((request, error))
+        return results

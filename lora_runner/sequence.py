@@ -51,6 +51,8 @@ class Request:
     error: BaseException | None = None
     num_preemptions: int = 0
     num_virtual_tokens: int = 0  # soft-prompt placeholders at the front of token_ids
+    output_text: Any = None  # lora_runner.detokenizer.OutputText, made by the OutputProcessor on first use
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

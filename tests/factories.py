@@ -257,3 +257,26 @@ def save_adapter_copy(source_dir, path) -> Path:
 
     shutil.copytree(source_dir, path)
     return Path(path)
+
+
+# --- a byte-level BPE tokenizer whose tokens split UTF-8 sequences (incremental detokenization tests)
+MULTIBYTE_CORPUS = ["café au lait, crème brûlée et déjà vu", "中文字符和汉字的句子",
+                    "emoji 🙂🚀👍🏽 mixed with text", "naïve façade über straße",
+                    "日本語のテキスト and ascii words", "the cat sat on the mat"]
+
+
+def make_byte_level_tokenizer(vocab_size: int = 300):
+    """A GPT-2 style byte-level BPE (transformers PreTrainedTokenizerFast) trained on
+    MULTIBYTE_CORPUS: every byte is a token and few merges exist, so é, 中 and emoji are spread over
+    several tokens, and a token may end inside a character. Specials: <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(MULTIBYTE_CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=False)

@@ -5,6 +5,8 @@ import random
 import pytest
 
 from lora_runner.block_manager import BlockManager
+from lora_runner.output_processor import OutputProcessor
+from lora_runner.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.scheduler import Scheduler
 from lora_runner.sequence import Request, RequestStatus
@@ -26,18 +28,13 @@ def make_request(i, prompt_len, max_tokens=4, lora=None, tenant=None):
 
 
 def run_step(sched, out, next_token=7):
-    """What the engine does after the model ran: advance, append sampled tokens, finish."""
-    finished = []
-    for s in out.scheduled:
-        req = s.request
-        req.num_computed_tokens += s.num_new_tokens
-        if s.samples:
-            req.token_ids.append(next_token)
-            if req.num_output_tokens >= req.params.max_tokens:
-                req.finish("length")
-                sched.remove(req)
-                finished.append(req)
-    return finished
+    """What the engine does after the model ran (the shared Scheduler.postprocess): advance, append
+    sampled tokens, finish; returns the requests that finished."""
+    num_sampled = sum(s.samples for s in out.scheduled)
+    sampled = SamplerOutput([next_token] * num_sampled, [None] * num_sampled)
+    results = sched.postprocess(out.scheduled, sampled, OutputProcessor(None, eos_token_ids=(), max_model_len=10**6))
+    assert all(error is None for _, error in results)
+    return [request for request, _ in results if request.is_finished]
 
 
 def test_prefill_then_decode_and_join_between_steps():
@@ -203,3 +200,25 @@ def test_adapter_that_can_never_get_a_slot_fails_with_capacity_error():
     out = sched.schedule()
     assert out.failed == [a] and isinstance(a.error, AdapterCapacityError) and "pinned" in str(a.error)
     assert [s.request for s in out.scheduled] == [base]
+
+
+def test_postprocess_finishes_frees_and_leaves_a_failed_append_to_the_caller():
+    sched, bm = make_scheduler()
+    a, b, c = make_request(0, 3, max_tokens=1), make_request(1, 3, max_tokens=1), make_request(2, 3, max_tokens=1)
+    for r in (a, b, c):
+        sched.add(r)
+    out = sched.schedule()
+
+    def decode(ids):
+        if 99 in ids:
+            raise RuntimeError("cannot decode 99")
+        return " ".join(map(str, ids))
+
+    sampler_error = FloatingPointError("row 2")
+    sampled = SamplerOutput([7, 99, -1], [None] * 3, [None, None, sampler_error])
+    results = sched.postprocess(out.scheduled, sampled, OutputProcessor(decode, eos_token_ids=(), max_model_len=64))
+    assert [r for r, _ in results] == [a, b, c]
+    assert results[0][1] is None and a.finish_reason == "length" and bm.holders() == ["r1", "r2"]
+    assert isinstance(results[1][1], RuntimeError) and not b.is_finished  # the caller finishes it with "error"
+    assert results[2][1] is sampler_error and c.token_ids == [1, 2, 3]  # a failed row appends nothing
+    assert all(r.num_computed_tokens == 3 for r in (a, b, c))

@@ -111,6 +111,36 @@ def test_streaming_deltas_concatenate_to_the_whole_text(client, lora):
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_cut_the_text_streamed_or_not(client, stream, include):
+    kwargs = dict(model="r4", prompt=PROMPTS[5], max_tokens=12, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    stop = " ".join(whole.split(" ")[2:4])  # spans tokens: the stream must not show its first part
+    extra = {"include_stop_str_in_output": include}
+    if stream:
+        chunks = [c for c in client.completions.create(**kwargs, stop=[stop, "#never#"], stream=True,
+                                                       extra_body=extra) if c.choices]
+        text, choice = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0]
+    else:
+        choice = client.completions.create(**kwargs, stop=[stop, "#never#"], extra_body=extra).choices[0]
+        text = choice.text
+    cut = whole.index(stop) + (len(stop) if include else 0)
+    assert (text, choice.finish_reason, choice.model_extra["stop_reason"]) == (whole[:cut], "stop", stop)
+
+
+def test_stop_and_min_tokens_in_chat(client):
+    kwargs = dict(model="base", messages=[{"role": "user", "content": "the cat"}], max_tokens=10, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    first_word = whole.split(" ")[0]
+    stopped = client.chat.completions.create(**kwargs, stop=first_word).choices[0]
+    assert (stopped.message.content, stopped.finish_reason) == ("", "stop")
+    assert stopped.model_extra["stop_reason"] == first_word
+    deferred = client.chat.completions.create(**kwargs, stop=first_word, extra_body={"min_tokens": 10})
+    assert deferred.choices[0].message.content.startswith(whole[:len(first_word)])
+    assert deferred.usage.completion_tokens == 10
+
+
 def test_stream_ends_with_done_event(served):
     body = {"model": "r4", "prompt": PROMPTS[0], "max_tokens": 4, "stream": True}
     with httpx.stream("POST", served[0].base_url + "/v1/completions", json=body, timeout=60) as response:
@@ -193,10 +223,12 @@ ERRORS = [  # (body changes to a valid completion, status, code)
     ({"model": "soft", "prompt_adapter": "soft"}, 400, "invalid_value"),
     ({"n": 1000}, 400, "invalid_value"),
     ({"n": 0}, 400, "invalid_request"),
-    ({"stop": ["cat"]}, 400, "unsupported_parameter"),
     ({"presence_penalty": 2.5}, 400, "invalid_value"),  # SamplingParams' ValueError
     ({"frequency_penalty": -3}, 400, "invalid_value"),
     ({"repetition_penalty": 0}, 400, "invalid_value"),
+    ({"stop": [""]}, 400, "invalid_value"),
+    ({"stop": ["x" * 257]}, 400, "invalid_value"),
+    ({"min_tokens": 5}, 400, "invalid_value"),  # over max_tokens
     ({"logit_bias": {"5": 1.0}}, 400, "unsupported_parameter"),
     ({"echo": True}, 400, "unsupported_parameter"),
     ({"best_of": 3}, 400, "unsupported_parameter"),

@@ -35,6 +35,7 @@ class Delta:
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class CompletionFormat:
     @staticmethod
     def _choice(delta: Delta) -> dict:
         return {"index": delta.index, "text": delta.text, "logprobs": _completion_logprobs(delta.logprobs),
-                "finish_reason": delta.finish_reason}
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 
 @dataclass
@@ -99,14 +100,15 @@ class ChatFormat(CompletionFormat):
     def response(self, deltas: list[Delta], usage: Usage) -> dict:
         """The whole (non-streamed) chat completion."""
         choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text},
-                    "logprobs": _chat_logprobs(d.logprobs), "finish_reason": d.finish_reason} for d in deltas]
+                    "logprobs": _chat_logprobs(d.logprobs), "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason} for d in deltas]
         return {**self._head(chunk=False), "choices": choices, "usage": usage.as_dict()}
 
     @staticmethod
     def _choice(delta: Delta) -> dict:
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return {"index": delta.index, "delta": content, "logprobs": _chat_logprobs(delta.logprobs),
-                "finish_reason": delta.finish_reason}
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:

@@ -82,7 +82,6 @@ class _Sent:
     """What has been sent of one sample (choice)."""
 
     tokens: int = 0
-    text: str = ""
     done: bool = False  # its finish (or error) was reported
 
 
@@ -121,7 +120,7 @@ class ChoiceRun:
             self._finished("error", len(completion.token_ids))
             raise api_error_from(completion.error or RuntimeError("the request failed"))
         new_ids = completion.token_ids[sent.tokens:]
-        text = self._new_text(sent, completion.text, completion.finished)
+        text = completion.text_delta  # the engine's incremental text: whole characters, stop strings cut
         logprobs = self._logprobs(completion, sent.tokens, len(new_ids))
         sent.tokens += len(new_ids)
         if completion.finished:
@@ -129,17 +128,7 @@ class ChoiceRun:
             self._finished(completion.finish_reason, len(completion.token_ids))
         if not text and not new_ids and not completion.finished:
             return None
-        return Delta(self.index + sample, text, logprobs, completion.finish_reason)
-
-    def _new_text(self, sent: _Sent, text: str, finished: bool) -> str:
-        # The engine re-decodes the whole output each step; hold back a trailing partial character.
-        if not finished:
-            text = text.rstrip("\ufffd")
-        if not text.startswith(sent.text):
-            logger.debug("request %s: decoded text changed under already-sent text", self.request_id)
-            return ""
-        delta, sent.text = text[len(sent.text):], text
-        return delta
+        return Delta(self.index + sample, text, logprobs, completion.finish_reason, completion.stop_reason)
 
     def _logprobs(self, completion, start: int, num_new: int) -> list[TokenLogprob] | None:
         if completion.logprobs is None:
@@ -302,7 +291,7 @@ def _join(total: Delta, delta: Delta | None) -> Delta:
     if delta is None:
         return total
     logprobs = None if delta.logprobs is None else (total.logprobs or []) + delta.logprobs
-    return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason)
+    return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason, delta.stop_reason)
 
 
 async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: bool,

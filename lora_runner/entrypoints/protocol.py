@@ -41,6 +41,8 @@ class _GenerationBody(_Body):
     user: str | None = None  # an end-user id for the caller's own records; not used by the engine
     ignore_eos: bool = False  # extension (vLLM)
     stop_token_ids: list[int] | None = None  # extension (vLLM)
+    include_stop_str_in_output: bool = False  # extension (vLLM)
+    min_tokens: int = Field(default=0, ge=0)  # extension (vLLM)
     prompt_adapter: str | None = None  # extension: a registered soft prompt, by name
 
 

@@ -1,6 +1,6 @@
 """From an OpenAI request body to the engine's SamplingParams, refusing what cannot be honoured.
 
-The engine has no stop strings, best_of, echo, suffix or logit_bias yet: a
+The engine has no best_of, echo, suffix or logit_bias yet: a
 request that asks for one gets a 400 naming the field, never a silently different result.
 """
 
@@ -19,8 +19,6 @@ def check_supported(body: CompletionRequest | ChatCompletionRequest, max_n: int)
     """400 for every field set to something the engine cannot do."""
     if body.n > max_n:
         raise APIError(400, f"n must be <= {max_n}, got {body.n}", "invalid_value")
-    if body.stop:
-        raise _unsupported("stop", "stop strings")
     if body.logit_bias:
         raise _unsupported("logit_bias", "logit bias")
     if body.stream_options is not None and not body.stream:
@@ -58,6 +56,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             seed=body.seed, n=body.n, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            stop=body.stop, include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from exc
