@@ -136,3 +136,25 @@ def test_leader_that_finishes_at_once_leaves_the_others_correct(llm, engine_chec
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, n=3), use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [greedy_oracle(hf, PROMPT, 1)[0]] * 3
     assert_idle(llm.engine)
+
+
+def test_a_sample_without_progress_in_a_step_repeats_no_text_delta():
+    """Streams are built from text_delta: a sample that got no output in a step (admitted a step
+    after its leader, or preempted) must report an empty delta, never its previous one again."""
+    from lora_runner.outputs import CompletionOutput, RequestOutput
+    from lora_runner.parallel_sampling import SampleGroup
+    from lora_runner.sequence import Request
+
+    samples = [Request(f"r[{i}]", [1, 2], SamplingParams(max_tokens=4), arrival=i) for i in range(2)]
+    group = SampleGroup("r", samples)
+
+    def step(index, tokens, delta):
+        group.update(index, RequestOutput(f"r[{index}]", [1, 2], [CompletionOutput(0, tokens, text_delta=delta)]))
+
+    step(0, [5], "a")
+    step(1, [6], "b")
+    assert [c.text_delta for c in group.output().outputs] == ["a", "b"]
+    step(0, [5, 7], "c")  # sample 1 made no progress this step
+    merged = group.output()
+    assert [c.text_delta for c in merged.outputs] == ["c", ""]
+    assert [c.token_ids for c in merged.outputs] == [[5, 7], [6]] and [c.index for c in merged.outputs] == [0, 1]
