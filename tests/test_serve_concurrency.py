@@ -17,15 +17,22 @@ from serve_support import PROMPTS, offline_greedy, serve_args, start_server, tok
 from lora_runner.entrypoints.cli import main
 
 ADAPTERS = ("r4", "r8-rslora", "r16-patterns", "r8-qv", "r16-mlp")
-NUM_REQUESTS = 48
+EXTRA_ADAPTERS = {"x1": dict(seed=21, r=4), "x2": dict(seed=22, r=8), "x3": dict(seed=23, r=16)}  # 8 LoRAs in all
+NUM_REQUESTS = 64
 MAX_TOKENS = 8
 
 
 @pytest.mark.slow
-def test_concurrent_streams_over_more_adapters_than_slots_all_complete_exactly(engine_checkpoint):
-    model_dir, _, adapters = engine_checkpoint
+def test_concurrent_streams_over_more_adapters_than_slots_all_complete_exactly(engine_checkpoint, tmp_path):
+    """64 concurrent streams over 8 LoRAs and the base model, 2 device slots: all complete, exact."""
+    from factories import save_lora
+
+    model_dir, hf, adapters = engine_checkpoint
     loras = {name: adapters[name][0] for name in ADAPTERS}
-    models = (None, *ADAPTERS)
+    for name, kwargs in EXTRA_ADAPTERS.items():
+        save_lora(hf, tmp_path / name, scale=0.15, **kwargs)
+        loras[name] = str(tmp_path / name)
+    models = (None, *loras)
     jobs = [(PROMPTS[i % len(PROMPTS)], models[i % len(models)], None) for i in range(NUM_REQUESTS)]
     expected = offline_greedy(model_dir, jobs, MAX_TOKENS, loras)
     server, state = start_server(serve_args(model_dir, loras))  # max_loras=2: slots churn
@@ -46,7 +53,7 @@ def test_concurrent_streams_over_more_adapters_than_slots_all_complete_exactly(e
         outputs = asyncio.run(run_all())
         assert [token_ids(state.tokenizer, o) for o in outputs] == expected
         stats = state.engine.engine.adapter_manager.stats
-        assert stats.lora_evictions > 0  # five adapters through two slots
+        assert stats.lora_evictions > 0  # eight adapters through two slots
         assert not state.engine.engine.has_unfinished_requests()
         assert state.engine.engine.block_manager.num_used_blocks == 0
     finally:
