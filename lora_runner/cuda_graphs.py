@@ -38,9 +38,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from lora_runner.attention import BACKEND_ENV
+from lora_runner.model.attention import BACKEND_ENV
 from lora_runner.batch import BatchBuilder, BatchInputs
-from lora_runner.forward_context import AttentionMetadata, ForwardContext, LoRAContext
+from lora_runner.model.forward_context import AttentionMetadata, ForwardContext, LoRAContext
 
 logger = logging.getLogger(__name__)
 

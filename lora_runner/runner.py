@@ -16,7 +16,7 @@ import torch
 
 from lora_runner.batch import BatchBuilder, BatchInputs, SeqChunk
 from lora_runner.cuda_graphs import DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
-from lora_runner.forward_context import AttentionMetadata, ForwardContext, LoRAContext, PromptAdapterContext
+from lora_runner.model.forward_context import AttentionMetadata, ForwardContext, LoRAContext, PromptAdapterContext
 from lora_runner.kv_cache import allocate_kv_cache
 from lora_runner.sampler import Sampler, SamplerOutput
 from lora_runner.sampling_params import SamplingParams

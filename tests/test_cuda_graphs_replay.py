@@ -13,7 +13,7 @@ from adapters import LoRARequest
 from adapters.manager import AdapterManager
 from lora_runner.batch import SeqChunk
 from lora_runner.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, RerunGraph, resident_dummy_loras
-from lora_runner.forward_context import ForwardContext
+from lora_runner.model.forward_context import ForwardContext
 from lora_runner.model import load_model
 from lora_runner.runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
