@@ -7,6 +7,10 @@ non_blocking=True, so the copies may still be queued when build() returns (a ste
 nothing never waits for the device): the next build() first waits for them (a CUDA event) before
 it overwrites the CPU tensors.
 
+Decode graphs run fixed-size steps: pad_decode fills the rows past a decode step with padding
+sequences, so the graph's buffers hold a whole captured size; padding_batch is such a step made of
+padding only (capture).
+
 Prompt adapters: a sequence's first `num_virtual_tokens` positions are its soft prompt's
 placeholders. Each such token gets its prompt-adapter slot and virtual index (its position) in
 `token_prompt_slots` / `token_prompt_positions`; every other token gets -1, and the model's
@@ -80,10 +84,10 @@ class _Buffer:
         self.np = self.cpu.numpy()
         self.device = self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
 
-    def copy_to_device(self, n: int) -> torch.Tensor:
-        """Copy rows [:n] to the device; returns the device view [:n]."""
-        if self.device is not self.cpu:
-            self.device[:n].copy_(self.cpu[:n], non_blocking=True)
+    def copy_to_device(self, n: int, first: int = 0) -> torch.Tensor:
+        """Copy rows [first:n] to the device; returns the device view [:n]."""
+        if self.device is not self.cpu and first < n:
+            self.device[first:n].copy_(self.cpu[first:n], non_blocking=True)
         return self.device[:n]
 
 
@@ -174,6 +178,57 @@ class BatchBuilder:
             max_query_len=max_query_len, max_seq_len=max_seq_len, has_lora=has_lora,
             token_prompt_slots=prompt_slots, token_prompt_positions=prompt_positions)
         self.record_copies()
+        return batch
+
+    def pad_decode(self, batch: BatchInputs, num_seqs: int) -> BatchInputs:
+        """Pad the decode step `batch` (the last build()) to `num_seqs` sequences: the device views of
+        a step of that size whose first batch.num_seqs rows are `batch`'s (for a decode graph).
+
+        Padding sequences get one token each: token 0 at position 0, LoRA slot -1, KV slot -1 (not
+        written), context length 1 over block 0 (only read: finite, zero or a real token's K/V).
+        Only the padding rows are copied (build() copied the real ones). sample_indices stay
+        `batch`'s; max_seq_len becomes the block tables' capacity, so the views serve any context.
+        """
+        if batch.max_query_len != 1 or batch.num_tokens != batch.num_seqs:
+            raise ValueError(f"pad_decode needs a decode-only step, got {batch.num_tokens} tokens of "
+                             f"{batch.num_seqs} sequences")
+        self._write_decode_padding(batch.num_seqs, num_seqs)
+        return self._decode_views(num_seqs, batch.num_seqs, batch.sample_indices, batch.has_lora)
+
+    def padding_batch(self, num_seqs: int, lora_slot: int = -1) -> BatchInputs:
+        """A decode step of `num_seqs` padding sequences (as pad_decode writes them) that samples no
+        row; lora_slot >= 0 puts every token on that adapter. For graph capture."""
+        self.wait_for_copies()
+        self._write_decode_padding(0, num_seqs)
+        self.token_lora_slots.np[:num_seqs] = lora_slot
+        return self._decode_views(num_seqs, 0, self.sample_indices.device[:0], lora_slot >= 0)
+
+    def _write_decode_padding(self, num_seqs: int, padded_seqs: int) -> None:
+        """Write padding sequences num_seqs..padded_seqs-1 of a decode step into the CPU buffers."""
+        capacity = min(self.max_num_seqs, self.max_num_tokens)  # one token per sequence
+        if not 0 <= num_seqs <= padded_seqs <= capacity:
+            raise ValueError(f"cannot pad {num_seqs} sequences to {padded_seqs} (buffers hold {capacity})")
+        rows = slice(num_seqs, padded_seqs)  # decode: token i belongs to sequence i
+        self.input_ids.np[rows] = 0
+        self.positions.np[rows] = 0
+        self.slot_mapping.np[rows] = -1
+        self.token_lora_slots.np[rows] = -1
+        self.query_start_loc.np[num_seqs + 1:padded_seqs + 1] = np.arange(num_seqs + 1, padded_seqs + 1)
+        self.seq_lens.np[rows] = 1
+        self.block_tables.np[rows] = 0
+
+    def _decode_views(self, num_seqs: int, first: int, sample_indices: torch.Tensor, has_lora: bool) -> BatchInputs:
+        """Copy rows [first:num_seqs] of the decode buffers to the device; rows [:num_seqs] as a batch."""
+        n = num_seqs
+        batch = BatchInputs(
+            input_ids=self.input_ids.copy_to_device(n, first), positions=self.positions.copy_to_device(n, first),
+            slot_mapping=self.slot_mapping.copy_to_device(n, first),
+            token_lora_slots=self.token_lora_slots.copy_to_device(n, first),
+            query_start_loc=self.query_start_loc.copy_to_device(n + 1, first + 1),
+            seq_lens=self.seq_lens.copy_to_device(n, first), block_tables=self.block_tables.copy_to_device(n, first),
+            sample_indices=sample_indices, max_query_len=1, max_seq_len=self.max_blocks_per_seq * self.block_size,
+            has_lora=has_lora)
+        self.record_copies()  # the next build() waits for these copies before rewriting the CPU rows
         return batch
 
     def _map_virtual_tokens(self, i: int, chunk: SeqChunk, offset: int, positions: np.ndarray) -> int:

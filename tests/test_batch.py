@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from lora_runner.batch import BatchBuilder, SeqChunk
+from lora_runner.model.attention import paged_attention, write_kv
+from lora_runner.model.forward_context import AttentionMetadata
 
 
 def reference(chunks, block_size, width):
@@ -92,3 +94,57 @@ def test_rejects_oversized_batch():
         builder.build([SeqChunk([1] * 5, 0, 5, [0, 1])])
     with pytest.raises(ValueError, match="exceeds the buffers"):
         builder.build([SeqChunk([1], 0, 1, [0]), SeqChunk([1], 0, 1, [1])])
+
+
+def attention_metadata(batch):
+    return AttentionMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
+                             seq_lens=batch.seq_lens, block_tables=batch.block_tables,
+                             max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pad_decode_padding_writes_no_kv_and_attends_finitely(seed):
+    """pad_decode: real rows as build() wrote them; padding rows (token 0, position 0, LoRA slot -1,
+    KV slot -1, context 1 over block 0) leave the cache as the real rows alone leave it, and attend
+    to finite values although every block outside the step (block 0 aside) holds NaN."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    block_size, width, num_blocks, heads, kv_heads, head_dim = 4, 6, 64, 4, 2, 8
+    builder = BatchBuilder(max_num_tokens=32, max_num_seqs=16, max_blocks_per_seq=width, block_size=block_size,
+                           device="cpu")
+    poison(builder)  # leftovers must not survive in the padding rows either
+    num_seqs, padded_seqs = rng.randint(1, 8), rng.randint(8, 16)
+    chunks = random_chunks(rng, num_seqs, block_size, width, num_blocks)
+    for chunk in chunks:  # decode: one new token each, never in block 0 (padding reads it)
+        chunk.block_table = [b if b else num_blocks - 1 for b in chunk.block_table]
+        chunk.start, chunk.num_new_tokens = len(chunk.token_ids) - 1, 1
+    batch = builder.build(chunks)
+    real = {name: getattr(batch, name).clone() for name in ("input_ids", "positions", "slot_mapping",
+                                                            "token_lora_slots", "seq_lens", "block_tables")}
+    padded = builder.pad_decode(batch, padded_seqs)
+    pad = slice(num_seqs, padded_seqs)
+    assert padded.num_seqs == padded.num_tokens == padded_seqs and padded.max_query_len == 1
+    assert padded.max_seq_len == width * block_size and padded.has_lora == batch.has_lora
+    assert torch.equal(padded.sample_indices, batch.sample_indices)  # the real step's
+    for name, want in real.items():
+        assert torch.equal(getattr(padded, name)[:num_seqs], want), name
+    assert torch.equal(padded.query_start_loc, torch.arange(padded_seqs + 1, dtype=torch.int32))
+    assert (padded.slot_mapping[pad] == -1).all() and (padded.token_lora_slots[pad] == -1).all()
+    assert (padded.input_ids[pad] == 0).all() and (padded.positions[pad] == 0).all()
+    assert (padded.seq_lens[pad] == 1).all() and (padded.block_tables[pad] == 0).all()
+
+    kv = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.float64)
+    for block in {0, *(b for c in chunks for b in c.block_table)}:
+        kv[:, block] = torch.randn(2, block_size, kv_heads, head_dim, dtype=torch.float64)
+    key, value = torch.randn(2, padded_seqs, kv_heads, head_dim, dtype=torch.float64)
+    query = torch.randn(padded_seqs, heads, head_dim, dtype=torch.float64)
+    want_kv = kv.clone()
+    write_kv(want_kv, key[:num_seqs], value[:num_seqs], real["slot_mapping"])
+    write_kv(kv, key, value, padded.slot_mapping)
+    assert torch.equal(kv.nan_to_num(7.0), want_kv.nan_to_num(7.0))  # padding wrote no slot
+    got = paged_attention(query, kv, attention_metadata(padded), 0.3, backend="torch")  # [P, H, D]
+    assert torch.isfinite(got).all()
+    unpadded = attention_metadata(batch)
+    unpadded.seq_lens, unpadded.block_tables = real["seq_lens"], real["block_tables"]
+    want = paged_attention(query[:num_seqs], kv, unpadded, 0.3, backend="torch")
+    torch.testing.assert_close(got[:num_seqs], want, rtol=1e-12, atol=1e-12)
