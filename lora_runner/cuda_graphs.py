@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from lora_runner.batch import BatchBuilder, BatchInputs
+from lora_runner.batch import BatchBuilder, BatchInputs, StepShape
 from lora_runner.model.attention import BACKEND_ENV
 from lora_runner.step_context import ForwardContextBuilder
 
@@ -99,7 +99,7 @@ class DecodeGraphPlan:
         """Every key, largest first (the capture order: later, smaller graphs reuse its memory)."""
         return sorted((DecodeGraphKey(s, lora) for s in self.sizes for lora in (True, False)), reverse=True)
 
-    def key_for(self, batch: BatchInputs) -> DecodeGraphKey | None:
+    def key_for(self, batch: StepShape | BatchInputs) -> DecodeGraphKey | None:
         """The graph for `batch`, or None when it must run eagerly (prefill or mixed step, soft-prompt
         placeholders, more sequences than the largest capture size)."""
         decode_only = batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
@@ -232,18 +232,31 @@ class DecodeGraphs:
         ctx = self.contexts.build(batch)
         return lambda: self.model(batch.input_ids, batch.positions, ctx)  # [num_seqs, hidden]
 
+    def key_for(self, step: StepShape | BatchInputs) -> DecodeGraphKey | None:
+        """The captured graph for `step`, or None when it must run eagerly."""
+        key = self.plan.key_for(step)
+        return key if key in self._graphs else None
+
     @torch.inference_mode()
-    def run(self, batch: BatchInputs) -> torch.Tensor | None:
-        """Replay the graph for the step `batch` (just built by the builder): hidden [T, hidden]
-        of its real tokens, valid until the next replay. None when the step must run eagerly."""
-        key = self.plan.key_for(batch)
-        captured = self._graphs.get(key) if key is not None else None
-        if captured is None:
-            return None
-        self.contexts.prepare_lora(self.builder.pad_decode(batch, key.num_seqs))  # outside the graph
+    def replay(self, key: DecodeGraphKey, padded: BatchInputs) -> torch.Tensor:
+        """Replay graph `key` on `padded` (the builder's upload of the step padded to key.num_seqs):
+        hidden [key.num_seqs, hidden], valid until the next replay."""
+        captured = self._graphs[key]
+        # the packed upload puts a size's rows where its capture found them; a moved view would go unread
+        assert padded.input_ids.data_ptr() == captured.batch.input_ids.data_ptr(), "padded step off the graph's buffers"
+        self.contexts.prepare_lora(padded)  # outside the graph
         captured.graph.replay()
         self.num_replays += 1
-        return captured.hidden[:batch.num_tokens]  # [T, hidden]
+        return captured.hidden
+
+    @torch.inference_mode()
+    def run(self, batch: BatchInputs) -> torch.Tensor | None:
+        """Pad the step `batch` (just built by the builder) and replay its graph: hidden [T, hidden]
+        of its real tokens, valid until the next replay. None when the step must run eagerly."""
+        key = self.key_for(batch)
+        if key is None:
+            return None
+        return self.replay(key, self.builder.pad_decode(batch, key.num_seqs))[:batch.num_tokens]  # [T, hidden]
 
     @torch.inference_mode()
     def run_eager(self, batch: BatchInputs) -> torch.Tensor:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lora_runner.batch import BatchBuilder, SeqChunk
-from lora_runner.cuda_graphs import DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
+from lora_runner.batch import BatchBuilder, BatchInputs, SeqChunk
+from lora_runner.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
 from lora_runner.kv_cache import allocate_kv_cache
 from lora_runner.sampler import Sampler, SamplerOutput
 from lora_runner.sampling_params import SamplingParams
@@ -66,14 +66,24 @@ class ModelRunner:
 
         params / generators: one per sampling chunk, in chunk order.
         """
-        batch = self.batch_builder.build(chunks)
-        hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None  # [T, hidden]
-        if hidden is None:  # no graph for this step: eager
+        batch, key = self._upload(chunks)
+        if key is not None:
+            hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
+        else:
             hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
         if not params:
             return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab] float32
         return self.sampler(logits, self.sampler.make_batch(params, generators))
+
+    def _upload(self, chunks: Sequence[SeqChunk]) -> tuple[BatchInputs, DecodeGraphKey | None]:
+        """The step's device views and its decode graph (None: eager), after one upload: a graphed
+        decode step is padded to its graph's size before it."""
+        if self.decode_graphs is None:
+            return self.batch_builder.build(chunks), None
+        step = self.batch_builder.write(chunks)
+        key = self.decode_graphs.key_for(step)
+        return self.batch_builder.upload(step, padded_seqs=key.num_seqs if key is not None else None), key
 
     def capture_decode_graphs(self, lora_tier, max_lora_rank: int, make_graph=None, progress: bool = True) -> None:
         """Capture decode graphs with a dummy warmup LoRA of max_lora_rank resident in lora_tier (the

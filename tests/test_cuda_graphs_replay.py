@@ -83,6 +83,7 @@ class Rig:
         assert torch.isfinite(replayed).all()
         same_kernels = graphs.run_eager(batch)
         assert torch.equal(replayed, same_kernels), (replayed - same_kernels).abs().max()
+        batch = runner.batch_builder.build(chunks)  # again: on a device each upload moves the views
         ctx = runner.forward_contexts.for_step(batch)
         plain = runner.model(batch.input_ids, batch.positions, ctx)  # [T, hidden], unpadded, eager
         if tol is not None:
