@@ -20,6 +20,7 @@ embedding step overwrites only the mapped tokens. Only prefill chunks can contai
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -135,42 +136,61 @@ class BatchBuilder:
         return self.upload(self.write(chunks))
 
     def write(self, chunks: Sequence[SeqChunk]) -> StepShape:
-        """Flatten `chunks` (in order) into the host arrays; returns the step's shape (see upload)."""
+        """Flatten `chunks` (in order) into the host arrays; returns the step's shape (see upload).
+
+        Vectorized over the step: one pass over the chunks gathers their scalars, numpy does the rest.
+        """
         num_seqs = len(chunks)
-        num_tokens = sum(c.num_new_tokens for c in chunks)
+        starts = np.fromiter((c.start for c in chunks), np.int64, num_seqs)  # [B]
+        lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, num_seqs)  # [B]
+        num_tokens = int(lens.sum())
         if not 0 < num_seqs <= self.max_num_seqs or num_tokens > self.max_num_tokens:
             raise ValueError(f"batch of {num_seqs} sequences / {num_tokens} tokens exceeds the "
                              f"buffers ({self.max_num_seqs} / {self.max_num_tokens})")
+        ends = starts + lens  # [B] context length after the step
+        num_blocks = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)  # [B]
+        self._check_fit(chunks, lens, ends, num_blocks)
+        rows = slice(0, num_tokens)
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(lens, out=qsl[1:num_seqs + 1])
+        token_seq = np.repeat(self._arange[:num_seqs], lens)  # [T] sequence of each token
+        positions = self._arange[:num_tokens] - np.repeat(qsl[:num_seqs] - starts, lens)  # [T]
+        self.positions.np[rows] = positions
+        self.input_ids.np[rows] = np.fromiter(
+            itertools.chain.from_iterable(c.token_ids[c.start:c.start + c.num_new_tokens] for c in chunks),
+            np.int64, num_tokens)
+        tables = self.block_tables.np
+        tables[:num_seqs] = 0
+        table_start = np.cumsum(num_blocks) - num_blocks  # [B] offset of each table in the flat list
+        table_rows = np.repeat(self._arange[:num_seqs], num_blocks)  # [sum(num_blocks)]
+        table_cols = np.arange(table_rows.shape[0]) - np.repeat(table_start, num_blocks)
+        tables[table_rows, table_cols] = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks),
+                                                     np.int64, table_rows.shape[0])
         bs = self.block_size
-        self.block_tables.np[:num_seqs] = 0
-        self.query_start_loc.np[0] = 0
-        offset, num_samples, max_query_len, max_seq_len, num_virtual = 0, 0, 0, 0, 0
-        for i, chunk in enumerate(chunks):
-            n, start = chunk.num_new_tokens, chunk.start
-            end = start + n
-            if (n < 1 or end > len(chunk.token_ids) or len(chunk.block_table) * bs < end
-                    or len(chunk.block_table) > self.max_blocks_per_seq):
-                raise ValueError(f"chunk {i}: {n} tokens from {start} do not fit its "
-                                 f"{len(chunk.token_ids)} tokens / {len(chunk.block_table)} blocks")
-            rows = slice(offset, offset + n)
-            positions = self._arange[start:end]  # [n]
-            table = np.asarray(chunk.block_table, dtype=np.int64)  # [num_blocks]
-            self.input_ids.np[rows] = chunk.token_ids[start:end]
-            self.positions.np[rows] = positions
-            self.slot_mapping.np[rows] = table[positions // bs] * bs + positions % bs
-            self.token_lora_slots.np[rows] = chunk.lora_slot
-            num_virtual += self._map_virtual_tokens(i, chunk, offset, positions)
-            self.block_tables.np[i, :len(table)] = table
-            self.seq_lens.np[i] = end
-            offset += n
-            self.query_start_loc.np[i + 1] = offset
-            if chunk.sample:
-                self.sample_indices.np[num_samples] = offset - 1
-                num_samples += 1
-            max_query_len, max_seq_len = max(max_query_len, n), max(max_seq_len, end)
+        self.slot_mapping.np[rows] = tables[token_seq, positions // bs] * bs + positions % bs
+        lora_slots = np.fromiter((c.lora_slot for c in chunks), np.int64, num_seqs)  # [B]
+        self.token_lora_slots.np[rows] = np.repeat(lora_slots, lens)
+        self.seq_lens.np[:num_seqs] = ends
+        sample = np.fromiter((c.sample for c in chunks), bool, num_seqs)  # [B]
+        num_samples = int(sample.sum())
+        self.sample_indices.np[:num_samples] = (qsl[1:num_seqs + 1] - 1)[sample]
+        num_virtual = self._map_virtual_tokens(chunks, num_tokens)
         return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, num_samples=num_samples,
-                         max_query_len=max_query_len, max_seq_len=max_seq_len,
-                         has_lora=any(c.lora_slot >= 0 for c in chunks), has_prompt_adapter=num_virtual > 0)
+                         max_query_len=int(lens.max()), max_seq_len=int(ends.max()),
+                         has_lora=bool((lora_slots >= 0).any()), has_prompt_adapter=num_virtual > 0)
+
+    def _check_fit(self, chunks: Sequence[SeqChunk], lens: np.ndarray, ends: np.ndarray,
+                   num_blocks: np.ndarray) -> None:
+        """Raise for the first chunk whose tokens or blocks do not fit (before anything is written)."""
+        num_ids = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+        bad = ((lens < 1) | (ends > num_ids) | (num_blocks * self.block_size < ends)
+               | (num_blocks > self.max_blocks_per_seq))
+        if bad.any():
+            i = int(bad.argmax())
+            chunk = chunks[i]
+            raise ValueError(f"chunk {i}: {chunk.num_new_tokens} tokens from {chunk.start} do not fit its "
+                             f"{len(chunk.token_ids)} tokens / {len(chunk.block_table)} blocks")
 
     def upload(self, step: StepShape | BatchInputs, padded_seqs: int | None = None) -> BatchInputs:
         """The device views of the step `step` describes (the last write()), after one host->device copy.
@@ -238,15 +258,23 @@ class BatchBuilder:
         self.seq_lens.np[rows] = 1
         self.block_tables.np[rows] = 0
 
-    def _map_virtual_tokens(self, i: int, chunk: SeqChunk, offset: int, positions: np.ndarray) -> int:
-        """Write chunk i's prompt-adapter rows (positions: its [n] positions); returns its virtual-token count."""
-        n = chunk.num_new_tokens
-        num_virtual = min(max(chunk.num_virtual_tokens - chunk.start, 0), n)  # placeholders lead the chunk
-        if num_virtual and chunk.prompt_adapter_slot < 0:
-            raise ValueError(f"chunk {i}: {num_virtual} soft-prompt placeholder(s) but no prompt-adapter slot")
+    def _map_virtual_tokens(self, chunks: Sequence[SeqChunk], num_tokens: int) -> int:
+        """Write the step's prompt-adapter rows (-1 for ordinary tokens); returns its placeholder count.
+
+        Placeholders lead their chunk (positions start.. below num_virtual_tokens); only prefill
+        chunks of prompt-adapter requests have any, so the loop is over those.
+        """
         slots, virtual = self.token_prompt_slots.np, self.token_prompt_positions.np
-        slots[offset:offset + n] = -1
-        virtual[offset:offset + n] = -1
-        slots[offset:offset + num_virtual] = chunk.prompt_adapter_slot
-        virtual[offset:offset + num_virtual] = positions[:num_virtual]
-        return num_virtual
+        slots[:num_tokens] = -1
+        virtual[:num_tokens] = -1
+        offset, total = 0, 0
+        for i, chunk in enumerate(chunks):
+            num_virtual = min(max(chunk.num_virtual_tokens - chunk.start, 0), chunk.num_new_tokens)
+            if num_virtual:
+                if chunk.prompt_adapter_slot < 0:
+                    raise ValueError(f"chunk {i}: {num_virtual} soft-prompt placeholder(s) but no prompt-adapter slot")
+                slots[offset:offset + num_virtual] = chunk.prompt_adapter_slot
+                virtual[offset:offset + num_virtual] = self._arange[chunk.start:chunk.start + num_virtual]
+                total += num_virtual
+            offset += chunk.num_new_tokens
+        return total
