@@ -106,7 +106,15 @@ class _Buffer:
 
 
 class BatchBuilder:
-    """Writes scheduled chunks into persistent buffers sized for the largest step."""
+    """Writes scheduled chunks into persistent buffers sized for the largest step.
+
+    Args:
+        max_num_tokens, max_num_seqs, max_blocks_per_seq: the largest step (buffer sizes).
+        block_size: KV-cache block size (token position p lives in block table[p // block_size]).
+        device: where the model reads the batch.
+        staged: upload through packed staging buffers; default: on any device but the CPU (True on
+            CPU runs the device path's packing and single copy, for tests).
+    """
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device | str, staged: bool | None = None) -> None:
