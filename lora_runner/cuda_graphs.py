@@ -242,8 +242,9 @@ class DecodeGraphs:
         """Replay graph `key` on `padded` (the builder's upload of the step padded to key.num_seqs):
         hidden [key.num_seqs, hidden], valid until the next replay."""
         captured = self._graphs[key]
-        # the packed upload puts a size's rows where its capture found them; a moved view would go unread
-        assert padded.input_ids.data_ptr() == captured.batch.input_ids.data_ptr(), "padded step off the graph's buffers"
+        # the packed upload puts a size's rows where its capture found them (block tables: the last
+        # field the graph reads, so its offset depends on every field before it); a moved view goes unread
+        assert padded.block_tables.data_ptr() == captured.batch.block_tables.data_ptr(), "padded step off the graph"
         self.contexts.prepare_lora(padded)  # outside the graph
         captured.graph.replay()
         self.num_replays += 1
