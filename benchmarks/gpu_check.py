@@ -147,7 +147,7 @@ def run_attention(sizes: Sizes, results: dict, deadline: float) -> None:
 
 def _attention_inputs(cfg: dict, num_seqs: int, num_tokens: int, dtype: torch.dtype, device: torch.device):
     """(query [T, H, D], kv_layer over shuffled blocks, metadata at the largest context) of random data."""
-    from lora_runner.forward_context import AttentionMetadata
+    from lora_runner.model.forward_context import AttentionMetadata
 
     bs, context = cfg["block_size"], max(cfg["contexts"])
     blocks = context // bs
@@ -167,7 +167,7 @@ def _attention_decode_rows(cfg: dict, batch: int, dtype: torch.dtype, device: to
     import dataclasses
 
     import bench_kernels
-    from lora_runner.attention import paged_attention
+    from lora_runner.model.attention import paged_attention
 
     query, kv_layer, attn = _attention_inputs(cfg, batch, batch, dtype, device)
     scale, min_seconds = cfg["head_dim"] ** -0.5, (0.05 if device.type == "cuda" else 0.0)
@@ -206,7 +206,7 @@ def _attention_decode_rows(cfg: dict, batch: int, dtype: torch.dtype, device: to
 
 def _attention_prefill_row(cfg: dict, dtype: torch.dtype, device: torch.device) -> dict:
     import bench_kernels
-    from lora_runner.attention import paged_attention
+    from lora_runner.model.attention import paged_attention
 
     chunks, chunk_len = cfg["prefill"]
     query, kv_layer, attn = _attention_inputs(cfg, chunks, chunks * chunk_len, dtype, device)

@@ -1,11 +1,16 @@
 """The mapping builder: scheduled chunks -> the flat token batch the model reads, in persistent buffers.
 
-Every buffer is allocated once at its maximum size, as a CPU tensor (written through a numpy view)
-plus a device copy; a step writes rows [:n] and copies only those. On CPU the device tensor is the
-CPU tensor itself, so nothing is copied. On CUDA the CPU tensors are pinned and copied with
-non_blocking=True, so the copies may still be queued when build() returns (a step that samples
-nothing never waits for the device): the next build() first waits for them (a CUDA event) before
-it overwrites the CPU tensors.
+A step is written in two phases. write() flattens the chunks into host arrays allocated once at
+their maximum size (rows [:n] per step) and returns the step's shape; upload() hands the rows to
+the device. On CPU the device views are the host arrays themselves: nothing is copied. On CUDA,
+upload() packs the step's rows into one pinned staging buffer (two of them alternate) and queues
+one non-blocking copy (lora_runner/staging.py): a step that samples nothing never waits for the
+device, and the host arrays are never a copy's source, so write() never waits either.
+
+Decode graphs run fixed-size steps: upload(step, padded_seqs=p) first fills rows past a decode
+step with padding sequences, so the one copy carries a whole captured size; padding_batch is such
+a step made of padding only (capture). The packed layout depends only on the row counts, so every
+replay of one graph sees the views its capture saw.
 
 Prompt adapters: a sequence's first `num_virtual_tokens` positions are its soft prompt's
 placeholders. Each such token gets its prompt-adapter slot and virtual index (its position) in
@@ -15,11 +20,14 @@ embedding step overwrites only the mapped tokens. Only prefill chunks can contai
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from lora_runner.staging import StagedUpload, packed_bytes
 
 
 @dataclass
@@ -70,121 +78,211 @@ class BatchInputs:
         """B."""
         return self.seq_lens.shape[0]
 
+    @property
+    def num_samples(self) -> int:
+        """S."""
+        return self.sample_indices.shape[0]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What write() put in the host arrays: the step's sizes, before any upload."""
+
+    num_tokens: int  # T
+    num_seqs: int  # B
+    num_samples: int  # S
+    max_query_len: int
+    max_seq_len: int
+    has_lora: bool  # any token with a LoRA slot >= 0
+    has_prompt_adapter: bool  # any soft-prompt placeholder token
+
 
 class _Buffer:
-    """A CPU tensor with a numpy view, mirrored on the device."""
+    """A host tensor (plain, never a copy's source) with a numpy view."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.cpu = torch.zeros(shape, dtype=dtype)
         self.np = self.cpu.numpy()
-        self.device = self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
-
-    def copy_to_device(self, n: int) -> torch.Tensor:
-        """Copy rows [:n] to the device; returns the device view [:n]."""
-        if self.device is not self.cpu:
-            self.device[:n].copy_(self.cpu[:n], non_blocking=True)
-        return self.device[:n]
 
 
 class BatchBuilder:
-    """Writes scheduled chunks into persistent buffers sized for the largest step."""
+    """Writes scheduled chunks into persistent buffers sized for the largest step.
+
+    Args:
+        max_num_tokens, max_num_seqs, max_blocks_per_seq: the largest step (buffer sizes).
+        block_size: KV-cache block size (token position p lives in block table[p // block_size]).
+        device: where the model reads the batch.
+        staged: upload through packed staging buffers; default: on any device but the CPU (True on
+            CPU runs the device path's packing and single copy, for tests).
+    """
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device | str) -> None:
+                 block_size: int, device: torch.device | str, staged: bool | None = None) -> None:
         device = torch.device(device)
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
-        self.input_ids = _Buffer((max_num_tokens,), torch.int64, device)
-        self.positions = _Buffer((max_num_tokens,), torch.int64, device)
-        self.slot_mapping = _Buffer((max_num_tokens,), torch.int64, device)
-        self.token_lora_slots = _Buffer((max_num_tokens,), torch.int32, device)
-        self.token_prompt_slots = _Buffer((max_num_tokens,), torch.int64, device)
-        self.token_prompt_positions = _Buffer((max_num_tokens,), torch.int64, device)
-        self.query_start_loc = _Buffer((max_num_seqs + 1,), torch.int32, device)
-        self.seq_lens = _Buffer((max_num_seqs,), torch.int32, device)
-        self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32, device)
-        self.sample_indices = _Buffer((max_num_seqs,), torch.int64, device)
+        self.input_ids = _Buffer((max_num_tokens,), torch.int64)
+        self.positions = _Buffer((max_num_tokens,), torch.int64)
+        self.slot_mapping = _Buffer((max_num_tokens,), torch.int64)
+        self.token_lora_slots = _Buffer((max_num_tokens,), torch.int32)
+        self.token_prompt_slots = _Buffer((max_num_tokens,), torch.int64)
+        self.token_prompt_positions = _Buffer((max_num_tokens,), torch.int64)
+        self.query_start_loc = _Buffer((max_num_seqs + 1,), torch.int32)
+        self.seq_lens = _Buffer((max_num_seqs,), torch.int32)
+        self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32)
+        self.sample_indices = _Buffer((max_num_seqs,), torch.int64)
         self._arange = np.arange(max(max_num_tokens, max_blocks_per_seq * block_size), dtype=np.int64)
-        # recorded after each step's host->device copies; the next write of the CPU buffers waits for it
-        self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
-        self._device = device
-
-    def wait_for_copies(self) -> None:
-        """Block until the last recorded host->device copies have read the CPU buffers (CUDA only)."""
-        if self._copies_done is not None:
-            self._copies_done.synchronize()
-
-    def record_copies(self) -> None:
-        """Mark the copies queued so far; call after copy_to_device, before the CPU buffers change again."""
-        if self._copies_done is not None:
-            self._copies_done.record(torch.cuda.current_stream(self._device))  # the copies' stream
+        # staged: the host arrays travel through StagedUpload (always on a device; on CPU for tests)
+        staged = device.type != "cpu" if staged is None else staged
+        largest = self._upload_rows(max_num_tokens, max_num_seqs, max_num_seqs, with_prompt=True)
+        self.staging = StagedUpload(packed_bytes([buf.np[:n].nbytes for buf, n in largest]), device) if staged else None
 
     def build(self, chunks: Sequence[SeqChunk]) -> BatchInputs:
         """Flatten `chunks` (in order) into the buffers and return this step's device views."""
+        return self.upload(self.write(chunks))
+
+    def write(self, chunks: Sequence[SeqChunk]) -> StepShape:
+        """Flatten `chunks` (in order) into the host arrays; returns the step's shape (see upload).
+
+        Vectorized over the step: one pass over the chunks gathers their scalars, numpy does the rest.
+        """
         num_seqs = len(chunks)
-        num_tokens = sum(c.num_new_tokens for c in chunks)
+        starts = np.fromiter((c.start for c in chunks), np.int64, num_seqs)  # [B]
+        lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, num_seqs)  # [B]
+        num_tokens = int(lens.sum())
         if not 0 < num_seqs <= self.max_num_seqs or num_tokens > self.max_num_tokens:
             raise ValueError(f"batch of {num_seqs} sequences / {num_tokens} tokens exceeds the "
                              f"buffers ({self.max_num_seqs} / {self.max_num_tokens})")
+        ends = starts + lens  # [B] context length after the step
+        num_blocks = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)  # [B]
+        self._check_fit(chunks, lens, ends, num_blocks)
+        rows = slice(0, num_tokens)
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(lens, out=qsl[1:num_seqs + 1])
+        token_seq = np.repeat(self._arange[:num_seqs], lens)  # [T] sequence of each token
+        positions = self._arange[:num_tokens] - np.repeat(qsl[:num_seqs] - starts, lens)  # [T]
+        self.positions.np[rows] = positions
+        self.input_ids.np[rows] = np.fromiter(
+            itertools.chain.from_iterable(c.token_ids[c.start:c.start + c.num_new_tokens] for c in chunks),
+            np.int64, num_tokens)
+        tables = self.block_tables.np
+        tables[:num_seqs] = 0
+        table_start = np.cumsum(num_blocks) - num_blocks  # [B] offset of each table in the flat list
+        table_rows = np.repeat(self._arange[:num_seqs], num_blocks)  # [sum(num_blocks)]
+        table_cols = np.arange(table_rows.shape[0]) - np.repeat(table_start, num_blocks)
+        tables[table_rows, table_cols] = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks),
+                                                     np.int64, table_rows.shape[0])
         bs = self.block_size
-        self.wait_for_copies()  # the previous step's non_blocking copies may not have read the buffers yet
-        self.block_tables.np[:num_seqs] = 0
-        self.query_start_loc.np[0] = 0
-        offset, num_samples, max_query_len, max_seq_len, num_virtual = 0, 0, 0, 0, 0
-        for i, chunk in enumerate(chunks):
-            n, start = chunk.num_new_tokens, chunk.start
-            end = start + n
-            if (n < 1 or end > len(chunk.token_ids) or len(chunk.block_table) * bs < end
-                    or len(chunk.block_table) > self.max_blocks_per_seq):
-                raise ValueError(f"chunk {i}: {n} tokens from {start} do not fit its "
-                                 f"{len(chunk.token_ids)} tokens / {len(chunk.block_table)} blocks")
-            rows = slice(offset, offset + n)
-            positions = self._arange[start:end]  # [n]
-            table = np.asarray(chunk.block_table, dtype=np.int64)  # [num_blocks]
-            self.input_ids.np[rows] = chunk.token_ids[start:end]
-            self.positions.np[rows] = positions
-            self.slot_mapping.np[rows] = table[positions // bs] * bs + positions % bs
-            self.token_lora_slots.np[rows] = chunk.lora_slot
-            num_virtual += self._map_virtual_tokens(i, chunk, offset, positions)
-            self.block_tables.np[i, :len(table)] = table
-            self.seq_lens.np[i] = end
-            offset += n
-            self.query_start_loc.np[i + 1] = offset
-            if chunk.sample:
-                self.sample_indices.np[num_samples] = offset - 1
-                num_samples += 1
-            max_query_len, max_seq_len = max(max_query_len, n), max(max_seq_len, end)
-        has_lora = any(c.lora_slot >= 0 for c in chunks)
-        prompt_slots = prompt_positions = None
-        if num_virtual:
-            prompt_slots = self.token_prompt_slots.copy_to_device(num_tokens)
-            prompt_positions = self.token_prompt_positions.copy_to_device(num_tokens)
-        batch = BatchInputs(
-            input_ids=self.input_ids.copy_to_device(num_tokens),
-            positions=self.positions.copy_to_device(num_tokens),
-            slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
-            token_lora_slots=self.token_lora_slots.copy_to_device(num_tokens),
-            query_start_loc=self.query_start_loc.copy_to_device(num_seqs + 1),
-            seq_lens=self.seq_lens.copy_to_device(num_seqs),
-            block_tables=self.block_tables.copy_to_device(num_seqs),
-            sample_indices=self.sample_indices.copy_to_device(num_samples),
-            max_query_len=max_query_len, max_seq_len=max_seq_len, has_lora=has_lora,
-            token_prompt_slots=prompt_slots, token_prompt_positions=prompt_positions)
-        self.record_copies()
-        return batch
+        self.slot_mapping.np[rows] = tables[token_seq, positions // bs] * bs + positions % bs
+        lora_slots = np.fromiter((c.lora_slot for c in chunks), np.int64, num_seqs)  # [B]
+        self.token_lora_slots.np[rows] = np.repeat(lora_slots, lens)
+        self.seq_lens.np[:num_seqs] = ends
+        sample = np.fromiter((c.sample for c in chunks), bool, num_seqs)  # [B]
+        num_samples = int(sample.sum())
+        self.sample_indices.np[:num_samples] = (qsl[1:num_seqs + 1] - 1)[sample]
+        num_virtual = self._map_virtual_tokens(chunks, num_tokens)
+        return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, num_samples=num_samples,
+                         max_query_len=int(lens.max()), max_seq_len=int(ends.max()),
+                         has_lora=bool((lora_slots >= 0).any()), has_prompt_adapter=num_virtual > 0)
 
-    def _map_virtual_tokens(self, i: int, chunk: SeqChunk, offset: int, positions: np.ndarray) -> int:
-        """Write chunk i's prompt-adapter rows (positions: its [n] positions); returns its virtual-token count."""
-        n = chunk.num_new_tokens
-        num_virtual = min(max(chunk.num_virtual_tokens - chunk.start, 0), n)  # placeholders lead the chunk
-        if num_virtual and chunk.prompt_adapter_slot < 0:
-            raise ValueError(f"chunk {i}: {num_virtual} soft-prompt placeholder(s) but no prompt-adapter slot")
+    def _check_fit(self, chunks: Sequence[SeqChunk], lens: np.ndarray, ends: np.ndarray,
+                   num_blocks: np.ndarray) -> None:
+        """Raise for the first chunk whose tokens or blocks do not fit (before anything is written)."""
+        num_ids = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+        bad = ((lens < 1) | (ends > num_ids) | (num_blocks * self.block_size < ends)
+               | (num_blocks > self.max_blocks_per_seq))
+        if bad.any():
+            i = int(bad.argmax())
+            chunk = chunks[i]
+            raise ValueError(f"chunk {i}: {chunk.num_new_tokens} tokens from {chunk.start} do not fit its "
+                             f"{len(chunk.token_ids)} tokens / {len(chunk.block_table)} blocks")
+
+    def upload(self, step: StepShape | BatchInputs, padded_seqs: int | None = None) -> BatchInputs:
+        """The device views of the step `step` describes (the last write()), after one host->device copy.
+
+        padded_seqs: pad the decode-only step to that many sequences first (for a decode graph).
+        Padding sequences get one token each: token 0 at position 0, LoRA slot -1, KV slot -1 (not
+        written), context length 1 over block 0 (only read: finite, zero or a real token's K/V);
+        sample_indices stay the step's and max_seq_len becomes the block tables' capacity, so the
+        views serve any context length.
+        """
+        num_tokens, num_seqs, max_seq_len = step.num_tokens, step.num_seqs, step.max_seq_len
+        if padded_seqs is not None:
+            if step.max_query_len != 1 or num_tokens != num_seqs or step.has_prompt_adapter:
+                raise ValueError(f"padding needs a decode-only step without soft-prompt placeholders, got "
+                                 f"{num_tokens} tokens of {num_seqs} sequences")
+            self._write_decode_padding(num_seqs, padded_seqs)
+            num_tokens = num_seqs = padded_seqs
+            max_seq_len = self.max_blocks_per_seq * self.block_size
+        rows = self._upload_rows(num_tokens, num_seqs, step.num_samples, step.has_prompt_adapter)
+        if self.staging is None:
+            views = [buf.cpu[:n] for buf, n in rows]  # CPU: the host arrays are the device buffers
+        else:
+            views = self.staging.upload([buf.np[:n] for buf, n in rows])
+        fields = dict(zip(self._UPLOAD_ORDER, views))
+        return BatchInputs(**fields, max_query_len=step.max_query_len, max_seq_len=max_seq_len,
+                           has_lora=step.has_lora)
+
+    # graph-read fields first: their offsets in the packed upload depend on (T, B) only
+    _UPLOAD_ORDER = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",
+                     "block_tables", "sample_indices", "token_prompt_slots", "token_prompt_positions")
+
+    def _upload_rows(self, num_tokens: int, num_seqs: int, num_samples: int,
+                     with_prompt: bool) -> list[tuple[_Buffer, int]]:
+        """(buffer, rows) of one upload, in _UPLOAD_ORDER (prompt fields only when used)."""
+        rows = [num_tokens] * 4 + [num_seqs + 1, num_seqs, num_seqs, num_samples] + [num_tokens] * 2
+        names = self._UPLOAD_ORDER if with_prompt else self._UPLOAD_ORDER[:-2]
+        return [(getattr(self, name), n) for name, n in zip(names, rows)]
+
+    def pad_decode(self, batch: StepShape | BatchInputs, num_seqs: int) -> BatchInputs:
+        """upload(batch, padded_seqs=num_seqs): the decode step `batch` (the last build() or write())
+        padded to `num_seqs` sequences, uploaded again."""
+        return self.upload(batch, padded_seqs=num_seqs)
+
+    def padding_batch(self, num_seqs: int, lora_slot: int = -1) -> BatchInputs:
+        """A decode step of `num_seqs` padding sequences (as upload pads) that samples no row;
+        lora_slot >= 0 puts every token on that adapter. For graph capture."""
+        self._write_decode_padding(0, num_seqs)
+        self.token_lora_slots.np[:num_seqs] = lora_slot
+        step = StepShape(num_tokens=num_seqs, num_seqs=num_seqs, num_samples=0, max_query_len=1,
+                         max_seq_len=self.max_blocks_per_seq * self.block_size, has_lora=lora_slot >= 0,
+                         has_prompt_adapter=False)
+        return self.upload(step)
+
+    def _write_decode_padding(self, num_seqs: int, padded_seqs: int) -> None:
+        """Write padding sequences num_seqs..padded_seqs-1 of a decode step into the host arrays."""
+        capacity = min(self.max_num_seqs, self.max_num_tokens)  # one token per sequence
+        if not 0 <= num_seqs <= padded_seqs <= capacity:
+            raise ValueError(f"cannot pad {num_seqs} sequences to {padded_seqs} (buffers hold {capacity})")
+        rows = slice(num_seqs, padded_seqs)  # decode: token i belongs to sequence i
+        self.input_ids.np[rows] = 0
+        self.positions.np[rows] = 0
+        self.slot_mapping.np[rows] = -1
+        self.token_lora_slots.np[rows] = -1
+        self.query_start_loc.np[num_seqs + 1:padded_seqs + 1] = np.arange(num_seqs + 1, padded_seqs + 1)
+        self.seq_lens.np[rows] = 1
+        self.block_tables.np[rows] = 0
+
+    def _map_virtual_tokens(self, chunks: Sequence[SeqChunk], num_tokens: int) -> int:
+        """Write the step's prompt-adapter rows (-1 for ordinary tokens); returns its placeholder count.
+
+        Placeholders lead their chunk (positions start.. below num_virtual_tokens); only prefill
+        chunks of prompt-adapter requests have any, so the loop is over those.
+        """
         slots, virtual = self.token_prompt_slots.np, self.token_prompt_positions.np
-        slots[offset:offset + n] = -1
-        virtual[offset:offset + n] = -1
-        slots[offset:offset + num_virtual] = chunk.prompt_adapter_slot
-        virtual[offset:offset + num_virtual] = positions[:num_virtual]
-        return num_virtual
+        slots[:num_tokens] = -1
+        virtual[:num_tokens] = -1
+        offset, total = 0, 0
+        for i, chunk in enumerate(chunks):
+            num_virtual = min(max(chunk.num_virtual_tokens - chunk.start, 0), chunk.num_new_tokens)
+            if num_virtual:
+                if chunk.prompt_adapter_slot < 0:
+                    raise ValueError(f"chunk {i}: {num_virtual} soft-prompt placeholder(s) but no prompt-adapter slot")
+                slots[offset:offset + num_virtual] = chunk.prompt_adapter_slot
+                virtual[offset:offset + num_virtual] = self._arange[chunk.start:chunk.start + num_virtual]
+                total += num_virtual
+            offset += chunk.num_new_tokens
+        return total

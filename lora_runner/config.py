@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_runner.device import resolve_device, resolve_dtype
 from lora_runner.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
-from lora_runner.model.loader import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
 """CUDA graphs for decode steps: capture sizes, padding into the persistent buffers, capture, replay.
 
 A decode-only step (every sequence adds one token, no soft-prompt placeholder) of B sequences
-replays the graph of key (smallest capture size >= B, whether any token uses an adapter). Padding
-sequences fill rows B..size-1 of the persistent batch buffers: token 0 at position 0, LoRA slot -1,
-KV slot -1 (``write_kv`` skips it), context length 1 over block 0 (read, never written). Prefill,
-mixed steps and steps beyond the largest size run eagerly.
+replays the graph of key (smallest capture size >= B, whether any token uses an adapter).
+``BatchBuilder.pad_decode`` fills rows B..size-1 of the persistent batch buffers with padding
+sequences (KV slot -1, context length 1 over block 0); the graph's context comes from the runner's
+``ForwardContextBuilder``, as an eager step's does. Prefill, mixed steps and steps beyond the
+largest size run eagerly.
 
 No context-length key: the Triton paged attention (lora_runner/model/paged_attention.py) reads
 ``seq_lens`` and the block tables at run time, so one graph serves every context length. Its
@@ -35,12 +36,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
-from lora_runner.attention import BACKEND_ENV
-from lora_runner.batch import BatchBuilder, BatchInputs
-from lora_runner.forward_context import AttentionMetadata, ForwardContext, LoRAContext
+from lora_runner.batch import BatchBuilder, BatchInputs, StepShape
+from lora_runner.model.attention import BACKEND_ENV
+from lora_runner.step_context import ForwardContextBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class DecodeGraphPlan:
         """Every key, largest first (the capture order: later, smaller graphs reuse its memory)."""
         return sorted((DecodeGraphKey(s, lora) for s in self.sizes for lora in (True, False)), reverse=True)
 
-    def key_for(self, batch: BatchInputs) -> DecodeGraphKey | None:
+    def key_for(self, batch: StepShape | BatchInputs) -> DecodeGraphKey | None:
         """The graph for `batch`, or None when it must run eagerly (prefill or mixed step, soft-prompt
         placeholders, more sequences than the largest capture size)."""
         decode_only = batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
@@ -113,50 +113,6 @@ def _round_up(values: list[int], x: int) -> int | None:
     """Smallest of the ascending `values` >= x, None if there is none."""
     i = bisect.bisect_left(values, x)
     return values[i] if i < len(values) else None
-
-
-def write_decode_padding(builder: BatchBuilder, num_seqs: int, padded_seqs: int) -> None:
-    """Write padding sequences num_seqs..padded_seqs-1 of a decode step into the CPU buffers.
-
-    One token each (token 0, position 0, LoRA slot -1, KV slot -1: not written), context length 1
-    over block 0, which is only read. Rows [:num_seqs] (the real step) are left as build() wrote them.
-    """
-    capacity = min(builder.max_num_seqs, builder.max_num_tokens)  # one token per sequence
-    if not 0 <= num_seqs <= padded_seqs <= capacity:
-        raise ValueError(f"cannot pad {num_seqs} sequences to {padded_seqs} (buffers hold {capacity})")
-    rows = slice(num_seqs, padded_seqs)  # decode: token i belongs to sequence i
-    builder.input_ids.np[rows] = 0
-    builder.positions.np[rows] = 0
-    builder.slot_mapping.np[rows] = -1
-    builder.token_lora_slots.np[rows] = -1
-    builder.query_start_loc.np[num_seqs + 1:padded_seqs + 1] = np.arange(num_seqs + 1, padded_seqs + 1)
-    builder.seq_lens.np[rows] = 1
-    builder.block_tables.np[rows] = 0
-
-
-def padded_decode_batch(builder: BatchBuilder, batch: BatchInputs, key: DecodeGraphKey) -> BatchInputs:
-    """Pad the decode step `batch` (just built by `builder`) to key.num_seqs sequences and copy the
-    padded rows to the device buffers; returns views of the first key.num_seqs rows.
-
-    sample_indices stay the real step's; max_seq_len becomes the block tables' capacity.
-    """
-    write_decode_padding(builder, batch.num_seqs, key.num_seqs)
-    return _device_views(builder, key, batch.sample_indices)
-
-
-def _device_views(builder: BatchBuilder, key: DecodeGraphKey, sample_indices: torch.Tensor) -> BatchInputs:
-    """Copy rows [:key.num_seqs] of the decode buffers to the device; their views as a batch."""
-    n = key.num_seqs
-    batch = BatchInputs(
-        input_ids=builder.input_ids.copy_to_device(n), positions=builder.positions.copy_to_device(n),
-        slot_mapping=builder.slot_mapping.copy_to_device(n),
-        token_lora_slots=builder.token_lora_slots.copy_to_device(n),
-        query_start_loc=builder.query_start_loc.copy_to_device(n + 1),
-        seq_lens=builder.seq_lens.copy_to_device(n), block_tables=builder.block_tables.copy_to_device(n),
-        sample_indices=sample_indices, max_query_len=1, max_seq_len=builder.max_blocks_per_seq * builder.block_size,
-        has_lora=key.has_lora)
-    builder.record_copies()  # the next build() waits for these copies before rewriting the CPU rows
-    return batch
 
 
 # ----------------------------------------------------------------------------- graphs
@@ -220,23 +176,22 @@ class DecodeGraphs:
 
     Args:
         model: the decoder (``model(input_ids, positions, ctx) -> [T, hidden]``).
-        kv_cache: the runner's KV cache tensor.
-        builder: the runner's BatchBuilder (its device buffers are the graphs' inputs).
-        lora_meta: the runner's LoRAMeta (built with max_rank / max_slices: no allocation in capture).
-        lora_slots: LoRASlots (``weights``, ``slot_ranks``).
+        contexts: the runner's ForwardContextBuilder (KV cache, LoRA meta built with max_rank /
+            max_slices so capture allocates nothing, LoRA slots).
+        builder: the runner's BatchBuilder (its device buffers are the graphs' inputs; it pads steps).
         plan: which keys to capture.
         make_graph: () -> Graph; default a CudaGraph on one shared memory pool (CUDA only).
     """
 
-    def __init__(self, model, kv_cache: torch.Tensor, builder: BatchBuilder, lora_meta, lora_slots,
-                 plan: DecodeGraphPlan, make_graph: Callable[[], Graph] | None = None) -> None:
+    def __init__(self, model, contexts: ForwardContextBuilder, builder: BatchBuilder, plan: DecodeGraphPlan,
+                 make_graph: Callable[[], Graph] | None = None) -> None:
+        self.device = contexts.kv_cache.device
         if make_graph is None:
-            if kv_cache.device.type != "cuda":
+            if self.device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device; pass make_graph=RerunGraph to emulate")
             pool = torch.cuda.graph_pool_handle()
             make_graph = lambda: CudaGraph(pool)  # noqa: E731
-        self.model, self.kv_cache, self.builder = model, kv_cache, builder
-        self.lora_meta, self.lora_slots, self.plan = lora_meta, lora_slots, plan
+        self.model, self.contexts, self.builder, self.plan = model, contexts, builder, plan
         self._make_graph = make_graph
         self._graphs: dict[DecodeGraphKey, _Captured] = {}
         self.num_replays = 0  # decode steps served by a graph
@@ -250,57 +205,59 @@ class DecodeGraphs:
         `lora_slot` (the resident warmup adapter, so the LoRA kernels run for real in the warm-up pass)."""
         from tqdm.auto import tqdm
 
-        on_cuda = self.kv_cache.device.type == "cuda"
-        free_before = torch.cuda.mem_get_info(self.kv_cache.device)[0] if on_cuda else 0
+        on_cuda = self.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
         start = time.perf_counter()
         keys = self.plan.keys()
         for key in tqdm(keys, desc="capture decode graphs", disable=not progress):
             self._capture_one(key, lora_slot)
         if on_cuda:
-            torch.cuda.synchronize(self.kv_cache.device)
-        used = free_before - torch.cuda.mem_get_info(self.kv_cache.device)[0] if on_cuda else 0
+            torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
         logger.info("captured %d decode graphs (batch sizes %s, with and without LoRA) in %.1f s, using %.0f MiB",
                     len(keys), self.plan.sizes, time.perf_counter() - start, used / 2**20)
 
     def _capture_one(self, key: DecodeGraphKey, lora_slot: int) -> None:
-        write_decode_padding(self.builder, 0, key.num_seqs)  # every capture sequence is padding...
-        if key.has_lora:
-            self.builder.token_lora_slots.np[:key.num_seqs] = lora_slot  # ...on the warmup adapter
-        batch = _device_views(self.builder, key, self.builder.sample_indices.device[:0])
-        self._prepare_lora(batch)
+        # every capture sequence is padding, on the warmup adapter in graphs with LoRA
+        batch = self.builder.padding_batch(key.num_seqs, lora_slot if key.has_lora else -1)
+        self.contexts.prepare_lora(batch)
         forward = self._forward_fn(batch)
         forward()  # warm-up outside capture: compiles kernels, caches slice offsets
-        if self.kv_cache.device.type == "cuda":
-            torch.cuda.synchronize(self.kv_cache.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         graph = self._make_graph()
         self._graphs[key] = _Captured(graph, batch, graph.capture(forward))
 
     def _forward_fn(self, batch: BatchInputs) -> Callable[[], torch.Tensor]:
-        attn = AttentionMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
-                                 seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-                                 max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
-        lora = LoRAContext(meta=self.lora_meta, slots=self.lora_slots) if batch.has_lora else None
-        ctx = ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=lora)
+        ctx = self.contexts.build(batch)
         return lambda: self.model(batch.input_ids, batch.positions, ctx)  # [num_seqs, hidden]
 
-    def _prepare_lora(self, padded: BatchInputs) -> None:
-        """Prepare the LoRA meta for a padded step of a graph with LoRA (outside the graph)."""
-        if padded.has_lora:
-            self.lora_meta.prepare(padded.token_lora_slots, self.lora_slots.slot_ranks)
+    def key_for(self, step: StepShape | BatchInputs) -> DecodeGraphKey | None:
+        """The captured graph for `step`, or None when it must run eagerly."""
+        key = self.plan.key_for(step)
+        return key if key in self._graphs else None
+
+    @torch.inference_mode()
+    def replay(self, key: DecodeGraphKey, padded: BatchInputs) -> torch.Tensor:
+        """Replay graph `key` on `padded` (the builder's upload of the step padded to key.num_seqs):
+        hidden [key.num_seqs, hidden], valid until the next replay."""
+        captured = self._graphs[key]
+        # the packed upload puts a size's rows where its capture found them (block tables: the last
+        # field the graph reads, so its offset depends on every field before it); a moved view goes unread
+        assert padded.block_tables.data_ptr() == captured.batch.block_tables.data_ptr(), "padded step off the graph"
+        self.contexts.prepare_lora(padded)  # outside the graph
+        captured.graph.replay()
+        self.num_replays += 1
+        return captured.hidden
 
     @torch.inference_mode()
     def run(self, batch: BatchInputs) -> torch.Tensor | None:
-        """Replay the graph for the step `batch` (just built by the builder): hidden [T, hidden]
+        """Pad the step `batch` (just built by the builder) and replay its graph: hidden [T, hidden]
         of its real tokens, valid until the next replay. None when the step must run eagerly."""
-        key = self.plan.key_for(batch)
-        captured = self._graphs.get(key) if key is not None else None
-        if captured is None:
+        key = self.key_for(batch)
+        if key is None:
             return None
-        padded = padded_decode_batch(self.builder, batch, key)
-        self._prepare_lora(padded)
-        captured.graph.replay()
-        self.num_replays += 1
-        return captured.hidden[:batch.num_tokens]  # [T, hidden]
+        return self.replay(key, self.builder.pad_decode(batch, key.num_seqs))[:batch.num_tokens]  # [T, hidden]
 
     @torch.inference_mode()
     def run_eager(self, batch: BatchInputs) -> torch.Tensor:
@@ -309,8 +266,8 @@ class DecodeGraphs:
         key = self.plan.key_for(batch)
         if key is None:
             raise ValueError("this step has no decode graph (prefill, mixed, or too large)")
-        padded = padded_decode_batch(self.builder, batch, key)
-        self._prepare_lora(padded)
+        padded = self.builder.pad_decode(batch, key.num_seqs)
+        self.contexts.prepare_lora(padded)
         return self._forward_fn(padded)()[:batch.num_tokens]  # [T, hidden]
 
 

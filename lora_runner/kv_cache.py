@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
+from lora_runner.device import resolve_device, resolve_dtype
+
+if TYPE_CHECKING:  # lora_runner.model re-exports allocate_kv_cache: a runtime import would be circular
     from lora_runner.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -21,8 +23,6 @@ def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtyp
     """Bytes one block takes across all layers, K and V."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    from lora_runner.model.loader import resolve_dtype
-
     if dtype == "auto":
         raise ValueError("dtype 'auto' depends on the device: resolve it first with resolve_dtype(dtype, device)")
     itemsize = torch.empty((), dtype=resolve_dtype(dtype, "cpu")).element_size()
@@ -45,8 +45,6 @@ def allocate_kv_cache(model_config: ModelConfig, num_blocks: int, block_size: in
     """
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
-    from lora_runner.model.loader import resolve_device, resolve_dtype
-
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     shape = (model_config.num_layers, 2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)

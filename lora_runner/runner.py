@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from lora_runner.batch import BatchBuilder, BatchInputs, SeqChunk
-from lora_runner.cuda_graphs import DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
-from lora_runner.forward_context import AttentionMetadata, ForwardContext, LoRAContext, PromptAdapterContext
+from lora_runner.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
 from lora_runner.kv_cache import allocate_kv_cache
 from lora_runner.sampler import Sampler, SamplerOutput
 from lora_runner.sampling_params import SamplingParams
+from lora_runner.step_context import ForwardContextBuilder
 from punica_kernels import LoRAMeta
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class ModelRunner:
                                           device=device)
         self.lora_meta = LoRAMeta(max_num_tokens, max_loras, device, max_rank=max_lora_rank,
                                   max_slices=_MAX_LORA_SLICES)
+        self.forward_contexts = ForwardContextBuilder(self.kv_cache, self.lora_meta, lora_slots, prompt_slots)
         self.sampler = Sampler(model_config.vocab_size, device, seed)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
@@ -66,28 +67,24 @@ class ModelRunner:
         params / generators / histories: one per sampling chunk, in chunk order; histories[i] is the
         (prompt token ids, generated token ids) the penalties of row i count (None: no row has any).
         """
-        batch = self.batch_builder.build(chunks)
-        hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None  # [T, hidden]
-        if hidden is None:  # no graph for this step: eager
-            hidden = self.model(batch.input_ids, batch.positions, self._forward_context(batch))  # [T, hidden]
+        batch, key = self._upload(chunks)
+        if key is not None:
+            hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
         if not params:
             return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab] float32
         return self.sampler(logits, self.sampler.make_batch(params, generators, histories))
 
-    def _forward_context(self, batch: BatchInputs) -> ForwardContext:
-        attn = AttentionMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
-                                 seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-                                 max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
-        lora = None
-        if batch.has_lora:
-            self.lora_meta.prepare(batch.token_lora_slots, self.lora_slots.slot_ranks)
-            lora = LoRAContext(meta=self.lora_meta, slots=self.lora_slots)
-        prompt_adapter = None
-        if batch.has_prompt_adapter:
-            prompt_adapter = PromptAdapterContext(self.prompt_slots.embeddings, batch.token_prompt_slots,
-                                                  batch.token_prompt_positions)
-        return ForwardContext(attn=attn, kv_cache=self.kv_cache, lora=lora, prompt_adapter=prompt_adapter)
+    def _upload(self, chunks: Sequence[SeqChunk]) -> tuple[BatchInputs, DecodeGraphKey | None]:
+        """The step's device views and its decode graph (None: eager), after one upload: a graphed
+        decode step is padded to its graph's size before it."""
+        if self.decode_graphs is None:
+            return self.batch_builder.build(chunks), None
+        step = self.batch_builder.write(chunks)
+        key = self.decode_graphs.key_for(step)
+        return self.batch_builder.upload(step, padded_seqs=key.num_seqs if key is not None else None), key
 
     def capture_decode_graphs(self, lora_tier, max_lora_rank: int, make_graph=None, progress: bool = True) -> None:
         """Capture decode graphs with a dummy warmup LoRA of max_lora_rank resident in lora_tier (the
@@ -95,7 +92,7 @@ class ModelRunner:
         builder = self.batch_builder
         # a padded decode step has as many tokens as sequences: never more than the token buffers hold
         plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens))
-        graphs = DecodeGraphs(self.model, self.kv_cache, builder, self.lora_meta, self.lora_slots, plan, make_graph)
+        graphs = DecodeGraphs(self.model, self.forward_contexts, builder, plan, make_graph)
         with resident_dummy_loras(lora_tier, 1, max_lora_rank) as slots:
             graphs.capture(slots[0], progress=progress)
         self.decode_graphs = graphs

@@ -12,8 +12,8 @@ import zlib
 import pytest
 import torch
 
-from lora_runner.attention import paged_attention, token_seq_lens, write_kv
-from lora_runner.forward_context import AttentionMetadata
+from lora_runner.model.attention import paged_attention, token_seq_lens, write_kv
+from lora_runner.model.forward_context import AttentionMetadata
 
 
 def _batch(gen, query_lens, seq_lens, block_size, num_blocks, num_kv_heads, head_dim, num_padding, dtype, device):

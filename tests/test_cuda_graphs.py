@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from lora_runner.batch import BatchBuilder, SeqChunk
-from lora_runner.cuda_graphs import (DecodeGraphKey, DecodeGraphPlan, capture_sizes, padded_decode_batch,
-                                     write_decode_padding)
+from lora_runner.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, capture_sizes
 from lora_runner.memory_profile import MemoryProfile, profile_steps
 
 BUFFERS = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",
@@ -109,7 +108,7 @@ def test_padding_keeps_real_rows_and_writes_padding_rows(seed):
         batch = builder.build(chunks)
         real = {name: getattr(batch, name).clone() for name in BUFFERS}
         key = plan.key_for(batch)
-        padded = padded_decode_batch(builder, batch, key)
+        padded = builder.pad_decode(batch, key.num_seqs)
         p = key.num_seqs
         assert padded.num_tokens == p and padded.num_seqs == p and padded.max_query_len == 1
         assert padded.max_seq_len == 8 * 4 >= batch.max_seq_len  # the tables' capacity: any context fits
@@ -123,14 +122,21 @@ def test_padding_keeps_real_rows_and_writes_padding_rows(seed):
         assert (padded.seq_lens[n:] == 1).all() and (padded.block_tables[n:] == 0).all()
 
 
-def test_write_decode_padding_bounds():
+def test_decode_padding_bounds():
     builder = make_builder(max_num_seqs=8)
+    rng = random.Random(0)
+    three = builder.build(decode_chunks(rng, 3, 4, 8))
     with pytest.raises(ValueError, match="cannot pad"):
-        write_decode_padding(builder, 3, 9)
+        builder.pad_decode(three, 9)
     with pytest.raises(ValueError, match="cannot pad"):
-        write_decode_padding(builder, 5, 4)
-    write_decode_padding(builder, 0, 8)  # all padding: the capture batch
+        builder.pad_decode(builder.build(decode_chunks(rng, 5, 4, 8)), 4)
+    prefill = SeqChunk(token_ids=list(range(10)), start=0, num_new_tokens=10, block_table=[40, 41, 42])
+    with pytest.raises(ValueError, match="decode-only"):
+        builder.pad_decode(builder.build([prefill]), 8)
+    capture = builder.padding_batch(8, lora_slot=2)  # all padding: the capture batch
     assert np.array_equal(builder.query_start_loc.np, np.arange(9))
+    assert capture.has_lora and (capture.token_lora_slots == 2).all() and capture.sample_indices.numel() == 0
+    assert not builder.padding_batch(8).has_lora
 
 
 @pytest.mark.parametrize("max_num_seqs,max_batched,max_model_len,block_size", [

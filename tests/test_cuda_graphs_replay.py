@@ -13,7 +13,7 @@ from adapters import LoRARequest
 from adapters.manager import AdapterManager
 from lora_runner.batch import SeqChunk
 from lora_runner.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, RerunGraph, resident_dummy_loras
-from lora_runner.forward_context import ForwardContext
+from lora_runner.model.forward_context import ForwardContext
 from lora_runner.model import load_model
 from lora_runner.runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
@@ -40,8 +40,8 @@ class Rig:
                                   dtype=dtype, device=torch.device(device))
         plan = DecodeGraphPlan(MAX_NUM_SEQS)
         runner = self.runner
-        self.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.batch_builder, runner.lora_meta,
-                                   self.manager.lora_slots, plan, make_graph=RerunGraph if device == "cpu" else None)
+        self.graphs = DecodeGraphs(runner.model, runner.forward_contexts, runner.batch_builder, plan,
+                                   make_graph=RerunGraph if device == "cpu" else None)
         with resident_dummy_loras(self.manager.loras, 1, MAX_RANK) as slots:
             self.graphs.capture(slots[0], progress=False)
         assert len(self.graphs) == len(plan.keys()) == 7 * 2  # sizes x (with LoRA, without)
@@ -83,7 +83,8 @@ class Rig:
         assert torch.isfinite(replayed).all()
         same_kernels = graphs.run_eager(batch)
         assert torch.equal(replayed, same_kernels), (replayed - same_kernels).abs().max()
-        ctx = runner._forward_context(batch)
+        batch = runner.batch_builder.build(chunks)  # again: on a device each upload moves the views
+        ctx = runner.forward_contexts.for_step(batch)
         plain = runner.model(batch.input_ids, batch.positions, ctx)  # [T, hidden], unpadded, eager
         if tol is not None:
             torch.testing.assert_close(replayed, plain, rtol=tol, atol=tol)
@@ -147,8 +148,8 @@ def test_eager_fallbacks(rig):
     prefill = SeqChunk(token_ids=[5, 6, 7], start=0, num_new_tokens=3, block_table=[1])
     assert graphs.run(builder.build([prefill])) is None
     assert graphs.run(builder.build(chunks + [prefill])) is None
-    small = DecodeGraphs(rig.runner.model, rig.runner.kv_cache, builder, rig.runner.lora_meta,
-                         rig.manager.lora_slots, DecodeGraphPlan(4), make_graph=RerunGraph)
+    small = DecodeGraphs(rig.runner.model, rig.runner.forward_contexts, builder, DecodeGraphPlan(4),
+                         make_graph=RerunGraph)
     assert len(small) == 0 and small.run(builder.build(chunks)) is None  # nothing captured
 
 

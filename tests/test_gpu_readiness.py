@@ -155,17 +155,21 @@ def test_gpu_check_starts_no_engine_without_time_and_still_writes_json(tmp_path)
 
 @pytest.mark.gpu
 def test_batch_builder_waits_for_queued_copies_before_rewriting_pinned_buffers():
-    """Two builds without a sync between them (steps that sample nothing): the first step's
-    non_blocking copies, queued behind a long kernel, must still read the first step's rows."""
+    """Three builds without a sync between them (steps that sample nothing), the device busy: each
+    step's one copy, still queued, must read that step's rows. The second build packs the other
+    staging buffer (no wait); the third reuses the first's, so it must wait for that copy."""
     builder = BatchBuilder(max_num_tokens=64, max_num_seqs=4, max_blocks_per_seq=4, block_size=16, device="cuda")
-    first = SeqChunk(token_ids=list(range(10, 50)), start=0, num_new_tokens=40, block_table=[0, 1, 2], sample=False)
-    second = SeqChunk(token_ids=list(range(100, 140)), start=0, num_new_tokens=40, block_table=[3, 2, 1],
-                      sample=False)
+    tables = ([0, 1, 2], [3, 2, 1], [2, 0, 3])
+    chunks = [SeqChunk(token_ids=list(range(10 + 90 * i, 50 + 90 * i)), start=0, num_new_tokens=40,
+                       block_table=table, sample=False) for i, table in enumerate(tables)]
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # the device is busy: the first build's copies wait in the stream
-    batch = builder.build([first])
-    seen = (batch.input_ids.clone(), batch.slot_mapping.clone())  # queued after those copies
-    builder.build([second])  # rewrites the pinned CPU rows
+    torch.cuda._sleep(200_000_000)  # the device is busy: every build's copy waits in the stream
+    seen = []
+    for chunk in chunks:
+        batch = builder.build([chunk])
+        seen.append((batch.input_ids.clone(), batch.slot_mapping.clone()))  # queued after that step's copy
+    assert builder.staging.num_uploads == 3
     torch.cuda.synchronize()
-    assert seen[0].tolist() == first.token_ids
-    assert seen[1].tolist() == [b * 16 + i for b in (0, 1, 2) for i in range(16)][:40]
+    for chunk, table, (input_ids, slot_mapping) in zip(chunks, tables, seen):
+        assert input_ids.tolist() == chunk.token_ids
+        assert slot_mapping.tolist() == [b * 16 + i for b in table for i in range(16)][:40]

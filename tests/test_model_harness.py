@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from factories import build_tiny_model, save_tiny_model
-from lora_runner.forward_context import AttentionMetadata, ForwardContext, LoRAContext
+from lora_runner.model.forward_context import AttentionMetadata, ForwardContext, LoRAContext
 from lora_runner.model import allocate_kv_cache, load_model
 
 ATOL = 1e-4

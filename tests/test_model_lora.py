@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from adapters.spec import PACKED_MODULES, PEFT_TO_PACKED
 from factories import save_lora
-from lora_runner.forward_context import LoRAContext
+from lora_runner.model.forward_context import LoRAContext
 from test_model_harness import PagedDriver, assert_close, hf_logits, make_checkpoint
 
 punica_kernels = pytest.importorskip("punica_kernels")

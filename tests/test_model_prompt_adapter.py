@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from factories import save_prompt_adapter
-from lora_runner.forward_context import PromptAdapterContext
+from lora_runner.model.forward_context import PromptAdapterContext
 from test_model_harness import PagedDriver, assert_close, hf_logits, make_checkpoint
 
 

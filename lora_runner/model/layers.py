@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import punica_kernels
-from lora_runner.forward_context import LoRAContext
+from lora_runner.model.forward_context import LoRAContext
 from lora_runner.model.config import RopeConfig
 
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from adapters.spec import PEFT_PARENT, PEFT_TO_PACKED
-from lora_runner.attention import paged_attention, token_seq_lens, write_kv
-from lora_runner.forward_context import ForwardContext, PromptAdapterContext
+from lora_runner.model.attention import paged_attention, token_seq_lens, write_kv
+from lora_runner.model.forward_context import ForwardContext, PromptAdapterContext
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.layers import LoRALinear, RMSNorm, RotaryEmbedding
 

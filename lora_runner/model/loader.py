@@ -1,7 +1,4 @@
-"""Find a base model (local dir or Hub repo id), read its safetensors, build the decoder.
-
-Also holds the "auto" dtype/device resolution the engine reuses.
-"""
+"""Find a base model (local dir or Hub repo id), read its safetensors, build the decoder."""
 
 from __future__ import annotations
 
@@ -13,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from lora_runner.device import resolve_device, resolve_dtype
 from lora_runner.model.config import ModelConfig
+from lora_runner.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -25,38 +24,6 @@ HUB_ALLOW_PATTERNS = [
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
 ]
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
-           "float": torch.float32}
-
-
-def resolve_device(device: torch.device | str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; anything else goes through torch.device."""
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"invalid device {device!r}: expected 'auto', 'cpu', 'cuda', 'cuda:N'") from err
-
-
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
-    """A torch.dtype or 'float32'/'float16'/'bfloat16'/'auto' (auto: bf16 on CUDA, else fp32)."""
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    elif dtype == "auto":
-        on_cuda = resolve_device(device).type == "cuda"
-        resolved = torch.bfloat16 if on_cuda else torch.float32
-    elif isinstance(dtype, str) and dtype in _DTYPES:
-        resolved = _DTYPES[dtype]
-    else:
-        raise ValueError(f"unsupported dtype {dtype!r}: use a torch dtype or 'float32', 'float16', "
-                         "'bfloat16', 'auto'")
-    if resolved not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"unsupported dtype {resolved}: use float32, float16 or bfloat16")
-    return resolved
-
-
 def _looks_like_path(model: str) -> bool:
     return (model.startswith(("/", "./", "../", "~", "\\")) or os.path.isabs(model)
             or model.count("/") > 1 or os.path.exists(model))
@@ -136,8 +103,6 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
     Returns (LlamaForCausalLM, ModelConfig, model_dir). Raises FileNotFoundError for a missing
     dir/repo/config/weights and ValueError for an unsupported architecture or option.
     """
-    from lora_runner.model.llama import LlamaForCausalLM
-
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     model_dir = resolve_model_dir(model, revision=revision, local_files_only=local_files_only)

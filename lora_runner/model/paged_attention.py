@@ -1,6 +1,6 @@
 """Paged attention in Triton: a split-context decode kernel (GQA-grouped) and a chunked-prefill kernel.
 
-Cache layout as in lora_runner/attention.py: one layer is ``kv_layer [2, num_blocks, block_size,
+Cache layout as in lora_runner/model/attention.py: one layer is ``kv_layer [2, num_blocks, block_size,
 num_kv_heads, head_dim]`` (0 = K, 1 = V); token position p of sequence b lives in block
 ``block_tables[b, p // block_size]`` at offset ``p % block_size``. Query head h reads KV head
 ``h // (num_heads // num_kv_heads)`` (GQA, the order of ``repeat_interleave``).

@@ -31,7 +31,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from lora_runner.forward_context import AttentionMetadata
+from lora_runner.model.forward_context import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def triton_attention():
     """The Triton kernels module, or None when Triton cannot be imported (a warning says why).
 
-    Imported on first use: Triton is optional, and lora_runner.model's package import reaches
-    this module through llama.py, so a top-level import would be circular.
+    Imported on first use, not at module level: Triton is optional, and without it the torch path
+    must still import and run.
     """
     try:
         return importlib.import_module("lora_runner.model.paged_attention")
