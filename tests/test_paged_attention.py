@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from lora_runner import attention  # noqa: E402
+from lora_runner.model import attention  # noqa: E402
 from lora_runner.model.attention import paged_attention, write_kv  # noqa: E402
 from lora_runner.model.forward_context import AttentionMetadata  # noqa: E402
 from lora_runner.model import paged_attention as kernels  # noqa: E402
