@@ -1,0 +1,164 @@
+"""lora-runner on Ray Serve: 2 engine replicas of the tiny model, 6 LoRAs multiplexed.
+
+One local Ray instance and one Serve application for the module (slow: replicas start in their own
+processes). Outputs are checked against LLM.generate; routing against the replica header and the
+per-replica adapter-load counters in /metrics.
+"""
+
+import random
+import re
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from serve_support import PROMPTS, offline_greedy, serve_args, token_ids
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-ray"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_TOKENS = 6
+TIMEOUT = httpx.Timeout(120.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def loras(engine_checkpoint, tmp_path_factory):
+    """The five engine-test LoRAs and a sixth."""
+    from factories import save_lora
+
+    model_dir, hf, adapters = engine_checkpoint
+    sixth = tmp_path_factory.mktemp("ray") / "r4-six"
+    save_lora(hf, sixth, seed=6, r=4, lora_alpha=8, scale=0.15)
+    return {**{name: path for name, (path, _) in adapters.items()}, "r4-six": str(sixth)}
+
+
+@pytest.fixture(scope="module")
+def cluster(engine_checkpoint, loras):
+    """(base URL, model dir) of the Serve app on a local Ray instance (torn down after the module)."""
+    from lora_runner.entrypoints.ray_serve import build_application
+
+    model_dir = engine_checkpoint[0]
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = serve_args(model_dir, loras, extra=["--num-replicas", "2", "--replica-cpus", "1",
+                                                   "--max-cpu-loras", "6", "--max-adapters-per-replica", "6",
+                                                   "--api-key", KEY])
+        serve.run(build_application(args), name="lora-runner", route_prefix="/")
+        yield f"http://127.0.0.1:{port}", model_dir
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(cluster):
+    with httpx.Client(base_url=cluster[0], headers=AUTH, timeout=TIMEOUT) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cluster):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cluster[1])
+
+
+def _complete(http, model, prompt=PROMPTS[0], **extra):
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0, **extra}
+    return http.post("/v1/completions", json=body)
+
+
+def _metrics(http) -> dict[str, dict[tuple, float]]:
+    """name -> {((label, value), ...): sample} from /metrics."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    out: dict = {}
+    for line in response.text.splitlines():
+        match = re.fullmatch(r"(\w+?)(?:_total)?(?:\{(.*)\})? ([0-9.e+-]+)", line)
+        if match and not line.startswith("#"):
+            labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', match.group(2) or "")))
+            out.setdefault(match.group(1), {})[labels] = float(match.group(3))
+    return out
+
+
+def _holders(http) -> dict[str, set[str]]:
+    """adapter -> replicas that loaded it (and never evicted it)."""
+    metrics = _metrics(http)
+    loads, unloads = metrics.get("lora_runner_replica_adapter_loads", {}), metrics.get("lora_runner_replica_adapter_unloads", {})
+    holders: dict = {}
+    for labels, count in loads.items():
+        if count > unloads.get(labels, 0):
+            holders.setdefault(dict(labels)["adapter"], set()).add(dict(labels)["replica"])
+    return holders
+
+
+def test_greedy_outputs_equal_single_process(http, cluster, loras, tokenizer):
+    jobs = [(PROMPTS[i % 3], name, None) for i, name in enumerate([None, *loras])]
+    expected = offline_greedy(cluster[1], jobs, MAX_TOKENS, loras)
+    for (prompt, name, _), tokens in zip(jobs, expected):
+        response = _complete(http, name or "base", prompt)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-lora-runner-replica"] not in ("", "ingress")
+        choice = response.json()["choices"][0]
+        assert token_ids(tokenizer, choice["logprobs"]["tokens"]) == tokens, name
+
+
+def test_streaming_matches_whole_answer(http):
+    whole = _complete(http, "r8-qv", PROMPTS[1]).json()["choices"][0]["text"]
+    with http.stream("POST", "/v1/completions", json={"model": "r8-qv", "prompt": PROMPTS[1], "stream": True,
+                                                      "max_tokens": MAX_TOKENS, "temperature": 0.0}) as response:
+        assert response.status_code == 200
+        assert response.headers["x-lora-runner-replica"] not in ("", "ingress")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    import json
+
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == whole
+
+
+def test_same_errors_as_single_process(http, cluster):
+    unauthenticated = httpx.post(cluster[0] + "/v1/completions", json={"model": "r4", "prompt": "hi"}, timeout=TIMEOUT)
+    assert unauthenticated.status_code == 401
+    assert unauthenticated.json()["error"]["code"] == "invalid_api_key"
+    assert unauthenticated.headers["x-lora-runner-replica"] == "ingress"
+    unknown = _complete(http, "no-such-adapter")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    too_long = _complete(http, "r4", max_tokens=100000)
+    assert too_long.status_code == 400 and too_long.json()["error"]["type"] == "invalid_request_error"
+    models = http.get("/v1/models")
+    assert models.status_code == 200 and {m["id"] for m in models.json()["data"]} >= {"base", "r4", "r4-six"}
+
+
+def test_affinity_no_new_loads_and_routed_to_holders(http, loras):
+    for name in loras:  # every adapter requested at least once
+        assert _complete(http, name).status_code == 200
+    time.sleep(2.0)  # replicas push the ids they hold to Serve's routers asynchronously
+    before = _metrics(http)
+    holders = _holders(http)
+    assert set(holders) == set(loras)
+    rng = random.Random(13)
+    names = [rng.choice(sorted(loras)) for _ in range(100)]
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda name: _complete(http, name, PROMPTS[2]), names))
+    assert all(r.status_code == 200 for r in responses)
+    for name, response in zip(names, responses):
+        assert response.headers["x-lora-runner-replica"] in holders[name], name
+    after = _metrics(http)
+    assert after["lora_runner_adapter_loads"] == before["lora_runner_adapter_loads"]
+    assert after["lora_runner_replica_adapter_loads"] == before["lora_runner_replica_adapter_loads"]
+    served = sum(after["lora_runner_replica_requests"].values()) - sum(before["lora_runner_replica_requests"].values())
+    assert served == 100
+    assert len({r.headers["x-lora-runner-replica"] for r in responses}) == 2  # both replicas work
