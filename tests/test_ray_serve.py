@@ -49,7 +49,7 @@ def cluster(engine_checkpoint, loras):
     from lora_runner.entrypoints.ray_serve import build_application
 
     model_dir = engine_checkpoint[0]
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False)
+    ray.init(num_cpus=6, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False)
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -142,6 +142,29 @@ def test_same_errors_as_single_process(http, cluster):
     assert models.status_code == 200 and {m["id"] for m in models.json()["data"]} >= {"base", "r4", "r4-six"}
 
 
+def test_multiplex_eviction_removes_the_adapter_from_the_engine(cluster, loras):
+    """One replica that holds 2 adapters: a third evicts the least recently used from its engine."""
+    from lora_runner.entrypoints.ray_serve import build_application
+
+    args = serve_args(cluster[1], loras, extra=["--num-replicas", "1", "--replica-cpus", "1",
+                                                "--max-adapters-per-replica", "2", "--max-cpu-loras", "6"])
+    serve.run(build_application(args), name="evict", route_prefix="/evict")
+    try:
+        with httpx.Client(base_url=cluster[0] + "/evict", timeout=TIMEOUT) as client:
+            for name in ("r4", "r8-qv", "r4", "r16-mlp"):  # r8-qv is then the least recently used
+                assert _complete(client, name).status_code == 200
+            metrics = _metrics(client)
+            evictions = metrics["lora_runner_replica_adapter_unloads"]
+            in_engine = {dict(k)["adapter"] for k in metrics["lora_runner_replica_adapters_resident"]}
+            resident = _complete(client, "r4").status_code
+            loads = _metrics(client)["lora_runner_replica_adapter_loads"]
+    finally:
+        serve.delete("evict")
+    assert {dict(k)["adapter"]: v for k, v in evictions.items()} == {"r8-qv": 1}
+    assert in_engine == {"r4", "r16-mlp"}  # remove_lora ran in the replica's engine
+    assert resident == 200 and {dict(k)["adapter"]: v for k, v in loads.items()} == {"r4": 1, "r8-qv": 1, "r16-mlp": 1}
+
+
 def test_affinity_no_new_loads_and_routed_to_holders(http, loras):
     for name in loras:  # every adapter requested at least once
         assert _complete(http, name).status_code == 200
@@ -162,3 +185,52 @@ def test_affinity_no_new_loads_and_routed_to_holders(http, loras):
     served = sum(after["lora_runner_replica_requests"].values()) - sum(before["lora_runner_replica_requests"].values())
     assert served == 100
     assert len({r.headers["x-lora-runner-replica"] for r in responses}) == 2  # both replicas work
+
+
+def _replica_actor(replica: str):
+    """The Serve replica actor whose id is `replica` (the x-lora-runner-replica value)."""
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("#" + replica)]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+
+
+def _long_body(model: str, stream: bool = False) -> dict:
+    return {"model": model, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "temperature": 0.0,
+            "stream": stream}
+
+
+def test_killed_replica_fails_in_flight_and_survivor_takes_over(http, cluster, loras):
+    holders = _holders(http)
+    replicas = {r for rs in holders.values() for r in rs}
+    assert len(replicas) == 2
+    exclusive = {r: [a for a, rs in holders.items() if rs == {r}] for r in replicas}
+    victim = max(sorted(replicas), key=lambda r: len(exclusive[r]))
+    survivor = (replicas - {victim}).pop()
+    assert exclusive[victim], holders
+    with ThreadPoolExecutor(4) as pool, httpx.Client(base_url=cluster[0], headers=AUTH, timeout=TIMEOUT) as streamer:
+        with streamer.stream("POST", "/v1/completions", json=_long_body(exclusive[victim][0], True)) as streamed:
+            assert streamed.status_code == 200 and streamed.headers["x-lora-runner-replica"] == victim
+            lines = streamed.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # generating on the victim now
+            started = time.monotonic()
+            in_flight = [pool.submit(http.post, "/v1/completions", json=_long_body(a)) for a in exclusive[victim]]
+            time.sleep(1.0)
+            assert not any(f.done() for f in in_flight)  # still generating (400 tokens each)
+            ray.kill(_replica_actor(victim), no_restart=True)
+            rest = [line for line in lines if line.startswith("data: ")]
+        failed = [f.result(timeout=120) for f in in_flight]
+        elapsed = time.monotonic() - started
+    assert rest and "[DONE]" not in rest[-1] and '"error"' in rest[-1]
+    for response in failed:
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "replica_unavailable"
+    assert elapsed < 60.0  # nothing waits for a dead replica
+    served_by = {}
+    for name in sorted(loras):
+        response = _complete(http, name)
+        assert response.status_code == 200, response.text
+        served_by[name] = response.headers["x-lora-runner-replica"]
+        assert served_by[name] != victim
+    after = _holders(http)
+    assert all(served_by[name] in after[name] for name in loras)
+    assert any(survivor in after[name] for name in exclusive[victim])  # it loaded what it lacked

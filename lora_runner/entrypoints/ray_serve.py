@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 from starlette.concurrency import run_in_threadpool
@@ -103,8 +103,9 @@ class EngineReplicaBase:
         logger.info("replica %s evicted LoRA %r", self.replica, name)
 
     def report(self) -> dict:
-        """The replica's id and cumulative adapter loads/evictions."""
-        return {"replica": self.replica, "loads": dict(self.loads), "unloads": dict(self.unloads)}
+        """The replica's id, cumulative adapter loads/evictions and the LoRAs its engine holds now."""
+        return {"replica": self.replica, "loads": dict(self.loads), "unloads": dict(self.unloads),
+                "resident": self.state.engine.engine.list_loras()}
 
     async def handle(self, method: str, path: str, headers: list[tuple[str, str]],
                      body: bytes) -> AsyncIterator[dict | bytes]:
@@ -210,7 +211,7 @@ class Ingress:
             self._tenant(request)
         body = await request.body() if body is None else body
         handle = self.engine.options(stream=True, multiplexed_model_id=adapter or "")
-        stream = handle.handle.remote(request.method, request.url.path, list(request.headers.items()), body)
+        stream = handle.handle.remote(request.method, _app_path(request), list(request.headers.items()), body)
         try:
             head = await asyncio.wait_for(stream.__anext__(), self.request_timeout)
         except BaseException as exc:
@@ -293,6 +294,12 @@ async def _bounded(stream, timeout: float) -> AsyncIterator:
         yield item
 
 
+def _app_path(request: Request) -> str:
+    """The path below the application's route prefix (the replica's app serves from /)."""
+    path, prefix = request.url.path, request.scope.get("root_path", "")
+    return path[len(prefix):] if prefix and path.startswith(prefix) else path
+
+
 def _model_field(body: bytes) -> str | None:
     """The request's ``model`` (None when the body is not a JSON object with a string model: the
     replica's app then answers the validation error)."""
@@ -343,6 +350,12 @@ class _ReplicaCollector:
         yield per_replica
         for kind in ("loads", "unloads"):
             yield from self._adapter_counters(kind)
+        resident = GaugeMetricFamily("lora_runner_replica_adapters_resident", "1 for each LoRA in a replica's "
+                                     "engine cache (as of the replica's latest answer)", labels=["replica", "adapter"])
+        for replica, report in sorted(self.reports.items()):
+            for adapter in report["resident"]:
+                resident.add_metric([replica, adapter], 1)
+        yield resident
 
     def _adapter_counters(self, kind: str):
         verb = "registered with" if kind == "loads" else "evicted from"
