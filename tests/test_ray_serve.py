@@ -234,3 +234,16 @@ def test_killed_replica_fails_in_flight_and_survivor_takes_over(http, cluster, l
     after = _holders(http)
     assert all(served_by[name] in after[name] for name in loras)
     assert any(survivor in after[name] for name in exclusive[victim])  # it loaded what it lacked
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-replicas", "2", "--allow-runtime-lora-updating"], "--allow-runtime-lora-updating"),
+    (["--num-replicas", "2", "--replica-gpus", "-1"], "--replica-gpus"),
+    (["--num-replicas", "2", "--max-adapters-per-replica", "0"], "--max-adapters-per-replica"),
+])
+def test_cli_rejects_what_ray_serve_cannot_honour(engine_checkpoint, capsys, extra, message):
+    from lora_runner.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", engine_checkpoint[0], "--device", "cpu", *extra])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

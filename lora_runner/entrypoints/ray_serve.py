@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 from ray.exceptions import RayActorError, RayError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.concurrency import run_in_threadpool
 
 from adapters import LoRARequest, PromptAdapterRequest, UnknownAdapterError
@@ -315,13 +316,16 @@ def _replica_error(exc: BaseException) -> APIError:
     """The status for a forwarded request that got no (complete) answer from its replica."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, RayActorError):
+    if isinstance(exc, (RayActorError, ReplicaUnavailableError)):
         return APIError(503, f"the engine replica serving this request died: {type(exc).__name__}",
                         "replica_unavailable")
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return APIError(504, "the engine replica did not answer in time", "replica_timeout")
-    if isinstance(exc, RayError):
-        return APIError(503, f"the engine replica failed: {type(exc).__name__}", "replica_unavailable")
+    if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):
+        return APIError(503, f"no engine replica can take the request now: {type(exc).__name__}", "server_busy")
+    if isinstance(exc, RayError):  # the replica raised: a bug, not a capacity problem
+        logger.error("engine replica failed", exc_info=exc)
+        return APIError(500, f"the engine replica failed: {type(exc).__name__}", "replica_error")
     logger.error("forwarding failed", exc_info=exc)
     return APIError(500, "internal server error", "internal_error")
 
