@@ -1,7 +1,7 @@
 """lora-runner on Ray Serve: 2 engine replicas of the tiny model, 6 LoRAs multiplexed.
 
-One local Ray instance and one Serve application for the module (slow: replicas start in their own
-processes). Outputs are checked against LLM.generate; routing against the replica header and the
+One local Ray instance and one Serve application, driven through its scenarios by one test (slow:
+replicas start in their own processes). Outputs are checked against LLM.generate; routing against the replica header and the
 per-replica adapter-load counters in /metrics.
 """
 
@@ -105,7 +105,7 @@ def _holders(http) -> dict[str, set[str]]:
     return holders
 
 
-def test_greedy_outputs_equal_single_process(http, cluster, loras, tokenizer):
+def _greedy_outputs_equal_single_process(http, cluster, loras, tokenizer):
     jobs = [(PROMPTS[i % 3], name, None) for i, name in enumerate([None, *loras])]
     expected = offline_greedy(cluster[1], jobs, MAX_TOKENS, loras)
     for (prompt, name, _), tokens in zip(jobs, expected):
@@ -116,7 +116,7 @@ def test_greedy_outputs_equal_single_process(http, cluster, loras, tokenizer):
         assert token_ids(tokenizer, choice["logprobs"]["tokens"]) == tokens, name
 
 
-def test_streaming_matches_whole_answer(http):
+def _streaming_matches_whole_answer(http):
     whole = _complete(http, "r8-qv", PROMPTS[1]).json()["choices"][0]["text"]
     with http.stream("POST", "/v1/completions", json={"model": "r8-qv", "prompt": PROMPTS[1], "stream": True,
                                                       "max_tokens": MAX_TOKENS, "temperature": 0.0}) as response:
@@ -129,7 +129,7 @@ def test_streaming_matches_whole_answer(http):
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == whole
 
 
-def test_same_errors_as_single_process(http, cluster):
+def _same_errors_as_single_process(http, cluster):
     unauthenticated = httpx.post(cluster[0] + "/v1/completions", json={"model": "r4", "prompt": "hi"}, timeout=TIMEOUT)
     assert unauthenticated.status_code == 401
     assert unauthenticated.json()["error"]["code"] == "invalid_api_key"
@@ -142,7 +142,7 @@ def test_same_errors_as_single_process(http, cluster):
     assert models.status_code == 200 and {m["id"] for m in models.json()["data"]} >= {"base", "r4", "r4-six"}
 
 
-def test_multiplex_eviction_removes_the_adapter_from_the_engine(cluster, loras):
+def _multiplex_eviction_removes_the_adapter_from_the_engine(cluster, loras):
     """One replica that holds 2 adapters: a third evicts the least recently used from its engine."""
     from lora_runner.entrypoints.ray_serve import build_application
 
@@ -165,10 +165,10 @@ def test_multiplex_eviction_removes_the_adapter_from_the_engine(cluster, loras):
     assert resident == 200 and {dict(k)["adapter"]: v for k, v in loads.items()} == {"r4": 1, "r8-qv": 1, "r16-mlp": 1}
 
 
-def test_affinity_no_new_loads_and_routed_to_holders(http, loras):
+def _affinity_no_new_loads_and_routed_to_holders(http, loras):
     for name in loras:  # every adapter requested at least once
         assert _complete(http, name).status_code == 200
-    time.sleep(2.0)  # replicas push the ids they hold to Serve's routers asynchronously
+    time.sleep(5.0)  # replicas push the ids they hold to Serve's routers asynchronously (~0.1 s; margin)
     before = _metrics(http)
     holders = _holders(http)
     assert set(holders) == set(loras)
@@ -195,11 +195,13 @@ def _replica_actor(replica: str):
 
 
 def _long_body(model: str, stream: bool = False) -> dict:
-    return {"model": model, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "temperature": 0.0,
+    """Long enough to be still generating seconds later (4 prompts x 480 tokens unless streamed)."""
+    prompt = PROMPTS[0] if stream else PROMPTS[:4]
+    return {"model": model, "prompt": prompt, "max_tokens": 480, "ignore_eos": True, "temperature": 0.0,
             "stream": stream}
 
 
-def test_killed_replica_fails_in_flight_and_survivor_takes_over(http, cluster, loras):
+def _killed_replica_fails_in_flight_and_survivor_takes_over(http, cluster, loras):
     holders = _holders(http)
     replicas = {r for rs in holders.values() for r in rs}
     assert len(replicas) == 2
@@ -214,8 +216,8 @@ def test_killed_replica_fails_in_flight_and_survivor_takes_over(http, cluster, l
             assert next(line for line in lines if line.startswith("data: "))  # generating on the victim now
             started = time.monotonic()
             in_flight = [pool.submit(http.post, "/v1/completions", json=_long_body(a)) for a in exclusive[victim]]
-            time.sleep(1.0)
-            assert not any(f.done() for f in in_flight)  # still generating (400 tokens each)
+            time.sleep(1.5)  # routed to the victim (its adapters live only there) and generating
+            assert not any(f.done() for f in in_flight)
             ray.kill(_replica_actor(victim), no_restart=True)
             rest = [line for line in lines if line.startswith("data: ")]
         failed = [f.result(timeout=120) for f in in_flight]
@@ -234,6 +236,17 @@ def test_killed_replica_fails_in_flight_and_survivor_takes_over(http, cluster, l
     after = _holders(http)
     assert all(served_by[name] in after[name] for name in loras)
     assert any(survivor in after[name] for name in exclusive[victim])  # it loaded what it lacked
+
+
+def test_ray_serve_two_replicas(http, cluster, loras, tokenizer):
+    """The scenarios in order on one Serve app: one test, so pytest-xdist keeps them on one worker
+    (and one Ray instance); the kill comes last."""
+    _greedy_outputs_equal_single_process(http, cluster, loras, tokenizer)
+    _streaming_matches_whole_answer(http)
+    _same_errors_as_single_process(http, cluster)
+    _multiplex_eviction_removes_the_adapter_from_the_engine(cluster, loras)
+    _affinity_no_new_loads_and_routed_to_holders(http, loras)
+    _killed_replica_fails_in_flight_and_survivor_takes_over(http, cluster, loras)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -281,8 +281,10 @@ class IngressBase:
 
 
 def ingress_deployment():
-    """The ingress deployment class (one replica)."""
-    return serve.deployment(name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=1000)(IngressBase)
+    """The ingress deployment class (one replica; no CPU reserved: it only relays bytes, and a
+    machine with one core per engine replica must still place it)."""
+    return serve.deployment(name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=1000,
+                            ray_actor_options={"num_cpus": 0})(IngressBase)
 
 
 async def _bounded(stream, timeout: float) -> AsyncIterator:
