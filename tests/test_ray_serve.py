@@ -7,9 +7,11 @@ per-replica adapter-load counters in /metrics.
 
 import random
 import re
+import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -44,7 +46,16 @@ def loras(engine_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(engine_checkpoint, loras):
+def broken(loras, tmp_path_factory):
+    """A LoRA whose weights file is garbage: fine at startup (loaded lazily), 422 when requested."""
+    root = tmp_path_factory.mktemp("ray-broken")
+    shutil.copy(Path(loras["r4"]) / "adapter_config.json", root / "adapter_config.json")
+    (root / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def cluster(engine_checkpoint, loras, broken):
     """(base URL, model dir) of the Serve app on a local Ray instance (torn down after the module)."""
     from lora_runner.entrypoints.ray_serve import build_application
 
@@ -53,7 +64,7 @@ def cluster(engine_checkpoint, loras):
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = serve_args(model_dir, loras, extra=["--num-replicas", "2", "--replica-cpus", "1",
+        args = serve_args(model_dir, {**loras, "broken": broken}, extra=["--num-replicas", "2", "--replica-cpus", "1",
                                                    "--max-cpu-loras", "6", "--max-adapters-per-replica", "6",
                                                    "--api-key", KEY])
         serve.run(build_application(args), name="lora-runner", route_prefix="/")
@@ -138,6 +149,9 @@ def _same_errors_as_single_process(http, cluster):
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     too_long = _complete(http, "r4", max_tokens=100000)
     assert too_long.status_code == 400 and too_long.json()["error"]["type"] == "invalid_request_error"
+    bad_adapter = _complete(http, "broken")
+    assert bad_adapter.status_code == 422 and bad_adapter.json()["error"]["code"] == "adapter_load_failed"
+    assert bad_adapter.headers["x-lora-runner-replica"] not in ("", "ingress")
     models = http.get("/v1/models")
     assert models.status_code == 200 and {m["id"] for m in models.json()["data"]} >= {"base", "r4", "r4-six"}
 

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
@@ -34,7 +34,7 @@ from starlette.concurrency import run_in_threadpool
 
 from adapters import LoRARequest, PromptAdapterRequest, UnknownAdapterError
 from lora_runner.entrypoints.asgi_call import call_asgi
-from lora_runner.entrypoints.errors import APIError, error_body, install_error_handlers
+from lora_runner.entrypoints.errors import APIError, api_error_from, error_body, install_error_handlers
 from lora_runner.entrypoints.formatting import sse
 from lora_runner.entrypoints.registry import AdapterRegistry
 from lora_runner.entrypoints.tenants import KeyRing
@@ -115,8 +115,10 @@ class EngineReplicaBase:
         if adapter:
             try:
                 await self.get_adapter(adapter)
-            except APIError as err:
-                yield {"status": err.status, "headers": list(err.headers.items()), **self.report()}
+            except Exception as exc:  # noqa: BLE001 - a bad adapter: its status, as the single-process app
+                err = api_error_from(exc)
+                headers = [("content-type", "application/json"), *err.headers.items()]
+                yield {"status": err.status, "headers": headers, **self.report()}
                 yield json.dumps(error_body(err.status, err.message, err.code)).encode()
                 return
         async for item in call_asgi(self.app, method, path, headers, body):
