@@ -5,6 +5,9 @@ For each (adapter popularity, request rate) the same seeded workload (benchmarks
               (streamed completions, greedy, EOS ignored, arrivals replayed in real time)
   in-process  LLMEngine.add_request/step in this process on the same model and adapters
 and the table shows output tok/s, TTFT and ITL p50/p99 of both and the HTTP layer's cost as ratios.
+With --replicas N (N > 1, needs the `ray` extra) the same workload also runs through
+`lora-runner serve --num-replicas N` (Ray Serve, adapter-affinity routing): its tok/s, TTFT/ITL and
+the adapter loads per replica (from its /metrics) join the table.
 
     python benchmarks/bench_serve.py --quick       # CPU, tiny random model, about 2 minutes
     python benchmarks/bench_serve.py               # GPU, ~100M-parameter random model
@@ -41,6 +44,9 @@ COLUMNS = [("workload", "workload", ""), ("rate", "req/s", ".0f"),
            ("engine_ttft_p50_s", "engine TTFT p50", ".3f"), ("http_itl_p50_s", "HTTP ITL p50", ".4f"),
            ("http_itl_p99_s", "HTTP ITL p99", ".4f"), ("engine_itl_p50_s", "engine ITL p50", ".4f"),
            ("throughput_ratio", "HTTP/engine tok/s", ".2f"), ("ttft_ratio", "HTTP/engine TTFT p50", ".2f")]
+RAY_COLUMNS = [("ray_tokens_per_s", "Ray tok/s", ".1f"), ("ray_ttft_p50_s", "Ray TTFT p50", ".3f"),
+               ("ray_ttft_p99_s", "Ray TTFT p99", ".3f"), ("ray_itl_p50_s", "Ray ITL p50", ".4f"),
+               ("ray_itl_p99_s", "Ray ITL p99", ".4f"), ("ray_loads_per_replica", "Ray loads/replica", "")]
 
 
 def _summary(prefix: str, tokens: int, seconds: float, ttfts: list[float], itls: list[float]) -> dict:
@@ -66,7 +72,7 @@ async def _http_request(client, request, model: str, start: float, ttfts: list, 
     return request.max_tokens
 
 
-async def _run_http(base_url: str, requests, names: list[str]) -> dict:
+async def _run_http(base_url: str, requests, names: list[str], prefix: str = "http") -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=600)
@@ -79,7 +85,7 @@ async def _run_http(base_url: str, requests, names: list[str]) -> dict:
                                                       start, ttfts, itls) for r in requests))
     finally:
         await client.close()
-    return _summary("http", sum(tokens), time.perf_counter() - start, ttfts, itls)
+    return _summary(prefix, sum(tokens), time.perf_counter() - start, ttfts, itls)
 
 
 def _free_port() -> int:
@@ -89,14 +95,14 @@ def _free_port() -> int:
 
 
 def start_server(model_dir: str, adapters: list[Path], max_loras: int, device: str,
-                 threads: int | None) -> tuple[subprocess.Popen, str]:
+                 threads: int | None, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """`python -m lora_runner.serve` on a free port; returns (process, base url) once /health answers."""
     import httpx
 
     port = _free_port()
     command = [sys.executable, "-m", "lora_runner.serve", model_dir, "--port", str(port), "--device", device,
                "--served-model-name", "base", "--max-loras", str(max_loras), "--max-lora-rank", "16",
-               "--log-level", "warning", "--lora-modules", *[f"a{i}={p}" for i, p in enumerate(adapters)]]
+               "--log-level", "warning", "--lora-modules", *[f"a{i}={p}" for i, p in enumerate(adapters)], *extra]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     process = subprocess.Popen(command, cwd=REPO, env=env)
     base_url = f"http://127.0.0.1:{port}"
@@ -151,6 +157,7 @@ def main() -> None:
     parser.add_argument("--popularities", nargs="+", default=["uniform", "zipf"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=str(REPO / "results"))
+    parser.add_argument("--replicas", type=int, default=1, help="> 1: also run through Ray Serve with N replicas")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for name in ("httpx", "httpx2", "openai"):
@@ -163,7 +170,7 @@ def main() -> None:
     rates = args.rates or ([4.0, 16.0] if args.quick else [4.0, 16.0, 64.0])
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
     rows = run_grid(shape, num_requests, args, rates)
-    print(markdown_table(rows, COLUMNS))
+    print(markdown_table(rows, COLUMNS + (RAY_COLUMNS if args.replicas > 1 else [])))
     save(rows, args, shape)
 
 
@@ -186,12 +193,13 @@ def run_grid(shape: ModelShape, num_requests: int, args, rates: list[float]) -> 
         finally:
             process.terminate()
             process.wait(60)
+        ray = run_ray(str(Path(tmp) / "model"), adapters, args, specs, shape, names) if args.replicas > 1 else None
         engine = LLMEngine(str(Path(tmp) / "model"), max_loras=args.max_loras, max_lora_rank=16, device=args.device)
         try:
             warm_up = [BenchRequest(f"warm-{i}", (5, 6, 7), 2, i, 0.0) for i in range(len(adapters))]
             run_engine(engine, warm_up, adapters)
             for spec, http_row in zip(specs, http):
-                row = {"workload": spec.name, "rate": spec.rate, **http_row,
+                row = {"workload": spec.name, "rate": spec.rate, **http_row, **(ray.pop(0) if ray else {}),
                        **run_engine(engine, make_workload(spec, shape.vocab_size), adapters)}
                 row["throughput_ratio"] = row["http_tokens_per_s"] / row["engine_tokens_per_s"]
                 row["ttft_ratio"] = row["http_ttft_p50_s"] / row["engine_ttft_p50_s"]
@@ -199,6 +207,36 @@ def run_grid(shape: ModelShape, num_requests: int, args, rates: list[float]) -> 
         finally:
             engine.close()
     return rows
+
+
+def run_ray(model_dir: str, adapters: list[Path], args, specs, shape: ModelShape, names: list[str]) -> list[dict]:
+    """The workloads through `serve --num-replicas N` (one CPU per replica); each row gets the
+    adapter loads per replica that its workload caused."""
+    import httpx
+
+    extra = ("--num-replicas", str(args.replicas), "--replica-cpus", "1", "--max-cpu-loras", str(len(adapters)))
+    process, base_url = start_server(model_dir, adapters, args.max_loras, args.device, 1 if args.quick else None, extra)
+    rows = []
+    try:
+        for spec in specs:
+            before = _loads_per_replica(httpx.get(base_url + "/metrics").text)
+            row = asyncio.run(_run_http(base_url, make_workload(spec, shape.vocab_size), names, prefix="ray"))
+            after = _loads_per_replica(httpx.get(base_url + "/metrics").text)
+            row["ray_loads_per_replica"] = " ".join(str(int(after[r] - before.get(r, 0))) for r in sorted(after))
+            rows.append(row)
+    finally:
+        process.terminate()
+        process.wait(120)
+    return rows
+
+
+def _loads_per_replica(metrics: str) -> dict[str, float]:
+    loads: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("lora_runner_replica_adapter_loads_total{"):
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            loads[replica] = loads.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return loads
 
 
 def save(rows: list[dict], args, shape: ModelShape) -> None:

@@ -25,7 +25,7 @@ from lora_runner.entrypoints.protocol import (
     UnloadLoRARequest,
 )
 from lora_runner.entrypoints.state import ServerState
-from lora_runner.entrypoints.tenants import Tenant
+from lora_runner.entrypoints.tenants import KeyRing, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,12 @@ def _state(request: Request) -> ServerState:
 
 def authenticate(request: Request) -> Tenant:
     """The caller's tenant; 401 without a valid key."""
-    tenant = _state(request).keys.authenticate(request.headers.get("authorization"))
+    return require_tenant(_state(request).keys, request.headers.get("authorization"))
+
+
+def require_tenant(keys: KeyRing, authorization: str | None) -> Tenant:
+    """The tenant of an Authorization header; 401 without a valid key (also used by the Ray Serve ingress)."""
+    tenant = keys.authenticate(authorization)
     if tenant is None:
         raise APIError(401, "missing or invalid API key (Authorization: Bearer KEY)", "invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})

@@ -62,6 +62,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-pending-requests", type=int, default=1024)
     add("--shutdown-timeout", type=float, default=10.0)
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_ray_arguments(parser)
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Ray Serve options of `serve` (used when --num-replicas > 1; needs lora-runner[ray])."""
+    add = parser.add_argument
+    add("--num-replicas", type=int, default=1, help="engine replicas; > 1 serves on Ray Serve")
+    add("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray instance)")
+    add("--replica-cpus", type=float, default=1.0, help="CPUs reserved per engine replica")
+    add("--replica-gpus", type=float, default=0.0, help="GPUs reserved per engine replica")
+    add("--max-adapters-per-replica", type=int, default=None,
+        help="LoRAs a replica keeps registered (Serve's multiplex LRU; default: --max-cpu-loras or --max-loras)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -112,6 +124,11 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_replicas > 1:
+        from lora_runner.entrypoints.ray_serve_run import serve_on_ray
+
+        serve_on_ray(args)
+        return
     state = build_state(args)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))
