@@ -391,7 +391,7 @@ class LLMEngine:
                   for s in scheduled]
         sampling = [s.request for s in scheduled if s.samples]
         result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling],
-                                     _penalty_histories(sampling))
+                                     _penalty_histories(sampling), self._min_tokens_bans(sampling))
         return [self._report(request, error)
                 for request, error in self.scheduler.postprocess(scheduled, result, self.output_processor)]
 
@@ -405,6 +405,11 @@ class LLMEngine:
         if request.is_finished:
             self._release(request)
         return self._output(request)
+
+    def _min_tokens_bans(self, requests: list[Request]) -> list[list[int] | None] | None:
+        """Per sampled request, the ids it may not sample yet (min_tokens); None when none bans any."""
+        bans = [_banned_before_min_tokens(r, self.eos_token_ids) for r in requests]
+        return bans if any(bans) else None
 
     def _insert_placeholders(self) -> None:
         """Soft-prompt placeholders for waiting requests whose prompt adapter is loaded; one whose
@@ -461,6 +466,16 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary)")
         return token_ids
+
+
+def _banned_before_min_tokens(request: Request, eos_token_ids: frozenset[int]) -> list[int] | None:
+    """The token ids that would end `request` while it is under min_tokens: masked from sampling,
+    as vLLM does, so an early EOS or stop token is never generated; None once it may stop."""
+    params = request.params
+    if request.num_output_tokens >= params.min_tokens:
+        return None
+    ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return sorted(ids) or None
 
 
 def _penalty_histories(requests: list[Request]) -> list[tuple[list[int], list[int]] | None]:

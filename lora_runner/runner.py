@@ -61,11 +61,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None], histories=None) -> SamplerOutput:
+                generators: Sequence[torch.Generator | None], histories=None, banned=None) -> SamplerOutput:
         """Forward `chunks` and sample one token for each chunk with sample=True.
 
         params / generators / histories: one per sampling chunk, in chunk order; histories[i] is the
-        (prompt token ids, generated token ids) the penalties of row i count (None: no row has any).
+        (prompt token ids, generated token ids) the penalties of row i count (None: no row has any);
+        banned[i] the token ids row i may not sample (None: no row bans any).
         """
         batch, key = self._upload(chunks)
         if key is not None:
@@ -75,7 +76,7 @@ class ModelRunner:
         if not params:
             return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab] float32
-        return self.sampler(logits, self.sampler.make_batch(params, generators, histories))
+        return self.sampler(logits, self.sampler.make_batch(params, generators, histories, banned))
 
     def _upload(self, chunks: Sequence[SeqChunk]) -> tuple[BatchInputs, DecodeGraphKey | None]:
         """The step's device views and its decode graph (None: eager), after one upload: a graphed

@@ -42,6 +42,8 @@ class SamplingBatch:
     generators: Sequence[torch.Generator | None]
     # per row (prompt token ids, generated token ids), read only for rows with penalties; None: none given
     histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None
+    # per row, token ids it may not sample this step (EOS and stop ids before min_tokens); None: none
+    banned: Sequence[Sequence[int] | None] | None = None
 
     def history(self, row: int) -> tuple[Sequence[int], Sequence[int]]:
         """Row `row`'s (prompt, generated) token ids; ValueError when the caller gave none."""
@@ -53,7 +55,8 @@ class SamplingBatch:
     def row(self, row: int) -> SamplingBatch:
         """The one-row batch of row `row`."""
         histories = None if self.histories is None else [self.histories[row]]
-        return SamplingBatch([self.params[row]], [self.generators[row]], histories)
+        banned = None if self.banned is None else [self.banned[row]]
+        return SamplingBatch([self.params[row]], [self.generators[row]], histories, banned)
 
 
 @dataclass
@@ -101,10 +104,13 @@ class Sampler:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def make_batch(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                   histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None) -> SamplingBatch:
+                   histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+                   banned: Sequence[Sequence[int] | None] | None = None) -> SamplingBatch:
         """The step's rows; generators[i] is row i's own generator or None; histories[i] is row i's
-        (prompt token ids, generated token ids), needed by rows with penalties."""
-        return SamplingBatch(list(params), list(generators), None if histories is None else list(histories))
+        (prompt token ids, generated token ids), needed by rows with penalties; banned[i]: token ids
+        row i may not sample (its EOS and stop ids while it is under min_tokens), or None."""
+        return SamplingBatch(list(params), list(generators), None if histories is None else list(histories),
+                             None if banned is None else list(banned))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample from `logits` [S, vocab]; returns host lists (one device->host sync)."""
@@ -126,6 +132,7 @@ class Sampler:
         if penalized is not logits:  # a tiny repetition_penalty can overflow a row: it fails alone
             finite &= torch.isfinite(penalized).all(dim=-1)
             penalized = torch.where(finite[:, None], penalized, 0.0)
+        penalized = self._apply_bans(penalized, logits, batch)
         tokens = penalized.argmax(dim=-1)  # [S]
         if not settings.all_greedy:
             tokens = torch.where(settings.greedy, tokens, self._sample(penalized, settings))  # [S]
@@ -155,6 +162,19 @@ class Sampler:
             result.logprobs += one.logprobs
             result.errors += one.errors
         return result
+
+    def _apply_bans(self, penalized: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """`penalized` [S, V] with each row's banned token ids at -inf (a copy when `penalized` is the
+        raw logits, which the logprobs read); itself when no row bans anything."""
+        bans = [(row, ids) for row, ids in enumerate(batch.banned or ()) if ids]
+        if not bans:
+            return penalized
+        if penalized is raw:
+            penalized = penalized.clone()
+        rows = torch.tensor([row for row, ids in bans for _ in ids], device=penalized.device)
+        cols = torch.tensor([t for _, ids in bans for t in ids], device=penalized.device)
+        penalized[rows, cols] = float("-inf")
+        return penalized
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """`logits` [S, V] with each penalised row's presence/frequency/repetition penalties applied

@@ -41,8 +41,8 @@ class SamplingParams:
     completed wins); the text is cut before it, or after it with include_stop_str_in_output=True.
     While stop strings are set, streamed text lags by the longest one's length - 1 characters.
     min_tokens: no EOS, stop token or stop string ends the request before this many tokens (at most
-    max_tokens). They are not masked from sampling: an EOS or stop token sampled earlier stays in
-    token_ids (a special token adds no text) and generation goes on.
+    max_tokens): until then the EOS ids (unless ignore_eos) and stop_token_ids are masked from
+    sampling (as in vLLM) and stop strings are not searched.
 
     Raises ValueError naming the field for a wrong type or an out-of-range value (``bool`` is not
     an integer). ``LLMEngine.add_request`` checks a copy again with the engine's limits (see

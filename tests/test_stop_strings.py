@@ -4,6 +4,7 @@ greedy tokens of transformers, decoded whole, cut where the first stop string is
 import random
 
 import pytest
+import torch
 
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.output_processor import OutputProcessor
@@ -92,20 +93,39 @@ def test_streamed_text_never_shows_what_a_stop_string_cuts(engine, engine_checkp
     assert output.token_ids == tokens[:6] and output.stop_reason == stop
 
 
-def test_min_tokens_defers_every_stop(engine, engine_checkpoint, greedy_oracle):
+@torch.inference_mode()
+def _masked_greedy(model, prompt, max_tokens, banned, min_tokens, stops):
+    """Greedy by repeated full forwards; `banned` ids masked while under min_tokens, as vLLM does;
+    stops at a token in `stops` once min_tokens were generated."""
+    ids, out = list(prompt), []
+    for _ in range(max_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].double()  # [V]
+        if len(out) < min_tokens:
+            logits[sorted(banned)] = float("-inf")
+        token = int(logits.argmax())
+        out.append(token)
+        ids.append(token)
+        if len(out) >= min_tokens and token in stops:
+            break
+    return out
+
+
+def test_min_tokens_masks_eos_and_stop_ids_and_defers_stop_strings(engine, engine_checkpoint, greedy_oracle):
     _, hf, _ = engine_checkpoint
     prompt = [7, 8, 9, 10]
     tokens = greedy_oracle(hf, prompt, MAX_TOKENS)[0]
     decode = engine.tokenizer.decode
     early = decode(tokens[:1])  # the first token's text: a stop string completed at once
     min_tokens = 5
-    later_stop_token = tokens[min_tokens - 1]
+    stop_ids = {tokens[0], tokens[min_tokens - 1]}
     requests = {
         "str": (prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[early],
                                        min_tokens=min_tokens)),
         "id": (prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                      stop_token_ids=[tokens[0], later_stop_token], min_tokens=min_tokens)),
+                                      stop_token_ids=sorted(stop_ids), min_tokens=min_tokens)),
         "eos": (prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=min_tokens)),
+        "eos-ignored": (prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                               min_tokens=min_tokens)),
     }
     saved = engine.eos_token_ids
     engine.eos_token_ids = {tokens[0]}
@@ -113,15 +133,17 @@ def test_min_tokens_defers_every_stop(engine, engine_checkpoint, greedy_oracle):
         results = run(engine, requests)
     finally:
         engine.eos_token_ids = saved
-    first_id_at = next(k for k in range(min_tokens - 1, MAX_TOKENS) if tokens[k] in (tokens[0], later_stop_token))
-    assert results["id"][0].token_ids == tokens[:first_id_at + 1]
-    assert results["id"][0].stop_reason == tokens[first_id_at]
-    # the stop string occurs in the first token's text, before min_tokens: it is not searched there
+    # EOS and stop ids are masked from sampling until min_tokens: the greedy path changes at once
+    want_id = _masked_greedy(hf, prompt, MAX_TOKENS, stop_ids, min_tokens, stop_ids)
+    assert results["id"][0].token_ids == want_id and want_id[0] != tokens[0]
+    assert not stop_ids & set(want_id[:min_tokens])
+    want_eos = _masked_greedy(hf, prompt, MAX_TOKENS, {tokens[0]}, min_tokens, {tokens[0]})
+    assert results["eos"][0].token_ids == want_eos
+    assert results["eos-ignored"][0].token_ids == tokens  # ignore_eos: nothing to mask
+    # stop strings are not masked (text, not ids): before min_tokens the new text is just not searched
     later = [k for k in range(min_tokens - 1, MAX_TOKENS)
              if early in decode(tokens[:k + 1])[max(0, len(decode(tokens[:k])) - len(early) + 1):]]
-    assert len(results["str"][0].token_ids) == (later[0] + 1 if later else MAX_TOKENS)
-    eos_at = next((k for k in range(min_tokens - 1, MAX_TOKENS) if tokens[k] == tokens[0]), MAX_TOKENS - 1)
-    assert results["eos"][0].token_ids == tokens[:eos_at + 1]
+    assert results["str"][0].token_ids == tokens[:later[0] + 1 if later else MAX_TOKENS]
     assert all(len(results[i][0].token_ids) >= min_tokens for i in requests)
 
 
