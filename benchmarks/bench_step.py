@@ -167,10 +167,11 @@ def host_table(tmp: Path, args) -> list[dict]:
                                          progress=False)
     rows = []
     for num_requests in args.requests:
-        for num_adapters in args.adapters:  # the first is 0: the base of the ratios
+        base_row = None
+        for num_adapters in args.adapters:  # the first is 0 (main checks it): the base of the ratios
             profile = args.profile == f"{num_requests}/{num_adapters}"
             row = host_row(str(model_dir), adapter_paths, num_requests, num_adapters, args, profile)
-            base_row = row if not num_adapters else base_row
+            base_row = row if num_adapters == 0 else base_row
             for path in args.paths:
                 row[f"vs_no_adapters_{path}"] = row[f"host_ms_{path}"] / base_row[f"host_ms_{path}"]
             rows.append(row)

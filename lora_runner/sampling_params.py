@@ -97,6 +97,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         self._validate_penalties()
         self._validate_stop_token_ids(vocab_size)
         self._validate_logprobs(max_logprobs, vocab_size)
@@ -108,8 +110,6 @@ class SamplingParams:
             _check_real(name, value, "a number in [-2, 2]")
             if not -MAX_PENALTY <= value <= MAX_PENALTY:  # False for NaN too
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         _check_real("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
