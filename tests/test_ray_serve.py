@@ -54,13 +54,22 @@ def broken(loras, tmp_path_factory):
     return str(root)
 
 
+# On a 2-core CI box running the rest of the suite beside this module, a replica can take longer than
+# Serve's 0.1 s default to answer the router's queue-length probe; a late answer counts as "busy" and
+# the router then sends the request to a replica without the adapter (a new load): affinity would
+# depend on CPU contention. These deadlines only tolerate slow answers; routing rules are Serve's own.
+SERVE_ROUTER_ENV = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2",
+                    "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5"}
+
+
 @pytest.fixture(scope="module")
 def cluster(engine_checkpoint, loras, broken):
     """(base URL, model dir) of the Serve app on a local Ray instance (torn down after the module)."""
     from lora_runner.entrypoints.ray_serve import build_application
 
     model_dir = engine_checkpoint[0]
-    ray.init(num_cpus=6, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False)
+    ray.init(num_cpus=6, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False,
+             runtime_env={"env_vars": SERVE_ROUTER_ENV})
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
