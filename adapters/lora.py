@@ -8,13 +8,15 @@ alpha_pattern), or None for a slice the adapter does not target. So the delta of
 ``x @ a.T @ b.T``, exactly PEFT's ``lora_B(lora_A(x)) * scaling``.
 
 Supported: plain LoRA (peft_type LORA) on q/k/v/o/gate/up/down projections of Llama-family decoder
-layers, and on embed_tokens and lm_head (per model; see :mod:`adapters.vocab_lora`); target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
+layers; target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
 exclude_modules; rank_pattern; alpha_pattern; use_rslora; keys with or without the ".default"
 adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA, modules_to_save, bias terms
-(bias != "none", lora_bias), a resized vocabulary, ensure_weight_tying, layer_replication, target_parameters,
+(bias != "none", lora_bias), tied embed_tokens/lm_head LoRAs, layer_replication, target_parameters,
 trainable tokens, aLoRA, QALoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA, MiCA, and un-converted
 PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA adapters (they need a modified base model). Everything is validated
 before any slot is touched.
+
+LoRA on embed_tokens and lm_head (per model, in :attr:`LoRAWeights.vocab`): see :mod:`adapters.vocab_lora`.
 
 The config's regexes (target_modules as a string, exclude_modules, layers_pattern, rank_pattern and
 alpha_pattern keys) are tenant input: :mod:`adapters.patterns` runs them in RE2 (linear time), never
@@ -26,7 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import NamedTuple
 
 import torch
@@ -79,7 +82,7 @@ class LoRAWeights:
     name: str
     rank: int  # max rank over the adapter's modules
     modules: dict[tuple[int, str], tuple[LoRAPair | None, ...]]  # (layer, packed) -> per-slice pair
-    vocab: dict[str, LoRAPair] = field(default_factory=dict)  # "embed_tokens" / "lm_head" (adapters.vocab_lora)
+    vocab: dict[str, LoRAPair] = dataclass_field(default_factory=dict)  # "embed_tokens" / "lm_head" (adapters.vocab_lora)
 
     @property
     def nbytes(self) -> int:

@@ -25,6 +25,7 @@ from adapters.vocab_slots import VocabLoRASlots
 from factories import build_tiny_model, edit_adapter_config, model_spec, save_lora, save_prompt_adapter, save_tiny_model
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.cuda_graphs import RerunGraph
+from test_engine_lora import check_against_oracle  # greedy tokens exact, logprobs within 1e-4
 from test_prompt_adapters import SoftPromptOnLoRA
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's tied-weights / save_embedding_layers notes
@@ -76,14 +77,6 @@ def run(engine, requests) -> dict:
     return done
 
 
-def check_greedy(output, model, prompt, max_tokens, oracle):
-    tokens, logprobs = oracle(model, prompt, max_tokens)
-    completion = output.outputs[0]
-    assert completion.token_ids == tokens, output.request_id
-    for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
-        assert abs(got[tokens[step]] - want) <= 1e-4, (output.request_id, step)
-
-
 def capture_logits(engine) -> list[torch.Tensor]:
     """Every step's logits [S, V] as compute_logits returns them."""
     captured, model = [], engine.runner.model
@@ -121,7 +114,7 @@ def test_mixed_batch_first_step_logits_and_greedy_match_peft(env, greedy_oracle)
             if name is not None:  # each adapter's delta is far above the tolerance
                 assert (want - env.hf(torch.tensor([prompt])).logits[0, -1]).abs().max() > 0.1, name
     for i, (name, prompt) in enumerate(zip(MIXED, prompts)):
-        check_greedy(done[f"m{i}"], oracle_of(env, name), prompt, 5, greedy_oracle)
+        check_against_oracle(done[f"m{i}"], oracle_of(env, name), prompt, 5, greedy_oracle)
 
 
 def test_more_adapters_than_slots_evicts_and_reuses_slots_cleanly(env, greedy_oracle):
@@ -138,7 +131,7 @@ def test_more_adapters_than_slots_evicts_and_reuses_slots_cleanly(env, greedy_or
                     for i, n in enumerate(names)]
         done = run(engine, requests)
         for (request_id, prompt, _, _, _), name in zip(requests, names):
-            check_greedy(done[request_id], oracle_of(env, name), prompt, 4, greedy_oracle)
+            check_against_oracle(done[request_id], oracle_of(env, name), prompt, 4, greedy_oracle)
     stats = engine.adapter_manager.stats
     assert stats.lora_loads == 4 and stats.lora_evictions + stats.lora_cpu_evictions >= 2
     assert not vocab_slots.lm_head_in_use() and vocab_slots.lm_head_b.abs().sum() == 0  # 'both', 'head' evicted
@@ -160,10 +153,11 @@ def test_soft_prompt_with_embedding_lora_matches_peft(env, greedy_oracle):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
     pa = PromptAdapterRequest("pa3", str(pa_dir))
     names = ["both", "embed", None]
-    requests = [(f"s{i}", p, params, lora_of(env, n), pa if n else None) for i, (n, p) in enumerate(zip(names, prompts))]
+    requests = [(f"s{i}", p, params, lora_of(env, n), pa if n else None)
+                for i, (n, p) in enumerate(zip(names, prompts))]
     done = run(engine, requests)
     for (request_id, prompt, _, _, _), name in zip(requests, names):
-        check_greedy(done[request_id], oracles[name] if name else env.hf, prompt, 4, greedy_oracle)
+        check_against_oracle(done[request_id], oracles[name] if name else env.hf, prompt, 4, greedy_oracle)
 
 
 def test_decode_graphs_apply_embedding_lora_captured_with_a_plain_warmup_adapter(env, greedy_oracle):
@@ -178,7 +172,7 @@ def test_decode_graphs_apply_embedding_lora_captured_with_a_plain_warmup_adapter
     names = ["embed", "both", None]
     done = run(engine, [(f"g{i}", p, params, lora_of(env, n), None) for i, (n, p) in enumerate(zip(names, prompts))])
     for i, (name, prompt) in enumerate(zip(names, prompts)):
-        check_greedy(done[f"g{i}"], oracle_of(env, name), prompt, 5, greedy_oracle)
+        check_against_oracle(done[f"g{i}"], oracle_of(env, name), prompt, 5, greedy_oracle)
 
 
 # ---------------------------------------------------------------- parsing, refusals, slot layout
