@@ -11,10 +11,12 @@ Supported: plain LoRA (peft_type LORA) on q/k/v/o/gate/up/down projections of Ll
 layers; target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
 exclude_modules; rank_pattern; alpha_pattern; use_rslora; keys with or without the ".default"
 adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA, modules_to_save, bias terms
-(bias != "none", lora_bias), LoRA on embeddings or lm_head, layer_replication, target_parameters,
+(bias != "none", lora_bias), tied embed_tokens/lm_head LoRAs, layer_replication, target_parameters,
 trainable tokens, aLoRA, QALoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA, MiCA, and un-converted
 PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA adapters (they need a modified base model). Everything is validated
 before any slot is touched.
+
+LoRA on embed_tokens and lm_head (per model, in :attr:`LoRAWeights.vocab`): see :mod:`adapters.vocab_lora`.
 
 The config's regexes (target_modules as a string, exclude_modules, layers_pattern, rank_pattern and
 alpha_pattern keys) are tenant input: :mod:`adapters.patterns` runs them in RE2 (linear time), never
@@ -27,6 +29,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import NamedTuple
 
 import torch
@@ -34,6 +37,7 @@ import torch
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.patterns import PeftTargets
 from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
+from adapters.vocab_lora import VOCAB_MODULES, check_vocab_target, vocab_factor_shapes, vocab_key_parts
 from adapters.weights import check_peft_type, read_adapter_config, read_adapter_tensors
 
 logger = logging.getLogger(__name__)
@@ -42,7 +46,7 @@ SUPPORTED_MODULES = tuple(PEFT_TO_PACKED)  # q_proj ... down_proj
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<ab>lora_A|lora_B)(?:\.default)?\.weight$")
 _MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<leaf>\w+)$")
 _SUPPORTED_TEXT = ("plain LoRA on " + ", ".join(SUPPORTED_MODULES)
-                   + " of model.layers.N.self_attn / model.layers.N.mlp")
+                   + " of model.layers.N.self_attn / model.layers.N.mlp, and on embed_tokens and lm_head")
 
 # Config fields that change what the adapter computes; (field, is-refused predicate, feature name)
 _REFUSED_FIELDS = (
@@ -78,12 +82,13 @@ class LoRAWeights:
     name: str
     rank: int  # max rank over the adapter's modules
     modules: dict[tuple[int, str], tuple[LoRAPair | None, ...]]  # (layer, packed) -> per-slice pair
+    vocab: dict[str, LoRAPair] = dataclass_field(default_factory=dict)  # "embed_tokens" / "lm_head" (adapters.vocab_lora)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the factors."""
-        return sum(t.numel() * t.element_size() for slices in self.modules.values()
-                   for pair in slices if pair is not None for t in pair)
+        pairs = [pair for slices in self.modules.values() for pair in slices if pair is not None]
+        return sum(t.numel() * t.element_size() for pair in [*pairs, *self.vocab.values()] for t in pair)
 
     def size(self) -> int:
         """The adapter's size as the manager reports it (its rank)."""
@@ -93,7 +98,8 @@ class LoRAWeights:
         """A copy in page-locked memory, so slot writes to a GPU are asynchronous."""
         modules = {key: tuple(None if pair is None else LoRAPair(pair.a.pin_memory(), pair.b.pin_memory())
                               for pair in slices) for key, slices in self.modules.items()}
-        return LoRAWeights(self.name, self.rank, modules)
+        vocab = {key: LoRAPair(pair.a.pin_memory(), pair.b.pin_memory()) for key, pair in self.vocab.items()}
+        return LoRAWeights(self.name, self.rank, modules, vocab)
 
 
 def _candidate_modules(spec: ModelSpec) -> list[str]:
@@ -137,7 +143,9 @@ def _targeted_ranks(name: str, config: dict, spec: ModelSpec, max_lora_rank: int
     for key in _candidate_modules(spec):
         if not targets.is_targeted(key):
             continue
-        if not _MODULE_RE.match(key):
+        if key in VOCAB_MODULES:
+            check_vocab_target(name, key, config, spec)
+        elif not _MODULE_RE.match(key):
             raise UnsupportedAdapterError(f"adapter {name!r}: LoRA on {key} (target_modules="
                                           f"{config['target_modules']!r}) is not supported; "
                                           f"supported: {_SUPPORTED_TEXT}")
@@ -160,13 +168,14 @@ def _group_keys(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[s
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY_RE.match(key)
-        if match is None:
+        parts = (match.group("module"), match.group("ab")) if match else vocab_key_parts(key)
+        if parts is None:
             feature = ("DoRA (lora_magnitude_vector)" if "lora_magnitude_vector" in key else
                        "LoRA on embeddings" if "lora_embedding" in key else
                        "a bias on lora_B" if key.endswith("lora_B.bias") else "this weight")
             raise UnsupportedAdapterError(f"adapter {name!r}: key {key!r}: {feature} is not supported; "
                                           f"supported: {_SUPPORTED_TEXT}")
-        module, ab = match.group("module"), match.group("ab")
+        module, ab = parts
         if ab in grouped.setdefault(module, {}):
             raise InvalidAdapterError(f"adapter {name!r}: duplicate weights for {module}.{ab}")
         grouped[module][ab] = tensor
@@ -193,10 +202,10 @@ def _checked_factor(name: str, key: str, tensor: torch.Tensor, shape: tuple[int,
 def _untargeted_module_error(name: str, module: str, config: dict, spec: ModelSpec) -> Exception:
     """The error for weights of a module the config does not target (or this model does not have)."""
     match = _MODULE_RE.match(module)
-    if match is None or match.group("leaf") not in PEFT_TO_PACKED:
+    if module not in VOCAB_MODULES and (match is None or match.group("leaf") not in PEFT_TO_PACKED):
         return UnsupportedAdapterError(f"adapter {name!r}: weights for {module} are not supported; "
                                        f"supported: {_SUPPORTED_TEXT}")
-    if int(match.group("layer")) >= spec.num_layers:
+    if match is not None and int(match.group("layer")) >= spec.num_layers:
         return InvalidAdapterError(f"adapter {name!r}: weights for {module}, but the base model has only "
                                    f"{spec.num_layers} layers (adapter trained on a different model?)")
     return InvalidAdapterError(f"adapter {name!r}: weights for {module}, which adapter_config.json does not "
@@ -219,21 +228,26 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
     if extra:
         raise _untargeted_module_error(name, extra[0], config, spec)
     modules: dict[tuple[int, str], list[LoRAPair | None]] = {}
+    vocab: dict[str, LoRAPair] = {}
     for key, (rank, scaling) in targeted.items():
         factors = grouped.get(key, {})
         for ab in ("lora_A", "lora_B"):
             if ab not in factors:
                 raise InvalidAdapterError(f"adapter {name!r}: missing key base_model.model.{key}.{ab}.weight")
         match = _MODULE_RE.match(key)
-        layer, leaf = int(match.group("layer")), match.group("leaf")
-        shape_a, shape_b = spec.peft_shapes(leaf, rank)
+        shape_a, shape_b = (vocab_factor_shapes(name, key, factors, rank, spec) if match is None
+                            else spec.peft_shapes(match.group("leaf"), rank))
         a = _checked_factor(name, f"{key}.lora_A", factors["lora_A"], shape_a, 1.0, dtype)  # [r, K]
         b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b, scaling, dtype)  # [N_j, r]
+        if match is None:
+            vocab[VOCAB_MODULES[key]] = LoRAPair(a, b)
+            continue
+        layer, leaf = int(match.group("layer")), match.group("leaf")
         packed, index = PEFT_TO_PACKED[leaf]
         slices = modules.setdefault((layer, packed), [None] * len(spec.slice_sizes(packed)))
         slices[index] = LoRAPair(a, b)
     rank = max(r for r, _ in targeted.values())
-    return LoRAWeights(name, rank, {k: tuple(v) for k, v in sorted(modules.items())})
+    return LoRAWeights(name, rank, {k: tuple(v) for k, v in sorted(modules.items())}, vocab)
 
 
 def load_lora(name: str, local_dir: str, spec: ModelSpec, *, max_lora_rank: int,

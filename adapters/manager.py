@@ -35,6 +35,7 @@ from adapters.request import LoRARequest, PromptAdapterRequest
 from adapters.slots import LoRASlots, PromptSlots
 from adapters.spec import ModelSpec
 from adapters.tier import AdapterRef, AdapterTier, PromptAdapterTier, TierClosedError
+from adapters.vocab_slots import SlotGroup, VocabLoRASlots
 
 __all__ = ["AdapterManager", "AdapterRef", "AdapterStats", "AdapterTier", "PromptAdapterTier", "TierClosedError"]
 
@@ -97,10 +98,14 @@ class AdapterManager:
         self._resolver = resolver or partial(_default_resolve, cache_dir=cache_dir)
         self._pin_memory = self.device.type == "cuda"
         self.lora_slots = LoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
+        # embed_tokens / lm_head LoRA slots (per model), written and cleared with the LoRA slots
+        self.vocab_slots = (VocabLoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
+                            if spec.vocab_size is not None and max_loras > 0 else None)
+        lora_slot_sets = self.lora_slots if self.vocab_slots is None else SlotGroup(self.lora_slots, self.vocab_slots)
         self.prompt_slots = PromptSlots(spec, max_prompt_adapters, max_prompt_adapter_tokens, self.device, dtype)
         self._executor = _LoadPools(load_workers, download_workers)
         in_flight = load_workers + download_workers
-        self.loras = AdapterTier("LoRA", LoRARequest, self._load_lora, self._dummy_lora, self.lora_slots,
+        self.loras = AdapterTier("LoRA", LoRARequest, self._load_lora, self._dummy_lora, lora_slot_sets,
                                  max_cpu_loras, self._executor, max_loading=in_flight, on_settled=on_load_done)
         if max_cpu_prompt_adapters is None:
             max_cpu_prompt_adapters = max(max_cpu_loras, max_prompt_adapters)

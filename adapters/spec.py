@@ -39,12 +39,15 @@ class ModelSpec:
     head_dim: int
     intermediate_size: int
     model_name: str | None = None  # for the "adapter trained on another base" warning
+    vocab_size: int | None = None  # embed_tokens / lm_head rows; None: LoRA on them is refused
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                       "intermediate_size"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelSpec.{field} must be positive")
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ValueError("ModelSpec.vocab_size must be positive or None")
 
     def slice_sizes(self, packed: str) -> tuple[int, ...]:
         """Output widths of the slices of a packed module."""

@@ -112,7 +112,7 @@ class LLMEngine:
             block_size=cfg.block_size, max_num_tokens=max_batched, max_num_seqs=cfg.max_num_seqs,
             max_blocks_per_seq=max_blocks_per_seq, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
             dtype=cfg.torch_dtype(), device=cfg.torch_device(), seed=cfg.seed,
-            prompt_slots=self.adapter_manager.prompt_slots)
+            prompt_slots=self.adapter_manager.prompt_slots, vocab_slots=self.adapter_manager.vocab_slots)
 
     def _profile_kv_budget(self, use_graphs: bool) -> int:
         """CUDA start-up memory profile (lora_runner.memory_profile): bytes left for the KV cache."""

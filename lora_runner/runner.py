@@ -17,6 +17,7 @@ import torch
 from lora_runner.batch import BatchBuilder, BatchInputs, SeqChunk
 from lora_runner.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
 from lora_runner.kv_cache import allocate_kv_cache
+from lora_runner.model.vocab_lora import LMHeadLoRA, LMHeadLoRAContext
 from lora_runner.sampler import Sampler, SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.step_context import ForwardContextBuilder
@@ -35,6 +36,7 @@ class ModelRunner:
         model_config: its ModelConfig (sizes for the KV cache, vocab size).
         lora_slots: the adapters manager's LoRASlots (``.weights(layer, packed)``, ``.slot_ranks``).
         prompt_slots: the manager's PromptSlots (``.embeddings``); None when prompt adapters are off.
+        vocab_slots: the manager's VocabLoRASlots (embed_tokens / lm_head LoRA); None: not served.
         num_kv_blocks, block_size: the paged KV cache to allocate.
         max_num_tokens, max_num_seqs, max_blocks_per_seq: largest step (buffer sizes).
         max_loras, max_lora_rank: LoRA slot count and padded rank.
@@ -44,7 +46,7 @@ class ModelRunner:
     def __init__(self, model, model_config, lora_slots, *, num_kv_blocks: int, block_size: int,
                  max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, max_loras: int,
                  max_lora_rank: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                 prompt_slots=None) -> None:
+                 prompt_slots=None, vocab_slots=None) -> None:
         self.model = model
         self.lora_slots = lora_slots
         self.prompt_slots = prompt_slots
@@ -55,7 +57,11 @@ class ModelRunner:
                                           device=device)
         self.lora_meta = LoRAMeta(max_num_tokens, max_loras, device, max_rank=max_lora_rank,
                                   max_slices=_MAX_LORA_SLICES)
-        self.forward_contexts = ForwardContextBuilder(self.kv_cache, self.lora_meta, lora_slots, prompt_slots)
+        self.forward_contexts = ForwardContextBuilder(self.kv_cache, self.lora_meta, lora_slots, prompt_slots,
+                                                      vocab_slots)
+        # lm_head LoRA: a second meta over the sampled rows (at most one per sequence)
+        self.lm_head_lora = (None if vocab_slots is None else
+                             LMHeadLoRA(vocab_slots, max_num_seqs, max_loras, max_lora_rank, device))
         self.sampler = Sampler(model_config.vocab_size, device, seed)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
@@ -75,8 +81,15 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
         if not params:
             return SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab] float32
+        rows, lm_head = hidden[batch.sample_indices], self._lm_head_lora(batch)  # [S, hidden]
+        logits = self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
         return self.sampler(logits, self.sampler.make_batch(params, generators, histories, banned))
+
+    def _lm_head_lora(self, batch: BatchInputs) -> LMHeadLoRAContext | None:
+        """The lm_head LoRA over the sampled rows, None when no row can have one (the plain logits)."""
+        if self.lm_head_lora is None or not batch.has_lora:
+            return None
+        return self.lm_head_lora.context(batch.token_lora_slots[batch.sample_indices])
 
     def _upload(self, chunks: Sequence[SeqChunk]) -> tuple[BatchInputs, DecodeGraphKey | None]:
         """The step's device views and its decode graph (None: eager), after one upload: a graphed

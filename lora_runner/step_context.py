@@ -16,13 +16,15 @@ class ForwardContextBuilder:
         lora_meta: the runner's punica LoRAMeta (prepared once per step with LoRA by prepare_lora).
         lora_slots: the adapters manager's LoRASlots (``.weights(layer, packed)``, ``.slot_ranks``).
         prompt_slots: the manager's PromptSlots (``.embeddings``); None when prompt adapters are off.
+        vocab_slots: the manager's VocabLoRASlots (embed_tokens / lm_head LoRA); None: not served.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, lora_meta, lora_slots, prompt_slots=None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, lora_meta, lora_slots, prompt_slots=None, vocab_slots=None) -> None:
         self.kv_cache = kv_cache
         self.lora_meta = lora_meta
         self.lora_slots = lora_slots
         self.prompt_slots = prompt_slots
+        self.vocab_slots = vocab_slots
 
     def prepare_lora(self, batch: BatchInputs) -> None:
         """Prepare the LoRA meta for `batch`'s token slots (host side, outside any graph); no-op
@@ -37,7 +39,8 @@ class ForwardContextBuilder:
         attn = AttentionMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
                                  seq_lens=batch.seq_lens, block_tables=batch.block_tables,
                                  max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
-        lora = LoRAContext(meta=self.lora_meta, slots=self.lora_slots) if batch.has_lora else None
+        lora = (LoRAContext(meta=self.lora_meta, slots=self.lora_slots, vocab=self.vocab_slots)
+                if batch.has_lora else None)
         prompt_adapter = None
         if batch.has_prompt_adapter:
             assert self.prompt_slots is not None, "soft-prompt placeholders scheduled with prompt adapters off"

@@ -6,14 +6,16 @@ meta.prepare(token_slots, slot_ranks=None)     # once per step; token_slots [T],
 add_lora(y, x, lora_a, lora_b, meta, slice_sizes, backend="auto")
 # y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T, s = token_slots[t] >= 0
 ```
-``lora_shrink`` / ``lora_expand`` are the two halves. Backends: Triton SGMV kernels (CUDA, or
+``lora_shrink`` / ``lora_expand`` are the two halves; ``embedding_shrink`` is the gather shrink of an
+embedding LoRA (punica_kernels.embedding), expanded by ``lora_expand``. Backends: Triton SGMV kernels (CUDA, or
 the interpreter on CPU tensors) and a vectorized torch path (CPU serving path and oracle);
 ``triton_available()`` says whether the Triton one imported.
 """
 
+from .embedding import embedding_shrink
 from .meta import LoRAMeta
 from .ops import (BACKENDS, BackendUnavailableError, add_lora, lora_expand, lora_shrink,
                   triton_available, triton_import_error)
 
-__all__ = ["LoRAMeta", "add_lora", "lora_shrink", "lora_expand", "BackendUnavailableError",
+__all__ = ["LoRAMeta", "add_lora", "lora_shrink", "lora_expand", "embedding_shrink", "BackendUnavailableError",
            "BACKENDS", "triton_available", "triton_import_error"]

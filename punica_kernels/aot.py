@@ -38,7 +38,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from adapters.spec import PACKED_MODULES, ModelSpec
 
-from . import triton_ops
+from . import embedding_triton, triton_ops
 from .meta import LoRAMeta
 
 
@@ -247,9 +247,9 @@ class Driver:
 
 MODELS = {  # the packed LoRA module shapes (qkv, o, gate_up, down) come from ModelSpec
     "llama-7b": ModelSpec(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
-                          intermediate_size=11008),
+                          intermediate_size=11008, vocab_size=32000),
     "qwen2-0.5b": ModelSpec(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64,
-                            intermediate_size=4864),
+                            intermediate_size=4864, vocab_size=151936),
 }
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LORA_RANKS = (8, 16, 64)
@@ -295,7 +295,43 @@ def _sgmv_operands(spec: ModelSpec, packed: str, dtype: torch.dtype, rank: int, 
 
 def all_drivers() -> list[Driver]:
     """Every Triton launcher of the engine. A new kernel is covered by adding its drivers here."""
-    return sgmv_drivers() + paged_attention_drivers()
+    return sgmv_drivers() + paged_attention_drivers() + vocab_lora_drivers()
+
+
+def vocab_lora_drivers() -> list[Driver]:
+    """One driver per max LoRA rank: embed_tokens LoRA's gather shrink over every decode batch size and
+    a few prefills, and lm_head LoRA's add_lora (N = vocab size) over every count of sampled rows, as
+    the runner lays them out (its second meta sized for max_num_seqs), for each model and dtype."""
+    return [Driver(f"vocab lora r{rank}", functools.partial(_drive_vocab_lora, rank)) for rank in LORA_RANKS]
+
+
+def _drive_vocab_lora(rank: int) -> None:
+    token_counts = [*DECODE_TOKENS, *PREFILL_TOKENS]
+    meta = LoRAMeta(max(token_counts), MAX_LORAS, "cpu")
+    ids, inter = torch.zeros(max(token_counts), dtype=torch.int64), torch.empty(max(token_counts), 1, rank)
+    tables = [torch.empty(MAX_LORAS, spec.vocab_size, rank, dtype=dtype)  # [L, V, R]: A transposed
+              for spec in MODELS.values() for dtype in DTYPES]
+    for num_tokens in token_counts:
+        meta.prepare(torch.arange(num_tokens) % MAX_LORAS)
+        for lora_a in tables:
+            embedding_triton.embedding_shrink(ids[:num_tokens], lora_a, meta, inter[:num_tokens])
+    del tables
+    max_rows = max(DECODE_TOKENS)
+    rows_meta = LoRAMeta(max_rows, MAX_LORAS, "cpu", max_rank=rank, max_slices=1)
+    heads = [_lm_head_operands(spec, dtype, rank, max_rows) for spec in MODELS.values() for dtype in DTYPES]
+    for num_rows in DECODE_TOKENS:
+        rows_meta.prepare(torch.arange(num_rows) % MAX_LORAS)
+        for x, y, lora_a, lora_b in heads:
+            triton_ops.add_lora(y[:num_rows], x[:num_rows], lora_a, lora_b, rows_meta, (y.shape[1],))
+
+
+def _lm_head_operands(spec: ModelSpec, dtype: torch.dtype, rank: int, max_rows: int) -> tuple:
+    """Uninitialized operands of lm_head LoRA, laid out as adapters.vocab_slots: K = hidden, N = V."""
+    x = torch.empty(max_rows, spec.hidden_size, dtype=dtype)  # [S_max, hidden]
+    y = torch.empty(max_rows, spec.vocab_size, dtype=dtype)  # [S_max, V]
+    lora_a = torch.empty(MAX_LORAS, 1, rank, spec.hidden_size, dtype=dtype)  # [L, 1, R, hidden]
+    lora_b = torch.empty(MAX_LORAS, spec.vocab_size, rank, dtype=dtype)  # [L, V, R]
+    return x, y, lora_a, lora_b
 
 
 ATTENTION_BLOCK_SIZES = (16, 32)

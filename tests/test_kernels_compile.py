@@ -161,3 +161,10 @@ def test_occupancy_estimate_takes_the_tightest_limit():
     assert warps(129, 0) == 12  # rounded up to 136 per thread: 65536 // (4 * 4352) = 3 blocks
     assert warps(32, 100 * 1024) == 8  # shared: 228 KB // (100 + 1 KB) = 2 blocks
     assert warps(255, 0, num_warps=8) == 8
+
+
+def test_drivers_reach_the_embedding_gather_in_every_rank_and_dtype(configs):
+    """embed_tokens LoRA's gather shrink (punica_kernels.embedding_triton), as the engine launches it."""
+    reached = {(c.named_constexprs()["RANK"], c.dtypes()) for c in configs.values()
+               if c.name == "_embedding_shrink_kernel"}
+    assert reached == {(rank, dtypes) for rank in aot.LORA_RANKS for dtypes in ("bf16,fp32", "fp16,fp32", "fp32")}

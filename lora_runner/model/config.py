@@ -114,7 +114,8 @@ class ModelConfig:
         """The sizes adapters must agree with."""
         return ModelSpec(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                         intermediate_size=self.intermediate_size, model_name=self.name_or_path)
+                         intermediate_size=self.intermediate_size, model_name=self.name_or_path,
+                         vocab_size=self.vocab_size)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, name_or_path: str | None = None) -> ModelConfig:

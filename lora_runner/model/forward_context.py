@@ -31,6 +31,7 @@ class LoRAContext:
 
     meta: Any  # punica_kernels.LoRAMeta
     slots: Any  # adapters manager's LoRASlots: .weights(layer, packed) -> (lora_a, lora_b)
+    vocab: Any = None  # the manager's VocabLoRASlots (embed_tokens / lm_head LoRA); None: none served
 
 
 @dataclass

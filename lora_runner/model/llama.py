@@ -17,9 +17,10 @@ from torch import nn
 
 from adapters.spec import PEFT_PARENT, PEFT_TO_PACKED
 from lora_runner.model.attention import paged_attention, token_seq_lens, write_kv
-from lora_runner.model.forward_context import ForwardContext, PromptAdapterContext
+from lora_runner.model.forward_context import ForwardContext, LoRAContext, PromptAdapterContext
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.layers import LoRALinear, RMSNorm, RotaryEmbedding
+from lora_runner.model.vocab_lora import LMHeadLoRAContext, add_embedding_lora, add_lm_head_lora
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +113,13 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
-    def embed(self, input_ids: torch.Tensor, prompt_adapter: PromptAdapterContext | None) -> torch.Tensor:
-        """Token embeddings [T, hidden]; soft-prompt rows replace placeholder tokens' embeddings."""
+    def embed(self, input_ids: torch.Tensor, prompt_adapter: PromptAdapterContext | None,
+              lora: LoRAContext | None = None) -> torch.Tensor:
+        """Token embeddings [T, hidden] plus each token's embedding LoRA delta (lora_runner.model.vocab_lora);
+        soft-prompt rows then replace placeholder tokens' embeddings (PEFT never embeds virtual tokens)."""
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        if lora is not None and lora.vocab is not None:
+            add_embedding_lora(hidden, input_ids, lora)
         if prompt_adapter is None:
             return hidden
         slots, rows = prompt_adapter.token_slots, prompt_adapter.token_positions  # [T], [T]
@@ -126,16 +131,20 @@ class LlamaForCausalLM(nn.Module):
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
                              "must both be [T]")
-        hidden = self.embed(input_ids, ctx.prompt_adapter)  # [T, hidden]
+        hidden = self.embed(input_ids, ctx.prompt_adapter, ctx.lora)  # [T, hidden]
         seq_lens = token_seq_lens(ctx.attn, input_ids.shape[0]) if self.config.rope.rope_type == "dynamic" else None
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, seq_lens)  # [T, D] each
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, ctx)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [S, vocab] float32 of the rows to sample, hidden [S, hidden]."""
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, lm_head_lora: LMHeadLoRAContext | None = None) -> torch.Tensor:
+        """Logits [S, vocab] float32 of the rows to sample, hidden [S, hidden]; lm_head_lora: the
+        lm_head LoRA over these rows (lora_runner.model.vocab_lora.LMHeadLoRA), None for none."""
+        logits = F.linear(hidden, self.lm_head)  # [S, V]
+        if lm_head_lora is not None:
+            add_lm_head_lora(logits, hidden, lm_head_lora)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy transformers-named tensors into the packed parameters; ValueError on missing/misshapen ones."""

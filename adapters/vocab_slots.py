@@ -1,0 +1,109 @@
+"""Device slots of embed_tokens / lm_head LoRAs: one set per model (not per layer), beside the LoRA slots.
+
+Slot s is the same adapter as LoRA slot s: the adapter tier writes and clears both through one
+:class:`SlotGroup`. Layout for slot s holding embedding rank r_e and lm_head rank r_h (every tensor
+padded to ``max_lora_rank`` R and zero beyond the adapter's rank, or all zero when the adapter has
+no such LoRA):
+
+- ``embedding_a[s, :, :r_e] = A.T`` [V, r_e]: PEFT's ``lora_embedding_A`` transposed, so a token's
+  R values are one contiguous row (the gather shrink reads one row per token);
+  ``embedding_b[s, :, :r_e] = B * scaling`` [hidden, r_e];
+- ``lm_head_a[s, 0, :r_h] = A`` [r_h, hidden], ``lm_head_b[s, :, :r_h] = B * scaling`` [V, r_h]: the
+  layout of a one-slice packed module, for ``punica_kernels.add_lora``.
+
+Tensors are written in place only (CUDA-graph safe). Writing zeroes the whole slot first; clearing
+(eviction, removal) zeroes it too, so no later tenant of the slot can read a former one's factors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adapters.lora import LoRAWeights
+from adapters.slots import _copy
+from adapters.spec import ModelSpec
+
+
+class VocabLoRASlots:
+    """``max_loras`` slots of embed_tokens and lm_head LoRA factors of rank up to ``max_lora_rank``.
+
+    ``embedding_ranks`` / ``lm_head_ranks`` [max_loras] int32 on the device hold each slot's rank
+    (0: no such LoRA); :meth:`lm_head_in_use` answers from a host copy, without a device sync.
+    """
+
+    def __init__(self, spec: ModelSpec, max_loras: int, max_lora_rank: int, device="cpu",
+                 dtype: torch.dtype = torch.float32):
+        if spec.vocab_size is None:
+            raise ValueError("VocabLoRASlots needs ModelSpec.vocab_size")
+        vocab, hidden, rank = spec.vocab_size, spec.hidden_size, max_lora_rank
+        self.num_slots, self.max_rank = max_loras, max_lora_rank
+        like = dict(dtype=dtype, device=device)
+        self.embedding_a = torch.zeros(max_loras, vocab, rank, **like)  # [max_loras, V, R]
+        self.embedding_b = torch.zeros(max_loras, hidden, rank, **like)  # [max_loras, hidden, R]
+        self.lm_head_a = torch.zeros(max_loras, 1, rank, hidden, **like)  # [max_loras, 1, R, hidden]
+        self.lm_head_b = torch.zeros(max_loras, vocab, rank, **like)  # [max_loras, V, R]
+        self.embedding_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
+        self.lm_head_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
+        self._host_lm_head_ranks = [0] * max_loras
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.embedding_a, self.embedding_b, self.lm_head_a, self.lm_head_b
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes allocated for all slots."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def write(self, slot: int, adapter: LoRAWeights) -> None:
+        """Zero ``slot``, then write the adapter's embed_tokens / lm_head factors (already validated)."""
+        self.clear(slot)
+        embedding, lm_head = adapter.vocab.get("embed_tokens"), adapter.vocab.get("lm_head")
+        if embedding is not None:
+            rank = embedding.a.shape[0]
+            _copy(self.embedding_a[slot, :, :rank], embedding.a.T)  # [V, r]
+            _copy(self.embedding_b[slot, :, :rank], embedding.b)  # [hidden, r]
+            self.embedding_ranks[slot] = rank
+        if lm_head is not None:
+            rank = lm_head.a.shape[0]
+            _copy(self.lm_head_a[slot, 0, :rank], lm_head.a)  # [r, hidden]
+            _copy(self.lm_head_b[slot, :, :rank], lm_head.b)  # [V, r]
+            self.lm_head_ranks[slot] = rank
+            self._host_lm_head_ranks[slot] = rank
+
+    def clear(self, slot: int) -> None:
+        """Zero ``slot``: factors and ranks."""
+        assert 0 <= slot < self.num_slots, f"slot {slot} out of range [0, {self.num_slots})"
+        for tensor in self._tensors():
+            tensor[slot].zero_()
+        self.embedding_ranks[slot] = 0
+        self.lm_head_ranks[slot] = 0
+        self._host_lm_head_ranks[slot] = 0
+
+    def lm_head_in_use(self) -> bool:
+        """True when some slot holds an lm_head LoRA (host bookkeeping: no device sync)."""
+        return any(self._host_lm_head_ranks)
+
+
+class SlotGroup:
+    """Several slot sets of one adapter kind written and cleared as one (the tier's ``slots``):
+    slot s of each set belongs to the same adapter."""
+
+    def __init__(self, *members) -> None:
+        assert len({m.num_slots for m in members}) == 1, "every member needs the same number of slots"
+        self.members = members
+        self.num_slots = members[0].num_slots
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes allocated by every member."""
+        return sum(m.nbytes for m in self.members)
+
+    def write(self, slot: int, adapter) -> None:
+        """Write ``adapter`` into ``slot`` of every member."""
+        for member in self.members:
+            member.write(slot, adapter)
+
+    def clear(self, slot: int) -> None:
+        """Clear ``slot`` of every member."""
+        for member in self.members:
+            member.clear(slot)

@@ -1,0 +1,68 @@
+"""LoRA on embed_tokens and lm_head in the forward pass (their slots: adapters.vocab_slots).
+
+- Embedding: after the base lookup, ``hidden[t] += B_s @ A_s[:, input_ids[t]]`` for every token of
+  slot s >= 0, with the step's LoRAMeta: the gather shrink ``punica_kernels.embedding_shrink``, then
+  ``lora_expand``. It runs in every step with LoRA tokens (so a decode graph captured with any warm-up
+  adapter has it): an adapter without an embedding LoRA has an all-zero slot, and its tokens' rows get
+  exactly + 0. Soft-prompt rows are overwritten afterwards, as PEFT never embeds virtual tokens.
+- lm_head: on the rows compute_logits sees only, with a second LoRAMeta over those rows
+  (:class:`LMHeadLoRA`); rows whose adapter has no lm_head LoRA are mapped to slot -1 and skipped.
+  ``punica_kernels.add_lora`` with N = vocab size. Tied embeddings share the base weight only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import punica_kernels
+from lora_runner.model.forward_context import LoRAContext
+from punica_kernels import LoRAMeta
+
+
+def add_embedding_lora(hidden: torch.Tensor, input_ids: torch.Tensor, lora: LoRAContext) -> None:
+    """hidden [T, hidden] += each LoRA token's embedding delta, in place (lora.vocab: VocabLoRASlots)."""
+    vocab, meta = lora.vocab, lora.meta
+    num_tokens, rank = input_ids.shape[0], vocab.max_rank
+    # the meta's workspace (sized for the widest layer) holds the [T, 1, R] intermediate: no allocation
+    inter = meta.workspace_for(num_tokens * rank)[:num_tokens * rank].view(num_tokens, 1, rank)
+    punica_kernels.embedding_shrink(input_ids, vocab.embedding_a, meta, inter)
+    punica_kernels.lora_expand(hidden, inter, vocab.embedding_b, meta, (hidden.shape[1],))
+
+
+@dataclass
+class LMHeadLoRAContext:
+    """lm_head LoRA over the rows to sample: a meta prepared over those rows and the vocab slots."""
+
+    meta: LoRAMeta  # prepared with one slot per sampled row (-1: no lm_head LoRA)
+    slots: object  # adapters.vocab_slots.VocabLoRASlots
+
+
+def add_lm_head_lora(logits: torch.Tensor, hidden: torch.Tensor, lm_head: LMHeadLoRAContext) -> None:
+    """logits [S, V] += each row's lm_head LoRA delta of hidden [S, hidden], in place."""
+    punica_kernels.add_lora(logits, hidden, lm_head.slots.lm_head_a, lm_head.slots.lm_head_b, lm_head.meta,
+                            (logits.shape[1],))
+
+
+class LMHeadLoRA:
+    """The runner's second LoRAMeta, over the rows compute_logits sees (at most ``max_rows``).
+
+    Args:
+        slots: the adapter manager's VocabLoRASlots.
+        max_rows, max_loras, max_lora_rank, device: sizes of the meta and its workspace.
+    """
+
+    def __init__(self, slots, max_rows: int, max_loras: int, max_lora_rank: int, device) -> None:
+        self.slots = slots
+        self.meta = LoRAMeta(max_rows, max_loras, device, max_rank=max_lora_rank, max_slices=1)
+
+    def context(self, row_slots: torch.Tensor) -> LMHeadLoRAContext | None:
+        """Prepare the meta for rows of LoRA slots ``row_slots`` [S] (-1: none); None when no
+        resident adapter has an lm_head LoRA (known on the host: no sync, no work)."""
+        if not self.slots.lm_head_in_use():
+            return None
+        ranks = self.slots.lm_head_ranks  # [max_loras]
+        slots = torch.where(ranks[row_slots.clamp(min=0).long()] > 0, row_slots, -1)  # [S]
+        self.meta.prepare(slots, ranks)
+        return LMHeadLoRAContext(self.meta, self.slots)
