@@ -69,7 +69,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         lora_b: [max_loras, N, R] slot weights.
         meta: prepared for this batch (``meta.num_tokens == T``).
         slice_sizes: output widths of the n_slices slices (q,k,v -> 3 widths).
-        slice_scales: [max_loras, n_slices] float32 (float64 with float64 y) or None (ones).
+        slice_scales: [max_loras, n_slices] float32 (or float64 with float64 y) or None (ones).
         column_scales: [max_loras, N], dtype as slice_scales, or None (ones).
         bias: [N] in y's dtype, the bias already inside y; read only with column_scales.
         backend: "auto", "triton" or "torch".
@@ -237,11 +237,13 @@ def _check_inter(inter, num_tokens: int, n_slices: int, rank: int, dtype: torch.
 
 
 def _checked_scales(y, meta: LoRAMeta, n_slices: int, slice_scales, column_scales, bias) -> Scales:
-    scale_dtype = reference.compute_dtype(y.dtype)
+    """Scales are float32 (float64 also with float64 y, on the torch path)."""
     for name, tensor, width in (("slice_scales", slice_scales, n_slices), ("column_scales", column_scales, y.shape[1])):
         if tensor is None:
             continue
-        _check_tensor(name, tensor, 2, scale_dtype, meta)
+        _check_tensor(name, tensor, 2, None, meta)
+        if tensor.dtype not in (torch.float32, reference.compute_dtype(y.dtype)):
+            raise ValueError(f"{name} must be float32, got {tensor.dtype}")
         if tuple(tensor.shape) != (meta.max_loras, width):
             raise ValueError(f"{name} must be [max_loras={meta.max_loras}, {width}], got {list(tensor.shape)}")
     if bias is not None:

@@ -143,14 +143,14 @@ def test_bad_scales_are_refused(name):
 
 # ------------------------------------------------- scaling on the fp32 intermediate vs folding
 
-def punica_shape(num_tokens: int, in_features: int, out_features: int, seed: int = 0):
+def punica_shape(num_tokens: int, in_features: int, out_features: int, seed: int = 0, device: str = "cpu"):
     """Punica's add_lora test data: fp16, randn x, y, A, B, rank 8, one adapter, scale 0.123."""
     gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen).half()  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=gen).half().to(device)  # noqa: E731
     x, y = rand(num_tokens, in_features), rand(num_tokens, out_features)
     lora_a, lora_b = rand(1, 1, 8, in_features), rand(1, out_features, 8)
-    meta = LoRAMeta(num_tokens, 1, "cpu")
-    meta.prepare(torch.zeros(num_tokens, dtype=torch.int64))
+    meta = LoRAMeta(num_tokens, 1, device)
+    meta.prepare(torch.zeros(num_tokens, dtype=torch.int64, device=device))
     return x, y, lora_a, lora_b, meta
 
 
@@ -168,7 +168,7 @@ def check_scale_precision(backend: str, x, y, lora_a, lora_b, meta) -> None:
     scale = 0.123
     exact, bound = fp32_intermediate_bound(x, y, lora_a, lora_b, scale)
     scaled = y.clone()
-    add_lora(scaled, x, lora_a, lora_b, meta, (y.shape[1],), slice_scales=torch.full((1, 1), scale),
+    add_lora(scaled, x, lora_a, lora_b, meta, (y.shape[1],), slice_scales=torch.full((1, 1), scale, device=y.device),
              backend=backend)
     error = (scaled.double() - exact).abs()
     assert (error <= bound).all(), f"{int((error > bound).sum())} outside, worst {float((error / bound).max()):.2f}x"
@@ -182,3 +182,26 @@ def check_scale_precision(backend: str, x, y, lora_a, lora_b, meta) -> None:
 def test_scaling_on_fp32_intermediate_beats_folding_punica_shape(backend):
     """Punica's add_lora test shape (32 tokens, 4096 -> 11008, rank 8, fp16), full size."""
     check_scale_precision(backend, *punica_shape(32, 4096, 11008))
+
+
+@pytest.mark.gpu
+def test_compiled_scaling_on_fp32_intermediate_beats_folding_punica_shape():
+    """The compiled expand (tf32x3 dot for half weights) keeps the fp32-intermediate bound."""
+    check_scale_precision("triton", *punica_shape(32, 4096, 11008, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_compiled_scales_against_float64(dtype):
+    case = make_case(300, "qkv_wide", 64, "mixed_none", mixed_ranks=True, seed=5, dtype=dtype)
+    scales = make_scales(case, seed=5, plain_slots=(1,))
+    gpu = case.to(dtype, "cuda")
+    meta = LoRAMeta(512, case.lora_a.shape[0], "cuda", max_rank=64, max_slices=3)
+    meta.prepare(gpu.token_slots, gpu.slot_ranks)
+    y = gpu.y.clone()
+    add_lora(y, gpu.x, gpu.lora_a, gpu.lora_b, meta, gpu.slice_sizes,
+             **{k: v.cuda() for k, v in cast_scales(scales, dtype).items()})  # auto -> triton
+    tol = {torch.bfloat16: 3e-2, torch.float16: 3e-3, torch.float32: 2e-5}[dtype]
+    torch.testing.assert_close(y.cpu().double(), naive_scaled(case, scales), rtol=tol, atol=tol)
+    untouched = case.token_slots < 0
+    assert torch.equal(y.cpu()[untouched], case.y[untouched])
