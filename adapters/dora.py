@@ -20,8 +20,11 @@ import torch
 # (layer, packed module) -> that LoRA-aware linear's base weight [N, K], on the serving device
 BaseWeight = Callable[[int, str], torch.Tensor]
 
-# rows of the merged weight W + s * B @ A materialized at once (fp32): at most ~16 MiB
-CHUNK_ELEMENTS = 1 << 22
+# Elements of the merged weight W + s * B @ A materialized at once (fp32). On a CPU a chunk that
+# stays in cache (1 MiB) halves the time of a 16 MiB one (measured, one thread); on a GPU, 64 MiB
+# chunks keep the launches few (a 7B model's 224 modules in ~1,000 launches).
+CPU_CHUNK_ELEMENTS = 1 << 18
+DEVICE_CHUNK_ELEMENTS = 1 << 24
 
 
 def dora_column_scale(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
@@ -37,7 +40,8 @@ def dora_column_scale(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.
     lora_a = lora_a.to(device=device, dtype=torch.float32)  # [r, K]
     lora_b = lora_b.to(device=device, dtype=torch.float32) * scaling  # [N_j, r]
     norms = torch.empty(weight.shape[0], dtype=torch.float32, device=device)  # [N_j]
-    rows = max(1, CHUNK_ELEMENTS // max(1, weight.shape[1]))
+    chunk_elements = CPU_CHUNK_ELEMENTS if device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
+    rows = max(1, chunk_elements // max(1, weight.shape[1]))
     for start in range(0, weight.shape[0], rows):
         chunk = slice(start, start + rows)
         merged = torch.addmm(weight[chunk].float(), lora_b[chunk], lora_a)  # [rows, K]
