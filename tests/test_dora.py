@@ -212,3 +212,17 @@ def test_malformed_dora_is_invalid(llama, tmp_path, case):
         edit_adapter_config(tmp_path, **config)
     with pytest.raises(InvalidAdapterError, match=fragment):
         load_lora("t", str(tmp_path), model_spec(llama), max_lora_rank=8, base_weight=_base_weight(llama))
+
+
+def test_column_scale_in_row_chunks_equals_the_formula(monkeypatch):
+    """m / ||W + s * B @ A|| per row, the merged weight built a few rows at a time."""
+    import adapters.dora as dora
+
+    gen = torch.Generator().manual_seed(0)
+    weight, lora_a, lora_b = (torch.randn(*shape, generator=gen) for shape in ((37, 50), (4, 50), (37, 4)))
+    magnitude = torch.rand(37, generator=gen) + 0.5
+    monkeypatch.setattr(dora, "CPU_CHUNK_ELEMENTS", 3 * 50 + 7)  # 3 rows a chunk, the last one short
+    got = dora.dora_column_scale(weight, lora_a, lora_b.half(), 0.7, magnitude)
+    merged = weight.double() + 0.7 * lora_b.half().double() @ lora_a.double()
+    torch.testing.assert_close(got.double(), magnitude.double() / merged.norm(dim=1), rtol=1e-6, atol=0)
+    assert got.dtype == torch.float32 and got.device.type == "cpu"
