@@ -164,7 +164,8 @@ def main() -> None:
             kind_rows, sizes[kind], nbytes = measure(kind, spec, Path(tmp), device, dtype, args.reps)
             rows.update(kind_rows)
     print(f"rank-{RANK} all-modules LoRA and DoRA, Llama-shaped {SHAPE}, {dtype}, device {device}; adapter "
-          f"{sizes['LoRA'] / 2**20:.1f} MiB (DoRA {sizes['DoRA'] / 2**20:.1f} MiB), slot tensors {nbytes / 2**20:.1f} MiB")
+          f"{sizes['LoRA'] / 2**20:.1f} MiB (DoRA {sizes['DoRA'] / 2**20:.1f} MiB), "
+          f"slot tensors {nbytes / 2**20:.1f} MiB")
     print(f"| {'what':48s} | median ms | min ms | CPU median ms |\n|{'-' * 50}|-----------|--------|---------------|")
     for what, row in rows.items():
         print(f"| {what:48s} | {row['median_ms']:9.2f} | {row['min_ms']:6.2f} | {row['cpu_median_ms']:13.2f} |")

@@ -56,7 +56,8 @@ def checkpoint(tmp_path_factory):
     randomize_biases(hf, seed=3)
     hf.save_pretrained(str(root / "model"))
     save_tiny_tokenizer(root / "model", hf.config.vocab_size)
-    adapters = {name: (str(root / name), save_dora(hf, root / name, **kwargs)) for name, kwargs in DORA_ADAPTERS.items()}
+    adapters = {name: (str(root / name), save_dora(hf, root / name, **kwargs))
+                for name, kwargs in DORA_ADAPTERS.items()}
     adapters["plain"] = (str(root / "plain"), save_lora(hf, root / "plain", scale=0.15, **PLAIN))
     return str(root / "model"), hf.eval(), adapters
 

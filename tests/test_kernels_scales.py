@@ -158,7 +158,8 @@ def fp32_intermediate_bound(x, y, lora_a, lora_b, scale):
     """(float64 exact result, per-element bound): half an fp16 ulp of the result for the final
     rounding, plus fp32's epsilon times the sum of the absolute terms for the fp32 work."""
     exact = y.double() + (x.double() @ lora_a[0, 0].double().T) @ lora_b[0].double().T * scale
-    magnitude = y.double().abs() + (x.double().abs() @ lora_a[0, 0].double().abs().T) @ lora_b[0].double().abs().T * scale
+    terms = (x.double().abs() @ lora_a[0, 0].double().abs().T) @ lora_b[0].double().abs().T * scale
+    magnitude = y.double().abs() + terms
     binade = torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=2.0 ** -14))))
     half_ulp = binade * torch.finfo(torch.float16).eps / 2
     return exact, half_ulp + torch.finfo(torch.float32).eps * magnitude
