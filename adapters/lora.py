@@ -1,17 +1,23 @@
-"""PEFT LoRA checkpoints -> validated per-module A, B (scaling folded into B), in the engine's layout.
+"""PEFT LoRA checkpoints -> validated per-module A, B and scaling (DoRA: column scale), in the engine's layout.
 
 CPU format (:class:`LoRAWeights`): for each (layer, packed module) the adapter targets, one entry
 per slice of the packed module (q,k,v for "qkv"; gate,up for "gate_up"; one for "o" and "down"):
-``LoRAPair(a [r_j, K], b [N_j, r_j])`` with ``b`` already multiplied by the slice's scaling
+``LoRAPair(a [r_j, K], b [N_j, r_j], scaling, column_scale)`` with the slice's scaling
 (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA; per module with rank_pattern /
-alpha_pattern), or None for a slice the adapter does not target. So the delta of slice j is
-``x @ a.T @ b.T``, exactly PEFT's ``lora_B(lora_A(x)) * scaling``.
+alpha_pattern) kept apart from ``b`` (the kernels apply it to the fp32 intermediate: folding it
+into a half ``b`` would round it), or None for a slice the adapter does not target. So the delta
+of slice j is ``scaling * x @ a.T @ b.T``, exactly PEFT's ``lora_B(lora_A(x)) * scaling``. For DoRA
+(use_dora=True), ``column_scale`` [N_j] float32 is m / ||W + scaling * b @ a|| per output row
+(adapters.dora), computed at load from the base weights; the output is then
+``column_scale * (x @ W.T + delta) + bias``.
 
-Supported: plain LoRA (peft_type LORA) on q/k/v/o/gate/up/down projections of Llama-family decoder
-layers; target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
+Supported: plain LoRA (peft_type LORA) and DoRA on q/k/v/o/gate/up/down projections of
+Llama-family decoder layers, and plain LoRA on embed_tokens / lm_head (adapters.vocab_lora);
+target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
 exclude_modules; rank_pattern; alpha_pattern; use_rslora; keys with or without the ".default"
-adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA, modules_to_save, bias terms
-(bias != "none", lora_bias), tied embed_tokens/lm_head LoRAs, layer_replication, target_parameters,
+adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA on any other module or without
+the base weights (``base_weight``), modules_to_save, bias terms (bias != "none", lora_bias), tied
+embed_tokens/lm_head LoRAs, layer_replication, target_parameters,
 trainable tokens, aLoRA, QALoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA, MiCA, and un-converted
 PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA adapters (they need a modified base model). Everything is validated
 before any slot is touched.
@@ -34,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from adapters.dora import BaseWeight, dora_column_scale
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.patterns import PeftTargets
 from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
@@ -43,14 +50,14 @@ from adapters.weights import check_peft_type, read_adapter_config, read_adapter_
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODULES = tuple(PEFT_TO_PACKED)  # q_proj ... down_proj
-_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<ab>lora_A|lora_B)(?:\.default)?\.weight$")
+_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?:(?P<ab>lora_A|lora_B)(?:\.default)?\.weight"
+                     r"|(?P<magnitude>lora_magnitude_vector)(?:\.default)?(?:\.weight)?)$")
 _MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<leaf>\w+)$")
-_SUPPORTED_TEXT = ("plain LoRA on " + ", ".join(SUPPORTED_MODULES)
+_SUPPORTED_TEXT = ("plain LoRA or DoRA on " + ", ".join(SUPPORTED_MODULES)
                    + " of model.layers.N.self_attn / model.layers.N.mlp, and on embed_tokens and lm_head")
 
 # Config fields that change what the adapter computes; (field, is-refused predicate, feature name)
 _REFUSED_FIELDS = (
-    ("use_dora", bool, "DoRA"),
     ("modules_to_save", bool, "modules_to_save (whole replacement modules)"),
     ("bias", lambda v: v not in (None, "none"), "bias terms"),
     ("lora_bias", bool, "a bias on lora_B"),
@@ -69,10 +76,12 @@ _REFUSED_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "mica")
 
 
 class LoRAPair(NamedTuple):
-    """One slice's factors: delta(x) = x @ a.T @ b.T."""
+    """One slice's factors: delta(x) = scaling * x @ a.T @ b.T; DoRA scales output rows by column_scale."""
 
     a: torch.Tensor  # [r, K]
-    b: torch.Tensor  # [N_j, r], scaling folded in
+    b: torch.Tensor  # [N_j, r]
+    scaling: float = 1.0
+    column_scale: torch.Tensor | None = None  # [N_j] float32, DoRA only: m / ||W + scaling * b @ a||
 
 
 @dataclass
@@ -86,9 +95,10 @@ class LoRAWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the factors."""
+        """Bytes held by the factors (and DoRA column scales)."""
         pairs = [pair for slices in self.modules.values() for pair in slices if pair is not None]
-        return sum(t.numel() * t.element_size() for pair in [*pairs, *self.vocab.values()] for t in pair)
+        return sum(t.numel() * t.element_size() for pair in [*pairs, *self.vocab.values()]
+                   for t in (pair.a, pair.b, pair.column_scale) if t is not None)
 
     def size(self) -> int:
         """The adapter's size as the manager reports it (its rank)."""
@@ -96,9 +106,13 @@ class LoRAWeights:
 
     def pin_memory(self) -> "LoRAWeights":
         """A copy in page-locked memory, so slot writes to a GPU are asynchronous."""
-        modules = {key: tuple(None if pair is None else LoRAPair(pair.a.pin_memory(), pair.b.pin_memory())
-                              for pair in slices) for key, slices in self.modules.items()}
-        vocab = {key: LoRAPair(pair.a.pin_memory(), pair.b.pin_memory()) for key, pair in self.vocab.items()}
+        def pin(pair: LoRAPair) -> LoRAPair:
+            column_scale = None if pair.column_scale is None else pair.column_scale.pin_memory()
+            return pair._replace(a=pair.a.pin_memory(), b=pair.b.pin_memory(), column_scale=column_scale)
+
+        modules = {key: tuple(None if pair is None else pin(pair) for pair in slices)
+                   for key, slices in self.modules.items()}
+        vocab = {key: pin(pair) for key, pair in self.vocab.items()}
         return LoRAWeights(self.name, self.rank, modules, vocab)
 
 
@@ -168,9 +182,10 @@ def _group_keys(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[s
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY_RE.match(key)
-        parts = (match.group("module"), match.group("ab")) if match else vocab_key_parts(key)
+        parts = ((match.group("module"), match.group("ab") or match.group("magnitude")) if match
+                 else vocab_key_parts(key))
         if parts is None:
-            feature = ("DoRA (lora_magnitude_vector)" if "lora_magnitude_vector" in key else
+            feature = ("this DoRA weight (lora_magnitude_vector)" if "lora_magnitude_vector" in key else
                        "LoRA on embeddings" if "lora_embedding" in key else
                        "a bias on lora_B" if key.endswith("lora_B.bias") else "this weight")
             raise UnsupportedAdapterError(f"adapter {name!r}: key {key!r}: {feature} is not supported; "
@@ -213,8 +228,12 @@ def _untargeted_module_error(name: str, module: str, config: dict, spec: ModelSp
 
 
 def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: ModelSpec, *,
-               max_lora_rank: int, dtype: torch.dtype = torch.float32) -> LoRAWeights:
+               max_lora_rank: int, dtype: torch.dtype = torch.float32,
+               base_weight: BaseWeight | None = None) -> LoRAWeights:
     """Validate a PEFT LoRA (config + state dict) against ``spec`` and convert it to :class:`LoRAWeights`.
+
+    ``base_weight`` (layer, packed) -> base weight [N, K] is needed for DoRA only: its column scales
+    are computed from it (on its device) once everything else has been validated.
 
     Raises:
         UnsupportedAdapterError: a feature this engine does not run (see module docstring).
@@ -223,6 +242,7 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
     """
     _check_config(name, config, spec)
     targeted = _targeted_ranks(name, config, spec, max_lora_rank)
+    use_dora = _check_dora(name, config, targeted, base_weight)
     grouped = _group_keys(name, tensors)
     extra = sorted(set(grouped) - set(targeted))
     if extra:
@@ -238,27 +258,36 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
         shape_a, shape_b = (vocab_factor_shapes(name, key, factors, rank, spec) if match is None
                             else spec.peft_shapes(match.group("leaf"), rank))
         a = _checked_factor(name, f"{key}.lora_A", factors["lora_A"], shape_a, 1.0, dtype)  # [r, K]
-        b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b, scaling, dtype)  # [N_j, r]
+        # The vocab slots fold the scaling into B (their expand takes no per-slot scale).
+        b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b,
+                            scaling if match is None else 1.0, dtype)  # [N_j, r]
         if match is None:
             vocab[VOCAB_MODULES[key]] = LoRAPair(a, b)
             continue
+        _check_magnitude(name, key, factors, shape_b[0], use_dora)
         layer, leaf = int(match.group("layer")), match.group("leaf")
         packed, index = PEFT_TO_PACKED[leaf]
         slices = modules.setdefault((layer, packed), [None] * len(spec.slice_sizes(packed)))
-        slices[index] = LoRAPair(a, b)
+        slices[index] = LoRAPair(a, b, scaling)
+    if use_dora:
+        _add_dora_scales(name, modules, grouped, spec, base_weight)
     rank = max(r for r, _ in targeted.values())
     return LoRAWeights(name, rank, {k: tuple(v) for k, v in sorted(modules.items())}, vocab)
 
 
 def load_lora(name: str, local_dir: str, spec: ModelSpec, *, max_lora_rank: int,
               dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
-              max_bytes: int | None = None) -> LoRAWeights:
-    """Read and validate the PEFT LoRA in ``local_dir``; the config is checked before the weights are read."""
+              max_bytes: int | None = None, base_weight: BaseWeight | None = None) -> LoRAWeights:
+    """Read and validate the PEFT LoRA in ``local_dir``; the config is checked before the weights are read.
+
+    ``base_weight``: as in :func:`parse_lora` (DoRA only).
+    """
     config = read_adapter_config(name, local_dir, max_bytes)
     _check_config(name, config, spec)
-    _targeted_ranks(name, config, spec, max_lora_rank)
+    _check_dora(name, config, _targeted_ranks(name, config, spec, max_lora_rank), base_weight)
     tensors = read_adapter_tensors(name, local_dir, allow_pickle=allow_pickle, max_bytes=max_bytes)
-    return parse_lora(name, config, tensors, spec, max_lora_rank=max_lora_rank, dtype=dtype)
+    return parse_lora(name, config, tensors, spec, max_lora_rank=max_lora_rank, dtype=dtype,
+                      base_weight=base_weight)
 
 
 def dummy_lora(name: str, spec: ModelSpec, rank: int, dtype: torch.dtype = torch.float32,
@@ -274,3 +303,63 @@ def dummy_lora(name: str, spec: ModelSpec, rank: int, dtype: torch.dtype = torch
                          (torch.randn(n, rank, generator=gen) * scale).to(dtype))  # [N_j, r]
                 for n in spec.slice_sizes(packed))
     return LoRAWeights(name, rank, modules)
+
+
+# ------------------------------------------------------------------ DoRA (adapters.dora)
+
+_DORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _check_dora(name: str, config: dict, targeted: dict, base_weight: BaseWeight | None) -> bool:
+    """Whether the adapter is DoRA; refuses DoRA where it cannot be served."""
+    use_dora = config.get("use_dora")
+    if use_dora not in (None, False, True):
+        raise InvalidAdapterError(f"adapter {name!r}: use_dora must be true or false, got {use_dora!r}")
+    if not use_dora:
+        return False
+    for key in targeted:
+        match = _MODULE_RE.match(key)
+        if match is None or match.group("leaf") not in _DORA_MODULES:
+            raise UnsupportedAdapterError(f"adapter {name!r}: DoRA on {key} is not supported; DoRA is served on "
+                                          f"{', '.join(_DORA_MODULES)} of model.layers.N")
+    if base_weight is None:
+        raise UnsupportedAdapterError(f"adapter {name!r}: DoRA (use_dora=True) needs the base model's weights "
+                                      "to compute its weight norms: load it through an engine (AdapterManager("
+                                      "base_weight=...)) or pass base_weight")
+    return True
+
+
+def _check_magnitude(name: str, key: str, factors: dict, out_features: int, use_dora: bool) -> None:
+    magnitude = factors.get("lora_magnitude_vector")
+    if not use_dora:
+        if magnitude is not None:
+            raise InvalidAdapterError(f"adapter {name!r}: {key}.lora_magnitude_vector (DoRA) is present but "
+                                      "adapter_config.json does not set use_dora")
+        return
+    if magnitude is None:
+        raise InvalidAdapterError(f"adapter {name!r}: use_dora is set but base_model.model.{key}."
+                                  "lora_magnitude_vector is missing")
+    if tuple(magnitude.shape) != (out_features,) or not magnitude.is_floating_point():
+        raise InvalidAdapterError(f"adapter {name!r}: {key}.lora_magnitude_vector has shape "
+                                  f"{tuple(magnitude.shape)} and dtype {magnitude.dtype}; expected a float vector of "
+                                  f"{out_features} (adapter trained on a different model?)")
+    if not torch.isfinite(magnitude).all():
+        raise InvalidAdapterError(f"adapter {name!r}: {key}.lora_magnitude_vector contains NaN or inf")
+
+
+def _add_dora_scales(name: str, modules: dict, grouped: dict, spec: ModelSpec, base_weight: BaseWeight) -> None:
+    """Fill each DoRA slice's column scale (one slice's merged weight at a time, on the base's device)."""
+    for key, factors in grouped.items():
+        match = _MODULE_RE.match(key)
+        layer, (packed, index) = int(match.group("layer")), PEFT_TO_PACKED[match.group("leaf")]
+        sizes = spec.slice_sizes(packed)
+        weight = base_weight(layer, packed)  # [N, K]
+        assert tuple(weight.shape) == (sum(sizes), spec.in_features(packed)), f"base weight of {key}: {weight.shape}"
+        offset = sum(sizes[:index])
+        pair = modules[(layer, packed)][index]
+        scale = dora_column_scale(weight[offset:offset + sizes[index]], factors["lora_A"], factors["lora_B"],
+                                  pair.scaling, factors["lora_magnitude_vector"])  # [N_j]
+        if not torch.isfinite(scale).all():
+            raise InvalidAdapterError(f"adapter {name!r}: {key}: a row of the merged weight W + scaling * B @ A has "
+                                      "norm 0 (or overflows), so DoRA's scale is not finite")
+        modules[(layer, packed)][index] = pair._replace(column_scale=scale)

@@ -77,6 +77,8 @@ class AdapterManager:
         download_workers: threads for background loads from the Hub (downloads may stall for long).
         on_load_done: called (from a loader thread, no lock held) whenever a load of either kind
             finishes, fails or is cancelled; an engine uses it to wake a step loop waiting for work.
+        base_weight: (layer, packed) -> the base weight [N, K] on ``device``; DoRA adapters are
+            refused without it (their norms are computed from it when they load, see adapters.dora).
 
     CPU memory: each tier holds at most its CPU cache capacity plus ``load_workers +
     download_workers`` adapter versions (loads in flight), plus one per concurrent ``add`` call;
@@ -88,7 +90,7 @@ class AdapterManager:
                  dtype: torch.dtype = torch.float32, allow_pickle: bool = False, local_files_only: bool | None = None,
                  max_adapter_bytes: int | None = None, resolver: Callable | None = None, cache_dir=None,
                  max_cpu_prompt_adapters: int | None = None, load_workers: int = 2, download_workers: int = 8,
-                 on_load_done: Callable[[], None] | None = None):
+                 on_load_done: Callable[[], None] | None = None, base_weight: Callable | None = None):
         if max_adapter_bytes is not None and max_adapter_bytes <= 0:
             raise ValueError(f"max_adapter_bytes must be positive or None, got {max_adapter_bytes}")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
@@ -97,6 +99,7 @@ class AdapterManager:
         self.max_adapter_bytes = max_adapter_bytes
         self._resolver = resolver or partial(_default_resolve, cache_dir=cache_dir)
         self._pin_memory = self.device.type == "cuda"
+        self._base_weight = base_weight
         self.lora_slots = LoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
         # embed_tokens / lm_head LoRA slots (per model), written and cleared with the LoRA slots
         self.vocab_slots = (VocabLoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
@@ -141,7 +144,8 @@ class AdapterManager:
 
     def _load_lora(self, request: LoRARequest):
         weights = load_lora(request.name, self._resolve(request), self.spec, max_lora_rank=self.max_lora_rank,
-                            dtype=self.dtype, allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes)
+                            dtype=self.dtype, allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes,
+                            base_weight=self._base_weight)
         return weights.pin_memory() if self._pin_memory else weights
 
     def _load_prompt(self, request: PromptAdapterRequest):

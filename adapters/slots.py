@@ -2,10 +2,14 @@
 
 LoRA layout (design.md section 3), per layer and packed module with slices j of widths N_j at
 offsets off_j, for slot s holding an adapter whose slice j has rank r_j:
-``lora_a[s, j, :r_j, :] = A_j`` and ``lora_b[s, off_j:off_j+N_j, :r_j] = B_j * scaling_j``; everything
+``lora_a[s, j, :r_j, :] = A_j`` and ``lora_b[s, off_j:off_j+N_j, :r_j] = B_j``; everything
 else of the slot is zero (untargeted modules, ranks above r_j), so zero-padding to R costs nothing
-in the result. Writing an adapter first zeroes the slot's whole range, so nothing of a previous,
-larger-rank tenant survives. Tensors are only ever written in place (CUDA-graph safe).
+in the result. Beside them, float32 scales the expand applies (punica_kernels.scales):
+``slice_scales[s, j] = scaling_j`` (on the fp32 intermediate, never folded into a half B) and
+``column_scales[s, off_j:off_j+N_j]`` = DoRA's column scale, 1 for plain LoRA and empty slots.
+Writing an adapter first resets the slot's whole range, so nothing of a previous tenant (a
+larger rank, a DoRA scale) survives; clearing a slot resets its column scales to 1. Tensors are
+only ever written in place (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -37,16 +41,27 @@ class LoRASlots:
         self._b = {p: torch.zeros(layers, max_loras, sum(spec.slice_sizes(p)), r, dtype=dtype,
                                   device=device)  # [L, max_loras, N, R]
                    for p in PACKED_MODULES}
+        self._slice_scales = {p: torch.zeros(layers, max_loras, len(spec.slice_sizes(p)), dtype=torch.float32,
+                                             device=device)  # [L, max_loras, n]
+                              for p in PACKED_MODULES}
+        self._column_scales = {p: torch.ones(layers, max_loras, sum(spec.slice_sizes(p)), dtype=torch.float32,
+                                             device=device)  # [L, max_loras, N]
+                               for p in PACKED_MODULES}
         self.slot_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras], 0 = empty
 
     def weights(self, layer: int, packed: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(lora_a [max_loras, n, R, K], lora_b [max_loras, N, R]) of one layer's packed module."""
         return self._a[packed][layer], self._b[packed][layer]
 
+    def scales(self, layer: int, packed: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slice_scales [max_loras, n], column_scales [max_loras, N]) float32 of one layer's packed module."""
+        return self._slice_scales[packed][layer], self._column_scales[packed][layer]
+
     @property
     def nbytes(self) -> int:
         """Device bytes allocated for all slots."""
-        return sum(t.numel() * t.element_size() for t in [*self._a.values(), *self._b.values()])
+        tensors = [*self._a.values(), *self._b.values(), *self._slice_scales.values(), *self._column_scales.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def write(self, slot: int, adapter: LoRAWeights) -> None:
         """Zero ``slot`` everywhere, then write the adapter's factors (already validated) into it."""
@@ -55,6 +70,8 @@ class LoRASlots:
         for packed in PACKED_MODULES:
             self._a[packed][:, slot].zero_()
             self._b[packed][:, slot].zero_()
+            self._column_scales[packed][:, slot].fill_(1.0)
+        slice_scales = {p: torch.zeros(self.spec.num_layers, len(self.spec.slice_sizes(p))) for p in PACKED_MODULES}
         for (layer, packed), slices in adapter.modules.items():
             lora_a, lora_b = self.weights(layer, packed)
             offset = 0
@@ -64,12 +81,20 @@ class LoRASlots:
                     rank = pair.a.shape[0]
                     _copy(lora_a[slot, j, :rank], pair.a)  # [r_j, K]
                     _copy(lora_b[slot, offset:offset + width, :rank], pair.b)  # [N_j, r_j]
+                    slice_scales[packed][layer, j] = pair.scaling
+                    if pair.column_scale is not None:  # DoRA
+                        _copy(self._column_scales[packed][layer, slot, offset:offset + width], pair.column_scale)
                 offset += width
+        for packed, scales in slice_scales.items():  # one copy per packed module, not one per slice
+            self._slice_scales[packed][:, slot].copy_(scales)
         self.slot_ranks[slot] = adapter.rank
 
     def clear(self, slot: int) -> None:
-        """Mark ``slot`` empty (its stale weights are unread: no token maps to it, and write() zeroes)."""
+        """Mark ``slot`` empty and reset its DoRA column scales to 1 (its stale weights are unread: no
+        token maps to it, and write() zeroes them)."""
         self.slot_ranks[slot] = 0
+        for packed in PACKED_MODULES:
+            self._column_scales[packed][:, slot].fill_(1.0)
 
 
 class PromptSlots:

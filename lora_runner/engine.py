@@ -29,6 +29,7 @@ from lora_runner.engine_adapters import EngineAdapters, EngineClosedError
 from lora_runner.kv_cache import kv_block_bytes
 from lora_runner.memory_profile import profile_kv_cache_budget
 from lora_runner.model import load_model
+from lora_runner.model.layers import lora_base_weights
 from lora_runner.output_processor import OutputProcessor
 from lora_runner.outputs import RequestOutput
 from lora_runner.parallel_sampling import SampleGroup, merge_outputs, sample_ids
@@ -67,7 +68,8 @@ class LLMEngine:
             max_cpu_loras=cfg.cpu_loras, max_prompt_adapters=cfg.max_prompt_adapters,
             max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=dtype,
             allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
-            max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=self._wake)
+            max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=self._wake,
+            base_weight=lora_base_weights(self.model))
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
         kv_budget = (self._profile_kv_budget(use_graphs)

@@ -3,8 +3,11 @@
 ```
 meta = LoRAMeta(max_num_tokens, max_loras, device)
 meta.prepare(token_slots, slot_ranks=None)     # once per step; token_slots [T], -1 = no adapter
-add_lora(y, x, lora_a, lora_b, meta, slice_sizes, backend="auto")
+add_lora(y, x, lora_a, lora_b, meta, slice_sizes, slice_scales=None, column_scales=None, bias=None,
+         backend="auto")
 # y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T, s = token_slots[t] >= 0
+# slice_scales [max_loras, n]: LoRA scaling on the fp32 intermediate; column_scales [max_loras, N]:
+# DoRA's per-row scale of base output and delta (bias unscaled); see punica_kernels.scales
 ```
 ``lora_shrink`` / ``lora_expand`` are the two halves; ``embedding_shrink`` is the gather shrink of an
 embedding LoRA (punica_kernels.embedding), expanded by ``lora_expand``. Backends: Triton SGMV kernels (CUDA, or

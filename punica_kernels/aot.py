@@ -40,6 +40,7 @@ from adapters.spec import PACKED_MODULES, ModelSpec
 
 from . import embedding_triton, triton_ops
 from .meta import LoRAMeta
+from .scales import Scales
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,8 @@ class Driver:
     launch: Callable[[], None]
 
 
+# packed modules whose base linear has a bias (Qwen2's q, k, v): the expand reads it (DoRA)
+BIASED_MODULES = {"qwen2-0.5b": ("qkv",)}
 MODELS = {  # the packed LoRA module shapes (qkv, o, gate_up, down) come from ModelSpec
     "llama-7b": ModelSpec(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
                           intermediate_size=11008, vocab_size=32000),
@@ -260,9 +263,10 @@ MAX_SLICES = max(len(spec.slice_sizes(p)) for spec in MODELS.values() for p in P
 
 
 def sgmv_drivers() -> list[Driver]:
-    """One driver per max LoRA rank: add_lora (shrink + expand, with the K split it chooses) and the
-    public shrink/expand halves, for every packed module of each model in each dtype, over every
-    decode batch size and a few prefills."""
+    """One driver per max LoRA rank: add_lora (shrink + expand, with the K split it chooses) with the
+    slots' scales and the layer's bias as the engine passes them, and the public shrink/expand halves
+    without scales, for every packed module of each model in each dtype, over every decode batch size
+    and a few prefills."""
     return [Driver(f"sgmv r{rank}", functools.partial(_drive_sgmv, rank)) for rank in LORA_RANKS]
 
 
@@ -271,18 +275,19 @@ def _drive_sgmv(rank: int) -> None:
     max_tokens = max(token_counts)
     # as the runner builds it: the workspace, sized for the largest batch, bounds the K split
     meta = LoRAMeta(max_tokens, MAX_LORAS, "cpu", max_rank=rank, max_slices=MAX_SLICES)
-    layers = [_sgmv_operands(spec, packed, dtype, rank, max_tokens)
-              for spec in MODELS.values() for packed in PACKED_MODULES for dtype in DTYPES]
+    layers = [_sgmv_operands(spec, packed, dtype, rank, max_tokens, packed in BIASED_MODULES.get(name, ()))
+              for name, spec in MODELS.items() for packed in PACKED_MODULES for dtype in DTYPES]
     for num_tokens in token_counts:
         meta.prepare(torch.arange(num_tokens) % MAX_LORAS)
-        for x, y, inter, lora_a, lora_b, slices in layers:
+        for x, y, inter, lora_a, lora_b, slices, scales in layers:
             x, y, inter = x[:num_tokens], y[:num_tokens], inter[:num_tokens]
-            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices)
+            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices, scales)
             triton_ops.lora_shrink(x, lora_a, meta, inter)
             triton_ops.lora_expand(y, inter, lora_b, meta, slices)
 
 
-def _sgmv_operands(spec: ModelSpec, packed: str, dtype: torch.dtype, rank: int, max_tokens: int) -> tuple:
+def _sgmv_operands(spec: ModelSpec, packed: str, dtype: torch.dtype, rank: int, max_tokens: int,
+                   has_bias: bool) -> tuple:
     """Uninitialized (never read) operands of one packed module, laid out as the engine's slots."""
     slices, num_features = spec.slice_sizes(packed), spec.in_features(packed)
     x = torch.empty(max_tokens, num_features, dtype=dtype)  # [T_max, K]
@@ -290,7 +295,10 @@ def _sgmv_operands(spec: ModelSpec, packed: str, dtype: torch.dtype, rank: int, 
     inter = torch.empty(max_tokens, len(slices), rank)  # [T_max, n, R] float32
     lora_a = torch.empty(MAX_LORAS, len(slices), rank, num_features, dtype=dtype)  # [L, n, R, K]
     lora_b = torch.empty(MAX_LORAS, sum(slices), rank, dtype=dtype)  # [L, N, R]
-    return x, y, inter, lora_a, lora_b, slices
+    scales = Scales(torch.empty(MAX_LORAS, len(slices)),  # [L, n] float32
+                    torch.empty(MAX_LORAS, sum(slices)),  # [L, N] float32
+                    torch.empty(sum(slices), dtype=dtype) if has_bias else None)  # [N]
+    return x, y, inter, lora_a, lora_b, slices, scales
 
 
 def all_drivers() -> list[Driver]:

@@ -80,6 +80,7 @@ class LoRAMeta:
 
         self.workspace: torch.Tensor | None = None  # [capacity] float32, see workspace_for
         self._slice_offsets: dict[tuple[int, ...], torch.Tensor] = {}
+        self._unit_scales: dict[int, torch.Tensor] = {}
         if max_rank is not None and max_slices is not None:
             self._grow_workspace(max_num_tokens * max_slices * max_rank)
 
@@ -197,6 +198,18 @@ class LoRAMeta:
             offsets = torch.tensor(values, dtype=torch.int64, device=self.device)
             self._slice_offsets[slice_sizes] = offsets
         return offsets
+
+    def unit_scales(self, width: int) -> torch.Tensor:
+        """[max_loras, width] float32 ones on ``device``, cached per width: the scales the Triton
+        kernels read when a caller passes none (laid out as the slots' scales, so the kernels
+        compile once for both). The first call for a width allocates, outside CUDA-graph capture.
+        """
+        ones = self._unit_scales.get(width)
+        if ones is None:
+            _refuse_allocation_in_capture("unit LoRA scales", self.device)
+            ones = torch.ones(self.max_loras, width, dtype=torch.float32, device=self.device)
+            self._unit_scales[width] = ones
+        return ones
 
     def workspace_for(self, num_elements: int) -> torch.Tensor:
         """A float32 scratch view of at least ``num_elements``; grows (outside capture) if needed."""

@@ -16,6 +16,7 @@ import torch
 
 from . import reference
 from .meta import LoRAMeta, same_device
+from .scales import Scales
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +48,30 @@ class BackendUnavailableError(RuntimeError):
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             meta: LoRAMeta, slice_sizes, *, backend: str = "auto") -> torch.Tensor:
+             meta: LoRAMeta, slice_sizes, *, slice_scales: torch.Tensor | None = None,
+             column_scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+             backend: str = "auto") -> torch.Tensor:
     """Add every token's own adapter delta to a layer output, in place.
 
     Semantics: y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T
     for s = token_slots[t] >= 0 (the meta's last prepare); rows of slot -1 tokens stay
-    bit-identical. off_j = sum(slice_sizes[:j]).
+    bit-identical. off_j = sum(slice_sizes[:j]). With scales (all optional), for cols_j the
+    columns of slice j and c = column_scales[s, cols_j]:
+    y[t, cols_j] = c * y[t, cols_j] + (1 - c) * bias[cols_j]
+                   + c * slice_scales[s, j] * (x[t] @ lora_a[s, j].T) @ lora_b[s, cols_j].T
+    (LoRA scaling on the fp32 intermediate; DoRA's column scale, which leaves the bias unscaled;
+    see :mod:`punica_kernels.scales`).
 
     Args:
         y: [T, N] layer output, updated in place; N = sum(slice_sizes).
         x: [T, K] layer input, y's dtype (float16, bfloat16, float32; float64 on torch only).
         lora_a: [max_loras, n_slices, R, K] slot weights, zero-padded to the max rank R.
-        lora_b: [max_loras, N, R] slot weights with the adapter's scaling folded in.
+        lora_b: [max_loras, N, R] slot weights.
         meta: prepared for this batch (``meta.num_tokens == T``).
         slice_sizes: output widths of the n_slices slices (q,k,v -> 3 widths).
+        slice_scales: [max_loras, n_slices] float32 (or float64 with float64 y) or None (ones).
+        column_scales: [max_loras, N], dtype as slice_scales, or None (ones).
+        bias: [N] in y's dtype, the bias already inside y; read only with column_scales.
         backend: "auto", "triton" or "torch".
 
     Returns y. The Triton path allocates nothing once the meta's workspace is large enough
@@ -75,9 +86,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     slice_sizes = _check_slice_sizes(slice_sizes)
     _check_x_and_a(x, lora_a, meta, len(slice_sizes))
     _check_y_and_b(y, lora_b, meta, slice_sizes, rank=lora_a.shape[2], dtype=x.dtype)
+    scales = _checked_scales(y, meta, len(slice_sizes), slice_scales, column_scales, bias)
     if _resolve(backend, x) == "torch":
-        return reference.add_lora(y, x, lora_a, lora_b, meta, slice_sizes)
-    return triton_ops.add_lora(y, x, lora_a, lora_b, meta, slice_sizes)
+        return reference.add_lora(y, x, lora_a, lora_b, meta, slice_sizes, scales)
+    return triton_ops.add_lora(y, x, lora_a, lora_b, meta, slice_sizes, scales)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,
@@ -105,15 +117,19 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,
 
 
 def lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta: LoRAMeta,
-                slice_sizes, *, backend: str = "auto") -> torch.Tensor:
+                slice_sizes, *, slice_scales: torch.Tensor | None = None,
+                column_scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                backend: str = "auto") -> torch.Tensor:
     """Second half of :func:`add_lora`: add each token's intermediate times its adapter's B.
 
     Semantics: y[t, off_j:off_j+N_j] += inter[t, j] @ lora_b[s, off_j:off_j+N_j].T for
-    s = token_slots[t] >= 0; rows of slot -1 tokens stay bit-identical.
+    s = token_slots[t] >= 0; rows of slot -1 tokens stay bit-identical. The scales apply as in
+    :func:`add_lora`, with inter[t, j] in place of x[t] @ lora_a[s, j].T.
 
     Args:
         y: [T, N] in place, N = sum(slice_sizes); lora_b: [max_loras, N, R] in y's dtype.
         inter: [T, n_slices, R] float32 (float64 with float64 y), e.g. from lora_shrink.
+        slice_scales, column_scales, bias: as in :func:`add_lora`.
 
     Returns y. Raises ValueError / BackendUnavailableError as :func:`add_lora`.
     """
@@ -122,9 +138,10 @@ def lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta
         raise ValueError("inter must be a 3-D tensor [T, n_slices, R]")
     _check_y_and_b(y, lora_b, meta, slice_sizes, rank=inter.shape[2], dtype=None)
     _check_inter(inter, y.shape[0], len(slice_sizes), inter.shape[2], y.dtype, meta)
+    scales = _checked_scales(y, meta, len(slice_sizes), slice_scales, column_scales, bias)
     if _resolve(backend, y) == "torch":
-        return reference.lora_expand(y, inter, lora_b, meta, slice_sizes)
-    return triton_ops.lora_expand(y, inter, lora_b, meta, slice_sizes)
+        return reference.lora_expand(y, inter, lora_b, meta, slice_sizes, scales)
+    return triton_ops.lora_expand(y, inter, lora_b, meta, slice_sizes, scales)
 
 
 def _resolve(backend: str, tensor: torch.Tensor) -> str:
@@ -217,3 +234,20 @@ def _check_inter(inter, num_tokens: int, n_slices: int, rank: int, dtype: torch.
     if tuple(inter.shape) != (num_tokens, n_slices, rank):
         raise ValueError(f"inter must be [T={num_tokens}, n_slices={n_slices}, R={rank}], "
                          f"got {list(inter.shape)}")
+
+
+def _checked_scales(y, meta: LoRAMeta, n_slices: int, slice_scales, column_scales, bias) -> Scales:
+    """Scales are float32 (float64 also with float64 y, on the torch path)."""
+    for name, tensor, width in (("slice_scales", slice_scales, n_slices), ("column_scales", column_scales, y.shape[1])):
+        if tensor is None:
+            continue
+        _check_tensor(name, tensor, 2, None, meta)
+        if tensor.dtype not in (torch.float32, reference.compute_dtype(y.dtype)):
+            raise ValueError(f"{name} must be float32, got {tensor.dtype}")
+        if tuple(tensor.shape) != (meta.max_loras, width):
+            raise ValueError(f"{name} must be [max_loras={meta.max_loras}, {width}], got {list(tensor.shape)}")
+    if bias is not None:
+        _check_tensor("bias", bias, 1, y.dtype, meta)
+        if bias.shape[0] != y.shape[1]:
+            raise ValueError(f"bias must be [N={y.shape[1]}], got {list(bias.shape)}")
+    return Scales(slice_scales, column_scales, bias)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .meta import LoRAMeta
+from .scales import NO_SCALES, Scales
 
 # The padded path replaces ~5 + n_slices torch calls per slot present (~40 us each slot with one
 # thread here) by copies of the present slots' weights and of the padded rows (~0.3-0.5 ns per
@@ -48,6 +49,7 @@ class _Layout:
     width: int  # rows per slot in the padded layout: the longest segment
     pad_tokens: torch.Tensor  # [U * width] token id of each padded row (padding repeats a row)
     pad_rows: torch.Tensor  # [M] padded row of each of tokens
+    row_slots: torch.Tensor  # [M] slot of each of tokens
 
 
 _layouts: weakref.WeakKeyDictionary[LoRAMeta, _Layout] = weakref.WeakKeyDictionary()
@@ -70,8 +72,8 @@ def _layout(meta: LoRAMeta) -> _Layout:
     pad_tokens = tokens.index_select(0, (begins[:, None] + local).view(-1))  # [U * w]
     segment = torch.repeat_interleave(torch.arange(len(segments), **int64), counts)  # [M]
     pad_rows = segment * width + torch.arange(tokens.shape[0], **int64) - begins[segment]  # [M]
-    layout = _Layout(starts, tokens, segments, torch.tensor([slot for slot, _, _ in segments], **int64),
-                     width, pad_tokens, pad_rows)
+    present = torch.tensor([slot for slot, _, _ in segments], **int64)  # [U]
+    layout = _Layout(starts, tokens, segments, present, width, pad_tokens, pad_rows, present[segment])
     _layouts[meta] = layout
     return layout
 
@@ -99,10 +101,14 @@ def _shrink_padded(x: torch.Tensor, lora_a: torch.Tensor, layout: _Layout,
 
 
 def _expand_padded(inter_pad: torch.Tensor, lora_b: torch.Tensor, layout: _Layout,
-                   slice_sizes: tuple[int, ...]) -> torch.Tensor:
-    """inter_pad [U, w, n*R] times each present slot's B, slice by slice -> [M, N] (tokens' order)."""
+                   slice_sizes: tuple[int, ...], slice_scales: torch.Tensor | None) -> torch.Tensor:
+    """inter_pad [U, w, n*R] (scaled by each present slot's slice_scales [L, n] when given) times
+    each present slot's B, slice by slice -> [M, N] (tokens' order)."""
     rank = lora_b.shape[2]
     b_present = lora_b.index_select(0, layout.present).to(inter_pad.dtype)  # [U, N, R]
+    if slice_scales is not None:
+        scales = slice_scales.index_select(0, layout.present).to(inter_pad.dtype)  # [U, n]
+        inter_pad = inter_pad * scales.repeat_interleave(rank, dim=1)[:, None, :]  # [U, w, n*R]
     delta_pad = inter_pad.new_empty((*inter_pad.shape[:2], lora_b.shape[1]))  # [U, w, N]
     offset = 0
     for j, width in enumerate(slice_sizes):  # at most 3 slices, whatever the adapters
@@ -164,13 +170,29 @@ def _expand_segmented(inter_rows: torch.Tensor, lora_b: torch.Tensor, layout: _L
 
 # ------------------------------------------------------------------ the ops
 
-def _add_rows(y: torch.Tensor, tokens: torch.Tensor, delta: torch.Tensor) -> None:
-    """y[tokens] += delta (tokens unique), added in delta's dtype and rounded once to y's."""
-    if delta.dtype == y.dtype:
+def _update_rows(y: torch.Tensor, layout: _Layout, delta: torch.Tensor, scales: Scales) -> None:
+    """y[tokens] += delta (tokens unique), or with column scales c of the rows' slots:
+    y[tokens] = c * y[tokens] + (1 - c) * bias + c * delta. Computed in delta's dtype and rounded
+    once to y's."""
+    tokens = layout.tokens
+    if scales.columns is None and delta.dtype == y.dtype:
         y.index_add_(0, tokens, delta)
         return
-    updated = y.index_select(0, tokens).to(delta.dtype) + delta  # [M, N]
-    y.index_copy_(0, tokens, updated.to(y.dtype))
+    updated = y.index_select(0, tokens).to(delta.dtype)  # [M, N]
+    if scales.columns is not None:
+        columns = scales.columns.index_select(0, layout.row_slots).to(delta.dtype)  # [M, N]
+        updated = updated * columns
+        if scales.bias is not None:
+            updated += (1 - columns) * scales.bias.to(delta.dtype)
+        delta = delta * columns
+    y.index_copy_(0, tokens, (updated + delta).to(y.dtype))
+
+
+def _scale_rows(inter_rows: torch.Tensor, layout: _Layout, slice_scales: torch.Tensor | None) -> torch.Tensor:
+    """inter_rows [M, n, R] times the slice scales [L, n] of each row's slot (when given)."""
+    if slice_scales is None:
+        return inter_rows
+    return inter_rows * slice_scales.index_select(0, layout.row_slots).to(inter_rows.dtype)[:, :, None]
 
 
 def _padded(path: str | None, layout: _Layout, n_slices: int, rank: int, in_features: int,
@@ -205,8 +227,10 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,
 
 
 def lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta: LoRAMeta,
-                slice_sizes: tuple[int, ...], *, path: str | None = None) -> torch.Tensor:
-    """Semantics: y[t, off_j:off_j+N_j] += inter[t, j] @ lora_b[s, off_j:off_j+N_j].T, s >= 0.
+                slice_sizes: tuple[int, ...], scales: Scales = NO_SCALES, *,
+                path: str | None = None) -> torch.Tensor:
+    """Semantics: y[t, off_j:off_j+N_j] += inter[t, j] @ lora_b[s, off_j:off_j+N_j].T, s >= 0,
+    scaled as :mod:`punica_kernels.scales` says.
 
     y [T, N] in place; inter [T, n_slices, R]; lora_b [max_loras, N, R]. Rows of tokens with
     slot -1 are left bit-identical. ``path`` as in :func:`lora_shrink`.
@@ -215,19 +239,21 @@ def lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta
     if not layout.segments:
         return y
     inter_rows = inter.index_select(0, layout.tokens).to(compute_dtype(y.dtype))  # [M, n, R]
+    inter_rows = _scale_rows(inter_rows, layout, scales.slices)
     if _padded(path, layout, 0, lora_b.shape[2], 0, y.shape[1]):
-        delta = _expand_padded(_pad(inter_rows, layout), lora_b, layout, slice_sizes)
+        delta = _expand_padded(_pad(inter_rows, layout), lora_b, layout, slice_sizes, None)
     else:
         delta = inter_rows.new_empty((inter_rows.shape[0], y.shape[1]))  # [M, N]
         _expand_segmented(inter_rows, lora_b, layout, slice_sizes, delta)
-    _add_rows(y, layout.tokens, delta)
+    _update_rows(y, layout, delta, scales)
     return y
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             meta: LoRAMeta, slice_sizes: tuple[int, ...], *,
+             meta: LoRAMeta, slice_sizes: tuple[int, ...], scales: Scales = NO_SCALES, *,
              path: str | None = None) -> torch.Tensor:
-    """Semantics: y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T.
+    """Semantics: y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T,
+    scaled as :mod:`punica_kernels.scales` says.
 
     Shapes as in :func:`punica_kernels.add_lora`. Gathers the LoRA tokens' rows of x, runs the
     shrink and expand matmuls (padded or per slot, see the module docstring) and scatter-adds
@@ -240,11 +266,11 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     _, n_slices, rank, in_features = lora_a.shape
     if _padded(path, layout, n_slices, rank, in_features, y.shape[1]):
         delta = _expand_padded(_shrink_padded(x, lora_a, layout, dtype), lora_b, layout,
-                               slice_sizes)  # [M, N]
+                               slice_sizes, scales.slices)  # [M, N]
     else:
         x_rows = x.index_select(0, layout.tokens).to(dtype)  # [M, K]
+        inter_rows = _scale_rows(_shrink_segmented(x_rows, lora_a, layout), layout, scales.slices)
         delta = x_rows.new_empty((x_rows.shape[0], y.shape[1]))  # [M, N]
-        _expand_segmented(_shrink_segmented(x_rows, lora_a, layout), lora_b, layout,
-                          slice_sizes, delta)
-    _add_rows(y, layout.tokens, delta)
+        _expand_segmented(inter_rows, lora_b, layout, slice_sizes, delta)
+    _update_rows(y, layout, delta, scales)
     return y

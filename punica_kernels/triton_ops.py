@@ -5,6 +5,8 @@ order), so the grid is ``meta.max_tiles(T)`` programs (times splits or output bl
 adapter mix; tiles without work exit at once. Design points (design.md section 4):
 
 * fp32 intermediate, fp32 accumulation; int64 pointer offsets for rows, slots and slices.
+* The expand applies the per-slot scales of :mod:`punica_kernels.scales` (LoRA scaling on the
+  fp32 intermediate, DoRA's column scale in the epilogue), so B is stored unscaled.
 * Ranks are tiled by 16 inside the kernels (``tl.dot`` needs >= 16), any rank 1..R works; with
   per-slot ranks only the slot's real rank (rounded up to 16) is read and multiplied.
 * Slices are addressed by integer offsets/strides, never by a tensor of pointers.
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .meta import FULL_RANK, LoRAMeta
+from .scales import NO_SCALES, Scales
 
 BLOCK_K = 64  # shrink: largest reduction step over the input features (smaller for wide stacked ranks)
 # shrink: A-tile elements per thread; 64 spills registers on sm_80/sm_90 (benchmarks/kernel_report.py)
@@ -111,16 +114,18 @@ def _launch_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,
     )
 
 
-@triton.jit(do_not_specialize=["stride_is"])
+# stride_gs is n_slices: specializing its 1 (o, down) would double the expand configs for nothing
+@triton.jit(do_not_specialize=["stride_is", "stride_gs"])
 def _expand_kernel(
-    y_ptr, inter_ptr, b_ptr, slice_offsets_ptr,
+    y_ptr, inter_ptr, b_ptr, slice_offsets_ptr, slice_scales_ptr, column_scales_ptr, bias_ptr,
     sorted_tokens_ptr, tile_slots_ptr, tile_starts_ptr, tile_ends_ptr, slot_ranks_ptr,
     stride_yt, stride_yn,
     stride_is, stride_it, stride_ij, stride_ir,
     stride_bs, stride_bn, stride_br,
+    stride_gs, stride_gj, stride_cs, stride_cn, stride_bias,
     RANK: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     slice_id = tl.program_id(1)
@@ -133,6 +138,7 @@ def _expand_kernel(
         return
     start = tl.load(tile_starts_ptr + tile)
     end = tl.load(tile_ends_ptr + tile)
+    slice_scale = tl.load(slice_scales_ptr + slot.to(tl.int64) * stride_gs + slice_id * stride_gj)  # fp32
 
     offs_m = tl.arange(0, BLOCK_M)
     row_mask = start + offs_m < end  # [BLOCK_M]
@@ -153,32 +159,48 @@ def _expand_kernel(
         for split in tl.static_range(SPLIT_K):  # sum the shrink's K-split partials
             inter += tl.load(inter_ptrs + stride_is.to(tl.int64) * split, mask=inter_mask,
                              other=0.0)
+        inter = inter * slice_scale  # the adapter's scaling, on the fp32 intermediate
         b_tile = tl.load(b_ptr + b_rows[None, :] + offs_r[:, None].to(tl.int64) * stride_br,
                          mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
         acc = tl.dot(inter, b_tile.to(tl.float32), acc, input_precision=DOT_PRECISION)
 
+    # DoRA epilogue: y = c * y + c * delta + (1 - c) * bias, c the slot's column scale (1 for plain
+    # LoRA, which leaves y + delta exact); the base bias is not scaled.
+    column_scale = tl.load(column_scales_ptr + slot.to(tl.int64) * stride_cs + columns * stride_cn,
+                           mask=n_mask, other=1.0)[None, :]  # [1, BLOCK_N] fp32
     y_ptrs = y_ptr + (tokens * stride_yt)[:, None] + (columns * stride_yn)[None, :]
     y_mask = row_mask[:, None] & n_mask[None, :]
-    y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BLOCK_M, BLOCK_N]
-    tl.store(y_ptrs, (y_tile.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+    y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N]
+    out = y_tile * column_scale
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + columns * stride_bias, mask=n_mask, other=0.0).to(tl.float32)
+        out += (1.0 - column_scale) * bias[None, :]
+    tl.store(y_ptrs, (out + acc * column_scale).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def _launch_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta: LoRAMeta,
-                   slice_sizes: tuple[int, ...]) -> None:
-    """Semantics: y[t, off_j:off_j+N_j] += (sum_p inter[p, t, j]) @ lora_b[s, off_j:off_j+N_j].T.
+                   slice_sizes: tuple[int, ...], scales: Scales) -> None:
+    """Semantics: y[t, cols_j] = c * y[t, cols_j] + (1 - c) * bias[cols_j]
+    + c * g[s, j] * (sum_p inter[p, t, j]) @ lora_b[s, cols_j].T, with c = column_scales[s, cols_j].
 
     y [T, N] in place (fp16/bf16/fp32), s = token_slots[t] >= 0, rows of slot -1 tokens untouched;
-    inter [split_k, T, n_slices, R] float32 (the shrink's partials); lora_b [max_loras, N, R],
-    y's dtype. Grid (max_tiles(T), n_slices, cdiv(max N_j, BLOCK_N)).
+    cols_j = off_j:off_j+N_j; inter [split_k, T, n_slices, R] float32 (the shrink's partials);
+    lora_b [max_loras, N, R], y's dtype; scales as :class:`Scales` (missing ones read as 1, a
+    missing bias as 0). Grid (max_tiles(T), n_slices, cdiv(max N_j, BLOCK_N)).
     """
-    split_k, _, _, rank = inter.shape
+    split_k, _, n_slices, rank = inter.shape
+    slice_scales = meta.unit_scales(n_slices) if scales.slices is None else scales.slices
+    column_scales = meta.unit_scales(y.shape[1]) if scales.columns is None else scales.columns
+    bias = scales.bias if scales.bias is not None and scales.columns is not None else None
     grid = (meta.max_tiles(y.shape[0]), len(slice_sizes), triton.cdiv(max(slice_sizes), BLOCK_N))
     kernel_for(_expand_kernel, y.device)[grid](
-        y, inter, lora_b, meta.slice_offsets(slice_sizes),
+        y, inter, lora_b, meta.slice_offsets(slice_sizes), slice_scales, column_scales,
+        y if bias is None else bias,  # never read without HAS_BIAS; y has the bias' dtype
         meta.sorted_tokens, meta.tile_slots, meta.tile_starts, meta.tile_ends, meta.slot_ranks,
-        *y.stride(), *inter.stride(), *lora_b.stride(),
+        *y.stride(), *inter.stride(), *lora_b.stride(), *slice_scales.stride(), *column_scales.stride(),
+        0 if bias is None else bias.stride(0),
         RANK=rank, SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
-        DOT_PRECISION=_dot_precision(lora_b.dtype),
+        HAS_BIAS=bias is not None, DOT_PRECISION=_expand_precision(lora_b.dtype),
     )
 
 
@@ -194,19 +216,21 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,
 
 
 def lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta: LoRAMeta,
-                slice_sizes: tuple[int, ...]) -> torch.Tensor:
-    """Semantics: y[t, off_j:off_j+N_j] += inter[t, j] @ lora_b[s, off_j:off_j+N_j].T (one launch).
+                slice_sizes: tuple[int, ...], scales: Scales = NO_SCALES) -> torch.Tensor:
+    """Semantics: y[t, off_j:off_j+N_j] += inter[t, j] @ lora_b[s, off_j:off_j+N_j].T, scaled as
+    :mod:`punica_kernels.scales` says (one launch).
 
     y [T, N] in place; inter [T, n_slices, R] float32; lora_b [max_loras, N, R].
     """
     if y.shape[0]:
-        _launch_expand(y, inter.unsqueeze(0), lora_b, meta, slice_sizes)
+        _launch_expand(y, inter.unsqueeze(0), lora_b, meta, slice_sizes, scales)
     return y
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             meta: LoRAMeta, slice_sizes: tuple[int, ...]) -> torch.Tensor:
-    """Semantics: y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T.
+             meta: LoRAMeta, slice_sizes: tuple[int, ...], scales: Scales = NO_SCALES) -> torch.Tensor:
+    """Semantics: y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T,
+    scaled as :mod:`punica_kernels.scales` says.
 
     Two launches, the intermediate in the meta's workspace; shapes as in punica_kernels.add_lora.
     """
@@ -220,7 +244,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
                              workspace.numel() // row_elements)
     inter = workspace[:split_k * row_elements].view(split_k, num_tokens, n_slices, rank)
     _launch_shrink(x, lora_a, meta, inter, split_k)
-    _launch_expand(y, inter, lora_b, meta, slice_sizes)
+    _launch_expand(y, inter, lora_b, meta, slice_sizes, scales)
     return y
 
 
@@ -238,9 +262,16 @@ def choose_split_k(num_tiles: int, num_features: int, max_split: int) -> int:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 weights: exact fp32 products. Half weights: tf32 keeps more of the fp32
-    # intermediate's mantissa (10 bits) than casting it to bf16/fp16 would.
+    # The shrink: half inputs multiply exactly on tensor cores whatever this says; fp32 inputs
+    # get exact fp32 products.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _expand_precision(dtype: torch.dtype) -> str:
+    # The expand multiplies the fp32 intermediate (scaled) by B cast to fp32. One tf32 pass would
+    # round the intermediate to 10 mantissa bits: as much error as folding the scaling into a
+    # half B. tf32x3 (three tensor-core passes) keeps it to about fp32's; the expand is memory-bound.
+    return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
 def kernel_for(kernel, device: torch.device):

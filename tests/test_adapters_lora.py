@@ -51,8 +51,9 @@ def _our_delta(weights, x, layer, leaf):
     slices = weights.modules.get((layer, packed))
     if slices is None or slices[index] is None:
         return None
-    a, b = slices[index]
-    return (x.double() @ a.double().T) @ b.double().T  # [T, N_j]
+    pair = slices[index]
+    assert pair.column_scale is None  # plain LoRA
+    return (x.double() @ pair.a.double().T) @ pair.b.double().T * pair.scaling  # [T, N_j]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -125,7 +126,6 @@ def test_malicious_pickle_never_runs(base, tmp_path):
 # (save_lora kwargs, config edits, expected error fragment): real PEFT checkpoints where PEFT can write them
 # (LoRA on embed_tokens / lm_head is served; its refusals are in test_vocab_lora.py)
 UNSUPPORTED = {
-    "dora": (dict(use_dora=True), {}, "use_dora"),
     "modules_to_save": (dict(modules_to_save=["lm_head"]), {}, "modules_to_save"),
     "bias": (dict(bias="lora_only"), {}, "bias"),
     "lora_bias": (dict(lora_bias=True), {}, "lora_bias"),

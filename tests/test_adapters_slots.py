@@ -15,12 +15,15 @@ def base():
 
 
 def _slot_delta(slots, slot, layer, packed, x):
-    """The kernels' semantics: y[:, off_j:off_j+N_j] = (x @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T."""
+    """The kernels' semantics: y[:, off_j:off_j+N_j] = g[s, j] * (x @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T."""
     lora_a, lora_b = slots.weights(layer, packed)  # [S, n, R, K], [S, N, R]
+    slice_scales, column_scales = slots.scales(layer, packed)  # [S, n], [S, N]
     outs, offset = [], 0
     for j, width in enumerate(slots.spec.slice_sizes(packed)):
-        outs.append((x.double() @ lora_a[slot, j].double().T) @ lora_b[slot, offset:offset + width].double().T)
+        inter = (x.double() @ lora_a[slot, j].double().T) * slice_scales[slot, j].double()
+        outs.append(inter @ lora_b[slot, offset:offset + width].double().T)
         offset += width
+    assert (column_scales[slot] == 1).all()  # plain LoRA: no DoRA scale
     return torch.cat(outs, dim=1)  # [T, N]
 
 
@@ -46,8 +49,8 @@ def test_slot_layout_reproduces_peft_after_larger_tenant(base, tmp_path, kwargs)
     slots = LoRASlots(spec, max_loras=3, max_lora_rank=8)
     for layer in range(spec.num_layers):
         for packed in PACKED_MODULES:
-            for tensor in slots.weights(layer, packed):
-                tensor.fill_(float("nan"))  # poison: everything the adapter does not write must be zeroed
+            for tensor in (*slots.weights(layer, packed), *slots.scales(layer, packed)):
+                tensor.fill_(float("nan"))  # poison: everything the adapter does not write must be reset
     peft_model = factories.save_lora(base, tmp_path, seed=7, **kwargs)
     adapter = load_lora("a", str(tmp_path), spec, max_lora_rank=8)
     slots.write(1, dummy_lora("big", spec, rank=8, seed=3))  # a larger tenant leaves values everywhere
@@ -60,6 +63,7 @@ def test_slot_layout_reproduces_peft_after_larger_tenant(base, tmp_path, kwargs)
                                        _peft_delta(peft_model, layer, packed, x), rtol=1e-4, atol=1e-5)
             lora_a, lora_b = slots.weights(layer, packed)
             assert torch.isnan(lora_a[0]).all() and torch.isnan(lora_b[2]).all()  # neighbours untouched
+            assert all(torch.isnan(scales[[0, 2]]).all() for scales in slots.scales(layer, packed))
             assert lora_a[1].is_contiguous() and lora_a.data_ptr() == slots.weights(layer, packed)[0].data_ptr()
 
 

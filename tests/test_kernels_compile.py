@@ -48,6 +48,10 @@ def test_drivers_reach_every_split_slice_count_rank_and_dtype(configs):
     expand_splits = {(c.dtypes(), c.named_constexprs()["RANK"], c.named_constexprs()["SPLIT_K"])
                      for c in configs.values() if c.name == "_expand_kernel"}
     assert len(expand_splits) == 3 * len(aot.LORA_RANKS) * len(splits)  # every split in every dtype/rank
+    # the DoRA epilogue with and without the layer's bias, in every dtype and rank
+    biased = {(c.dtypes(), c.named_constexprs()["RANK"], c.named_constexprs()["HAS_BIAS"])
+              for c in configs.values() if c.name == "_expand_kernel"}
+    assert len(biased) == 3 * len(aot.LORA_RANKS) * 2
 
 
 def test_drivers_reach_every_attention_kernel_split_count_and_dtype(configs):

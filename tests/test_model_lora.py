@@ -36,7 +36,8 @@ ADAPTERS = {  # name -> (slot, save_lora kwargs)
 
 
 class SlotWeights:
-    """Test double of the adapter manager's LoRASlots: .weights(layer, packed) -> (lora_a, lora_b)."""
+    """Test double of the adapter manager's LoRASlots: .weights(layer, packed) -> (lora_a, lora_b),
+    .scales(layer, packed) -> (slice_scales, column_scales)."""
 
     def __init__(self, spec, num_layers: int):
         self.spec = spec
@@ -49,6 +50,11 @@ class SlotWeights:
 
     def weights(self, layer: int, packed: str):
         return self.tensors[layer, packed]
+
+    def scales(self, layer: int, packed: str):
+        """Unit slice and column scales (this double folds the scaling into B; no DoRA)."""
+        lora_a, lora_b = self.tensors[layer, packed]
+        return torch.ones(MAX_LORAS, lora_a.shape[1]), torch.ones(MAX_LORAS, lora_b.shape[1])
 
     def write(self, slot: int, adapter_dir: Path) -> None:
         """Copy a PEFT checkpoint into `slot`, folding alpha/r (or alpha/sqrt(r)) into B."""

@@ -21,8 +21,10 @@ Catalogue (kind -> exception: where; bare names are ADAPTER_CASES keys)
   rank above max_lora_rank -> AdapterTooLargeError: rank-over-max, huge-rank-in-config
   files over max_adapter_bytes -> AdapterTooLargeError: over-byte-limit
   unsupported PEFT type or feature -> UnsupportedAdapterError: unsupported-peft-type,
-      unsupported-feature-dora, prompt-adapter-as-lora (each feature:
+      unsupported-feature-modules-to-save, prompt-adapter-as-lora (each feature:
       test_adapters_lora.py::test_unsupported_features_are_refused_by_name)
+  DoRA without its magnitude vectors -> InvalidAdapterError: dora-without-magnitudes (other malformed
+      DoRA: test_dora.py::test_malformed_dora_is_invalid)
   prompt adapter with too many virtual tokens / another hidden size -> AdapterTooLargeError /
       InvalidAdapterError: test_bad_prompt_adapters_fail_only_their_own_request
   empty prompt, prompt over max_model_len, duplicate request id, ids outside the vocabulary, wrong
@@ -96,6 +98,12 @@ def _edit_config(name, **changes):
         factories.edit_adapter_config(path, **changes)
         return LoRARequest(case, str(path))
     return build
+
+
+def _dora_without_magnitudes(ctx, case):
+    path = _saved(ctx, case, use_dora=True)
+    factories.edit_adapter_tensors(path, lambda tensors: {k: v for k, v in tensors.items() if "magnitude" not in k})
+    return LoRARequest(case, str(path))
 
 
 def _edit_tensors(name, edit):
@@ -191,8 +199,10 @@ ADAPTER_CASES = {
     "over-byte-limit": Case(lambda ctx, case: LoRARequest(case, str(_saved(ctx, case, r=16))), AdapterTooLargeError,
                             "max_adapter_bytes="),
     "unsupported-peft-type": Case(_edit_config("ia3", peft_type="IA3"), UnsupportedAdapterError, "peft_type='IA3'"),
-    "unsupported-feature-dora": Case(lambda ctx, case: LoRARequest(case, str(_saved(ctx, case, use_dora=True))),
-                                     UnsupportedAdapterError, "DoRA"),
+    "unsupported-feature-modules-to-save": Case(
+        lambda ctx, case: LoRARequest(case, str(_saved(ctx, case, modules_to_save=["lm_head"]))),
+        UnsupportedAdapterError, "modules_to_save"),
+    "dora-without-magnitudes": Case(_dora_without_magnitudes, InvalidAdapterError, "lora_magnitude_vector is missing"),
     "prompt-adapter-as-lora": Case(_prompt_tuning_dir, UnsupportedAdapterError, "peft_type='PROMPT_TUNING'"),
 }
 

@@ -138,7 +138,9 @@ class LoRALinear(nn.Module):
     """y = x @ W.T (+ b), plus each token's adapter delta through punica_kernels.add_lora.
 
     Several projections sharing an input are packed into one weight (q,k,v -> "qkv"; gate,up ->
-    "gate_up"); `slice_sizes` are their output widths, in the order the LoRA slots store them.
+    "gate_up"); `slice_sizes` are their output widths, in the order the LoRA slots store them. The
+    slots' scales ride along: LoRA scaling per slice, and DoRA's column scale, which multiplies the
+    output of that slot's tokens but not the bias (as PEFT).
     """
 
     def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, layer: int, packed: str,
@@ -157,9 +159,18 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)  # [T, N]
         if lora is not None:
             lora_a, lora_b = lora.slots.weights(self.layer, self.packed)
-            punica_kernels.add_lora(y, x, lora_a, lora_b, lora.meta, self.slice_sizes)
+            slice_scales, column_scales = lora.slots.scales(self.layer, self.packed)
+            punica_kernels.add_lora(y, x, lora_a, lora_b, lora.meta, self.slice_sizes, slice_scales=slice_scales,
+                                    column_scales=column_scales, bias=self.bias)
         return y
 
     def slice_offsets(self) -> tuple[int, ...]:
         """Row offset of each slice within the packed weight."""
         return tuple(sum(self.slice_sizes[:i]) for i in range(len(self.slice_sizes)))
+
+
+def lora_base_weights(model: nn.Module):
+    """(layer, packed) -> the base weight [N, K] of the model's LoRA-aware linear there (DoRA's norms
+    are computed from it when an adapter loads; see adapters.dora)."""
+    weights = {(m.layer, m.packed): m.weight for m in model.modules() if isinstance(m, LoRALinear)}
+    return lambda layer, packed: weights[layer, packed]
