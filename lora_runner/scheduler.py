@@ -126,6 +126,7 @@ class Scheduler:
         self._tenants: dict[Request, str] = {}  # unfinished request -> the tenant it joined as
         self._handover: dict[str, Hashable] = {}  # adapter kind -> held ref that gives its slot to a starved one
         self._leaders: dict[Request, Request] = {}  # parallel sample -> sample 0 of its prompt (see add)
+        self._freed: list[str] = []  # ids removed or preempted since take_freed (the runner frees their rows)
 
     def add(self, request: Request, leader: Request | None = None) -> None:
         """Queue a new request at the back of the waiting queue.
@@ -181,6 +182,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request.request_id)
+        self._freed.append(request.request_id)
         request.preempt()
         self.waiting.appendleft(request)
         out.preempted.append(request)
@@ -324,9 +326,16 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
+        self._freed.append(request.request_id)
         self._leaders.pop(request, None)
         if request in self._tenants:
             self.fairness.leave(self._tenants.pop(request))
+
+    def take_freed(self) -> list[str]:
+        """Ids of the requests removed or preempted since the last call, oldest first (the runner
+        drops their persistent rows: lora_runner.input_batch)."""
+        freed, self._freed = self._freed, []
+        return freed
 
     def postprocess(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
                     processor: OutputProcessor) -> list[tuple[Request, BaseException | None]]:
