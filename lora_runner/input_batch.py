@@ -13,11 +13,12 @@ many of them are computed, its KV block table and an interned key of each of its
 The step's flat batch is then gathered from the rows by ``BatchBuilder.write_rows`` and adapter
 slots come from the step's ref -> slot maps through the interned keys, all with numpy ops.
 
-The rows are a cache of what the scheduler's requests hold, never the truth: a continuing row whose
-counts disagree with the scheduled chunk (start != computed tokens, or more tokens than it holds)
-is written again from its request, and when rows run out, rows of requests not in the step are
-dropped (they are written again when next scheduled). So a missed notice costs a rewrite, not a
-wrong batch; tests/test_input_batch.py checks the rows against a from-scratch rebuild.
+The rows mirror the scheduler's requests exactly as long as every request that leaves the running
+set is reported (Scheduler.remove and preemption report it). As a safety net, a continuing row
+whose counts disagree with the scheduled chunk (start != computed tokens, or fewer tokens than the
+chunk covers) is written again from its request, and when rows run out, rows of requests not in
+the step are dropped (written again when next scheduled). tests/test_input_batch.py checks the
+rows against a from-scratch rebuild every step.
 """
 
 from __future__ import annotations

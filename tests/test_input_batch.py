@@ -291,7 +291,8 @@ def test_engine_rows_mirror_the_running_requests(engine_checkpoint, greedy_oracl
             assert count == request.num_tokens and int(rows.num_computed[row]) == chunk.start
             assert rows.token_ids[row, :count].tolist() == request.token_ids
             table = engine.block_manager.table(request.request_id)
-            assert rows.block_tables[row, :len(table)].tolist() == table and not rows.block_tables[row, len(table):].any()
+            assert rows.block_tables[row, :len(table)].tolist() == table
+            assert not rows.block_tables[row, len(table):].any()
         checked.append(len(step.scheduled))
         return result
 
