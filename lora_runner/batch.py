@@ -1,8 +1,9 @@
 """The mapping builder: scheduled chunks -> the flat token batch the model reads, in persistent buffers.
 
 A step is written in two phases. write() flattens the chunks into host arrays allocated once at
-their maximum size (rows [:n] per step) and returns the step's shape; upload() hands the rows to
-the device. On CPU the device views are the host arrays themselves: nothing is copied. On CUDA,
+their maximum size (rows [:n] per step) and returns the step's shape; write_rows() does the same
+from the runner's persistent request rows (lora_runner.input_batch) by gathers alone, the engine's
+path. upload() hands the rows to the device. On CPU the device views are the host arrays themselves: nothing is copied. On CUDA,
 upload() packs the step's rows into one pinned staging buffer (two of them alternate) and queues
 one non-blocking copy (lora_runner/staging.py): a step that samples nothing never waits for the
 device, and the host arrays are never a copy's source, so write() never waits either.
