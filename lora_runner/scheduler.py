@@ -168,12 +168,13 @@ class Scheduler:
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             end = request.num_computed_tokens + num_new
-            while not self.block_manager.can_allocate(request.request_id, end) and pending:
-                self._preempt(pending.pop(), out)
-            if not self.block_manager.can_allocate(request.request_id, end):
-                self._preempt(request, out)
-                continue
-            self.block_manager.allocate(request.request_id, end)
+            if self.block_manager.blocks_needed(request.request_id, end):  # most decode steps need none
+                while not self.block_manager.can_allocate(request.request_id, end) and pending:
+                    self._preempt(pending.pop(), out)
+                if not self.block_manager.can_allocate(request.request_id, end):
+                    self._preempt(request, out)
+                    continue
+                self.block_manager.allocate(request.request_id, end)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             kept.append(request)
             budget -= num_new
@@ -228,6 +229,10 @@ class Scheduler:
         return len(wanted) + kind.reserved(wanted) <= kind.max_slots
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:  # nothing to admit: skip the sets over the running requests below
+            if budget > 0 and len(self.running) < self.max_num_seqs:
+                self._handover = {}  # what the loop concludes when its queue is empty
+            return
         kinds = self._adapter_slots()
         held = [{k.ref_of(r) for r in self.running} - {None} for k in kinds]  # per kind: refs with a slot
         queue = FairQueue(self.waiting, self.fairness) if self.policy == "fair" else FcfsQueue(self.waiting)
