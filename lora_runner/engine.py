@@ -367,6 +367,8 @@ class LLMEngine:
             outputs.append(self._finish(request, "error", error))
         if sched.scheduled:
             outputs += self._run(sched.scheduled, slot_of, prompt_slot_of)
+        else:  # the runner's rows of requests that left go now, not at the next step that runs something
+            self.runner.forget(self.scheduler.take_freed())
         return outputs
 
     def _take_intake(self) -> list[RequestOutput]:

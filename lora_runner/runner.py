@@ -14,7 +14,7 @@ from the rows. Explicit SeqChunk lists (memory profiling, tests) are flattened a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -87,6 +87,12 @@ class ModelRunner:
         if rows is not None:  # only after the step ran: a step that raised leaves the rows as they were
             self.input_batch.commit(rows, result.token_ids)
         return result
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Free the persistent rows of requests that left the running set (a step that runs nothing
+        passes them here; a StepUpdate carries them otherwise)."""
+        for request_id in request_ids:
+            self.input_batch.free(request_id)
 
     def _forward_and_sample(self, shape: StepShape, params, generators, histories, banned) -> SamplerOutput:
         batch, key = self._upload(shape)

@@ -316,5 +316,7 @@ def test_engine_rows_mirror_the_running_requests(engine_checkpoint, greedy_oracl
     while engine.has_unfinished_requests():
         step()
     assert engine.scheduler.num_preemptions > 0 and sum(checked) > 20
+    assert rows.num_rows > 0  # the last finished requests' rows: freed by the next step, which runs nothing
+    assert engine.step() == [] and rows.num_rows == 0
     for i, prompt in enumerate(prompts):
         assert done[f"q{i}"].outputs[0].token_ids == greedy_oracle(hf, prompt, 8)[0], i
