@@ -1,8 +1,9 @@
 """The mapping builder: scheduled chunks -> the flat token batch the model reads, in persistent buffers.
 
 A step is written in two phases. write() flattens the chunks into host arrays allocated once at
-their maximum size (rows [:n] per step) and returns the step's shape; upload() hands the rows to
-the device. On CPU the device views are the host arrays themselves: nothing is copied. On CUDA,
+their maximum size (rows [:n] per step) and returns the step's shape; write_rows() does the same
+from the runner's persistent request rows (lora_runner.input_batch) by gathers alone, the engine's
+path. upload() hands the rows to the device. On CPU the device views are the host arrays themselves: nothing is copied. On CUDA,
 upload() packs the step's rows into one pinned staging buffer (two of them alternate) and queues
 one non-blocking copy (lora_runner/staging.py): a step that samples nothing never waits for the
 device, and the host arrays are never a copy's source, so write() never waits either.
@@ -97,6 +98,16 @@ class StepShape:
     has_prompt_adapter: bool  # any soft-prompt placeholder token
 
 
+@dataclass
+class SeqArrays:
+    """Per-sequence values of one step, [B] each, in step order."""
+
+    lora_slots: np.ndarray  # int: device LoRA slot, -1 = base model
+    sample: np.ndarray  # bool: sample a token after the chunk's last token
+    num_virtual: np.ndarray  # int: soft-prompt placeholders at the front of the sequence
+    prompt_slots: np.ndarray  # int: prompt-adapter slot (needed while a placeholder is computed), -1 = none
+
+
 class _Buffer:
     """A host tensor (plain, never a copy's source) with a numpy view."""
 
@@ -151,21 +162,12 @@ class BatchBuilder:
         num_seqs = len(chunks)
         starts = np.fromiter((c.start for c in chunks), np.int64, num_seqs)  # [B]
         lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, num_seqs)  # [B]
-        num_tokens = int(lens.sum())
-        if not 0 < num_seqs <= self.max_num_seqs or num_tokens > self.max_num_tokens:
-            raise ValueError(f"batch of {num_seqs} sequences / {num_tokens} tokens exceeds the "
-                             f"buffers ({self.max_num_seqs} / {self.max_num_tokens})")
+        num_tokens = self._check_size(num_seqs, lens)
         ends = starts + lens  # [B] context length after the step
         num_blocks = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)  # [B]
         self._check_fit(chunks, lens, ends, num_blocks)
-        rows = slice(0, num_tokens)
-        qsl = self.query_start_loc.np
-        qsl[0] = 0
-        np.cumsum(lens, out=qsl[1:num_seqs + 1])
-        token_seq = np.repeat(self._arange[:num_seqs], lens)  # [T] sequence of each token
-        positions = self._arange[:num_tokens] - np.repeat(qsl[:num_seqs] - starts, lens)  # [T]
-        self.positions.np[rows] = positions
-        self.input_ids.np[rows] = np.fromiter(
+        token_seq, positions = self._write_positions(starts, lens, num_tokens)
+        self.input_ids.np[:num_tokens] = np.fromiter(
             itertools.chain.from_iterable(c.token_ids[c.start:c.start + c.num_new_tokens] for c in chunks),
             np.int64, num_tokens)
         tables = self.block_tables.np
@@ -175,18 +177,59 @@ class BatchBuilder:
         table_cols = np.arange(table_rows.shape[0]) - np.repeat(table_start, num_blocks)
         tables[table_rows, table_cols] = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks),
                                                      np.int64, table_rows.shape[0])
+        return self._write_rest(token_seq, positions, lens, ends, SeqArrays(
+            lora_slots=np.fromiter((c.lora_slot for c in chunks), np.int64, num_seqs),
+            sample=np.fromiter((c.sample for c in chunks), bool, num_seqs),
+            num_virtual=np.fromiter((c.num_virtual_tokens for c in chunks), np.int64, num_seqs),
+            prompt_slots=np.fromiter((c.prompt_adapter_slot for c in chunks), np.int64, num_seqs)))
+
+    def write_rows(self, token_ids: np.ndarray, block_tables: np.ndarray, rows: np.ndarray, starts: np.ndarray,
+                   lens: np.ndarray, seqs: SeqArrays) -> StepShape:
+        """write() for sequences kept in persistent rows (lora_runner.input_batch): sequence i of the
+        step is row rows[i] of token_ids [R, L] (its tokens) and block_tables [R, max_blocks_per_seq]
+        (its table, unused entries 0), computing tokens starts[i]..starts[i]+lens[i]-1. Only gathers:
+        no Python loop over the sequences. The caller guarantees the rows hold what they cover."""
+        num_seqs = rows.shape[0]
+        num_tokens = self._check_size(num_seqs, lens)
+        token_seq, positions = self._write_positions(starts, lens, num_tokens)
+        self.input_ids.np[:num_tokens] = token_ids[rows[token_seq], positions]
+        self.block_tables.np[:num_seqs] = block_tables[rows]
+        return self._write_rest(token_seq, positions, lens, starts + lens, seqs)
+
+    def _check_size(self, num_seqs: int, lens: np.ndarray) -> int:
+        """The step's token count; ValueError when the step does not fit the buffers."""
+        num_tokens = int(lens.sum())
+        if not 0 < num_seqs <= self.max_num_seqs or num_tokens > self.max_num_tokens:
+            raise ValueError(f"batch of {num_seqs} sequences / {num_tokens} tokens exceeds the "
+                             f"buffers ({self.max_num_seqs} / {self.max_num_tokens})")
+        return num_tokens
+
+    def _write_positions(self, starts: np.ndarray, lens: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Write query_start_loc and positions; returns (sequence of each token [T], positions [T])."""
+        num_seqs = starts.shape[0]
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(lens, out=qsl[1:num_seqs + 1])
+        token_seq = np.repeat(self._arange[:num_seqs], lens)  # [T] sequence of each token
+        positions = self._arange[:num_tokens] - np.repeat(qsl[:num_seqs] - starts, lens)  # [T]
+        self.positions.np[:num_tokens] = positions
+        return token_seq, positions
+
+    def _write_rest(self, token_seq: np.ndarray, positions: np.ndarray, lens: np.ndarray, ends: np.ndarray,
+                    seqs: SeqArrays) -> StepShape:
+        """After input ids, positions and block tables: KV slots, LoRA slots, context lengths,
+        sample rows and prompt-adapter rows."""
+        num_seqs, num_tokens = lens.shape[0], positions.shape[0]
         bs = self.block_size
-        self.slot_mapping.np[rows] = tables[token_seq, positions // bs] * bs + positions % bs
-        lora_slots = np.fromiter((c.lora_slot for c in chunks), np.int64, num_seqs)  # [B]
-        self.token_lora_slots.np[rows] = np.repeat(lora_slots, lens)
+        self.slot_mapping.np[:num_tokens] = self.block_tables.np[token_seq, positions // bs] * bs + positions % bs
+        self.token_lora_slots.np[:num_tokens] = np.repeat(seqs.lora_slots, lens)
         self.seq_lens.np[:num_seqs] = ends
-        sample = np.fromiter((c.sample for c in chunks), bool, num_seqs)  # [B]
-        num_samples = int(sample.sum())
-        self.sample_indices.np[:num_samples] = (qsl[1:num_seqs + 1] - 1)[sample]
-        num_virtual = self._map_virtual_tokens(chunks, num_tokens)
+        num_samples = int(seqs.sample.sum())
+        self.sample_indices.np[:num_samples] = (self.query_start_loc.np[1:num_seqs + 1] - 1)[seqs.sample]
+        num_virtual = self._map_virtual_tokens(positions, lens, seqs)
         return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, num_samples=num_samples,
                          max_query_len=int(lens.max()), max_seq_len=int(ends.max()),
-                         has_lora=bool((lora_slots >= 0).any()), has_prompt_adapter=num_virtual > 0)
+                         has_lora=bool((seqs.lora_slots >= 0).any()), has_prompt_adapter=num_virtual > 0)
 
     def _check_fit(self, chunks: Sequence[SeqChunk], lens: np.ndarray, ends: np.ndarray,
                    num_blocks: np.ndarray) -> None:
@@ -266,23 +309,24 @@ class BatchBuilder:
         self.seq_lens.np[rows] = 1
         self.block_tables.np[rows] = 0
 
-    def _map_virtual_tokens(self, chunks: Sequence[SeqChunk], num_tokens: int) -> int:
+    def _map_virtual_tokens(self, positions: np.ndarray, lens: np.ndarray, seqs: SeqArrays) -> int:
         """Write the step's prompt-adapter rows (-1 for ordinary tokens); returns its placeholder count.
 
-        Placeholders lead their chunk (positions start.. below num_virtual_tokens); only prefill
-        chunks of prompt-adapter requests have any, so the loop is over those.
+        A token is a placeholder when its position is below its sequence's num_virtual (only prefill
+        chunks of prompt-adapter requests have any); its virtual index is its position.
         """
+        num_tokens = positions.shape[0]
         slots, virtual = self.token_prompt_slots.np, self.token_prompt_positions.np
-        slots[:num_tokens] = -1
-        virtual[:num_tokens] = -1
-        offset, total = 0, 0
-        for i, chunk in enumerate(chunks):
-            num_virtual = min(max(chunk.num_virtual_tokens - chunk.start, 0), chunk.num_new_tokens)
-            if num_virtual:
-                if chunk.prompt_adapter_slot < 0:
-                    raise ValueError(f"chunk {i}: {num_virtual} soft-prompt placeholder(s) but no prompt-adapter slot")
-                slots[offset:offset + num_virtual] = chunk.prompt_adapter_slot
-                virtual[offset:offset + num_virtual] = self._arange[chunk.start:chunk.start + num_virtual]
-                total += num_virtual
-            offset += chunk.num_new_tokens
-        return total
+        is_virtual = positions < np.repeat(seqs.num_virtual, lens)  # [T]
+        if not is_virtual.any():
+            slots[:num_tokens] = -1
+            virtual[:num_tokens] = -1
+            return 0
+        seq_slots = np.repeat(seqs.prompt_slots, lens)  # [T]
+        missing = is_virtual & (seq_slots < 0)
+        if missing.any():
+            seq = int(np.searchsorted(self.query_start_loc.np[1:lens.shape[0] + 1], missing.argmax(), side="right"))
+            raise ValueError(f"chunk {seq}: soft-prompt placeholder(s) but no prompt-adapter slot")
+        slots[:num_tokens] = np.where(is_virtual, seq_slots, -1)
+        virtual[:num_tokens] = np.where(is_virtual, positions, -1)
+        return int(is_virtual.sum())

@@ -20,12 +20,12 @@ import torch
 
 from adapters import LoRARequest, PromptAdapterRequest
 from adapters.manager import AdapterManager
-from lora_runner.batch import SeqChunk
 from lora_runner.block_manager import BlockManager
 from lora_runner.config import EngineConfig
 from lora_runner.cuda_graphs import cuda_graphs_available
 from lora_runner.fairness import VirtualTokenCounter
 from lora_runner.engine_adapters import EngineAdapters, EngineClosedError
+from lora_runner.input_batch import StepUpdate
 from lora_runner.kv_cache import kv_block_bytes
 from lora_runner.memory_profile import profile_kv_cache_budget
 from lora_runner.model import load_model
@@ -369,6 +369,8 @@ class LLMEngine:
             outputs.append(self._finish(request, "error", error))
         if sched.scheduled:
             outputs += self._run(sched.scheduled, slot_of, prompt_slot_of)
+        else:  # the runner's rows of requests that left go now, not at the next step that runs something
+            self.runner.forget(self.scheduler.take_freed())
         return outputs
 
     def _take_intake(self) -> list[RequestOutput]:
@@ -385,14 +387,10 @@ class LLMEngine:
         return outputs
 
     def _run(self, scheduled: list[ScheduledRequest], slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
-        chunks = [SeqChunk(token_ids=s.request.token_ids, start=s.start, num_new_tokens=s.num_new_tokens,
-                           block_table=self.block_manager.table(s.request.request_id),
-                           lora_slot=slot_of.get(s.request.lora_ref, -1), sample=s.samples,
-                           prompt_adapter_slot=prompt_slot_of.get(s.request.prompt_adapter_ref, -1),
-                           num_virtual_tokens=s.request.num_virtual_tokens)
-                  for s in scheduled]
+        # the runner keeps each running request's state in a row: it reads only what changed
+        step = StepUpdate(scheduled, self.scheduler.take_freed(), self.block_manager.table, slot_of, prompt_slot_of)
         sampling = [s.request for s in scheduled if s.samples]
-        result = self.runner.execute(chunks, [r.params for r in sampling], [r.generator for r in sampling],
+        result = self.runner.execute(step, [r.params for r in sampling], [r.generator for r in sampling],
                                      _penalty_histories(sampling), self._min_tokens_bans(sampling))
         return [self._report(request, error)
                 for request, error in self.scheduler.postprocess(scheduled, result, self.output_processor)]

@@ -5,17 +5,22 @@ The meta is prepared once per step and read by every LoRA-aware layer; when no t
 uses an adapter, ctx.lora is None and the model skips the LoRA path entirely. Likewise ctx.prompt_adapter
 is set only in steps with soft-prompt placeholders (prefill of prompt-adapter requests).
 After capture_decode_graphs (CUDA), decode-only steps replay CUDA graphs (lora_runner.cuda_graphs).
+
+The engine's steps come as a StepUpdate: each running request keeps a persistent row
+(lora_runner.input_batch), so a decode step writes only what changed and the flat batch is gathered
+from the rows. Explicit SeqChunk lists (memory profiling, tests) are flattened as given.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from lora_runner.batch import BatchBuilder, BatchInputs, SeqChunk
+from lora_runner.batch import BatchBuilder, BatchInputs, SeqChunk, StepShape
 from lora_runner.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
+from lora_runner.input_batch import InputBatch, StepUpdate
 from lora_runner.kv_cache import allocate_kv_cache
 from lora_runner.model.vocab_lora import LMHeadLoRA, LMHeadLoRAContext
 from lora_runner.sampler import Sampler, SamplerOutput
@@ -55,6 +60,8 @@ class ModelRunner:
         self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                                           max_blocks_per_seq=max_blocks_per_seq, block_size=block_size,
                                           device=device)
+        self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
+                                      block_size=block_size)
         self.lora_meta = LoRAMeta(max_num_tokens, max_loras, device, max_rank=max_lora_rank,
                                   max_slices=_MAX_LORA_SLICES)
         self.forward_contexts = ForwardContextBuilder(self.kv_cache, self.lora_meta, lora_slots, prompt_slots,
@@ -66,15 +73,35 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
+    def execute(self, step: StepUpdate | Sequence[SeqChunk], params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], histories=None, banned=None) -> SamplerOutput:
-        """Forward `chunks` and sample one token for each chunk with sample=True.
+        """Forward the step and sample one token for each chunk that reaches its sequence's end.
 
+        step: the scheduler's step (StepUpdate: the engine's path, through the persistent rows) or
+        explicit chunks (SeqChunk, flattened as given; the rows are not touched).
         params / generators / histories: one per sampling chunk, in chunk order; histories[i] is the
         (prompt token ids, generated token ids) the penalties of row i count (None: no row has any);
         banned[i] the token ids row i may not sample (None: no row bans any).
         """
-        batch, key = self._upload(chunks)
+        if isinstance(step, StepUpdate):
+            rows = self.input_batch.update(step)
+            shape = self.batch_builder.write_rows(self.input_batch.token_ids, self.input_batch.block_tables,
+                                                  rows.rows, rows.starts, rows.lens, rows.seqs)
+        else:
+            rows, shape = None, self.batch_builder.write(step)
+        result = self._forward_and_sample(shape, params, generators, histories, banned)
+        if rows is not None:  # only after the step ran: a step that raised leaves the rows as they were
+            self.input_batch.commit(rows, result.token_ids)
+        return result
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Free the persistent rows of requests that left the running set (a step that runs nothing
+        passes them here; a StepUpdate carries them otherwise)."""
+        for request_id in request_ids:
+            self.input_batch.free(request_id)
+
+    def _forward_and_sample(self, shape: StepShape, params, generators, histories, banned) -> SamplerOutput:
+        batch, key = self._upload(shape)
         if key is not None:
             hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
         else:
@@ -91,13 +118,10 @@ class ModelRunner:
             return None
         return self.lm_head_lora.context(batch.token_lora_slots[batch.sample_indices])
 
-    def _upload(self, chunks: Sequence[SeqChunk]) -> tuple[BatchInputs, DecodeGraphKey | None]:
+    def _upload(self, step: StepShape) -> tuple[BatchInputs, DecodeGraphKey | None]:
         """The step's device views and its decode graph (None: eager), after one upload: a graphed
         decode step is padded to its graph's size before it."""
-        if self.decode_graphs is None:
-            return self.batch_builder.build(chunks), None
-        step = self.batch_builder.write(chunks)
-        key = self.decode_graphs.key_for(step)
+        key = self.decode_graphs.key_for(step) if self.decode_graphs is not None else None
         return self.batch_builder.upload(step, padded_seqs=key.num_seqs if key is not None else None), key
 
     def capture_decode_graphs(self, lora_tier, max_lora_rank: int, make_graph=None, progress: bool = True) -> None:

@@ -63,10 +63,11 @@ class SamplingBatch:
 class _RowSettings:
     """A SamplingBatch as device tensors."""
 
-    temperatures: torch.Tensor  # [S] float32, 1.0 for greedy rows (unused there)
-    top_k: torch.Tensor  # [S] int64, vocab size when off
-    top_p: torch.Tensor  # [S] float32
-    greedy: torch.Tensor  # [S] bool
+    # the four tensors are None when every row is greedy
+    temperatures: torch.Tensor | None  # [S] float32, 1.0 for greedy rows (unused there)
+    top_k: torch.Tensor | None  # [S] int64, vocab size when off
+    top_p: torch.Tensor | None  # [S] float32
+    greedy: torch.Tensor | None  # [S] bool
     generators: list[tuple[int, torch.Generator]]  # (row, generator) of seeded random rows
     num_logprobs: list[int | None]  # per row: k, or None for no logprobs
     all_greedy: bool
@@ -229,6 +230,9 @@ class Sampler:
     def _settings(self, batch: SamplingBatch) -> _RowSettings:
         params, generators = batch.params, batch.generators
         greedy = [p.greedy for p in params]
+        if all(greedy):  # argmax alone: no per-row tensor is read
+            return _RowSettings(None, None, None, None, [], [p.logprobs for p in params], all_greedy=True,
+                                use_top_k=False, use_top_p=False)
         top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
         top_p = [p.top_p for p in params]
         random_rows = [i for i, g in enumerate(greedy) if not g]

@@ -126,6 +126,7 @@ class Scheduler:
         self._tenants: dict[Request, str] = {}  # unfinished request -> the tenant it joined as
         self._handover: dict[str, Hashable] = {}  # adapter kind -> held ref that gives its slot to a starved one
         self._leaders: dict[Request, Request] = {}  # parallel sample -> sample 0 of its prompt (see add)
+        self._freed: list[str] = []  # ids removed or preempted since take_freed (the runner frees their rows)
 
     def add(self, request: Request, leader: Request | None = None) -> None:
         """Queue a new request at the back of the waiting queue.
@@ -167,12 +168,13 @@ class Scheduler:
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             end = request.num_computed_tokens + num_new
-            while not self.block_manager.can_allocate(request.request_id, end) and pending:
-                self._preempt(pending.pop(), out)
-            if not self.block_manager.can_allocate(request.request_id, end):
-                self._preempt(request, out)
-                continue
-            self.block_manager.allocate(request.request_id, end)
+            if self.block_manager.blocks_needed(request.request_id, end):  # most decode steps need none
+                while not self.block_manager.can_allocate(request.request_id, end) and pending:
+                    self._preempt(pending.pop(), out)
+                if not self.block_manager.can_allocate(request.request_id, end):
+                    self._preempt(request, out)
+                    continue
+                self.block_manager.allocate(request.request_id, end)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             kept.append(request)
             budget -= num_new
@@ -181,6 +183,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request.request_id)
+        self._freed.append(request.request_id)
         request.preempt()
         self.waiting.appendleft(request)
         out.preempted.append(request)
@@ -226,6 +229,10 @@ class Scheduler:
         return len(wanted) + kind.reserved(wanted) <= kind.max_slots
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:  # nothing to admit: skip the sets over the running requests below
+            if budget > 0 and len(self.running) < self.max_num_seqs:
+                self._handover = {}  # what the loop concludes when its queue is empty
+            return
         kinds = self._adapter_slots()
         held = [{k.ref_of(r) for r in self.running} - {None} for k in kinds]  # per kind: refs with a slot
         queue = FairQueue(self.waiting, self.fairness) if self.policy == "fair" else FcfsQueue(self.waiting)
@@ -324,9 +331,16 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
+        self._freed.append(request.request_id)
         self._leaders.pop(request, None)
         if request in self._tenants:
             self.fairness.leave(self._tenants.pop(request))
+
+    def take_freed(self) -> list[str]:
+        """Ids of the requests removed or preempted since the last call, oldest first (the runner
+        drops their persistent rows: lora_runner.input_batch)."""
+        freed, self._freed = self._freed, []
+        return freed
 
     def postprocess(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
                     processor: OutputProcessor) -> list[tuple[Request, BaseException | None]]:

@@ -32,6 +32,7 @@ class LazyTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
         self._tokenizer = None
+        self._backend_decode = None  # the Rust decode, where it is exactly the tokenizer's (see _backend_decode)
         self._loaded = False
         self._lock = threading.Lock()
 
@@ -43,6 +44,7 @@ class LazyTokenizer:
                     from transformers import AutoTokenizer
 
                     self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+                    self._backend_decode = _backend_decode(self._tokenizer)
                 else:
                     logger.info("no tokenizer in %s: token-id prompts only, empty output text", self.model_dir)
                 self._loaded = True
@@ -59,4 +61,24 @@ class LazyTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         """Text of `token_ids` without special tokens ("" without a tokenizer)."""
         tokenizer = self.get()
-        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
+        if tokenizer is None:
+            return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=True)
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _backend_decode(tokenizer):
+    """The Rust tokenizer's decode when ``tokenizer.decode(ids, skip_special_tokens=True)`` is exactly
+    that call (a stock fast tokenizer: neither decode nor _decode overridden, no clean-up of spaces),
+    else None. It skips transformers' per-call argument conversion, a few microseconds per call, and
+    the incremental detokenizer decodes twice per request and step."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or tokenizer.clean_up_tokenization_spaces:
+        return None
+    if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    return tokenizer.backend_tokenizer.decode

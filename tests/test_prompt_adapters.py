@@ -153,16 +153,16 @@ def test_chunked_prefill_preemption_and_slot_limit(soft, greedy_oracle):
              ("pa4", None), (None, "r4")]
     prompts = random_prompts(len(cases), seed=0, lo=3, hi=14)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
-    build, steps_slots = engine.runner.batch_builder.build, []
+    upload, steps_slots = engine.runner.batch_builder.upload, []
 
-    def recording_build(chunks):
-        batch = build(chunks)
+    def recording_upload(step, padded_seqs=None):
+        batch = upload(step, padded_seqs)
         if batch.has_prompt_adapter:
             slots = batch.token_prompt_slots
             steps_slots.append(set(slots[slots >= 0].tolist()))
         return batch
 
-    engine.runner.batch_builder.build = recording_build
+    engine.runner.batch_builder.upload = recording_upload
     pending, done, preempted_with_soft_prompt = list(enumerate(zip(cases, prompts))), {}, set()
     while pending or engine.has_unfinished_requests():
         for _ in range(3):

@@ -37,6 +37,17 @@ def test_greedy_is_argmax_whatever_top_k_top_p():
     assert out.token_ids == logits.argmax(-1).tolist() and out.logprobs == [None] * 6
 
 
+def test_greedy_and_random_rows_in_one_batch_keep_their_own_settings():
+    """Even rows greedy, odd rows temperature 1 over nearly flat logits: the greedy rows take the
+    argmax, the random rows spread over the vocabulary (all-greedy batches take a shortcut)."""
+    logits = torch.zeros(400, V)
+    logits[:, 3] = 0.01  # the argmax of every row
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(400)]
+    tokens = sample(Sampler(V, "cpu", seed=5), logits, params).token_ids
+    assert all(t == 3 for t in tokens[0::2])
+    assert set(tokens[1::2]) == set(range(V))
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, 3, 1.0), (1.5, -1, 0.6),
                                                        (1.0, 4, 0.8)])
 def test_sampled_frequencies_match_distribution(temperature, top_k, top_p):

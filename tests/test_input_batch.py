@@ -1,0 +1,322 @@
+"""InputBatch: persistent request rows, updated as diffs, against a from-scratch rebuild every step."""
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from lora_runner.batch import BatchBuilder, SeqChunk
+from lora_runner.block_manager import BlockManager
+from lora_runner.input_batch import InputBatch, StepUpdate
+
+FIELDS = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",
+          "block_tables", "sample_indices", "token_prompt_slots", "token_prompt_positions")
+POISON = -12345
+
+
+@dataclass(eq=False)
+class FakeRequest:
+    """The fields of lora_runner.sequence.Request the rows read."""
+
+    request_id: str
+    token_ids: list[int]
+    lora_ref: object = None
+    prompt_adapter_ref: object = None
+    num_virtual_tokens: int = 0
+    num_computed: int = 0
+
+
+@dataclass
+class Chunk:
+    """A ScheduledRequest look-alike."""
+
+    request: FakeRequest
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_new_tokens == len(self.request.token_ids)
+
+
+@dataclass
+class Sim:
+    """A tiny scheduler over a real BlockManager: random admissions, chunked prefills, decodes,
+    finishes, preemptions, skipped steps and id reuse; `lie` drops some preemption notices."""
+
+    rng: random.Random
+    max_num_seqs: int = 6
+    block_size: int = 4
+    width: int = 8
+    max_chunk: int = 7
+    lie: bool = False
+    blocks: BlockManager = None
+    running: list = field(default_factory=list)
+    waiting: list = field(default_factory=list)
+    freed: list = field(default_factory=list)
+    next_id: int = 0
+
+    def __post_init__(self):
+        self.blocks = BlockManager(self.max_num_seqs * self.width, self.block_size)
+
+    def new_request(self):
+        rng = self.rng
+        num_virtual = rng.choice([0, 0, 0, 3])
+        prompt = [0] * num_virtual + [rng.randrange(1, 500) for _ in range(rng.randint(1, 12))]
+        request_id = f"r{rng.randrange(self.next_id + 1)}"  # ids are reused once their request is gone
+        if any(r.request_id == request_id for r in self.running + self.waiting):
+            request_id = f"r{self.next_id}-new"
+        self.next_id += 1
+        return FakeRequest(request_id, prompt, lora_ref=rng.choice([None, "a", "b", "c", ("d", 2)]),
+                           prompt_adapter_ref=rng.choice(["p", "q"]) if num_virtual else None,
+                           num_virtual_tokens=num_virtual)
+
+    def remove(self, request, notify=True):
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        if notify:
+            self.freed.append(request.request_id)
+
+    def events(self):
+        rng = self.rng
+        for request in list(self.running):
+            roll = rng.random()
+            if roll < 0.1:  # finished or aborted
+                self.remove(request)
+            elif roll < 0.18:  # preempted: recomputes everything later
+                self.remove(request, notify=not (self.lie and rng.random() < 0.5))
+                request.num_computed = 0
+                self.waiting.insert(0, request)
+        for _ in range(rng.randint(0, 3)):
+            self.waiting.append(self.new_request())
+
+    def schedule(self):
+        rng, chunks = self.rng, []
+        for request in self.running:
+            if rng.random() < 0.15:
+                continue  # running but not scheduled this step
+            chunks.append(self.chunk_of(request))
+        while self.waiting and len(self.running) < self.max_num_seqs and rng.random() < 0.8:
+            request = self.waiting.pop(0)
+            self.running.append(request)
+            chunks.append(self.chunk_of(request))
+        rng.shuffle(chunks)  # batch order is the scheduler's, not the rows'
+        return chunks
+
+    def chunk_of(self, request):
+        left = len(request.token_ids) - request.num_computed
+        num_new = min(left, self.rng.randint(1, self.max_chunk))
+        end = request.num_computed + num_new
+        assert end <= self.width * self.block_size, "test sizes keep requests inside the table"
+        self.blocks.allocate(request.request_id, end)
+        return Chunk(request, request.num_computed, num_new)
+
+    def slots(self, chunks, kind):
+        refs = {getattr(c.request, kind) for c in chunks} - {None}
+        return {ref: self.rng.randrange(4) for ref in refs}  # slots may move between steps
+
+    def run(self, chunks, sampled):
+        """The step ran: count computed tokens, append sampled tokens, finish long requests."""
+        for chunk, token in zip([c for c in chunks if c.samples], sampled):
+            chunk.request.token_ids.append(token)
+        for chunk in chunks:
+            chunk.request.num_computed += chunk.num_new_tokens
+            if len(chunk.request.token_ids) >= self.width * self.block_size - 1:
+                self.remove(chunk.request)
+
+
+def reference_chunks(sim, chunks, lora_slot_of, prompt_slot_of):
+    return [SeqChunk(token_ids=c.request.token_ids, start=c.start, num_new_tokens=c.num_new_tokens,
+                     block_table=sim.blocks.table(c.request.request_id),
+                     lora_slot=lora_slot_of.get(c.request.lora_ref, -1), sample=c.samples,
+                     prompt_adapter_slot=prompt_slot_of.get(c.request.prompt_adapter_ref, -1),
+                     num_virtual_tokens=c.request.num_virtual_tokens) for c in chunks]
+
+
+def builders(sim):
+    sizes = dict(max_num_tokens=sim.max_num_seqs * sim.max_chunk, max_num_seqs=sim.max_num_seqs,
+                 max_blocks_per_seq=sim.width, block_size=sim.block_size, device="cpu")
+    return BatchBuilder(**sizes), BatchBuilder(**sizes)
+
+
+def poison_builder(builder):
+    for name in FIELDS:
+        getattr(builder, name).cpu.fill_(POISON)
+
+
+def poison_free_rows(rows):
+    """Garbage in every free row: a row written for a new request must not show any of it."""
+    free = [r for r in range(rows.max_num_seqs) if rows.request_ids[r] is None]
+    rows.token_ids[free] = POISON
+    rows.block_tables[free] = POISON
+    rows.num_tokens[free] = 10**6
+    rows.num_computed[free] = 7
+    rows.num_blocks[free] = 10**6
+
+
+def assert_same_batch(got, want):
+    for name in FIELDS:
+        expected, actual = getattr(want, name), getattr(got, name)
+        if expected is None:
+            assert actual is None, name
+        else:
+            assert torch.equal(actual, expected), name
+    assert (got.max_query_len, got.max_seq_len, got.has_lora) == (want.max_query_len, want.max_seq_len,
+                                                                  want.has_lora)
+
+
+def run_steps(seed, steps=60, **sim_args):
+    """Random steps; the rows' batch must equal a from-scratch rebuild from the requests every step."""
+    rng = random.Random(seed)
+    sim = Sim(rng, **sim_args)
+    rows = InputBatch(max_num_seqs=sim.max_num_seqs, max_blocks_per_seq=sim.width, block_size=sim.block_size)
+    incremental, scratch = builders(sim)
+    num_steps = 0
+    for _ in range(steps):
+        sim.events()
+        chunks = sim.schedule()
+        if not chunks:
+            continue
+        lora_slot_of, prompt_slot_of = sim.slots(chunks, "lora_ref"), sim.slots(chunks, "prompt_adapter_ref")
+        poison_free_rows(rows)
+        poison_builder(incremental)
+        freed, sim.freed = sim.freed, []
+        step = rows.update(StepUpdate(chunks, freed, sim.blocks.table, lora_slot_of, prompt_slot_of))
+        got = incremental.upload(incremental.write_rows(rows.token_ids, rows.block_tables, step.rows, step.starts,
+                                                        step.lens, step.seqs))
+        want = scratch.build(reference_chunks(sim, chunks, lora_slot_of, prompt_slot_of))
+        assert_same_batch(got, want)
+        sampled = [rng.randrange(1, 500) for c in chunks if c.samples]
+        rows.commit(step, sampled)
+        sim.run(chunks, sampled)
+        num_steps += 1
+    assert num_steps > steps // 2
+    return sim, rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_equal_a_rebuild_over_random_adds_continues_finishes_preemptions(seed):
+    sim, rows = run_steps(seed)
+    for request in sim.running:  # the rows mirror the requests they hold
+        row = rows.row_of(request.request_id)
+        if row is not None:
+            held = int(rows.num_tokens[row])
+            assert rows.token_ids[row, :held].tolist() == request.token_ids[:held]
+            assert int(rows.num_computed[row]) == request.num_computed
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_missed_preemption_notices_rewrite_the_row(seed):
+    """A preempted request whose notice never came restarts at 0 (its row says otherwise): the row is
+    written again from the request, and the batch still equals the rebuild."""
+    run_steps(100 + seed, lie=True)
+
+
+def test_full_rows_drop_unscheduled_requests():
+    """Rows for 2 sequences, 3 requests running in turn: the unscheduled one's row is dropped and
+    written again when it comes back."""
+    sim = Sim(random.Random(0), max_num_seqs=3)
+    rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=sim.width, block_size=sim.block_size)
+    builder, scratch = builders(sim)
+    requests = [FakeRequest(f"r{i}", [i + 1, i + 2, i + 3]) for i in range(3)]
+    for turn, pair in enumerate([(0, 1), (1, 2), (2, 0), (0, 1)]):
+        chunks = []
+        for i in pair:
+            request = requests[i]
+            sim.blocks.allocate(request.request_id, len(request.token_ids))
+            chunks.append(Chunk(request, request.num_computed, len(request.token_ids) - request.num_computed))
+        step = rows.update(StepUpdate(chunks, (), sim.blocks.table))
+        got = builder.upload(builder.write_rows(rows.token_ids, rows.block_tables, step.rows, step.starts, step.lens,
+                                                step.seqs))
+        assert_same_batch(got, scratch.build(reference_chunks(sim, chunks, {}, {})))
+        rows.commit(step, [100 + turn] * len(chunks))
+        for chunk in chunks:
+            chunk.request.token_ids.append(100 + turn)
+            chunk.request.num_computed = len(chunk.request.token_ids) - 1
+    assert rows.num_rows == 2
+
+
+def test_freed_rows_release_their_adapter_keys():
+    sim, rows = run_steps(7, steps=40)
+    for request in list(sim.running):
+        sim.remove(request)
+    for request_id in sim.freed:
+        rows.free(request_id)
+    assert rows.num_rows == 0 and not rows._loras._key_of and not rows._prompts._key_of
+    assert rows._loras.slots({"a": 3}).tolist() == [-1] * (rows.max_num_seqs + 1)
+
+
+def test_commit_refuses_a_token_count_that_does_not_match():
+    rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=2, block_size=4)
+    request = FakeRequest("x", [1, 2, 3])
+    step = rows.update(StepUpdate([Chunk(request, 0, 3)], (), lambda request_id: [5]))
+    with pytest.raises(ValueError, match="sampled tokens"):
+        rows.commit(step, [])
+    rows.commit(step, [9])
+    assert rows.token_ids[rows.row_of("x"), :4].tolist() == [1, 2, 3, 9]
+    assert np.array_equal(rows.block_tables[rows.row_of("x")], [5, 0])
+
+
+def test_a_request_longer_than_its_table_is_refused():
+    rows = InputBatch(max_num_seqs=1, max_blocks_per_seq=1, block_size=4)
+    with pytest.raises(ValueError, match="more than its KV blocks"):
+        rows.update(StepUpdate([Chunk(FakeRequest("x", list(range(6))), 0, 4)], (), lambda request_id: [0, 1]))
+    assert rows.num_rows == 0
+
+
+def test_engine_rows_mirror_the_running_requests(engine_checkpoint, greedy_oracle):
+    """Through LLMEngine: preemptions (a tight KV cache), chunked prefill, aborts and a reused id.
+    After each update the rows hold exactly the running requests' tokens, counts and tables (no row of
+    a request that left), and every finished request matches the greedy oracle."""
+    from lora_runner import LLMEngine, SamplingParams
+    from lora_runner.kv_cache import kv_block_bytes
+    from lora_runner.model import ModelConfig
+
+    path, hf, _ = engine_checkpoint
+    engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=48, block_size=4, max_num_batched_tokens=8,
+                       kv_cache_memory_bytes=12 * kv_block_bytes(ModelConfig.from_dir(path), 4, torch.float32))
+    rows, update = engine.runner.input_batch, engine.runner.input_batch.update
+    checked = []
+
+    def checked_update(step):
+        result = update(step)
+        running = {r.request_id: r for r in engine.scheduler.running}
+        held = {request_id for request_id in rows.request_ids if request_id is not None}
+        assert held <= set(running), held - set(running)
+        for chunk in step.scheduled:
+            request, row = chunk.request, rows.row_of(chunk.request.request_id)
+            count = int(rows.num_tokens[row])
+            assert count == request.num_tokens and int(rows.num_computed[row]) == chunk.start
+            assert rows.token_ids[row, :count].tolist() == request.token_ids
+            table = engine.block_manager.table(request.request_id)
+            assert rows.block_tables[row, :len(table)].tolist() == table
+            assert not rows.block_tables[row, len(table):].any()
+        checked.append(len(step.scheduled))
+        return result
+
+    engine.runner.input_batch.update = checked_update
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(4, 24))] for _ in range(7)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    done = {}
+
+    def step():
+        for out in engine.step():
+            done[out.request_id] = out
+            if out.request_id == "q1" and out.outputs[0].finish_reason == "abort":
+                engine.add_request("q1", prompts[1], params)  # the id is free again: a new request
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"q{i}", prompt, params)
+        step()
+        if i == 3:  # q1 is mid-flight
+            engine.abort_request("q1")
+    while engine.has_unfinished_requests():
+        step()
+    assert engine.scheduler.num_preemptions > 0 and sum(checked) > 20
+    assert rows.num_rows > 0  # the last finished requests' rows: freed by the next step, which runs nothing
+    assert engine.step() == [] and rows.num_rows == 0
+    for i, prompt in enumerate(prompts):
+        assert done[f"q{i}"].outputs[0].token_ids == greedy_oracle(hf, prompt, 8)[0], i
