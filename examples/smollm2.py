@@ -100,7 +100,7 @@ class RealRecipe:
     prompt_tenants: tuple[str, ...] = tuple(PROMPT_TENANT_ANSWERS)
     lora_layers: int = 6  # top decoder layers that get LoRAs (the rest stay frozen and are run once)
     lora_rank: int = 8
-    lora_steps: int = 8
+    lora_steps: int = 10
     lora_lr: float = 3e-3
     num_virtual_tokens: int = 8
     prompt_steps: int = 10
