@@ -72,13 +72,6 @@ def llm(gguf_file):
     llm.close()
 
 
-def test_gguf_conversion_keeps_the_real_config(llm):
-    config = llm.engine.model_config
-    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
-    assert config.tie_word_embeddings and config.vocab_size == 49152 and config.rope.theta == 100000.0
-    assert 2 in llm.engine.eos_token_ids  # <|im_end|> ends a reply
-
-
 @torch.inference_mode()
 def reference_logprobs(model, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
     """[len(tokens), V] float64 log-softmax of one teacher-forced forward over prompt + tokens."""
@@ -95,8 +88,23 @@ def assert_logprobs_close(completion, want: torch.Tensor) -> None:
         torch.testing.assert_close(got, row[ids], atol=2e-3, rtol=1e-3, msg=f"step {step}")
 
 
-def test_chat_greedy_matches_transformers(llm, oracle):
-    model, tokenizer = oracle
+def test_real_model_against_transformers_and_peft(llm, oracle, tmp_path):
+    """One test, so that parallel workers never load the model twice."""
+    check_converted_config(llm)
+    check_chat_greedy(llm, *oracle)
+    check_lora(llm, *oracle, tmp_path)
+
+
+def check_converted_config(llm) -> None:
+    """transformers' GGUF mapping gives SmolLM2's real config (tied embeddings, GQA, rope theta)."""
+    config = llm.engine.model_config
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
+    assert config.tie_word_embeddings and config.vocab_size == 49152 and config.rope.theta == 100000.0
+    assert 2 in llm.engine.eos_token_ids  # <|im_end|> ends a reply
+
+
+def check_chat_greedy(llm, model, tokenizer) -> None:
+    """LLM.chat: the template's token ids, greedy tokens and top-5 logprobs of transformers."""
     outs = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5),
                     use_tqdm=False)
     for out, conversation in zip(outs, CONVERSATIONS):
@@ -110,12 +118,12 @@ def test_chat_greedy_matches_transformers(llm, oracle):
         assert_logprobs_close(out.outputs[0], reference_logprobs(model, prompt_ids, tokens))
 
 
-def test_lora_matches_peft_forward(llm, oracle, tmp_path):
+def check_lora(llm, model, tokenizer, tmp_path) -> None:
+    """A random PEFT LoRA (non-zero B): greedy tokens and logprobs of PEFT's forward."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
-    model, tokenizer = oracle
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
                         lora_dropout=0.0, init_lora_weights=False)  # random A and non-zero B
     torch.manual_seed(0)

@@ -67,11 +67,23 @@ def gguf_model_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         convert_gguf(path, tmp)
-        shutil.rmtree(out, ignore_errors=True)  # an interrupted earlier conversion
-        os.replace(tmp, out)
+        _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished conversion into place, unless another process (a parallel test worker)
+    finished first: its dir may already be in use, so it is kept and ours dropped."""
+    if (out / _DONE_MARKER).is_file():
+        return
+    shutil.rmtree(out, ignore_errors=True)  # an interrupted earlier conversion
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / _DONE_MARKER).is_file():  # not a lost race: a real failure
+            raise
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
