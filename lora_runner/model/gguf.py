@@ -67,6 +67,7 @@ def gguf_model_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         convert_gguf(path, tmp)
+        (tmp / _DONE_MARKER).write_text(f"{path.name}\n")
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -112,4 +113,3 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.save_pretrained(str(out_dir))
     model.generation_config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
-    (out_dir / _DONE_MARKER).write_text(f"{gguf_path.name}\n")
