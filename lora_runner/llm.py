@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import count
 
+import torch
 from tqdm.auto import tqdm
 
 from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.chat import as_conversations, chat_token_ids, encoding_token_ids, tensor_token_ids
 from lora_runner.engine import LLMEngine
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # a tokenizer output (BatchEncoding / dict) or a 1-D int tensor is converted
 _IDLE_WAIT_S = 1.0  # longest sleep of generate() between steps while every request waits for a load
 
 
@@ -23,7 +25,8 @@ class LLM:
     """One base model serving many LoRA and prompt adapters: ``LLM(model, **EngineConfig kwargs)``.
 
     ``generate(prompts, sampling_params, lora_request, prompt_adapter_request)`` returns one
-    RequestOutput per prompt, in input order. Adapters are managed with add_lora / remove_lora /
+    RequestOutput per prompt, in input order; ``chat(messages, ...)`` does the same for chat
+    conversations through the tokenizer's chat template. Adapters are managed with add_lora / remove_lora /
     pin_lora / list_loras and add_prompt_adapter / remove_prompt_adapter / pin_prompt_adapter /
     list_prompt_adapters.
     """
@@ -39,7 +42,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run `prompts` to completion, continuously batched; outputs in input order.
 
-        prompts: a string, a list of token ids, or a list of either. sampling_params,
+        prompts: a string, a list of token ids, a 1-D integer tensor, or a list of these; or a
+        tokenizer output (BatchEncoding or dict with ``input_ids``, one prompt or a padded batch
+        whose ``attention_mask`` marks the real tokens). sampling_params,
         lora_request and prompt_adapter_request: one for all prompts or a list aligned with them
         (None = no adapter of that kind); a prompt may use a LoRA and a prompt adapter at once.
         Every distinct named adapter is loaded and validated before any prompt runs, so a bad
@@ -68,6 +73,31 @@ class LLM:
         except BaseException:  # re-raised: only makes sure none of this call's requests stays live
             self._abort_and_drain(request_ids)
             raise
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             prompt_adapter_request: PromptAdapterRequest | Sequence[PromptAdapterRequest | None] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to chat conversations, as vLLM's ``LLM.chat``.
+
+        messages: one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of
+        conversations; one RequestOutput per conversation, in order. Each is rendered with the
+        tokenizer's chat template (or `chat_template`, a Jinja string) and tokenized exactly as
+        transformers' ``apply_chat_template(tokenize=True)`` does (no second BOS when the template
+        writes one). `tools` and `chat_template_kwargs` are passed to the template. The other
+        arguments are generate()'s. ValueError for malformed messages, a tokenizer without a chat
+        template when none is given, or a template that rejects the messages.
+        """
+        conversations, _ = as_conversations(messages)
+        prompts = chat_token_ids(self.engine.tokenizer.get(), conversations, chat_template=chat_template,
+                                 add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, tools=tools,
+                                 chat_template_kwargs=chat_template_kwargs)
+        return self.generate(prompts, sampling_params, lora_request=lora_request,
+                             prompt_adapter_request=prompt_adapter_request, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -136,11 +166,16 @@ class LLM:
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, Mapping):
+        return encoding_token_ids(prompts)
+    if isinstance(prompts, torch.Tensor):
+        return [tensor_token_ids(prompts)]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     if isinstance(prompts, (list, tuple)) and prompts:
-        return list(prompts)
-    raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of either")
+        return [tensor_token_ids(p) if isinstance(p, torch.Tensor) else p for p in prompts]
+    raise ValueError("prompts must be a string, a list of token ids, a 1-D integer tensor, a tokenizer "
+                     "output with input_ids, or a non-empty list of strings, id lists or 1-D tensors")
 
 
 def _aligned(value, kind: type, n: int, name: str) -> list:

