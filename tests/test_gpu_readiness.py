@@ -59,14 +59,14 @@ def test_decode_graph_forward_and_meta_prepare_have_no_host_sync(engine_checkpoi
     engine = graphed_engine(path, torch.float32)
     calls = []
 
-    def lora_stub(y, x, lora_a, lora_b, meta, slice_sizes):
+    def lora_stub(y, x, lora_a, lora_b, meta, slice_sizes, **scales):
         calls.append(meta.num_tokens == x.shape[0] == y.shape[0])
         return y
 
     monkeypatch.setattr(layers.punica_kernels, "add_lora", lora_stub)
     # embed_tokens LoRA's gather + expand: Triton on CUDA too (gpu-marked no-sync test in test_vocab_lora.py)
     monkeypatch.setattr(layers.punica_kernels, "embedding_shrink", lambda input_ids, lora_a, meta, out: out)
-    monkeypatch.setattr(layers.punica_kernels, "lora_expand", lambda y, *args: y)
+    monkeypatch.setattr(layers.punica_kernels, "lora_expand", lambda y, *args, **kwargs: y)
     graphs, meta = engine.runner.decode_graphs, engine.runner.lora_meta
     slot = engine.adapter_manager.loras.activate([engine.add_lora(LoRARequest("r4", adapters["r4"][0]))])[0]
     for key, captured in graphs._graphs.items():
