@@ -8,7 +8,8 @@ alpha_pattern), or None for a slice the adapter does not target. So the delta of
 ``x @ a.T @ b.T``, exactly PEFT's ``lora_B(lora_A(x)) * scaling``.
 
 Supported: plain LoRA (peft_type LORA) on q/k/v/o/gate/up/down projections of Llama-family decoder
-layers; target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
+layers (on Phi-3: the fused qkv_proj / gate_up_proj, whose shared A goes to every slice and whose B
+rows are split by slice); target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
 exclude_modules; rank_pattern; alpha_pattern; use_rslora; keys with or without the ".default"
 adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA, modules_to_save, bias terms
 (bias != "none", lora_bias), LoRA on embeddings or lm_head, layer_replication, target_parameters,
@@ -33,7 +34,7 @@ import torch
 
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.patterns import PeftTargets
-from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
+from adapters.spec import FUSED_TO_PACKED, PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
 from adapters.weights import check_peft_type, read_adapter_config, read_adapter_tensors
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MODULES = tuple(PEFT_TO_PACKED)  # q_proj ... down_proj
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<ab>lora_A|lora_B)(?:\.default)?\.weight$")
 _MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<leaf>\w+)$")
-_SUPPORTED_TEXT = ("plain LoRA on " + ", ".join(SUPPORTED_MODULES)
-                   + " of model.layers.N.self_attn / model.layers.N.mlp")
+_SUPPORTED_TEXT = ("plain LoRA on " + ", ".join(SUPPORTED_MODULES) + " (Phi-3: " + ", ".join(FUSED_TO_PACKED)
+                   + ") of model.layers.N.self_attn / model.layers.N.mlp")
 
 # Config fields that change what the adapter computes; (field, is-refused predicate, feature name)
 _REFUSED_FIELDS = (
@@ -100,7 +101,7 @@ def _candidate_modules(spec: ModelSpec) -> list[str]:
     """Every module of a Llama-family causal LM that PEFT LoRA can attach to."""
     keys = ["model.embed_tokens", "lm_head"]
     for layer in range(spec.num_layers):
-        keys += [f"model.layers.{layer}.{PEFT_PARENT[leaf]}.{leaf}" for leaf in SUPPORTED_MODULES]
+        keys += [f"model.layers.{layer}.{PEFT_PARENT[leaf]}.{leaf}" for leaf in spec.peft_modules]
     return keys
 
 
@@ -193,7 +194,7 @@ def _checked_factor(name: str, key: str, tensor: torch.Tensor, shape: tuple[int,
 def _untargeted_module_error(name: str, module: str, config: dict, spec: ModelSpec) -> Exception:
     """The error for weights of a module the config does not target (or this model does not have)."""
     match = _MODULE_RE.match(module)
-    if match is None or match.group("leaf") not in PEFT_TO_PACKED:
+    if match is None or match.group("leaf") not in spec.peft_modules:
         return UnsupportedAdapterError(f"adapter {name!r}: weights for {module} are not supported; "
                                        f"supported: {_SUPPORTED_TEXT}")
     if int(match.group("layer")) >= spec.num_layers:
@@ -201,6 +202,15 @@ def _untargeted_module_error(name: str, module: str, config: dict, spec: ModelSp
                                    f"{spec.num_layers} layers (adapter trained on a different model?)")
     return InvalidAdapterError(f"adapter {name!r}: weights for {module}, which adapter_config.json does not "
                                f"target (target_modules={config['target_modules']!r})")
+
+
+def _slice_rows(spec: ModelSpec, packed: str, indices: tuple[int, ...], b: torch.Tensor) -> list[torch.Tensor]:
+    """B's rows of each slice: a fused module's B (Phi-3 qkv_proj / gate_up_proj) holds the slices' rows
+    in slot order, so slice j's delta is (x @ A.T) @ B[rows_j].T exactly, with A shared by the slices."""
+    if len(indices) == 1:
+        return [b]
+    sizes = [spec.slice_sizes(packed)[i] for i in indices]
+    return [rows.contiguous() for rows in b.split(sizes)]
 
 
 def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: ModelSpec, *,
@@ -229,9 +239,10 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
         shape_a, shape_b = spec.peft_shapes(leaf, rank)
         a = _checked_factor(name, f"{key}.lora_A", factors["lora_A"], shape_a, 1.0, dtype)  # [r, K]
         b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b, scaling, dtype)  # [N_j, r]
-        packed, index = PEFT_TO_PACKED[leaf]
+        packed, indices = spec.peft_slices(leaf)
         slices = modules.setdefault((layer, packed), [None] * len(spec.slice_sizes(packed)))
-        slices[index] = LoRAPair(a, b)
+        for index, rows in zip(indices, _slice_rows(spec, packed, indices, b)):
+            slices[index] = LoRAPair(a, rows)
     rank = max(r for r, _ in targeted.values())
     return LoRAWeights(name, rank, {k: tuple(v) for k, v in sorted(modules.items())})
 
