@@ -177,6 +177,74 @@ def test_phi3_longrope_long_factors_match_cached_generation(tmp_path):
     assert (got[-1] - hf_logits(ckpt.hf, tokens)[-1]).abs().max() > 1e-3
 
 
+# ----------------------------------------------------------------------------- soft-capping kernels vs float64
+
+def capped_attention_float64(case, scale: float, window: int | None, cap: float) -> torch.Tensor:
+    """[real tokens, H, D]: softmax(cap * tanh(scale * q.k / cap)) @ v, causal, within the window."""
+    outs, row = [], 0
+    for k, v, query_len in zip(case.full_k, case.full_v, case.query_lens):
+        length, num_kv_heads = k.shape[:2]
+        q = case.query[row:row + query_len].double()  # [q, H, D]
+        group = q.shape[1] // num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, H, D]
+        scores = torch.tanh(torch.einsum("qhd,khd->hqk", q, k) * scale / cap) * cap  # [H, q, L]
+        q_pos, k_pos = torch.arange(length - query_len, length)[:, None], torch.arange(length)[None, :]
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, -torch.inf).softmax(-1), v))
+        row += query_len
+    return torch.cat(outs)
+
+
+SOFTCAP_CASES = {  # id: (dtype, query_lens, seq_lens, window, decode split count or None for prefill)
+    "decode-fp32-split4-window": (torch.float32, [1, 1, 1], [1, 90, 700], 64, 4),
+    "decode-fp16-nosplit": (torch.float16, [1, 1], [33, 300], None, 1),
+    "prefill-fp32-window": (torch.float32, [20, 1, 37], [20, 50, 120], 16, None),
+    "prefill-fp16": (torch.float16, [45, 3], [45, 140], None, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOFTCAP_CASES))
+def test_softcap_kernels_match_float64_and_torch_path(name):
+    """Triton decode/prefill kernels (interpreter) and the torch path with a cap that bites (scores of
+    a few units, cap 2): both within the dtype's tolerance of float64; padding rows stay zero."""
+    from test_paged_attention import NAN, TOLERANCE, make_case, seed_of
+
+    from lora_runner.model import paged_attention as kernels
+    from lora_runner.model.attention import paged_attention
+
+    dtype, query_lens, seq_lens, window, num_splits = SOFTCAP_CASES[name]
+    padding = 0 if num_splits else 2
+    case = make_case(seed_of(name), query_lens, seq_lens, 16, (8, 2), 64, dtype, padding)
+    scale, cap, tol = 0.4, 2.0, TOLERANCE[dtype]
+    out = torch.full_like(case.query, NAN)
+    attn = case.attn
+    if num_splits:
+        kernels.decode_attention(case.query, case.kv_layer, attn.block_tables, attn.seq_lens, scale, window,
+                                 num_splits=num_splits, out=out, softcap=cap)
+    else:
+        kernels.prefill_attention(case.query, case.kv_layer, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                  attn.max_query_len, scale, window, out=out, softcap=cap)
+    expected = capped_attention_float64(case, scale, window, cap)
+    n = case.num_real
+    torch.testing.assert_close(out[:n].double(), expected, atol=tol, rtol=tol)
+    assert (out[n:] == 0).all()
+    torch_path = paged_attention(case.query.float(), case.kv_layer.float(), attn, scale, window, backend="torch",
+                                 softcap=cap)
+    torch.testing.assert_close(torch_path[:n].double(), expected, atol=tol, rtol=tol)
+    uncapped = paged_attention(case.query.float(), case.kv_layer.float(), attn, scale, window, backend="torch")
+    assert (uncapped[:n].double() - expected).abs().max() > 10 * tol  # the cap changes the result
+
+
+def test_softcap_must_be_positive():
+    from test_paged_attention import make_case
+
+    from lora_runner.model.attention import paged_attention
+
+    case = make_case(1, [1], [4], 16, (4, 2), 64, torch.float32)
+    with pytest.raises(ValueError, match="softcap"):
+        paged_attention(case.query, case.kv_layer, case.attn, 0.1, softcap=0.0)
+
+
 # ----------------------------------------------------------------------------- adapters vs PEFT in the engine
 
 ENGINE_ADAPTERS = {  # family -> {adapter name: save_lora kwargs}
