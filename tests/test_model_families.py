@@ -296,20 +296,19 @@ def test_engine_mixed_adapters_more_than_slots_match_peft(family, tmp_path, gree
 
 
 def test_phi3_fused_adapter_maps_onto_the_packed_slices(tmp_path):
-    """A fused qkv_proj LoRA becomes per-slice pairs sharing A, with B split by the q/k/v rows."""
+    """A fused qkv_proj LoRA becomes per-slice pairs sharing A, with B (scaled) split by the q/k/v rows."""
+    from safetensors.torch import load_file
+
     hf = save_family_model(tmp_path / "model", "phi3", seed=5)
     save_lora(hf, tmp_path / "a", r=4, lora_alpha=8, target_modules=("qkv_proj", "gate_up_proj"))
     spec = ModelConfig.from_dir(tmp_path / "model").spec()
     weights = load_lora("a", str(tmp_path / "a"), spec, max_lora_rank=8)
-    peft_qkv = hf.model.layers[1].self_attn.qkv_proj  # the base model was deep-copied: read the saved tensors
-    from safetensors.torch import load_file
     saved = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
-    a = saved["base_model.model.model.layers.1.self_attn.qkv_proj.lora_A.weight"]
-    b = saved["base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight"] * 2.0  # alpha / r
+    prefix = "base_model.model.model.layers.1.self_attn.qkv_proj"
+    a, b = saved[f"{prefix}.lora_A.weight"], saved[f"{prefix}.lora_B.weight"] * 2.0  # scaling alpha / r
     q, kv = spec.slice_sizes("qkv")[:2]
-    assert peft_qkv.weight.shape[0] == q + 2 * kv
-    pairs = weights.modules[1, "qkv"]
-    for pair, rows in zip(pairs, (slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv))):
+    assert b.shape[0] == q + 2 * kv
+    for pair, rows in zip(weights.modules[1, "qkv"], (slice(0, q), slice(q, q + kv), slice(q + kv, None))):
         assert torch.equal(pair.a, a) and torch.equal(pair.b, b[rows])
     assert len(weights.modules[0, "gate_up"]) == 2 and (0, "o") not in weights.modules
 
