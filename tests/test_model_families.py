@@ -245,9 +245,9 @@ def test_softcap_must_be_positive():
         paged_attention(case.query, case.kv_layer, case.attn, 0.1, softcap=0.0)
 
 
-# ----------------------------------------------------------------------------- adapters vs PEFT in the engine
+# ----------------------------------------------------------------------------- adapters vs PEFT
 
-ENGINE_ADAPTERS = {  # family -> {adapter name: save_lora kwargs}
+LORA_ADAPTERS = {  # family -> {adapter name: save_lora kwargs}
     "qwen3": {"all-r8": dict(seed=1, r=8, lora_alpha=16),
               "qv-r4-rslora": dict(seed=2, r=4, lora_alpha=8, use_rslora=True, target_modules=("q_proj", "v_proj")),
               "mlp-r16": dict(seed=3, r=16, lora_alpha=16, target_modules=("gate_proj", "up_proj", "down_proj"))},
@@ -260,15 +260,42 @@ ENGINE_ADAPTERS = {  # family -> {adapter name: save_lora kwargs}
              "gate-up-r16-pattern": dict(seed=3, r=16, lora_alpha=16, target_modules=("gate_up_proj", "o_proj"),
                                          alpha_pattern={"gate_up_proj": 64})},
 }
-ENGINE_MODELS = {"qwen3": FAMILIES["qwen3-bias-window"], "gemma2": FAMILIES["gemma2"],
+LORA_MODELS = {"qwen3": FAMILIES["qwen3-bias-window"], "gemma2": FAMILIES["gemma2"],
                  "phi3": dict(arch="phi3", sliding_window=7)}
 
 
-@pytest.mark.parametrize("family", sorted(ENGINE_ADAPTERS))
+@pytest.mark.parametrize("family", sorted(LORA_ADAPTERS))
+def test_mixed_adapter_batch_logits_match_peft_forward(family, tmp_path):
+    """Every logit of a mixed batch (no adapter and three adapters in three slots, prefill then
+    decodes) within 1e-4 of PEFT's forward; adapters read by adapters.lora, written by LoRASlots."""
+    import punica_kernels
+    from adapters.slots import LoRASlots
+    from lora_runner.model.forward_context import LoRAContext
+
+    ckpt = family_checkpoint(tmp_path / "model", seed=12, **LORA_MODELS[family])
+    spec = ckpt.config.spec()
+    slots, peft_models, slot_of = LoRASlots(spec, 4, 16), {}, {}
+    for slot, (name, kwargs) in zip((2, 0, 3), LORA_ADAPTERS[family].items()):
+        peft_models[name] = save_lora(ckpt.hf, tmp_path / name, **kwargs)
+        slots.write(slot, load_lora(name, str(tmp_path / name), spec, max_lora_rank=16))
+        slot_of[name] = slot
+    seq_adapter = dict(enumerate([None, *peft_models]))
+    gen = torch.Generator().manual_seed(0)
+    full = {s: torch.randint(3, 256, (9,), generator=gen) for s in seq_adapter}
+    expected = {s: hf_logits(peft_models[a] if a else ckpt.hf, full[s]) for s, a in seq_adapter.items()}
+    meta, driver = punica_kernels.LoRAMeta(64, 4, "cpu"), PagedDriver(ckpt.model, ckpt.config, block_size=4, seed=1)
+    for start, end in ((0, 6), (6, 7), (7, 8), (8, 9)):
+        chunks = [(s, full[s][start:end]) for s in seq_adapter]
+        meta.prepare(torch.tensor([slot_of.get(seq_adapter[s], -1) for s, t in chunks for _ in t]))
+        for (s, _), got in zip(chunks, driver.step(chunks, lora=LoRAContext(meta, slots))):
+            assert_close(got, expected[s][start:end], f"tokens {start}..{end}, {seq_adapter[s] or 'base'}")
+
+
+@pytest.mark.parametrize("family", sorted(LORA_ADAPTERS))
 def test_engine_mixed_adapters_more_than_slots_match_peft(family, tmp_path, greedy_oracle):
-    hf = save_family_model(tmp_path / "model", seed=11, **ENGINE_MODELS[family])
+    hf = save_family_model(tmp_path / "model", seed=11, **LORA_MODELS[family])
     adapters = {name: (str(tmp_path / name), save_lora(hf, tmp_path / name, scale=0.15, **kwargs))
-                for name, kwargs in ENGINE_ADAPTERS[family].items()}
+                for name, kwargs in LORA_ADAPTERS[family].items()}
     engine = LLMEngine(str(tmp_path / "model"), device="cpu", max_num_seqs=4, max_model_len=48, max_loras=2,
                        max_lora_rank=16, max_cpu_loras=2, block_size=4, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
