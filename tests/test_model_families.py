@@ -6,7 +6,9 @@ to 0 and the others to 1, where a dropped or misapplied norm would hide). Per fa
 * base logits within 1e-4 of transformers for the scenarios of test_model_forward (prefill batch,
   decodes over scattered blocks, mixed prefill + decode with graph padding, chunked prefill), on
   the torch attention and, for Gemma 2 (soft-capping + alternating windows), the Triton kernels;
-* an LLMEngine with 2 LoRA slots serving 3 PEFT adapters and the base model in mixed batches:
+* every logit of a mixed batch (base + 3 adapters read by adapters.lora into LoRASlots) within
+  1e-4 of PEFT's forward, and an LLMEngine with 2 LoRA slots serving 3 PEFT adapters and the base
+  model in mixed batches:
   greedy tokens equal and logprobs within 1e-4 of PEFT's forward; Phi-3 adapters target the fused
   qkv_proj / gate_up_proj;
 * Phi-3's LongRoPE crossing original_max_position_embeddings vs transformers with its KV cache,
