@@ -293,13 +293,18 @@ def test_mixed_adapter_batch_logits_match_peft_forward(family, tmp_path):
             assert_close(got, expected[s][start:end], f"tokens {start}..{end}, {seq_adapter[s] or 'base'}")
 
 
+# cuda: Triton attention (soft-capping for Gemma 2) and decode CUDA graphs; fp32 dots in tf32x3 there
+DEVICES = [("cpu", 1e-4), pytest.param("cuda", 1e-3, marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device, tolerance", DEVICES)
 @pytest.mark.parametrize("family", sorted(LORA_ADAPTERS))
-def test_engine_mixed_adapters_more_than_slots_match_peft(family, tmp_path, greedy_oracle):
+def test_engine_mixed_adapters_more_than_slots_match_peft(family, device, tolerance, tmp_path, greedy_oracle):
     hf = save_family_model(tmp_path / "model", seed=11, **LORA_MODELS[family])
     adapters = {name: (str(tmp_path / name), save_lora(hf, tmp_path / name, scale=0.15, **kwargs))
                 for name, kwargs in LORA_ADAPTERS[family].items()}
-    engine = LLMEngine(str(tmp_path / "model"), device="cpu", max_num_seqs=4, max_model_len=48, max_loras=2,
-                       max_lora_rank=16, max_cpu_loras=2, block_size=4, max_num_batched_tokens=16)
+    engine = LLMEngine(str(tmp_path / "model"), device=device, dtype="float32", max_num_seqs=4, max_model_len=48,
+                       max_loras=2, max_lora_rank=16, max_cpu_loras=2, block_size=4, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
     rng = random.Random(0)
     names = [*adapters, None, *reversed(adapters)]  # 3 adapters over 2 slots, and the base model
@@ -319,7 +324,7 @@ def test_engine_mixed_adapters_more_than_slots_match_peft(family, tmp_path, gree
         completion = done[request_id].outputs[0]
         assert completion.token_ids == tokens, (request_id, name)
         for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
-            assert abs(got[tokens[step]] - want) <= 1e-4, (request_id, name, step)
+            assert abs(got[tokens[step]] - want) <= tolerance, (request_id, name, step)
         differs += name is not None and tokens != greedy_oracle(hf, prompt, 4)[0]
     assert differs >= 2  # the adapters change the output: a dropped delta would show
 
