@@ -74,7 +74,8 @@ def test_drivers_reach_every_attention_kernel_split_count_and_dtype(configs):
         assert {tuple(c.named_constexprs()[k] for k in ("GROUP", "HEAD_DIM", "PAGE")) for c in named(name)} == shapes
     assert {c.named_constexprs()["SPLIT"] for c in named("_decode_kernel")} == {False, True}
     for name in ("_decode_kernel", "_prefill_kernel"):  # with and without Gemma 2's soft-capping, every shape
-        variants = {(c.dtypes(), c.named_constexprs()["HEAD_DIM"], c.named_constexprs()["SOFTCAP"]) for c in named(name)}
+        variants = {(c.dtypes(), c.named_constexprs()["HEAD_DIM"], c.named_constexprs()["SOFTCAP"])
+                    for c in named(name)}
         assert {cap for _, _, cap in variants} == {False, True} and len(variants) == 2 * len({v[:2] for v in variants})
 
 

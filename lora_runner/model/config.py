@@ -1,9 +1,9 @@
 """The base model's architecture, parsed from a transformers ``config.json``.
 
 What differs per family (Qwen3's q/k norms, Gemma 2's soft-capping, Phi-3's fused projections, ...)
-is read by lora_runner/model/families.py into the options below. Reads both config formats seen on the Hub: the current one (``rope_parameters`` holding
-``rope_theta`` and ``rope_type``) and the older one (top-level ``rope_theta`` plus a
-``rope_scaling`` dict with ``type`` or ``rope_type``).
+is read by lora_runner/model/families.py into the options below. Reads both config formats seen on
+the Hub: the current one (``rope_parameters`` holding ``rope_theta`` and ``rope_type``) and the
+older one (top-level ``rope_theta`` plus a ``rope_scaling`` dict with ``type`` or ``rope_type``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from adapters import ModelSpec
-from lora_runner.model.families import HIDDEN_ACTS, MODEL_TYPES, SUPPORTED_ARCHITECTURES, family_options, rope_type_alias
+from lora_runner.model.families import (
+    HIDDEN_ACTS, MODEL_TYPES, SUPPORTED_ARCHITECTURES, family_options, rope_type_alias,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -113,8 +113,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.sandwich_norms:
-            hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), cos, sin, ctx))
-            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden), ctx))
+            attended = self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)  # [T, hidden]
+            hidden = hidden + self.post_attention_layernorm(attended)
+            mixed = self.mlp(self.pre_feedforward_layernorm(hidden), ctx)  # [T, hidden]
+            return hidden + self.post_feedforward_layernorm(mixed)
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)  # [T, hidden]
         return hidden + self.mlp(self.post_attention_layernorm(hidden), ctx)  # [T, hidden]
 
