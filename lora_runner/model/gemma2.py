@@ -23,7 +23,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
         super().__init__(config, dtype=dtype, device=device)
-        scale = torch.tensor(config.embedding_scale or 1.0, dtype=dtype, device=device)  # rounded like transformers
+        # rounded as transformers does: a float32 buffer cast to the weights' dtype
+        scale = torch.tensor(config.embedding_scale or 1.0, dtype=torch.float32, device=device).to(dtype)
         self.register_buffer("embedding_scale", scale, persistent=False)
 
     def embed(self, input_ids: torch.Tensor, prompt_adapter: PromptAdapterContext | None, *args,
