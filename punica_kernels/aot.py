@@ -301,6 +301,13 @@ def all_drivers() -> list[Driver]:
 ATTENTION_BLOCK_SIZES = (16, 32)
 SLIDING_WINDOWS = (None, 1024)
 ATTENTION_SOFTCAPS = (None, 50.0)  # Gemma 2's attention logit soft-capping is a kernel variant (constexpr)
+# attention shapes: the models above, with and without soft-capping, and Gemma 2's 256-wide heads
+# (their own tile sizes), which are always soft-capped
+ATTENTION_MODELS = {
+    **{name: (spec, ATTENTION_SOFTCAPS) for name, spec in MODELS.items()},
+    "gemma2-2b": (ModelSpec(num_layers=26, hidden_size=2304, num_heads=8, num_kv_heads=4, head_dim=256,
+                            intermediate_size=9216), (50.0,)),
+}
 # block-table capacities in tokens: a short one (at most 2 splits; its width in blocks is not a multiple
 # of 16, a variant the JIT specializes separately) and a long one that lets decode reach MAX_SPLITS
 ATTENTION_CAPACITIES = (900, 32768)
@@ -311,11 +318,11 @@ def paged_attention_drivers() -> list[Driver]:
     """Decode (with the split combine it launches) and prefill attention for both model shapes,
     every dtype, KV block size and table capacity, over every decode batch size (each split count
     decode_num_splits can choose), with and without a sliding window and logit soft-capping."""
-    return [Driver(f"paged attention {name}", functools.partial(_drive_attention, spec))
-            for name, spec in MODELS.items()]
+    return [Driver(f"paged attention {name}", functools.partial(_drive_attention, spec, softcaps))
+            for name, (spec, softcaps) in ATTENTION_MODELS.items()]
 
 
-def _drive_attention(spec: ModelSpec) -> None:
+def _drive_attention(spec: ModelSpec, softcaps: tuple[float | None, ...]) -> None:
     # imported here: lora_runner imports punica_kernels, never the other way round at import time
     from lora_runner.model import paged_attention
 
@@ -327,7 +334,7 @@ def _drive_attention(spec: ModelSpec) -> None:
                 kv, tables = _attention_cache(spec, dtype, block_size, capacity, max_seqs)
                 query = torch.empty(max_seqs, spec.num_heads, spec.head_dim, dtype=dtype)  # [B_max, H, D]
                 seq_lens = torch.empty(max_seqs, dtype=torch.int32)
-                for window, softcap in itertools.product(SLIDING_WINDOWS, ATTENTION_SOFTCAPS):
+                for window, softcap in itertools.product(SLIDING_WINDOWS, softcaps):
                     for num_seqs in DECODE_TOKENS:
                         paged_attention.decode_attention(query[:num_seqs], kv, tables[:num_seqs],
                                                          seq_lens[:num_seqs], scale, window, softcap=softcap)

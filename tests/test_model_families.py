@@ -197,11 +197,12 @@ def capped_attention_float64(case, scale: float, window: int | None, cap: float)
     return torch.cat(outs)
 
 
-SOFTCAP_CASES = {  # id: (dtype, query_lens, seq_lens, window, decode split count or None for prefill)
-    "decode-fp32-split4-window": (torch.float32, [1, 1, 1], [1, 90, 700], 64, 4),
-    "decode-fp16-nosplit": (torch.float16, [1, 1], [33, 300], None, 1),
-    "prefill-fp32-window": (torch.float32, [20, 1, 37], [20, 50, 120], 16, None),
-    "prefill-fp16": (torch.float16, [45, 3], [45, 140], None, None),
+SOFTCAP_CASES = {  # id: (head_dim, dtype, query_lens, seq_lens, window, decode split count or None for prefill)
+    "decode-d64-fp32-split4-window": (64, torch.float32, [1, 1, 1], [1, 90, 700], 64, 4),
+    "decode-d256-fp32-nosplit": (256, torch.float32, [1, 1], [33, 300], None, 1),  # Gemma 2's head width
+    "prefill-d256-fp16": (256, torch.float16, [40, 2], [40, 90], 24, None),
+    "prefill-d256-fp32-window": (256, torch.float32, [20, 1, 37], [20, 50, 120], 16, None),
+    "prefill-d64-fp16": (64, torch.float16, [45, 3], [45, 140], None, None),
 }
 
 
@@ -214,9 +215,9 @@ def test_softcap_kernels_match_float64_and_torch_path(name):
     from lora_runner.model import paged_attention as kernels
     from lora_runner.model.attention import paged_attention
 
-    dtype, query_lens, seq_lens, window, num_splits = SOFTCAP_CASES[name]
+    head_dim, dtype, query_lens, seq_lens, window, num_splits = SOFTCAP_CASES[name]
     padding = 0 if num_splits else 2
-    case = make_case(seed_of(name), query_lens, seq_lens, 16, (8, 2), 64, dtype, padding)
+    case = make_case(seed_of(name), query_lens, seq_lens, 16, (8, 2), head_dim, dtype, padding)
     scale, cap, tol = 0.4, 2.0, TOLERANCE[dtype]
     out = torch.full_like(case.query, NAN)
     attn = case.attn

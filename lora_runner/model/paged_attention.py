@@ -40,11 +40,16 @@ import triton.language as tl
 from punica_kernels.triton_ops import kernel_for
 
 # Tile sizes and warps per element size, chosen so every configuration compiles without register
-# spills on sm_80 and sm_90 (ptxas -v; checked for head_dim 64/128 and query groups up to 16) and
-# fits sm_80's shared memory; fp32 (3xTF32 dots) needs smaller tiles than fp16/bf16.
+# spills on sm_80 and sm_90 (ptxas -v; checked for head_dim 64/128/256 and query groups up to 16) and
+# fits sm_80's shared memory; fp32 (3xTF32 dots) needs smaller tiles than fp16/bf16. Heads wider
+# than WIDE_HEAD_DIM (Gemma 2: 256) hold twice the registers per row: narrower tiles or more warps.
 DECODE_CONFIG = {2: dict(BLOCK_N=64, num_warps=4), 4: dict(BLOCK_N=32, num_warps=4)}  # BLOCK_N: context step
 PREFILL_CONFIG = {2: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),  # BLOCK_M: new tokens per program
                   4: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=3)}
+WIDE_HEAD_DIM = 128
+DECODE_CONFIG_WIDE = {2: dict(BLOCK_N=64, num_warps=4), 4: dict(BLOCK_N=32, num_warps=8)}
+PREFILL_CONFIG_WIDE = {2: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=3),
+                       4: dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=2)}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256  # a context split covers at least this many tokens of the table's capacity
 TARGET_PROGRAMS = 256  # split decode until about this many programs run (~2 per SM on H100/H200)
@@ -67,6 +72,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int) -> int
     while splits * 2 <= limit and num_seqs * num_kv_heads * splits < TARGET_PROGRAMS:
         splits *= 2
     return splits
+
+
+def _tile_config(query: torch.Tensor, narrow: dict, wide: dict) -> dict:
+    """The tile sizes and warps for `query`'s element size and head width."""
+    return (wide if query.shape[-1] > WIDE_HEAD_DIM else narrow)[query.element_size()]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -216,7 +226,8 @@ def decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: 
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=block_size, SPLIT=split,
-        DOT_PRECISION=_dot_precision(query.dtype), SOFTCAP=softcap is not None, **DECODE_CONFIG[query.element_size()])
+        DOT_PRECISION=_dot_precision(query.dtype), SOFTCAP=softcap is not None,
+        **_tile_config(query, DECODE_CONFIG, DECODE_CONFIG_WIDE))
     if split:
         combine_decode_splits(part_max, part_sum, part_acc, out)
     return out
@@ -369,7 +380,7 @@ def prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables:
     out.zero_()  # padding rows (no sequence) stay zero
     if num_seqs == 0 or query.shape[0] == 0 or max_query_len < 1:
         return out
-    config = PREFILL_CONFIG[query.element_size()]
+    config = _tile_config(query, PREFILL_CONFIG, PREFILL_CONFIG_WIDE)
     grid = (num_seqs, triton.cdiv(max_query_len, config["BLOCK_M"]), num_heads)
     kernel_for(_prefill_kernel, query.device)[grid](
         query, kv_layer, out, block_tables, seq_lens, query_start_loc,
