@@ -12,8 +12,9 @@ of slice j is ``scaling * x @ a.T @ b.T``, exactly PEFT's ``lora_B(lora_A(x)) * 
 ``column_scale * (x @ W.T + delta) + bias``.
 
 Supported: plain LoRA (peft_type LORA) and DoRA on q/k/v/o/gate/up/down projections of
-Llama-family decoder layers, and plain LoRA on embed_tokens / lm_head (adapters.vocab_lora);
-target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
+Llama-family decoder layers (on Phi-3, plain LoRA on the fused qkv_proj / gate_up_proj, whose shared
+A goes to every slice and whose B rows are split by slice), and plain LoRA on embed_tokens / lm_head
+(adapters.vocab_lora); target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
 exclude_modules; rank_pattern; alpha_pattern; use_rslora; keys with or without the ".default"
 adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA on any other module or without
 the base weights (``base_weight``), modules_to_save, bias terms (bias != "none", lora_bias), tied
@@ -43,7 +44,7 @@ import torch
 from adapters.dora import BaseWeight, dora_column_scale
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.patterns import PeftTargets
-from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
+from adapters.spec import FUSED_TO_PACKED, PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
 from adapters.vocab_lora import VOCAB_MODULES, check_vocab_target, vocab_factor_shapes, vocab_key_parts
 from adapters.weights import check_peft_type, read_adapter_config, read_adapter_tensors
 
@@ -53,8 +54,9 @@ SUPPORTED_MODULES = tuple(PEFT_TO_PACKED)  # q_proj ... down_proj
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?:(?P<ab>lora_A|lora_B)(?:\.default)?\.weight"
                      r"|(?P<magnitude>lora_magnitude_vector)(?:\.default)?(?:\.weight)?)$")
 _MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<leaf>\w+)$")
-_SUPPORTED_TEXT = ("plain LoRA or DoRA on " + ", ".join(SUPPORTED_MODULES)
-                   + " of model.layers.N.self_attn / model.layers.N.mlp, and on embed_tokens and lm_head")
+_SUPPORTED_TEXT = ("plain LoRA or DoRA on " + ", ".join(SUPPORTED_MODULES) + " (Phi-3: plain LoRA on "
+                   + ", ".join(FUSED_TO_PACKED) + ") of model.layers.N.self_attn / model.layers.N.mlp, "
+                   "and plain LoRA on embed_tokens and lm_head")
 
 # Config fields that change what the adapter computes; (field, is-refused predicate, feature name)
 _REFUSED_FIELDS = (
@@ -120,7 +122,7 @@ def _candidate_modules(spec: ModelSpec) -> list[str]:
     """Every module of a Llama-family causal LM that PEFT LoRA can attach to."""
     keys = ["model.embed_tokens", "lm_head"]
     for layer in range(spec.num_layers):
-        keys += [f"model.layers.{layer}.{PEFT_PARENT[leaf]}.{leaf}" for leaf in SUPPORTED_MODULES]
+        keys += [f"model.layers.{layer}.{PEFT_PARENT[leaf]}.{leaf}" for leaf in spec.peft_modules]
     return keys
 
 
@@ -217,7 +219,7 @@ def _checked_factor(name: str, key: str, tensor: torch.Tensor, shape: tuple[int,
 def _untargeted_module_error(name: str, module: str, config: dict, spec: ModelSpec) -> Exception:
     """The error for weights of a module the config does not target (or this model does not have)."""
     match = _MODULE_RE.match(module)
-    if module not in VOCAB_MODULES and (match is None or match.group("leaf") not in PEFT_TO_PACKED):
+    if module not in VOCAB_MODULES and (match is None or match.group("leaf") not in spec.peft_modules):
         return UnsupportedAdapterError(f"adapter {name!r}: weights for {module} are not supported; "
                                        f"supported: {_SUPPORTED_TEXT}")
     if match is not None and int(match.group("layer")) >= spec.num_layers:
@@ -225,6 +227,15 @@ def _untargeted_module_error(name: str, module: str, config: dict, spec: ModelSp
                                    f"{spec.num_layers} layers (adapter trained on a different model?)")
     return InvalidAdapterError(f"adapter {name!r}: weights for {module}, which adapter_config.json does not "
                                f"target (target_modules={config['target_modules']!r})")
+
+
+def _slice_rows(spec: ModelSpec, packed: str, indices: tuple[int, ...], b: torch.Tensor) -> list[torch.Tensor]:
+    """B's rows of each slice: a fused module's B (Phi-3 qkv_proj / gate_up_proj) holds the slices' rows
+    in slot order, so slice j's delta is (x @ A.T) @ B[rows_j].T exactly, with A shared by the slices."""
+    if len(indices) == 1:
+        return [b]
+    sizes = [spec.slice_sizes(packed)[i] for i in indices]
+    return [rows.contiguous() for rows in b.split(sizes)]
 
 
 def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: ModelSpec, *,
@@ -266,9 +277,10 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
             continue
         _check_magnitude(name, key, factors, shape_b[0], use_dora)
         layer, leaf = int(match.group("layer")), match.group("leaf")
-        packed, index = PEFT_TO_PACKED[leaf]
+        packed, indices = spec.peft_slices(leaf)
         slices = modules.setdefault((layer, packed), [None] * len(spec.slice_sizes(packed)))
-        slices[index] = LoRAPair(a, b, scaling)
+        for index, rows in zip(indices, _slice_rows(spec, packed, indices, b)):
+            slices[index] = LoRAPair(a, rows, scaling)
     if use_dora:
         _add_dora_scales(name, modules, grouped, spec, base_weight)
     rank = max(r for r, _ in targeted.values())

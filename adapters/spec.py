@@ -4,6 +4,10 @@ The engine's LoRA-aware linears are packed: q,k,v share one linear ("qkv", 3 sli
 share one ("gate_up", 2 slices); o and down are single-slice. A PEFT module name maps to
 (packed module, slice index). Device slots hold, per layer and packed module,
 ``lora_a [max_loras, n_slices, R, K]`` and ``lora_b [max_loras, N, R]`` (design.md section 3).
+
+Phi-3 checkpoints and the PEFT adapters trained on them name the packed modules themselves
+("qkv_proj", "gate_up_proj"): one PEFT module covers every slice of a packed module (its A is
+shared by the slices, its B rows are the slices' rows in order).
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ PEFT_TO_PACKED: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up", 1),
     "down_proj": ("down", 0),
 }
+# Fused PEFT leaf module (Phi-3) -> the packed module whose slices it covers, all of them
+FUSED_TO_PACKED: dict[str, str] = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
 PACKED_MODULES: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
 # PEFT leaf module -> its parent in a Llama-family decoder layer ("self_attn" or "mlp")
 PEFT_PARENT: dict[str, str] = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp",
 }
+SPLIT_MODULES: tuple[str, ...] = tuple(PEFT_TO_PACKED)  # q_proj ... down_proj: Llama, Mistral, Qwen, Gemma
+FUSED_MODULES: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class ModelSpec:
     intermediate_size: int
     model_name: str | None = None  # for the "adapter trained on another base" warning
     vocab_size: int | None = None  # embed_tokens / lm_head rows; None: LoRA on them is refused
+    fused_projections: bool = False  # Phi-3: modules are named qkv_proj / gate_up_proj (FUSED_MODULES)
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -68,7 +77,21 @@ class ModelSpec:
             "down": self.intermediate_size,
         }[packed]
 
-    def peft_shapes(self, peft_module: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """Expected (lora_A [r, in], lora_B [out, r]) shapes of a PEFT module."""
+    @property
+    def peft_modules(self) -> tuple[str, ...]:
+        """The PEFT leaf module names of this model's decoder layers."""
+        return FUSED_MODULES if self.fused_projections else SPLIT_MODULES
+
+    def peft_slices(self, peft_module: str) -> tuple[str, tuple[int, ...]]:
+        """(packed module, indices of the slices it covers) of one of this model's PEFT modules."""
+        if peft_module in FUSED_TO_PACKED:
+            packed = FUSED_TO_PACKED[peft_module]
+            return packed, tuple(range(len(self.slice_sizes(packed))))
         packed, index = PEFT_TO_PACKED[peft_module]
-        return (rank, self.in_features(packed)), (self.slice_sizes(packed)[index], rank)
+        return packed, (index,)
+
+    def peft_shapes(self, peft_module: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Expected (lora_A [r, in], lora_B [out, r]) shapes of a PEFT module (a fused one: all its rows)."""
+        packed, indices = self.peft_slices(peft_module)
+        sizes = self.slice_sizes(packed)
+        return (rank, self.in_features(packed)), (sum(sizes[i] for i in indices), rank)

@@ -344,6 +344,15 @@ def _lm_head_operands(spec: ModelSpec, dtype: torch.dtype, rank: int, max_rows: 
 
 ATTENTION_BLOCK_SIZES = (16, 32)
 SLIDING_WINDOWS = (None, 1024)
+# Attention shapes -> the soft-caps they are driven with (Gemma 2's logit soft-capping is a constexpr
+# kernel variant): Gemma 2 always caps; its 27B has 128-wide heads (as llama-7b here), 2B/9B 256-wide
+# ones (their own tile sizes). Each variant costs compile time in tests/test_kernels_compile.py.
+ATTENTION_MODELS = {
+    "llama-7b": (MODELS["llama-7b"], (None, 50.0)),
+    "qwen2-0.5b": (MODELS["qwen2-0.5b"], (None,)),
+    "gemma2-2b": (ModelSpec(num_layers=26, hidden_size=2304, num_heads=8, num_kv_heads=4, head_dim=256,
+                            intermediate_size=9216), (50.0,)),
+}
 # block-table capacities in tokens: a short one (at most 2 splits; its width in blocks is not a multiple
 # of 16, a variant the JIT specializes separately) and a long one that lets decode reach MAX_SPLITS
 ATTENTION_CAPACITIES = (900, 32768)
@@ -353,12 +362,12 @@ ATTENTION_PREFILL = (512, (300, 212))  # one prefill step: its flat tokens, and 
 def paged_attention_drivers() -> list[Driver]:
     """Decode (with the split combine it launches) and prefill attention for both model shapes,
     every dtype, KV block size and table capacity, over every decode batch size (each split count
-    decode_num_splits can choose), with and without a sliding window."""
-    return [Driver(f"paged attention {name}", functools.partial(_drive_attention, spec))
-            for name, spec in MODELS.items()]
+    decode_num_splits can choose), with and without a sliding window and logit soft-capping."""
+    return [Driver(f"paged attention {name}", functools.partial(_drive_attention, spec, softcaps))
+            for name, (spec, softcaps) in ATTENTION_MODELS.items()]
 
 
-def _drive_attention(spec: ModelSpec) -> None:
+def _drive_attention(spec: ModelSpec, softcaps: tuple[float | None, ...]) -> None:
     # imported here: lora_runner imports punica_kernels, never the other way round at import time
     from lora_runner.model import paged_attention
 
@@ -370,11 +379,11 @@ def _drive_attention(spec: ModelSpec) -> None:
                 kv, tables = _attention_cache(spec, dtype, block_size, capacity, max_seqs)
                 query = torch.empty(max_seqs, spec.num_heads, spec.head_dim, dtype=dtype)  # [B_max, H, D]
                 seq_lens = torch.empty(max_seqs, dtype=torch.int32)
-                for window in SLIDING_WINDOWS:
+                for window, softcap in itertools.product(SLIDING_WINDOWS, softcaps):
                     for num_seqs in DECODE_TOKENS:
                         paged_attention.decode_attention(query[:num_seqs], kv, tables[:num_seqs],
-                                                         seq_lens[:num_seqs], scale, window)
-                    _drive_prefill(paged_attention, spec, kv, tables, dtype, scale, window)
+                                                         seq_lens[:num_seqs], scale, window, softcap=softcap)
+                    _drive_prefill(paged_attention, spec, kv, tables, dtype, scale, window, softcap)
 
 
 def _attention_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, capacity: int,
@@ -386,13 +395,13 @@ def _attention_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, capac
 
 
 def _drive_prefill(paged_attention, spec: ModelSpec, kv: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype,
-                   scale: float, window: int | None) -> None:
+                   scale: float, window: int | None, softcap: float | None) -> None:
     num_tokens, chunks = ATTENTION_PREFILL
     query = torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=dtype)  # [T, H, D]
     starts = torch.tensor([0, *itertools.accumulate(chunks)], dtype=torch.int32)  # [B+1]
     seq_lens = torch.tensor(chunks, dtype=torch.int32)
     paged_attention.prefill_attention(query, kv, tables[:len(chunks)], seq_lens, starts, max(chunks), scale,
-                                      window)
+                                      window, softcap=softcap)
 
 
 def collect_configs(drivers: list[Driver]) -> dict[str, KernelConfig]:

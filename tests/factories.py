@@ -16,9 +16,10 @@ ARCHS = ("llama", "mistral", "qwen2")
 
 def tiny_config(arch: str = "llama", **overrides):
     """A small transformers config; initializer_range is large so logits are far from uniform."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "gemma2": Gemma2Config, "phi3": Phi3Config}[arch]
     kwargs = dict(
         vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

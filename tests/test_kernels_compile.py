@@ -56,14 +56,14 @@ def test_drivers_reach_every_split_slice_count_rank_and_dtype(configs):
 
 def test_drivers_reach_every_attention_kernel_split_count_and_dtype(configs):
     """Decode (unsplit and split), its combine at every split count decode_num_splits picks for each
-    model, and prefill, in every dtype, head_dim and KV block size."""
+    model, and prefill, in every dtype, head_dim and KV block size, with and without soft-capping."""
     from lora_runner.model import paged_attention
 
     def named(name):
         return [c for c in configs.values() if c.name == name]
 
     chosen = {(spec.head_dim, dtype, paged_attention.decode_num_splits(num_seqs, spec.num_kv_heads, capacity))
-              for spec in aot.MODELS.values() for dtype in aot.DTYPES for num_seqs in aot.DECODE_TOKENS
+              for spec, _ in aot.ATTENTION_MODELS.values() for dtype in aot.DTYPES for num_seqs in aot.DECODE_TOKENS
               for capacity in aot.ATTENTION_CAPACITIES}
     dtype_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     expected = {(d, dtype_names[dtype], s) for d, dtype, s in chosen if s > 1}
@@ -71,11 +71,15 @@ def test_drivers_reach_every_attention_kernel_split_count_and_dtype(configs):
     assert {(c.named_constexprs()["HEAD_DIM"], c.dtypes().split(",")[-1], c.named_constexprs()["NUM_SPLITS"])
             for c in named("_combine_kernel")} == expected
     shapes = {(spec.num_heads // spec.num_kv_heads, spec.head_dim, page)
-              for spec in aot.MODELS.values() for page in aot.ATTENTION_BLOCK_SIZES}
+              for spec, _ in aot.ATTENTION_MODELS.values() for page in aot.ATTENTION_BLOCK_SIZES}
     for name, dtypes in (("_decode_kernel", {"bf16,fp32", "fp16,fp32", "fp32"}),
                          ("_prefill_kernel", {"bf16", "fp16", "fp32"})):
         assert {c.dtypes() for c in named(name)} == dtypes
         assert {tuple(c.named_constexprs()[k] for k in ("GROUP", "HEAD_DIM", "PAGE")) for c in named(name)} == shapes
+        softcaps = {(dtype, spec.head_dim, cap is not None)
+                    for spec, caps in aot.ATTENTION_MODELS.values() for cap in caps for dtype in dtypes}
+        assert {(c.dtypes(), c.named_constexprs()["HEAD_DIM"], c.named_constexprs()["SOFTCAP"])
+                for c in named(name)} == softcaps
     assert {c.named_constexprs()["SPLIT"] for c in named("_decode_kernel")} == {False, True}
 
 

@@ -10,8 +10,10 @@ mask. There is no per-token or per-sequence Python loop and no host sync, so the
 CPU and GPU and can be captured in a CUDA graph when the batch shapes (T, B, max_query_len,
 max_seq_len) are fixed.
 
-Sliding windows (Mistral, Qwen2's windowed layers) are one more mask term, so contexts longer than
-the window are exact; blocks that left the window stay allocated (no memory saving).
+Sliding windows (Mistral, Qwen2's windowed layers, Gemma 2's even layers) are one more mask term, so
+contexts longer than the window are exact; blocks that left the window stay allocated (no memory
+saving). Logit soft-capping (Gemma 2: ``cap * tanh(scale * q.k / cap)`` before the mask and softmax)
+computes the scores explicitly instead of calling ``scaled_dot_product_attention``, which has no cap.
 
 On CUDA (Triton importable) ``paged_attention`` runs the Triton kernels of
 lora_runner/model/paged_attention.py instead: they read the context through the block tables in
@@ -108,33 +110,38 @@ def token_seq_lens(attn: AttentionMetadata, num_tokens: int) -> torch.Tensor:
 
 
 def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None, backend: str | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, backend: str | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attend each new token to its sequence's cached + new tokens (causal); returns [T, H, D].
 
     query [T, H, D] (RoPE applied); kv_layer [2, num_blocks, block_size, H_kv, D] already holding
     this step's K/V (see write_kv); H must be a multiple of H_kv (GQA: head h reads KV head
     h // (H / H_kv)). `sliding_window` w: a token at position p sees positions p-w+1..p only.
+    `softcap` c: scores s = scale * q.k become c * tanh(s / c) before the softmax.
     Padding tokens (past query_start_loc[-1]) get zeros. backend: see the module docstring.
     """
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
     if resolve_backend(backend, query) == "triton":
-        return _triton_paged_attention(query, kv_layer, attn, scale, sliding_window)
-    return _torch_paged_attention(query, kv_layer, attn, scale, sliding_window)
+        return _triton_paged_attention(query, kv_layer, attn, scale, sliding_window, softcap)
+    return _torch_paged_attention(query, kv_layer, attn, scale, sliding_window, softcap)
 
 
 def _triton_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
-                            sliding_window: int | None) -> torch.Tensor:
+                            sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """The decode kernel when every sequence adds one token and there is no padding token (graph
     padding comes as extra sequences), the prefill kernel otherwise; both read seq_lens at run time."""
     kernels = triton_attention()
     num_seqs = attn.seq_lens.shape[0]
     if attn.max_query_len == 1 and query.shape[0] == num_seqs:
-        return kernels.decode_attention(query, kv_layer, attn.block_tables, attn.seq_lens, scale, sliding_window)
+        return kernels.decode_attention(query, kv_layer, attn.block_tables, attn.seq_lens, scale, sliding_window,
+                                        softcap=softcap)
     return kernels.prefill_attention(query, kv_layer, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-                                     attn.max_query_len, scale, sliding_window)
+                                     attn.max_query_len, scale, sliding_window, softcap=softcap)
 
 
 def _torch_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
-                           sliding_window: int | None) -> torch.Tensor:
+                           sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
     """The gather + scaled_dot_product_attention path (CPU, and the oracle of the Triton kernels)."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = attn.seq_lens.shape[0]
@@ -176,7 +183,20 @@ def _torch_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: At
     padded_q[flat_row] = query
     q_batch = padded_q[:-1].view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, MQ, D]
 
-    out = F.scaled_dot_product_attention(q_batch, k_ctx, v_ctx, attn_mask=mask[:, None], scale=scale)  # [B, H, MQ, D]
+    out = _attend(q_batch, k_ctx, v_ctx, mask[:, None], scale, softcap)  # [B, H, MQ, D]
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)  # [B*MQ, H, D]
     out = torch.cat((out, out.new_zeros(1, num_heads, head_dim)))  # [B*MQ+1, H, D]
     return out[flat_row]  # [T, H, D]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """softmax(scale * q @ k.T, capped, masked) @ v for q [B, H, MQ, D], k/v [B, H, MS, D], mask [B, 1, MQ, MS]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, MQ, MS]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    # a padded query row may see no key (NaN here, as with SDPA): such rows are never returned
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

@@ -1,8 +1,9 @@
 """The base model's architecture, parsed from a transformers ``config.json``.
 
-Reads both config formats seen on the Hub: the current one (``rope_parameters`` holding
-``rope_theta`` and ``rope_type``) and the older one (top-level ``rope_theta`` plus a
-``rope_scaling`` dict with ``type`` or ``rope_type``).
+What differs per family (Qwen3's q/k norms, Gemma 2's soft-capping, Phi-3's fused projections, ...)
+is read by lora_runner/model/families.py into the options below. Reads both config formats seen on
+the Hub: the current one (``rope_parameters`` holding ``rope_theta`` and ``rope_type``) and the
+older one (top-level ``rope_theta`` plus a ``rope_scaling`` dict with ``type`` or ``rope_type``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from adapters import ModelSpec
+from lora_runner.model.families import (
+    HIDDEN_ACTS, MODEL_TYPES, SUPPORTED_ARCHITECTURES, family_options, rope_type_alias,
+)
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # rope_type -> keys that must be present in the scaling dict
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -26,6 +28,7 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -35,11 +38,11 @@ class RopeConfig:
     """Rotary embedding: base wavelength plus the scaling scheme (None = plain RoPE)."""
 
     theta: float = DEFAULT_ROPE_THETA
-    scaling: dict[str, Any] | None = None  # always has "rope_type" (linear/dynamic/llama3/yarn) when set
+    scaling: dict[str, Any] | None = None  # always has "rope_type" (linear/dynamic/llama3/yarn/longrope) when set
 
     @property
     def rope_type(self) -> str:
-        """'default', 'linear', 'dynamic', 'llama3' or 'yarn'."""
+        """'default', 'linear', 'dynamic', 'llama3', 'yarn' or 'longrope'."""
         return self.scaling["rope_type"] if self.scaling else "default"
 
     def __post_init__(self) -> None:
@@ -58,7 +61,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes and options of a Llama-family decoder (Llama, Mistral, Qwen2 checkpoints)."""
+    """Sizes and options of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3)."""
 
     architecture: str
     vocab_size: int
@@ -71,11 +74,20 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2, Llama attention_bias
-    o_bias: bool = False  # Llama attention_bias
+    qkv_bias: bool = False  # Qwen2; attention_bias of Llama, Qwen3, Gemma 2
+    o_bias: bool = False  # attention_bias of Llama, Qwen3, Gemma 2
     mlp_bias: bool = False  # Llama mlp_bias
     rope: RopeConfig = field(default_factory=RopeConfig)
     sliding_windows: tuple[int | None, ...] = ()  # per layer: attend to the last w tokens; None = full
+    hidden_act: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head before RoPE
+    norm_unit_offset: bool = False  # Gemma: RMSNorm weights are applied as (1 + w)
+    sandwich_norms: bool = False  # Gemma 2: norms after attention and around the MLP too
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype
+    query_pre_attn_scalar: float | None = None  # Gemma 2: softmax scale is this ** -0.5 (None: head_dim)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before softmax
+    final_logit_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj tensors (checkpoint and adapters)
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -98,6 +110,17 @@ class ModelConfig:
                              f"{self.num_layers} layers")
         if any(w is not None and w <= 0 for w in self.sliding_windows):
             raise ValueError(f"sliding windows must be positive, got {self.sliding_windows}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(HIDDEN_ACTS)}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "embedding_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")
+
+    @property
+    def attn_scale(self) -> float:
+        """The softmax scale of attention scores."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def sliding_window(self, layer: int) -> int | None:
         """The attention window of `layer` (None: full causal attention)."""
@@ -115,7 +138,7 @@ class ModelConfig:
         return ModelSpec(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                          intermediate_size=self.intermediate_size, model_name=self.name_or_path,
-                         vocab_size=self.vocab_size)
+                         vocab_size=self.vocab_size, fused_projections=self.fused_projections)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, name_or_path: str | None = None) -> ModelConfig:
@@ -133,12 +156,9 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], name_or_path: str | None = None) -> ModelConfig:
         """Build from a parsed transformers config dict (ValueError for anything unsupported)."""
         architecture = _architecture(raw)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is implemented")
         num_layers = _require(raw, "num_hidden_layers")
         num_heads = _require(raw, "num_attention_heads")
         hidden_size = _require(raw, "hidden_size")
-        attention_bias = bool(raw.get("attention_bias", False))
         eos = raw.get("eos_token_id")
         return cls(
             architecture=architecture,
@@ -151,16 +171,13 @@ class ModelConfig:
             intermediate_size=_require(raw, "intermediate_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=_require(raw, "max_position_embeddings"),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=architecture == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=architecture == "LlamaForCausalLM" and attention_bias,
-            mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
-            rope=_rope(raw),
-            sliding_windows=_sliding_windows(raw, architecture, num_layers),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", architecture == "Gemma2ForCausalLM")),
+            rope=_rope(raw, architecture),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=raw.get("pad_token_id"),
             name_or_path=name_or_path or raw.get("_name_or_path") or None,
+            **family_options(architecture, raw),
         )
 
 
@@ -172,8 +189,8 @@ def _require(raw: dict[str, Any], key: str) -> Any:
 
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
-    if not archs and raw.get("model_type") in _MODEL_TYPES:  # configs saved without a model class
-        return _MODEL_TYPES[raw["model_type"]]
+    if not archs and raw.get("model_type") in MODEL_TYPES:  # configs saved without a model class
+        return MODEL_TYPES[raw["model_type"]]
     if not archs:
         raise ValueError(f"config.json has neither 'architectures' nor a known 'model_type' "
                          f"({raw.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -182,33 +199,19 @@ def _architecture(raw: dict[str, Any]) -> str:
     return archs[0]
 
 
-def _rope(raw: dict[str, Any]) -> RopeConfig:
+def _rope(raw: dict[str, Any], architecture: str) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or DEFAULT_ROPE_THETA
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    rope_type = rope_type_alias(architecture, params.pop("rope_type", None) or params.pop("type", None) or "default")
     params.pop("type", None)
     if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported for Llama-family models")
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
-    if rope_type in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+    if rope_type == "longrope" and raw.get("original_max_position_embeddings") is not None:
+        # transformers gives Phi-3's top-level value priority over the one in the rope dict
+        params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    if rope_type in ("llama3", "yarn", "longrope") and params.get("original_max_position_embeddings") is None:
         # transformers falls back to max_position_embeddings for these
         params["original_max_position_embeddings"] = raw.get("max_position_embeddings")
     return RopeConfig(theta=float(theta), scaling={"rope_type": rope_type, **params})
-
-
-def _sliding_windows(raw: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, ...]:
-    window = raw.get("sliding_window")
-    if architecture == "LlamaForCausalLM" or window is None:
-        return ()
-    if architecture == "MistralForCausalLM":
-        return (window,) * num_layers
-    # Qwen2: only with use_sliding_window, on the layers layer_types marks (default: i >= max_window_layers)
-    if not raw.get("use_sliding_window", False):
-        return ()
-    layer_types = raw.get("layer_types") or [
-        "sliding_attention" if i >= raw.get("max_window_layers", 28) else "full_attention"
-        for i in range(num_layers)
-    ]
-    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-    return windows if any(w is not None for w in windows) else ()

@@ -18,16 +18,23 @@ from lora_runner.model.config import RopeConfig
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back before the weight."""
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back before the weight.
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+    unit_offset (Gemma): y = x / sqrt(mean(x^2) + eps) * (1 + w), all in fp32, cast at the end.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str,
+                 unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # [T, hidden]
+        x32 = x.float()  # [..., hidden]
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -55,7 +62,25 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int)
         return _llama3_inv_freq(inv_freq, scaling), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(rope.theta, dim, scaling, max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(rope.theta, dim, scaling, max_position_embeddings, "short_factor")
     return inv_freq, 1.0  # default, dynamic
+
+
+def _longrope_inv_freq(theta: float, dim: int, scaling: dict, max_position_embeddings: int,
+                       which: str) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-frequency factors, `which` = "short_factor" (contexts up to the original
+    length) or "long_factor" (beyond it); the attention factor is the same for both."""
+    factors = scaling[which]
+    if not isinstance(factors, (list, tuple)) or len(factors) != dim // 2:
+        raise ValueError(f"longrope {which} must be a list of head_dim/2 = {dim // 2} numbers, got {factors!r:.80}")
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [dim/2]
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents), float(attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -100,26 +125,38 @@ def _yarn_inv_freq(theta: float, dim: int, scaling: dict, max_position_embedding
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with transformers' scaling schemes (default, linear, dynamic, llama3, yarn).
+    """Rotate-half RoPE with transformers' scaling schemes (default, linear, dynamic, llama3, yarn, longrope).
 
-    'dynamic' (NTK) picks each token's base from its own sequence's length, which is what transformers
-    does for one sequence generated with a KV cache (keys keep the rotation they were written with).
+    'dynamic' (NTK) picks each token's base from its own sequence's length, and 'longrope' its short or
+    long factors (long once the sequence is longer than original_max_position_embeddings), which is
+    what transformers does for one sequence generated with a KV cache (keys keep the rotation they
+    were written with).
     """
+
+    PER_SEQUENCE_TYPES = ("dynamic", "longrope")  # rope types whose frequencies depend on the sequence length
 
     def __init__(self, head_dim: int, max_position_embeddings: int, rope: RopeConfig, device):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(rope, head_dim, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)  # [head_dim/2] fp32
+        if rope.rope_type == "longrope":
+            long_inv_freq, _ = _longrope_inv_freq(rope.theta, head_dim, rope.scaling, max_position_embeddings,
+                                                  "long_factor")
+            self.register_buffer("long_inv_freq", long_inv_freq.to(device), persistent=False)  # [head_dim/2]
         self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
         self.rope = rope
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                 token_seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] in `dtype` for positions [T]; token_seq_lens [T] only for 'dynamic'."""
+        """cos, sin [T, head_dim] in `dtype` for positions [T]; token_seq_lens [T] only for PER_SEQUENCE_TYPES."""
         if self.rope.rope_type == "dynamic" and token_seq_lens is not None:
             inv_freq = _dynamic_inv_freq(self.rope.theta, self.head_dim, self.rope.scaling["factor"],
                                          self.max_position_embeddings, token_seq_lens)  # [T, dim/2]
+            freqs = positions[:, None].float() * inv_freq  # [T, dim/2]
+        elif self.rope.rope_type == "longrope" and token_seq_lens is not None:
+            is_long = token_seq_lens[:, None] > self.rope.scaling["original_max_position_embeddings"]  # [T, 1]
+            inv_freq = torch.where(is_long, self.long_inv_freq[None, :], self.inv_freq[None, :])  # [T, dim/2]
             freqs = positions[:, None].float() * inv_freq  # [T, dim/2]
         else:
             freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, dim/2]

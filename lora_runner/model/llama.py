@@ -1,8 +1,12 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2 checkpoints) over a flat batch and a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3 checkpoints) over a flat
+batch and a paged KV cache.
 
 Projections sharing an input are packed (q,k,v -> "qkv"; gate,up -> "gate_up") so each layer makes
 four LoRA-aware matmuls; module paths follow adapters.spec: ``layers.<i>.<parent>.<packed>`` with
-parent "self_attn" or "mlp".
+parent "self_attn" or "mlp". Phi-3 checkpoints store the packed weights as they are (qkv_proj,
+gate_up_proj). What differs per family is a ModelConfig option (lora_runner/model/families.py):
+q/k norms (Qwen3), the gate activation, (1 + w) norms, norms around both blocks and attention
+soft-capping (Gemma 2); Gemma 2's embedding scale and final soft-capping are in gemma2.py.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adapters.spec import PEFT_PARENT, PEFT_TO_PACKED
+from adapters.spec import FUSED_TO_PACKED, PEFT_PARENT, PEFT_TO_PACKED
 from lora_runner.model.attention import paged_attention, token_seq_lens, write_kv
 from lora_runner.model.forward_context import ForwardContext, LoRAContext, PromptAdapterContext
 from lora_runner.model.config import ModelConfig
@@ -26,6 +30,14 @@ logger = logging.getLogger(__name__)
 
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)")
 _IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints saved
+_NORM_KEY = re.compile(r"layers\.\d+\.((input|post_attention|pre_feedforward|post_feedforward)_layernorm"
+                       r"|self_attn\.[qk]_norm)\.weight")
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def make_norm(config: ModelConfig, size: int, dtype: torch.dtype, device) -> RMSNorm:
+    """The family's RMSNorm over `size` features ((1 + w) for Gemma)."""
+    return RMSNorm(size, config.rms_norm_eps, dtype, device, unit_offset=config.norm_unit_offset)
 
 
 class Attention(nn.Module):
@@ -38,24 +50,35 @@ class Attention(nn.Module):
         self.qkv = LoRALinear(spec.in_features("qkv"), spec.slice_sizes("qkv"), config.qkv_bias, layer, "qkv",
                               dtype, device)
         self.o = LoRALinear(spec.in_features("o"), spec.slice_sizes("o"), config.o_bias, layer, "o", dtype, device)
+        if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = make_norm(config, self.head_dim, dtype, device)
+            self.k_norm = make_norm(config, self.head_dim, dtype, device)
+        self.qk_norm = config.qk_norm
         self.layer = layer
-        self.scale = self.head_dim ** -0.5
+        self.scale = config.attn_scale
+        self.softcap = config.attn_logit_softcap
         self.sliding_window = config.sliding_window(layer)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv(hidden, ctx.lora).split(self.qkv.slice_sizes, dim=-1)  # [T, H*D], [T, Hkv*D] x2
-        q = RotaryEmbedding.apply(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = RotaryEmbedding.apply(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin)  # [T, H, D]
+        k = RotaryEmbedding.apply(k, cos, sin)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         kv_layer = ctx.kv_cache[self.layer]  # [2, num_blocks, block_size, Hkv, D]
         write_kv(kv_layer, k, v, ctx.attn.slot_mapping)
-        out = paged_attention(q, kv_layer, ctx.attn, self.scale, self.sliding_window)  # [T, H, D]
+        out = paged_attention(q, kv_layer, ctx.attn, self.scale, self.sliding_window,
+                              softcap=self.softcap)  # [T, H, D]
         return self.o(out.reshape(num_tokens, self.num_heads * self.head_dim), ctx.lora)  # [T, hidden]
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate/up packed."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)) with gate/up packed; act is silu (SwiGLU) or
+    tanh-approximated GELU (Gemma's GeGLU)."""
 
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
         super().__init__()
@@ -64,29 +87,44 @@ class MLP(nn.Module):
                                   "gate_up", dtype, device)
         self.down = LoRALinear(spec.in_features("down"), spec.slice_sizes("down"), config.mlp_bias, layer, "down",
                                dtype, device)
+        self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         gate, up = self.gate_up(hidden, ctx.lora).chunk(2, dim=-1)  # [T, I] each
-        return self.down(F.silu(gate) * up, ctx.lora)  # [T, hidden]
+        return self.down(self.act(gate) * up, ctx.lora)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)).
+
+    With sandwich norms (Gemma 2) each block's output is normed too: x + post_attention_norm(attn(
+    input_norm(x))), then + post_feedforward_norm(mlp(pre_feedforward_norm(.))).
+    """
 
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.input_layernorm = make_norm(config, config.hidden_size, dtype, device)
         self.self_attn = Attention(config, layer, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size, dtype, device)
         self.mlp = MLP(config, layer, dtype, device)
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, dtype, device)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size, dtype, device)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.sandwich_norms:
+            attended = self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)  # [T, hidden]
+            hidden = hidden + self.post_attention_layernorm(attended)
+            mixed = self.mlp(self.pre_feedforward_layernorm(hidden), ctx)  # [T, hidden]
+            return hidden + self.post_feedforward_layernorm(mixed)
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)  # [T, hidden]
         return hidden + self.mlp(self.post_attention_layernorm(hidden), ctx)  # [T, hidden]
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head for Llama, Mistral and Qwen2 checkpoints (one class; config picks the options).
+    """Decoder + LM head for Llama, Mistral, Qwen2, Qwen3 and Phi-3 checkpoints (one class; config picks
+    the options; Gemma 2 subclasses it in gemma2.py).
 
     ``model(input_ids [T], positions [T], ctx) -> hidden [T, hidden]`` for a flat batch of mixed
     prefill chunks and decodes; ``compute_logits(hidden [S, hidden]) -> [S, vocab]`` float32.
@@ -99,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
                                          requires_grad=False)  # [V, hidden]
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = make_norm(config, config.hidden_size, dtype, device)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings else
                         nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
@@ -132,7 +170,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
                              "must both be [T]")
         hidden = self.embed(input_ids, ctx.prompt_adapter, ctx.lora)  # [T, hidden]
-        seq_lens = token_seq_lens(ctx.attn, input_ids.shape[0]) if self.config.rope.rope_type == "dynamic" else None
+        per_sequence = self.config.rope.rope_type in RotaryEmbedding.PER_SEQUENCE_TYPES
+        seq_lens = token_seq_lens(ctx.attn, input_ids.shape[0]) if per_sequence else None
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, seq_lens)  # [T, D] each
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, ctx)
@@ -165,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dst.shape)} (config.json does not match the weights)")
             dst.copy_(tensor)
-            loaded.add((param_name, -1 if index is None else index))
+            loaded |= self._weight_keys(param_name, index)
         missing = sorted(self._required_weights() - loaded)
         if missing:
             shown = ", ".join(f"{p}[slice {i}]" if i >= 0 else p for p, i in missing[:8])
@@ -184,12 +223,16 @@ class LlamaForCausalLM(nn.Module):
             return "embed_tokens", None
         if name == "norm.weight":
             return "norm.weight", None
-        if re.fullmatch(r"layers\.\d+\.(input|post_attention)_layernorm\.weight", name):
+        if _NORM_KEY.fullmatch(name):
             return name, None
         match = _LAYER_KEY.fullmatch(name)
-        if match is None or match.group(3) not in PEFT_TO_PACKED:
+        if match is None:
             return None
         layer, parent, proj, kind = match.groups()
+        if self.config.fused_projections and proj in FUSED_TO_PACKED:  # Phi-3: the packed weight as a whole
+            return f"layers.{layer}.{parent}.{FUSED_TO_PACKED[proj]}.{kind}", None
+        if proj not in PEFT_TO_PACKED:
+            return None
         packed, index = PEFT_TO_PACKED[proj]
         if PEFT_PARENT[proj] != parent:
             return None
@@ -198,12 +241,19 @@ class LlamaForCausalLM(nn.Module):
     def _slices(self, packed: str) -> tuple[int, ...]:
         return self.config.spec().slice_sizes(packed)
 
+    def _weight_keys(self, param_name: str, index: int | None) -> set[tuple[str, int]]:
+        """(parameter, slice) keys a loaded tensor fills: one slice, or every slice of the parameter
+        (-1 for an unpacked one)."""
+        if index is not None:
+            return {(param_name, index)}
+        packed = param_name.split(".")[-2] if "." in param_name else param_name
+        slices = len(self._slices(packed)) if packed in ("qkv", "gate_up") else 1
+        return {(param_name, i if slices > 1 else -1) for i in range(slices)}
+
     def _required_weights(self) -> set[tuple[str, int]]:
         required = set()
         for name, param in self.named_parameters(remove_duplicate=False):
             if name == "lm_head" and self.config.tie_word_embeddings:
                 continue
-            packed = name.split(".")[-2] if "." in name else name
-            slices = len(self._slices(packed)) if packed in ("qkv", "gate_up") else 1
-            required |= {(name, i if slices > 1 else -1) for i in range(slices)}
+            required |= self._weight_keys(name, None)
         return required

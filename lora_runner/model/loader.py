@@ -13,7 +13,7 @@ import torch
 from lora_runner.device import resolve_device, resolve_dtype
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.gguf import gguf_model_dir, is_gguf_file
-from lora_runner.model.llama import LlamaForCausalLM
+from lora_runner.model.gemma2 import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
                device: torch.device | str = "cpu", local_files_only: bool | None = None):
     """Build the decoder for `model` (local dir or Hub repo id) with its weights loaded.
 
-    Returns (LlamaForCausalLM, ModelConfig, model_dir). Raises FileNotFoundError for a missing
+    Returns (LlamaForCausalLM or a subclass, ModelConfig, model_dir). Raises FileNotFoundError for a missing
     dir/repo/config/weights and ValueError for an unsupported architecture or option.
     """
     device = resolve_device(device)
@@ -112,7 +112,7 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
     model_dir = resolve_model_dir(model, revision=revision, local_files_only=local_files_only)
     config = ModelConfig.from_dir(model_dir, name_or_path=model)
     weight_files(model_dir)  # fail on missing weights before allocating the model
-    net = LlamaForCausalLM(config, dtype=dtype, device=device)
+    net = model_class(config)(config, dtype=dtype, device=device)
     net.load_weights(iter_weights(model_dir))
     logger.info("loaded %s (%s, %d layers) as %s on %s", model, config.architecture, config.num_layers, dtype, device)
     return net.eval(), config, model_dir

@@ -20,6 +20,9 @@ Design points:
 * Prefill/extend: one program per (sequence, tile of its new tokens, query head); the chunk's K/V
   are already in the cache (write_kv runs first), so the prefix and the causal chunk are read the
   same way. Sliding window w: a token at position p sees positions p-w+1..p.
+* Logit soft-capping (Gemma 2), a constexpr switch: scores s become c * tanh(s / c) before the mask;
+  in log2 units the cap is c * log2(e), so the scale needs no change. tanh is computed from exp2 of
+  -2|x| (no overflow; libdevice's tanh does not run in the interpreter).
 * fp32 accumulation and online softmax (exp2 with log2(e) folded into the scale); int64 offsets
   for every cache, query and output address. Positions past a sequence's length are masked at
   load time, so stale (even NaN) cache blocks are never read.
@@ -37,15 +40,21 @@ import triton.language as tl
 from punica_kernels.triton_ops import kernel_for
 
 # Tile sizes and warps per element size, chosen so every configuration compiles without register
-# spills on sm_80 and sm_90 (ptxas -v; checked for head_dim 64/128 and query groups up to 16) and
-# fits sm_80's shared memory; fp32 (3xTF32 dots) needs smaller tiles than fp16/bf16.
+# spills on sm_80 and sm_90 (ptxas -v; checked for head_dim 64/128/256 and query groups up to 16) and
+# fits sm_80's shared memory; fp32 (3xTF32 dots) needs smaller tiles than fp16/bf16. Heads wider
+# than WIDE_HEAD_DIM (Gemma 2: 256) hold twice the registers per row: narrower tiles or more warps.
 DECODE_CONFIG = {2: dict(BLOCK_N=64, num_warps=4), 4: dict(BLOCK_N=32, num_warps=4)}  # BLOCK_N: context step
 PREFILL_CONFIG = {2: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3),  # BLOCK_M: new tokens per program
                   4: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=3)}
+WIDE_HEAD_DIM = 128
+DECODE_CONFIG_WIDE = {2: dict(BLOCK_N=64, num_warps=4), 4: dict(BLOCK_N=32, num_warps=8)}
+PREFILL_CONFIG_WIDE = {2: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=3),
+                       4: dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=2)}
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256  # a context split covers at least this many tokens of the table's capacity
 TARGET_PROGRAMS = 256  # split decode until about this many programs run (~2 per SM on H100/H200)
 LOG2E = 1.4426950408889634
+LOG2E_F = tl.constexpr(LOG2E)  # the same, for use inside kernels
 _EMPTY = tl.constexpr(-1.0e30)  # running max of a row that has seen no key yet: finite, so exp2 never sees inf - inf
 # The combine functions tl.max / tl.sum reduce with. The kernels call tl.reduce with them directly:
 # the interpreted twins of CPU runs cannot call jit'd helpers such as tl.max (only builtins), and
@@ -63,6 +72,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int) -> int
     while splits * 2 <= limit and num_seqs * num_kv_heads * splits < TARGET_PROGRAMS:
         splits *= 2
     return splits
+
+
+def _tile_config(query: torch.Tensor, narrow: dict, wide: dict) -> dict:
+    """The tile sizes and warps for `query`'s element size and head width."""
+    return (wide if query.shape[-1] > WIDE_HEAD_DIM else narrow)[query.element_size()]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -99,12 +113,13 @@ def _check_cache(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
 def _decode_kernel(
     q_ptr, kv_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
     block_tables_ptr, seq_lens_ptr,
-    qk_scale, sliding_window, num_splits,
+    qk_scale, sliding_window, num_splits, softcap,
     stride_qb, stride_qh,
     stride_kv, stride_kvb, stride_kvs, stride_kvh,
     stride_ob, stride_oh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -139,6 +154,10 @@ def _decode_kernel(
         k = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(kv_ptr + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N] log2 units
+        if SOFTCAP:  # softcap in log2 units; the helper cannot be a jit function (see _MAX)
+            decay = tl.exp2(tl.abs(scores) * (-2.0 * LOG2E_F / softcap))  # tanh(x) = sign(x) (1 - d) / (1 + d)
+            capped = (1.0 - decay) / (1.0 + decay) * softcap
+            scores = tl.where(scores < 0, -capped, capped)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.reduce(scores, 1, _MAX))
         probs = tl.exp2(scores - new_max[:, None])
@@ -162,13 +181,14 @@ def _decode_kernel(
 
 def decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, out: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Paged attention of one new token per sequence (decode), its K/V already in the cache.
 
-    Semantics: out[b, h] = softmax(scale * q[b, h] . K[b, g(h), j]) @ V[b, g(h), j] over positions
+    Semantics: out[b, h] = softmax(cap(scale * q[b, h] . K[b, g(h), j])) @ V[b, g(h), j] over positions
     j in [max(0, L_b - w), L_b), L_b = seq_lens[b], w = sliding_window (None or 0: no window),
     g(h) = h // (H // H_kv), K/V[b, g, j] = kv_layer[0/1, block_tables[b, j // bs], j % bs, g].
-    A sequence with L_b = 0 gets zeros.
+    A sequence with L_b = 0 gets zeros. cap(s) = c * tanh(s / c) with c = softcap (None: cap(s) = s).
 
     Args:
         query: [B, H, D] fp16/bf16/fp32 (RoPE applied); D is padded to a power of two >= 16.
@@ -200,13 +220,14 @@ def decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: 
     kernel = kernel_for(_decode_kernel, query.device)
     kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_layer, out, part_max, part_sum, part_acc, block_tables, seq_lens,
-        scale * LOG2E, sliding_window or 0, num_splits,
+        scale * LOG2E, sliding_window or 0, num_splits, (softcap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=block_size, SPLIT=split,
-        DOT_PRECISION=_dot_precision(query.dtype), **DECODE_CONFIG[query.element_size()])
+        DOT_PRECISION=_dot_precision(query.dtype), SOFTCAP=softcap is not None,
+        **_tile_config(query, DECODE_CONFIG, DECODE_CONFIG_WIDE))
     if split:
         combine_decode_splits(part_max, part_sum, part_acc, out)
     return out
@@ -266,12 +287,12 @@ def combine_decode_splits(part_max: torch.Tensor, part_sum: torch.Tensor, part_a
 @triton.jit(do_not_specialize=["sliding_window"])
 def _prefill_kernel(
     q_ptr, kv_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, sliding_window,
+    qk_scale, sliding_window, softcap,
     stride_qt, stride_qh,
     stride_kv, stride_kvb, stride_kvs, stride_kvh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -310,6 +331,10 @@ def _prefill_kernel(
         k = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(kv_ptr + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:  # as in _decode_kernel
+            decay = tl.exp2(tl.abs(scores) * (-2.0 * LOG2E_F / softcap))  # tanh(x) = sign(x) (1 - d) / (1 + d)
+            capped = (1.0 - decay) / (1.0 + decay) * softcap
+            scores = tl.where(scores < 0, -capped, capped)
         in_window = (pos[None, :] > q_pos[:, None] - sliding_window) | (sliding_window <= 0)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & in_window
         scores = tl.where(visible, scores, float("-inf"))
@@ -327,14 +352,15 @@ def _prefill_kernel(
 
 def prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                      sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, out: torch.Tensor | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Paged attention of a flat batch of prefill chunks (and decodes), their K/V already in the cache.
 
     Semantics: for sequence b with new tokens t in [s_b, s_b + n_b) (s = query_start_loc,
     n_b = s_{b+1} - s_b) at positions p = L_b - n_b + (t - s_b), L_b = seq_lens[b]:
-    out[t, h] = softmax_j(scale * q[t, h] . K[b, g(h), j]) @ V[b, g(h), j] over
+    out[t, h] = softmax_j(cap(scale * q[t, h] . K[b, g(h), j])) @ V[b, g(h), j] over
     j in [max(0, p - w + 1), p] (w = sliding_window; None or 0: no window), g(h) = h // (H // H_kv),
-    K/V as in decode_attention. Rows t >= s_B (padding) are zeroed.
+    K/V and cap (softcap) as in decode_attention. Rows t >= s_B (padding) are zeroed.
 
     Args:
         query: [T, H, D] fp16/bf16/fp32 (RoPE applied).
@@ -354,14 +380,14 @@ def prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables:
     out.zero_()  # padding rows (no sequence) stay zero
     if num_seqs == 0 or query.shape[0] == 0 or max_query_len < 1:
         return out
-    config = PREFILL_CONFIG[query.element_size()]
+    config = _tile_config(query, PREFILL_CONFIG, PREFILL_CONFIG_WIDE)
     grid = (num_seqs, triton.cdiv(max_query_len, config["BLOCK_M"]), num_heads)
     kernel_for(_prefill_kernel, query.device)[grid](
         query, kv_layer, out, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, sliding_window or 0,
+        scale * LOG2E, sliding_window or 0, (softcap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PAGE=block_size, DOT_PRECISION=_dot_precision(query.dtype), **config)
+        PAGE=block_size, DOT_PRECISION=_dot_precision(query.dtype), SOFTCAP=softcap is not None, **config)
     return out
