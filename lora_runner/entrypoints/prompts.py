@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lora_runner.chat import chat_token_ids
 from lora_runner.entrypoints.errors import APIError
 from lora_runner.entrypoints.protocol import ChatMessage
 from lora_runner.entrypoints.state import ServerState
@@ -36,11 +37,7 @@ def chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "no_chat_template")
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        encoded = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception)
-        raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_value") from exc
-    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-    if not ids:
-        raise APIError(400, "the chat template produced an empty prompt", "invalid_value")
-    return list(ids)
+    try:  # the same rendering and tokenization as LLM.chat
+        return chat_token_ids(tokenizer, [conversation])[0]
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_value") from exc
