@@ -118,6 +118,8 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     vocab_size: int = 32000
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
 
 
 def save_random_model(path: Path, shape: ModelShape, seed: int = 0, initializer_range: float = 0.02,
@@ -132,7 +134,7 @@ def save_random_model(path: Path, shape: ModelShape, seed: int = 0, initializer_
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=False,
+        max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=shape.tie_word_embeddings,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=initializer_range,
     )
     default_dtype = torch.get_default_dtype()
