@@ -182,7 +182,8 @@ def save_random_adapters(base_model, root: Path, num: int, rank: int, seed: int 
 # ----------------------------------------------------------------------------- the PEFT baseline
 
 class PeftRunner:
-    """The baseline: PEFT mixed-adapter batches (generate(adapter_names=...)) on static batches."""
+    """The baseline: PEFT mixed-adapter batches (generate(adapter_names=...)) on static batches;
+    plain transformers generate() while no adapter is loaded (workloads without adapters)."""
 
     def __init__(self, model_dir: str, adapter_paths: list[Path], device: torch.device,
                  dtype: torch.dtype):
@@ -201,7 +202,8 @@ class PeftRunner:
             else:
                 self.model.load_adapter(str(self.paths[i]), adapter_name=f"a{i}")
             self.loaded.add(i)
-        self.model.eval()
+        if self.model is not None:
+            self.model.eval()
 
     def _generate(self, batch, start: float) -> tuple[float, list[list[int]]]:
         """One static batch; returns the time (since `start`) its first token was ready, and each
@@ -222,12 +224,13 @@ class PeftRunner:
             input_ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
             mask[row, width - len(r.prompt_token_ids):] = 1
         names = [f"a{r.adapter}" if r.adapter is not None else "__base__" for r in batch]
+        model, extra = (self.base, {}) if self.model is None else (self.model, {"adapter_names": names})
         max_new = max(r.max_tokens for r in batch)
         timer = FirstToken()
         with torch.no_grad():
-            out = self.model.generate(input_ids.to(self.device), attention_mask=mask.to(self.device),
+            out = model.generate(input_ids.to(self.device), attention_mask=mask.to(self.device),
                                 max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                                adapter_names=names, pad_token_id=0,
+                                pad_token_id=0, **extra,
                                 stopping_criteria=StoppingCriteriaList([timer]))  # [B, width + max_new]
         return timer.seen, [out[row, width: width + r.max_tokens].tolist() for row, r in enumerate(batch)]
 

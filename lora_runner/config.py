@@ -15,6 +15,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048  # default cap of max_model_len on CUDA
 _CUDA_KV_FRACTION = 0.8  # default share of free device memory for the KV cache
+_CUDA_MAX_CHUNK = 8192  # default cap of max_num_batched_tokens
+# smaller on CPU: the torch attention path pads every sequence of a step to its longest chunk and
+# context, so a long chunk beside many decodes costs chunk x context x sequences of mask and scores
+_CPU_MAX_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class EngineConfig:
     max_num_seqs: requests running at once. max_model_len: prompt + generated tokens per request
     (None: the model's max_position_embeddings on CPU, lowered when one such request does not fit the
     CPU KV budget; min(2048, it) on CUDA; a larger explicit value is an error).
-    max_num_batched_tokens: tokens per step (None: max(min(max_model_len, 8192), max_num_seqs));
+    max_num_batched_tokens: tokens per step (None: max(min(max_model_len, 8192; 2048 on CPU), max_num_seqs));
     longer prompts are prefilled in chunks. block_size: tokens per KV block. kv_cache_memory_bytes:
     KV-cache budget (None: enough for max_num_seqs full-length requests, bounded on CPU by a quarter of
     the RAM available at start-up and 4 GiB (lora_runner.kv_budget; the CPU cache takes RAM only as
@@ -131,7 +135,8 @@ class EngineConfig:
                              f"max_position_embeddings={max_position_embeddings}; lower it")
         if max_model_len is None:
             max_model_len = self.max_model_len or self._default_max_model_len(max_position_embeddings)
-        max_batched = self.max_num_batched_tokens or max(min(max_model_len, 8192), self.max_num_seqs)
+        chunk = _CPU_MAX_CHUNK if self.torch_device().type == "cpu" else _CUDA_MAX_CHUNK
+        max_batched = self.max_num_batched_tokens or max(min(max_model_len, chunk), self.max_num_seqs)
         return max_model_len, max_batched, -(-max_model_len // self.block_size)
 
     def _default_max_model_len(self, max_position_embeddings: int) -> int:

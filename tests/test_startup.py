@@ -73,7 +73,8 @@ def test_explicit_settings_that_force_a_large_cache_warn(caplog):
         one_request = budget(max_model_len=2**20, context=2**20, available_bytes=1 * GiB)
         assert one_request.bytes == 2**20 * KV_PER_TOKEN  # 512 MiB: over the 256 MiB bound, one request
         assert budget(explicit_bytes=3 * GiB, available_bytes=8 * GiB).bytes == 3 * GiB
-    assert [r.message.split(" ")[0] for r in caplog.records] == ["max_model_len=1048576", "kv_cache_memory_bytes=3221225472"]
+    warned = [r.getMessage().split(" ")[0] for r in caplog.records]
+    assert warned == ["max_model_len=1048576", "kv_cache_memory_bytes=3221225472"]
     with pytest.raises(ValueError, match="lower max_model_len"):
         budget(max_model_len=2**20, context=2**20, available_bytes=256 * MiB)
 
