@@ -44,7 +44,8 @@ COLUMNS = [("case", "case", ""), ("device", "device", ""), ("load_s", "load s", 
            ("load_cpu_s", "load CPU s", ".2f"), ("rss_load_mib", "RSS +load MiB", ".0f"),
            ("peak_rss_mib", "peak RSS MiB", ".0f"), ("vs_hf_time", "time vs HF", ".2f"),
            ("vs_hf_cache_time", "time vs HF+cache", ".2f"), ("vs_hf_cache_rss", "RSS vs HF+cache", ".2f"),
-           ("generate_s", "generate s", ".2f"), ("rss_generate_mib", "RSS +gen MiB", ".0f"),
+           ("generate_s", "generate s", ".2f"), ("generate_cpu_s", "generate CPU s", ".2f"),
+           ("rss_generate_mib", "RSS +gen MiB", ".0f"),
            ("cuda_peak_mib", "CUDA peak MiB", ".0f")]
 PROMPT_LEN, NEW_TOKENS = 32, 16
 
@@ -133,9 +134,10 @@ def child(case: dict) -> dict:
     if case["generate"]:
         vocab = model.engine.model_config.vocab_size if engine else model.config.vocab_size
         prompts = _prompts(case["seqs"], vocab)
-        gen_start = time.perf_counter()
+        gen_start, gen_cpu_start = time.perf_counter(), time.process_time()
         (_generate_engine if engine else _generate_transformers)(model, prompts)
-        result.update(generate_s=time.perf_counter() - gen_start, rss_generate_mib=_rss_mib() - rss_imported)
+        result.update(generate_s=time.perf_counter() - gen_start, generate_cpu_s=time.process_time() - gen_cpu_start,
+                      rss_generate_mib=_rss_mib() - rss_imported)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     if on_cuda:
         result["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20

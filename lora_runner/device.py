@@ -107,4 +107,9 @@ def set_cpu_threads(requested: int | None) -> int:
                        "for each other at every parallel region", threads, cores)
     torch.set_num_threads(threads)
     logger.info("CPU intra-op threads: %d (%s); torch.set_num_threads is process-global", threads, why)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if requested is None and threads > 1 and load >= cores:
+        logger.info("the machine is busy (1-minute load average %.1f for %d core(s)): while other processes "
+                    "compete for the cores, cpu_threads=1 can be several times faster (threads wait for each "
+                    "other at every parallel region; see bench_engine.py --contention)", load, cores)
     return threads

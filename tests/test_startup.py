@@ -183,3 +183,15 @@ def test_engine_applies_and_logs_its_threads(engine_checkpoint, restore_threads,
     assert any(f"cpu_threads={cores + 1} is more than" in r.getMessage() for r in caplog.records)
     LLMEngine(path, device="cpu")  # default: the available cores, at most torch's current setting
     assert torch.get_num_threads() == cores
+
+
+def test_busy_machine_hint_names_cpu_threads(monkeypatch, restore_threads, caplog):
+    monkeypatch.setattr(device_mod, "available_cpu_cores", lambda: 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(device_mod.os, "getloadavg", lambda: (6.0, 6.0, 6.0))
+    with caplog.at_level(logging.INFO, "lora_runner.device"):
+        assert device_mod.set_cpu_threads(None) == 4
+        assert device_mod.set_cpu_threads(2) == 2  # an explicit choice gets no hint
+    hints = [r.getMessage() for r in caplog.records if "cpu_threads=1 can be" in r.getMessage()]
+    assert len(hints) == 1 and "load average 6.0 for 4 core(s)" in hints[0]
