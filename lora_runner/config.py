@@ -173,7 +173,9 @@ class EngineConfig:
             if device_kv_budget_bytes is not None:
                 cap = device_kv_budget_bytes
             budget = min(self.max_num_seqs * max_model_len * kv_bytes_per_token, cap)
-        return self._limits(max_position_embeddings, kv_bytes_per_token, budget, max_model_len, "device budget")
+        reason = ("kv_cache_memory_bytes" if self.kv_cache_memory_bytes is not None
+                  else "max_num_seqs full-length requests, at most the device's budget")
+        return self._limits(max_position_embeddings, kv_bytes_per_token, budget, max_model_len, reason)
 
     def _limits(self, max_position_embeddings: int, kv_bytes_per_token: int, budget: int, max_model_len: int,
                 reason: str) -> EngineLimits:

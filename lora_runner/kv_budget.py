@@ -14,7 +14,8 @@ the newest running one is preempted (recomputed later) when the cache runs out. 
 request of the default max_model_len (the model's context) fits, max_model_len is lowered to what
 does. An explicit max_model_len that needs more than the bound for one request gets exactly one
 request's worth and a warning (ValueError beyond the available RAM); an explicit
-kv_cache_memory_bytes is used as given, with a warning when it exceeds the bound.
+kv_cache_memory_bytes is used as given, with a warning when it exceeds the bound (and the default
+max_model_len is lowered to fit it too).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def host_kv_budget(*, max_num_seqs: int, max_model_len: int | None, context: int
         if explicit_bytes > bound:
             logger.warning("kv_cache_memory_bytes=%d (%s) exceeds the default CPU bound (%s): the cache may "
                            "grow to it as requests fill it", explicit_bytes, _gib(explicit_bytes), bound_text)
+        if max_model_len is None and block_bytes <= explicit_bytes < seq_bytes:
+            fitted = explicit_bytes // block_bytes * block_size
+            return HostKVBudget(explicit_bytes, fitted, f"kv_cache_memory_bytes; max_model_len lowered from the "
+                                                        f"model's context {context} to {fitted} tokens to fit")
         return HostKVBudget(explicit_bytes, length, "kv_cache_memory_bytes")
     wanted = max_num_seqs * seq_bytes
     if wanted <= bound:

@@ -68,6 +68,12 @@ def test_default_max_model_len_is_lowered_to_fit_one_request():
     assert "lowered" in chosen.reason
 
 
+def test_default_max_model_len_is_lowered_to_fit_an_explicit_budget():
+    chosen = budget(context=8192, explicit_bytes=100 * 16 * KV_PER_TOKEN)  # 100 blocks; one request needs 512
+    assert (chosen.bytes, chosen.max_model_len) == (100 * 16 * KV_PER_TOKEN, 1600)
+    assert budget(max_model_len=8192, context=8192, explicit_bytes=100).max_model_len == 8192  # explicit: kept
+
+
 def test_explicit_settings_that_force_a_large_cache_warn(caplog):
     with caplog.at_level(logging.WARNING, "lora_runner.kv_budget"):
         one_request = budget(max_model_len=2**20, context=2**20, available_bytes=1 * GiB)
