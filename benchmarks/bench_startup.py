@@ -13,8 +13,8 @@ imports, allocator state and page faults are those a new user's process sees:
 
 Per case: import seconds; construction seconds (wall, and this process's CPU seconds: the machine
 may be shared); RSS after construction above RSS after the imports; peak RSS (ru_maxrss); with
---generate (default on) the seconds and RSS after greedily generating 16 tokens for --seqs random
-prompts of 32 tokens (the cache the engine touches shows up here). On CUDA also the peak of torch's
+--generate (default on) the seconds (wall and CPU) and RSS after greedily generating 16 tokens for
+--seqs random prompts of 32 tokens (the cache the engine touches shows up here). On CUDA also the peak of torch's
 allocator. Construction time and RSS are the fastest / smallest of --repeats processes.
 
     python benchmarks/bench_startup.py                       # cpu (+ cuda when available)
