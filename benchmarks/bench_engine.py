@@ -18,6 +18,14 @@ token) on a skewed load, one tenant sending 10x the requests of two others, all 
 with its own LoRA and 2 slots: each tenant's share of the weighted served tokens (prefill 1, decode 2)
 while all three are backlogged, and the scheduler's own time per step.
 
+--contention adds a table on the batch workload without adapters: the engine and transformers
+generate() (static batch) serve the same requests, with no other load and then while a competing
+busy process (a subprocess spinning on this process's last core) runs, once with the engine's
+default intra-op thread count (EngineConfig.cpu_threads: the physical cores available) and once
+with 1 thread; transformers runs with the same (process-global) thread count. tok/s per wall-clock
+second there: contention shows as lost wall time. Only that table:
+    python benchmarks/bench_engine.py --quick --workloads "" --skip-peft --contention
+
 tok/s counts wall-clock seconds, except --quick on CPU, which runs one torch thread and counts this
 process's CPU seconds (--clock process) so that other processes on a shared machine cannot skew the
 ratios; TTFT is always wall-clock, from each request's arrival.
@@ -28,8 +36,12 @@ Writes results/bench_engine-<mode>-<time>.json (and a .png with the `bench` extr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections import deque
@@ -85,7 +97,8 @@ class EngineRunner:
     """Replays workloads through one LLMEngine (add_request/step), timing every request."""
 
     def __init__(self, model_dir: str, adapter_paths: list[Path], spec: WorkloadSpec, rank: int,
-                 device: str, max_model_len: int, max_batched_tokens: int, policy: str = "fair"):
+                 device: str, max_model_len: int, max_batched_tokens: int, policy: str = "fair",
+                 cpu_threads: int | None = None):
         from adapters import LoRARequest
         from lora_runner import LLMEngine
 
@@ -93,7 +106,7 @@ class EngineRunner:
                                 max_cpu_loras=4 * spec.max_loras,  # CPU tier pages too at 128
                                 device=device, max_num_seqs=spec.num_requests,
                                 max_model_len=max_model_len, max_num_batched_tokens=max_batched_tokens,
-                                scheduling_policy=policy)
+                                scheduling_policy=policy, cpu_threads=cpu_threads)
         self.loras = [LoRARequest(f"adapter-{i:03d}", str(p)) for i, p in enumerate(adapter_paths)]
         self._run_index = 0
 
@@ -181,6 +194,65 @@ def run_workload(spec: WorkloadSpec, model_dir: str, adapter_paths: list[Path], 
                                   for r in requests) / len(requests)
     del runner
     return row
+
+
+CONTENTION_COLUMNS = [("threads", "threads", "d"), ("competing", "competing busy processes", "d"),
+                      ("engine_tokens_per_s", "engine tok/s", ".1f"), ("hf_tokens_per_s", "transformers tok/s", ".1f"),
+                      ("vs_hf", "engine / transformers", ".2f"), ("engine_slowdown", "engine slowdown", ".2f"),
+                      ("hf_slowdown", "transformers slowdown", ".2f")]
+
+
+@contextlib.contextmanager
+def busy_process(enabled: bool):
+    """A subprocess spinning on this process's last CPU while the block runs (nothing if not enabled)."""
+    if not enabled:
+        yield
+        return
+    cpu = max(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass"
+    proc = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.5)  # spinning before the timed run starts
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def contention_rows(model_dir: str, vocab_size: int, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Engine vs transformers on one batch of base-model requests, without and with a competing busy
+    process, at the engine's default thread count and at 1 (wall-clock tok/s, best of --repeats)."""
+    from lora_runner.device import available_cpu_cores
+
+    spec = WorkloadSpec(num_requests=args.num_requests or 32, num_adapters=0, prompt_len=(8, 32), output_len=(8, 24))
+    requests = make_workload(spec, vocab_size)
+    warmup = make_workload(WorkloadSpec(num_requests=2, num_adapters=0, seed=99, prompt_len=(4, 8),
+                                        output_len=(2, 2)), vocab_size)
+    hf = PeftRunner(model_dir, [], device, dtype)  # no adapters: plain transformers generate()
+    rows = []
+    for threads in dict.fromkeys((available_cpu_cores(), 1)):
+        engine = EngineRunner(model_dir, [], spec, args.rank, str(device), max_model_len=128,
+                              max_batched_tokens=2048, cpu_threads=threads)  # sets torch's threads: both use them
+        engine.run(warmup, False, "warm-up")
+        hf.run(warmup, "warm-up")
+        for competing in (0, 1):
+            best_engine = best_hf = None
+            with busy_process(competing > 0):
+                for _ in range(args.repeats):
+                    label = f"{threads} threads, {competing} busy"
+                    best_engine = _faster(best_engine, engine.run(requests, False, f"engine, {label}"), "wall")
+                    best_hf = _faster(best_hf, hf.run(requests, f"transformers, {label}"), "wall")
+            rows.append({"threads": threads, "competing": competing,
+                         "engine_tokens_per_s": _throughput(best_engine, "wall"),
+                         "hf_tokens_per_s": _throughput(best_hf, "wall"),
+                         "clock_seconds": {name: {"wall": r["seconds"], "process": r["cpu_seconds"]}
+                                           for name, r in (("engine", best_engine), ("transformers", best_hf))}})
+            rows[-1]["vs_hf"] = rows[-1]["engine_tokens_per_s"] / rows[-1]["hf_tokens_per_s"]
+        calm, busy = rows[-2], rows[-1]
+        busy["engine_slowdown"] = calm["engine_tokens_per_s"] / busy["engine_tokens_per_s"]
+        busy["hf_slowdown"] = calm["hf_tokens_per_s"] / busy["hf_tokens_per_s"]
+        del engine
+    return rows
 
 
 def _throughput(result: dict, clock: str) -> float:
@@ -301,8 +373,10 @@ def parse_args(argv=None):
                         "spin-wait and run several times slower), else torch's choice")
     p.add_argument("--policy", default="fair", type=_policies,
                    help="comma-separated scheduling policies (fair, fcfs); each workload runs under each")
-    p.add_argument("--workloads", type=lambda text: [int(i) for i in text.split(",")],
-                   help="comma-separated indices into the workload grid (default: all)")
+    p.add_argument("--workloads", type=lambda text: [int(i) for i in text.split(",") if i],
+                   help="comma-separated indices into the workload grid (default: all; \"\": none)")
+    p.add_argument("--contention", action="store_true",
+                   help="add the engine-vs-transformers table without and with a competing busy process")
     p.add_argument("--fairness", action="store_true",
                    help="add the skewed-load fairness table (scheduler only, no model; seconds)")
     p.add_argument("--out-dir", default="results")
@@ -336,17 +410,20 @@ def main(argv=None) -> list[dict]:
                                            dtype=dtype)
         vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
         adapter_paths = save_random_adapters(base_model, Path(tmp) / "adapters",
-                                             max(s.num_adapters for s in specs), args.rank)
+                                             max((s.num_adapters for s in specs), default=0), args.rank)
         del base_model
         peft = None if args.skip_peft else PeftRunner(model_dir, adapter_paths, device, dtype)
         rows = [run_workload(spec, model_dir, adapter_paths, args, peft, vocab_size, policy)
                 for spec in tqdm(specs, desc="workloads") for policy in args.policy]
+        contention = contention_rows(model_dir, vocab_size, args, device, dtype) if args.contention else None
     report = {"mode": "quick" if args.quick else "full", "model": args.model or "random",
               "rank": args.rank, "repeats": args.repeats, "clock": args.clock,
               "machine": machine_description(str(device)), "seconds": time.perf_counter() - started,
               "rows": rows}
     if args.fairness:
         report["fairness"] = [fairness_row(policy) for policy in args.policy]
+    if contention is not None:
+        report["contention"] = contention
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench_engine-{report['mode']}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -356,6 +433,10 @@ def main(argv=None) -> list[dict]:
     if args.fairness:
         print("\nSkewed load, scheduler only: share of weighted served tokens while all tenants are backlogged")
         print(markdown_table(report["fairness"], FAIRNESS_COLUMNS))
+    if contention is not None:
+        print("\nBatch of base-model requests, engine vs transformers generate(), wall-clock tok/s; slowdown: "
+              "without / with the competing process")
+        print(markdown_table(contention, CONTENTION_COLUMNS))
     print(f"\ntok/s per {args.clock} second; {report['machine']}\n"
           f"total {report['seconds']:.0f} s; written {stem}.json")
     return rows

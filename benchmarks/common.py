@@ -118,6 +118,8 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     vocab_size: int = 32000
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
 
 
 def save_random_model(path: Path, shape: ModelShape, seed: int = 0, initializer_range: float = 0.02,
@@ -132,7 +134,7 @@ def save_random_model(path: Path, shape: ModelShape, seed: int = 0, initializer_
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=False,
+        max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=shape.tie_word_embeddings,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=initializer_range,
     )
     default_dtype = torch.get_default_dtype()
@@ -180,7 +182,8 @@ def save_random_adapters(base_model, root: Path, num: int, rank: int, seed: int 
 # ----------------------------------------------------------------------------- the PEFT baseline
 
 class PeftRunner:
-    """The baseline: PEFT mixed-adapter batches (generate(adapter_names=...)) on static batches."""
+    """The baseline: PEFT mixed-adapter batches (generate(adapter_names=...)) on static batches;
+    plain transformers generate() while no adapter is loaded (workloads without adapters)."""
 
     def __init__(self, model_dir: str, adapter_paths: list[Path], device: torch.device,
                  dtype: torch.dtype):
@@ -199,7 +202,8 @@ class PeftRunner:
             else:
                 self.model.load_adapter(str(self.paths[i]), adapter_name=f"a{i}")
             self.loaded.add(i)
-        self.model.eval()
+        if self.model is not None:
+            self.model.eval()
 
     def _generate(self, batch, start: float) -> tuple[float, list[list[int]]]:
         """One static batch; returns the time (since `start`) its first token was ready, and each
@@ -220,12 +224,13 @@ class PeftRunner:
             input_ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
             mask[row, width - len(r.prompt_token_ids):] = 1
         names = [f"a{r.adapter}" if r.adapter is not None else "__base__" for r in batch]
+        model, extra = (self.base, {}) if self.model is None else (self.model, {"adapter_names": names})
         max_new = max(r.max_tokens for r in batch)
         timer = FirstToken()
         with torch.no_grad():
-            out = self.model.generate(input_ids.to(self.device), attention_mask=mask.to(self.device),
+            out = model.generate(input_ids.to(self.device), attention_mask=mask.to(self.device),
                                 max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                                adapter_names=names, pad_token_id=0,
+                                pad_token_id=0, **extra,
                                 stopping_criteria=StoppingCriteriaList([timer]))  # [B, width + max_new]
         return timer.seen, [out[row, width: width + r.max_tokens].tolist() for row, r in enumerate(batch)]
 

@@ -16,6 +16,10 @@ class BlockManager:
     table[p // block_size] * block_size + p % block_size. Tables only grow while a request runs and
     are returned whole when it finishes or is preempted.
 
+    The most recently freed blocks are handed out first (a stack), so the blocks ever used are only
+    as many as were ever held at once: on CPU the cache's untouched pages are never committed (see
+    lora_runner.kv_cache.allocate_kv_cache).
+
     Blocks are reference counted so that requests can share them: ``fork`` gives a request the first
     full blocks of another's table (the parallel samples of one prompt share its prefill this way).
     Shared blocks are never written again (they hold only full, computed prompt blocks), so no
@@ -101,7 +105,7 @@ class BlockManager:
             self._refs[block] -= 1
             if self._refs[block] == 0:  # its last holder: the block is free again
                 del self._refs[block]
-                self._free.append(block)
+                self._free.appendleft(block)  # reused first: its pages are resident already
                 freed += 1
         if table:
             logger.debug("released %d KV blocks of request %r (%d now free)", len(table), request_id, freed)

@@ -7,14 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
-from lora_runner.device import resolve_device, resolve_dtype
+from lora_runner.device import available_host_memory, resolve_device, resolve_dtype
 from lora_runner.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
+from lora_runner.kv_budget import host_kv_budget
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 2048
-_CPU_KV_CAP_BYTES = 4 << 30  # default CPU KV budget cap
+DEFAULT_MAX_MODEL_LEN = 2048  # default cap of max_model_len on CUDA
 _CUDA_KV_FRACTION = 0.8  # default share of free device memory for the KV cache
+_CUDA_MAX_CHUNK = 8192  # default cap of max_num_batched_tokens
+# smaller on CPU: the torch attention path pads every sequence of a step to its longest chunk and
+# context, so a long chunk beside many decodes costs chunk x context x sequences of mask and scores
+_CPU_MAX_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -27,12 +31,19 @@ class EngineConfig:
     soft-prompt slots (0 = off). device: "auto" (cuda if available, else cpu), "cpu", "cuda[:i]".
     dtype: "auto" (bf16 on CUDA, fp32 on CPU), a name ("float32", "bf16", ...) or a torch.dtype.
     max_num_seqs: requests running at once. max_model_len: prompt + generated tokens per request
-    (None: min(2048, the model's max_position_embeddings); a larger explicit value is an error).
-    max_num_batched_tokens: tokens per step (None: max(min(max_model_len, 8192), max_num_seqs));
+    (None: the model's max_position_embeddings on CPU, lowered when one such request does not fit the
+    CPU KV budget; min(2048, it) on CUDA; a larger explicit value is an error).
+    max_num_batched_tokens: tokens per step (None: max(min(max_model_len, 8192; 2048 on CPU), max_num_seqs));
     longer prompts are prefilled in chunks. block_size: tokens per KV block. kv_cache_memory_bytes:
-    KV-cache budget (None: enough for max_num_seqs full-length requests, capped at 4 GiB on CPU and, on
-    CUDA, at what the start-up memory profile leaves under gpu_memory_utilization, a fraction of the
-    device's memory, see lora_runner.memory_profile). enforce_eager: never use CUDA graphs (else decode
+    KV-cache budget (None: enough for max_num_seqs full-length requests, bounded on CPU by a quarter of
+    the RAM available at start-up and 4 GiB (lora_runner.kv_budget; the CPU cache takes RAM only as
+    blocks are first used) and, on CUDA, by what the start-up memory profile leaves under
+    gpu_memory_utilization, a fraction of the device's memory, see lora_runner.memory_profile).
+    The chosen size and why are logged at INFO. cpu_threads: torch intra-op threads, set with
+    torch.set_num_threads when the engine starts (process-global: it applies to everything else in
+    the process too); None: on CPU the physical cores available to the process (affinity mask, SMT,
+    cgroup quota), never more than torch's current setting, and on CUDA untouched.
+    enforce_eager: never use CUDA graphs (else decode
     steps replay graphs on CUDA, see lora_runner.cuda_graphs). seed: for requests
     without their own seed. allow_pickle / local_files_only / max_adapter_bytes: adapter loading.
     max_logprobs: the most logprobs (SamplingParams.logprobs) one request may ask for (default 20,
@@ -66,6 +77,7 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     fairness_prefill_weight: float = DEFAULT_PREFILL_WEIGHT
     fairness_decode_weight: float = DEFAULT_DECODE_WEIGHT
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -75,7 +87,7 @@ class EngineConfig:
         for name in ("max_prompt_adapters", "max_prompt_adapter_tokens", "max_logprobs"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("max_cpu_loras", "max_model_len", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes", "max_adapter_bytes"):
+                     "kv_cache_memory_bytes", "max_adapter_bytes", "cpu_threads"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         utilization = self.gpu_memory_utilization
@@ -112,37 +124,62 @@ class EngineConfig:
         """The dtype "auto" resolves to: bfloat16 on CUDA, float32 on CPU."""
         return resolve_dtype(self.dtype, self.torch_device())
 
-    def step_sizes(self, max_position_embeddings: int) -> tuple[int, int, int]:
+    def step_sizes(self, max_position_embeddings: int, max_model_len: int | None = None) -> tuple[int, int, int]:
         """(max_model_len, max_num_batched_tokens, max_blocks_per_seq) with defaults applied.
 
+        max_model_len: the length decided already (limits() may fit the CPU default to memory);
+        None: the setting, or its default (the model's context on CPU, min(2048, it) on CUDA).
         Raises ValueError when max_model_len exceeds the model's max_position_embeddings."""
-        if self.max_model_len is None:
-            max_model_len = min(DEFAULT_MAX_MODEL_LEN, max_position_embeddings)
-        elif self.max_model_len > max_position_embeddings:
+        if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_position_embeddings}; lower it")
-        else:
-            max_model_len = self.max_model_len
-        max_batched = self.max_num_batched_tokens or max(min(max_model_len, 8192), self.max_num_seqs)
+        if max_model_len is None:
+            max_model_len = self.max_model_len or self._default_max_model_len(max_position_embeddings)
+        chunk = _CPU_MAX_CHUNK if self.torch_device().type == "cpu" else _CUDA_MAX_CHUNK
+        max_batched = self.max_num_batched_tokens or max(min(max_model_len, chunk), self.max_num_seqs)
         return max_model_len, max_batched, -(-max_model_len // self.block_size)
 
+    def _default_max_model_len(self, max_position_embeddings: int) -> int:
+        if self.torch_device().type == "cpu":
+            return max_position_embeddings  # the cache is sized to memory, not to this (host_kv_budget)
+        return min(DEFAULT_MAX_MODEL_LEN, max_position_embeddings)
+
     def limits(self, max_position_embeddings: int, kv_bytes_per_token: int,
-               free_device_bytes: int | None = None, device_kv_budget_bytes: int | None = None) -> EngineLimits:
+               free_device_bytes: int | None = None, device_kv_budget_bytes: int | None = None,
+               available_host_bytes: int | None = None) -> EngineLimits:
         """Derive the runtime limits once the model's context size and KV footprint are known.
 
         kv_bytes_per_token: K and V bytes of one token over all layers. free_device_bytes: free
         accelerator memory (None on CPU); the default budget takes at most 80% of it, unless
         device_kv_budget_bytes (what the start-up memory profile left for the KV cache) is given:
-        then at most that. Raises ValueError when the settings cannot work.
+        then at most that. With neither (CPU), the cache is sized by host_kv_budget from
+        available_host_bytes (None: asked of the OS now). Raises ValueError when the settings
+        cannot work.
         """
-        max_model_len, max_batched, max_blocks_per_seq = self.step_sizes(max_position_embeddings)
-        full_bytes = self.max_num_seqs * max_model_len * kv_bytes_per_token
+        if free_device_bytes is None and device_kv_budget_bytes is None:
+            self.step_sizes(max_position_embeddings)  # validates max_model_len
+            available = available_host_memory() if available_host_bytes is None else available_host_bytes
+            budget = host_kv_budget(
+                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                context=self._default_max_model_len(max_position_embeddings), block_size=self.block_size,
+                kv_bytes_per_token=kv_bytes_per_token, available_bytes=available,
+                explicit_bytes=self.kv_cache_memory_bytes)
+            return self._limits(max_position_embeddings, kv_bytes_per_token, budget.bytes, budget.max_model_len,
+                                budget.reason)
+        max_model_len, _, _ = self.step_sizes(max_position_embeddings)
         budget = self.kv_cache_memory_bytes
         if budget is None:
-            cap = _CPU_KV_CAP_BYTES if free_device_bytes is None else int(free_device_bytes * _CUDA_KV_FRACTION)
+            cap = int(free_device_bytes * _CUDA_KV_FRACTION) if free_device_bytes is not None else None
             if device_kv_budget_bytes is not None:
                 cap = device_kv_budget_bytes
-            budget = min(full_bytes, cap)
+            budget = min(self.max_num_seqs * max_model_len * kv_bytes_per_token, cap)
+        reason = ("kv_cache_memory_bytes" if self.kv_cache_memory_bytes is not None
+                  else "max_num_seqs full-length requests, at most the device's budget")
+        return self._limits(max_position_embeddings, kv_bytes_per_token, budget, max_model_len, reason)
+
+    def _limits(self, max_position_embeddings: int, kv_bytes_per_token: int, budget: int, max_model_len: int,
+                reason: str) -> EngineLimits:
+        max_model_len, max_batched, max_blocks_per_seq = self.step_sizes(max_position_embeddings, max_model_len)
         block_bytes = self.block_size * kv_bytes_per_token
         num_blocks = budget // block_bytes
         if num_blocks < max_blocks_per_seq:
@@ -150,8 +187,10 @@ class EngineConfig:
                 f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {self.block_size} "
                 f"tokens, but one request of max_model_len={max_model_len} needs {max_blocks_per_seq} "
                 f"({max_blocks_per_seq * block_bytes} bytes): raise kv_cache_memory_bytes or lower max_model_len")
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len=%d, %d tokens per step",
-                    num_blocks, self.block_size, num_blocks * block_bytes / 2**20, max_model_len, max_batched)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB; %s); max_model_len=%d, %d tokens per step; "
+                    "%d requests of max_model_len fit at once (more are preempted and recomputed)",
+                    num_blocks, self.block_size, num_blocks * block_bytes / 2**20, reason, max_model_len,
+                    max_batched, num_blocks // max_blocks_per_seq)
         return EngineLimits(max_model_len=max_model_len, max_num_batched_tokens=max_batched,
                             num_kv_blocks=num_blocks, max_blocks_per_seq=max_blocks_per_seq)
 

@@ -23,6 +23,7 @@ from adapters.manager import AdapterManager
 from lora_runner.block_manager import BlockManager
 from lora_runner.config import EngineConfig
 from lora_runner.cuda_graphs import cuda_graphs_available
+from lora_runner.device import available_host_memory, set_cpu_threads
 from lora_runner.fairness import VirtualTokenCounter
 from lora_runner.engine_adapters import EngineAdapters, EngineClosedError
 from lora_runner.input_batch import StepUpdate
@@ -61,6 +62,8 @@ class LLMEngine:
         self._work = threading.Condition()  # signalled by _wake(): new request, abort, load done, close
         self._work_events, self._idle_since = 0, None  # _idle_since: _work_events when a step found nothing
         device, dtype = cfg.torch_device(), cfg.torch_dtype()
+        if device.type == "cpu" or cfg.cpu_threads is not None:
+            set_cpu_threads(cfg.cpu_threads)
         self.model, self.model_config, self.model_dir = load_model(
             cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only)
         self.adapter_manager = AdapterManager(
@@ -75,7 +78,8 @@ class LLMEngine:
         kv_budget = (self._profile_kv_budget(use_graphs)
                      if device.type == "cuda" and cfg.kv_cache_memory_bytes is None else None)
         self.limits = cfg.limits(self.model_config.max_position_embeddings,
-                                 kv_block_bytes(self.model_config, 1, dtype), free, kv_budget)
+                                 kv_block_bytes(self.model_config, 1, dtype), free, kv_budget,
+                                 available_host_memory() if device.type == "cpu" else None)
         self.block_manager = BlockManager(self.limits.num_kv_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=self.limits.max_num_batched_tokens,
@@ -86,7 +90,7 @@ class LLMEngine:
                                    reserved_prompt_slots=self.adapter_manager.prompts.reserved_slots,
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
                                        cfg.fairness_prefill_weight, cfg.fairness_decode_weight))
-        self.runner = self._make_runner(self.limits.num_kv_blocks)
+        self.runner = self._make_runner(self.limits.num_kv_blocks, self.limits.max_model_len)
         if use_graphs:
             self.runner.capture_decode_graphs(self.adapter_manager.loras, cfg.max_lora_rank)
         self.tokenizer = LazyTokenizer(self.model_dir)
@@ -106,9 +110,10 @@ class LLMEngine:
         self.adapters = EngineAdapters(self.adapter_manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
         self._arrivals = count()
 
-    def _make_runner(self, num_kv_blocks: int) -> ModelRunner:
+    def _make_runner(self, num_kv_blocks: int, max_model_len: int | None = None) -> ModelRunner:
         cfg = self.config
-        _, max_batched, max_blocks_per_seq = cfg.step_sizes(self.model_config.max_position_embeddings)
+        _, max_batched, max_blocks_per_seq = cfg.step_sizes(self.model_config.max_position_embeddings,
+                                                            max_model_len)
         return ModelRunner(
             self.model, self.model_config, self.adapter_manager.lora_slots, num_kv_blocks=num_kv_blocks,
             block_size=cfg.block_size, max_num_tokens=max_batched, max_num_seqs=cfg.max_num_seqs,

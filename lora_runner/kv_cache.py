@@ -39,15 +39,26 @@ def num_kv_blocks(model_config: ModelConfig, block_size: int, dtype: torch.dtype
 
 def allocate_kv_cache(model_config: ModelConfig, num_blocks: int, block_size: int,
                       dtype: torch.dtype | str, device: torch.device | str) -> torch.Tensor:
-    """A zeroed cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+    """A cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: zeroed on an
+    accelerator, left unwritten on CPU.
 
-    Zeroed rather than empty so never-written slots hold finite values.
+    On CPU nothing touches the memory here, so the OS commits its pages only as blocks are first
+    written: start-up costs no time and the process's RSS grows with the blocks in use (the block
+    manager hands out the most recently freed blocks first), not with the cache's size. Unwritten
+    slots hold whatever the allocator gave (zeros from fresh pages, or reused heap bytes, NaN
+    included); attention never lets a slot at or past a sequence's length into a result (the torch
+    path selects zeros there with torch.where, the Triton kernels mask their loads), and every slot
+    below it was written first. On CUDA it is zeroed as before (device memory is committed at
+    allocation anyway).
     """
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     shape = (model_config.num_layers, 2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-    logger.info("allocating KV cache %s %s on %s (%.1f MiB)", shape, dtype, device,
-                num_blocks * kv_block_bytes(model_config, block_size, dtype) / 2**20)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    lazy = device.type == "cpu"
+    logger.info("allocating KV cache %s %s on %s (%.1f MiB%s)", shape, dtype, device,
+                num_blocks * kv_block_bytes(model_config, block_size, dtype) / 2**20,
+                ", committed by the OS as blocks are first used" if lazy else "")
+    allocate = torch.empty if lazy else torch.zeros
+    return allocate(shape, dtype=dtype, device=device)

@@ -240,7 +240,7 @@ def test_engine_from_config_and_derived_limits(llama_dir):
     with pytest.raises(ValueError, match="not both"):
         LLMEngine(config, max_loras=2)
     engine = LLMEngine(config)
-    assert engine.limits.max_model_len == 512  # min(2048, the model's max_position_embeddings)
+    assert engine.limits.max_model_len == 512  # on CPU, the model's max_position_embeddings
     assert engine.block_manager.num_blocks == 2 * 512 // 16  # default budget: max_num_seqs full requests
     assert engine.eos_token_ids == frozenset({2})
     with pytest.raises(ValueError, match="max_position_embeddings"):
