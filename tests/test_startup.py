@@ -201,3 +201,12 @@ def test_busy_machine_hint_names_cpu_threads(monkeypatch, restore_threads, caplo
         assert device_mod.set_cpu_threads(2) == 2  # an explicit choice gets no hint
     hints = [r.getMessage() for r in caplog.records if "cpu_threads=1 can be" in r.getMessage()]
     assert len(hints) == 1 and "load average 6.0 for 4 core(s)" in hints[0]
+
+
+def test_serve_cli_passes_cpu_threads_to_the_engine():
+    """`lora-runner serve --cpu-threads N` reaches EngineConfig (default: the engine's own choice)."""
+    from lora_runner.entrypoints.cli import engine_config
+    from serve_support import serve_args
+
+    assert engine_config(serve_args("unused-model-dir", {}, extra=["--cpu-threads", "1"])).cpu_threads == 1
+    assert engine_config(serve_args("unused-model-dir", {})).cpu_threads is None

@@ -48,6 +48,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", default="auto")
     add("--dtype", default="auto")
     add("--enforce-eager", action="store_true")
+    add("--cpu-threads", type=int, default=None,
+        help="intra-op threads on CPU (default: the physical cores available to the process)")
     add("--seed", type=int, default=0)
     add("--api-key", action="append", default=[], help="a key with full access (repeatable)")
     add("--tenant-keys", default=None, metavar="FILE", help="JSON or YAML: key -> {adapters, base, admin}")
@@ -88,7 +90,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_cpu_loras=args.max_cpu_loras, max_prompt_adapters=prompt_slots,
                         max_prompt_adapter_tokens=prompt_tokens, device=args.device, dtype=args.dtype,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        enforce_eager=args.enforce_eager, seed=args.seed)
+                        enforce_eager=args.enforce_eager, seed=args.seed,
+                        cpu_threads=args.cpu_threads)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
