@@ -6,9 +6,10 @@ token position p of a sequence lives at slot ``block_table[p // block_size] * bl
 Each step: the new tokens' K/V are written at their slots, then every sequence's context (cached +
 new) is gathered through its block table into a padded ``[B, max_seq_len]`` batch and attended by
 one ``scaled_dot_product_attention`` call with a per-sequence causal (optionally sliding-window)
-mask. There is no per-token or per-sequence Python loop and no host sync, so the same code runs on
-CPU and GPU and can be captured in a CUDA graph when the batch shapes (T, B, max_query_len,
-max_seq_len) are fixed.
+mask (a decode-only batch needs just a [B, max_seq_len] key mask; GQA query heads share their KV
+head through ``enable_gqa`` rather than a per-head copy). There is no per-token or per-sequence
+Python loop and no host sync, so the same code runs on CPU and GPU and can be captured in a CUDA
+graph when the batch shapes (T, B, max_query_len, max_seq_len) are fixed.
 
 Sliding windows (Mistral, Qwen2's windowed layers, Gemma 2's even layers) are one more mask term, so
 contexts longer than the window are exact; blocks that left the window stay allocated (no memory
