@@ -45,6 +45,11 @@ class LoRAMeta:
         tile_slots     [max_tile_count] int32: slot of each tile, -1 = no work
         tile_starts    [max_tile_count] int32: tile's first position in ``sorted_tokens``
         tile_ends      [max_tile_count] int32: one past its last position
+
+    The three tile buffers are read by the Triton kernels only. On accelerators ``prepare`` writes them
+    (a captured graph reads them without calling back into Python); on other devices, where the
+    torch path reads ``sorted_tokens`` and ``slot_starts`` alone, they are written on first access
+    after a prepare (the Triton interpreter's launchers read them through these attributes).
     """
 
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str = "cpu",
@@ -69,9 +74,10 @@ class LoRAMeta:
         self.sorted_tokens = torch.zeros(max_num_tokens, **int64)  # [max_num_tokens]
         self.slot_starts = torch.zeros(max_loras + 2, **int64)  # [max_loras + 2]
         self.slot_ranks = torch.full((max_loras,), FULL_RANK, **int32)  # [max_loras]
-        self.tile_slots = torch.full((self.max_tile_count,), -1, **int32)  # [max_tile_count]
-        self.tile_starts = torch.zeros(self.max_tile_count, **int32)  # [max_tile_count]
-        self.tile_ends = torch.zeros(self.max_tile_count, **int32)  # [max_tile_count]
+        self._tile_slots = torch.full((self.max_tile_count,), -1, **int32)  # [max_tile_count]
+        self._tile_starts = torch.zeros(self.max_tile_count, **int32)  # [max_tile_count]
+        self._tile_ends = torch.zeros(self.max_tile_count, **int32)  # [max_tile_count]
+        self._tiles_stale = False  # a prepare since the tile buffers were last written (never on CUDA)
         # scratch written by prepare
         self._sort_keys = torch.zeros(max_num_tokens, **int64)  # [max_num_tokens]
         self._sorted_keys = torch.zeros(max_num_tokens, **int64)  # [max_num_tokens]
@@ -127,10 +133,37 @@ class LoRAMeta:
 
         self.num_tokens = num_tokens
         self._host_slot_starts = None
+        self._tiles_stale = True
         if num_tokens == 0:
             self.slot_starts.zero_()
-            self.tile_slots.fill_(-1)
-            return
+        else:
+            self._sort_by_slot(token_slots)
+        if self.device.type != "cpu":  # accelerators: graphs replay the kernels without Python
+            self._write_tiles()
+
+    @property
+    def tile_slots(self) -> torch.Tensor:
+        """[max_tile_count] int32: slot of each tile of the last prepare, -1 = no work."""
+        return self._tiles()[0]
+
+    @property
+    def tile_starts(self) -> torch.Tensor:
+        """[max_tile_count] int32: each tile's first position in ``sorted_tokens``."""
+        return self._tiles()[1]
+
+    @property
+    def tile_ends(self) -> torch.Tensor:
+        """[max_tile_count] int32: one past each tile's last position in ``sorted_tokens``."""
+        return self._tiles()[2]
+
+    def _tiles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._tiles_stale:
+            self._write_tiles()
+        return self._tile_slots, self._tile_starts, self._tile_ends
+
+    def _sort_by_slot(self, token_slots: torch.Tensor) -> None:
+        """sorted_tokens and slot_starts of a non-empty batch."""
+        num_tokens = token_slots.shape[0]
         slots = self.token_slots[:num_tokens]  # [T]
         slots.copy_(token_slots)
         valid = (slots >= 0) & (slots < self.max_loras)  # [T]
@@ -139,7 +172,6 @@ class LoRAMeta:
         sorted_keys = self._sorted_keys[:num_tokens]  # [T]
         torch.sort(keys, stable=True, out=(sorted_keys, self.sorted_tokens[:num_tokens]))
         torch.searchsorted(sorted_keys, self._slot_ids, out=self.slot_starts)  # [max_loras + 2]
-        self._write_tiles()
 
     def _write_tiles(self) -> None:
         """Cut each slot's segment of the sorted order into tiles of at most block_m tokens."""
@@ -153,9 +185,10 @@ class LoRAMeta:
         local = self._tile_ids - (tiles_end - tiles_per_slot)[slot]  # [tiles] tile # in slot
         tile_start = starts[slot] + local * self.block_m  # [tiles]
         tile_end = torch.minimum(tile_start + self.block_m, ends[slot])  # [tiles]
-        self.tile_slots.copy_(torch.where(has_slot, tile_slot, -1))
-        self.tile_starts.copy_(tile_start)
-        self.tile_ends.copy_(torch.where(has_slot, tile_end, tile_start))
+        self._tile_slots.copy_(torch.where(has_slot, tile_slot, -1))
+        self._tile_starts.copy_(tile_start)
+        self._tile_ends.copy_(torch.where(has_slot, tile_end, tile_start))
+        self._tiles_stale = False
 
     def _write_slot_ranks(self, slot_ranks: torch.Tensor | None, check: bool) -> None:
         if slot_ranks is None:

@@ -46,6 +46,7 @@ class _Layout:
     tokens: torch.Tensor  # [M] token ids grouped by slot (the meta's sorted order)
     segments: list[tuple[int, int, int]]  # (slot, begin, end) in tokens, for every slot present
     present: torch.Tensor  # [U] int64 slots present, ascending
+    present_is_prefix: bool  # present == 0..U-1: the slots' weights are a view, not a gather
     width: int  # rows per slot in the padded layout: the longest segment
     pad_tokens: torch.Tensor  # [U * width] token id of each padded row (padding repeats a row)
     pad_rows: torch.Tensor  # [M] padded row of each of tokens
@@ -73,7 +74,8 @@ def _layout(meta: LoRAMeta) -> _Layout:
     segment = torch.repeat_interleave(torch.arange(len(segments), **int64), counts)  # [M]
     pad_rows = segment * width + torch.arange(tokens.shape[0], **int64) - begins[segment]  # [M]
     present = torch.tensor([slot for slot, _, _ in segments], **int64)  # [U]
-    layout = _Layout(starts, tokens, segments, present, width, pad_tokens, pad_rows, present[segment])
+    is_prefix = all(slot == index for index, (slot, _, _) in enumerate(segments))
+    layout = _Layout(starts, tokens, segments, present, is_prefix, width, pad_tokens, pad_rows, present[segment])
     _layouts[meta] = layout
     return layout
 
@@ -95,8 +97,8 @@ def _shrink_padded(x: torch.Tensor, lora_a: torch.Tensor, layout: _Layout,
     """Every present slot's rows of x times its A, in one bmm -> [U, width, n*R] in dtype."""
     _, n_slices, rank, in_features = lora_a.shape
     x_pad = x.index_select(0, layout.pad_tokens).to(dtype)  # [U * w, K]
-    a_present = lora_a.index_select(0, layout.present).to(dtype)  # [U, n, R, K]
-    a_present = a_present.view(-1, n_slices * rank, in_features)  # [U, n*R, K]
+    a_present = _present_slots(lora_a, layout).to(dtype)  # [U, n, R, K]
+    a_present = a_present.reshape(-1, n_slices * rank, in_features)  # [U, n*R, K]
     return torch.bmm(x_pad.view(-1, layout.width, in_features), a_present.transpose(1, 2))
 
 
@@ -105,9 +107,9 @@ def _expand_padded(inter_pad: torch.Tensor, lora_b: torch.Tensor, layout: _Layou
     """inter_pad [U, w, n*R] (scaled by each present slot's slice_scales [L, n] when given) times
     each present slot's B, slice by slice -> [M, N] (tokens' order)."""
     rank = lora_b.shape[2]
-    b_present = lora_b.index_select(0, layout.present).to(inter_pad.dtype)  # [U, N, R]
+    b_present = _present_slots(lora_b, layout).to(inter_pad.dtype)  # [U, N, R]
     if slice_scales is not None:
-        scales = slice_scales.index_select(0, layout.present).to(inter_pad.dtype)  # [U, n]
+        scales = _present_slots(slice_scales, layout).to(inter_pad.dtype)  # [U, n]
         inter_pad = inter_pad * scales.repeat_interleave(rank, dim=1)[:, None, :]  # [U, w, n*R]
     delta_pad = inter_pad.new_empty((*inter_pad.shape[:2], lora_b.shape[1]))  # [U, w, N]
     offset = 0
@@ -117,6 +119,14 @@ def _expand_padded(inter_pad: torch.Tensor, lora_b: torch.Tensor, layout: _Layou
         delta_pad[:, :, offset:offset + width] = torch.bmm(inter_j, b_j)
         offset += width
     return delta_pad.view(-1, lora_b.shape[1]).index_select(0, layout.pad_rows)  # [M, N]
+
+
+def _present_slots(per_slot: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """per_slot [L, ...] at the present slots -> [U, ...]: a view when they are 0..U-1 (adapters
+    fill slots from 0, so usually), else a gather (a copy of those slots' weights per call)."""
+    if layout.present_is_prefix:
+        return per_slot[:layout.present.shape[0]]
+    return per_slot.index_select(0, layout.present)
 
 
 def _unpad(inter_pad: torch.Tensor, layout: _Layout, n_slices: int) -> torch.Tensor:

@@ -49,8 +49,9 @@ def _batch(gen, query_lens, seq_lens, block_size, num_blocks, num_kv_heads, head
     return kv_layer.to(device), attn, new_k, new_v, full_k, full_v
 
 
-def _reference(query, full_k, full_v, query_lens, scale, window):
-    """float64 loop: each new token attends causally (and within the window) to its own context."""
+def _reference(query, full_k, full_v, query_lens, scale, window, softcap=None):
+    """float64 loop: each new token attends causally (and within the window) to its own context;
+    `softcap` c caps the scaled scores s as c * tanh(s / c)."""
     outs, row = [], 0
     for k, v, qlen in zip(full_k, full_v, query_lens):
         slen, num_kv_heads = k.shape[0], k.shape[1]
@@ -58,6 +59,8 @@ def _reference(query, full_k, full_v, query_lens, scale, window):
         group = q.shape[1] // num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [slen, H, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, qlen, slen]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         qpos = torch.arange(slen - qlen, slen)[:, None]
         kpos = torch.arange(slen)[None, :]
         visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
@@ -78,21 +81,25 @@ MIXES = {
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 3])
-def test_paged_attention_matches_reference(mix, block_size, heads, window):
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((mix, block_size, heads, window)).encode()))
+@pytest.mark.parametrize("num_padding,softcap", [(2, None), (0, None), (0, 0.5), (2, 0.5)])
+def test_paged_attention_matches_reference(mix, block_size, heads, window, num_padding, softcap):
+    """No padding token: a decode-only batch takes the torch path's mask-free decode branch. A small
+    soft cap (Gemma 2's tanh) changes every score measurably, so a dropped or misplaced cap fails."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((mix, block_size, heads, window, num_padding)).encode()))
     query_lens, seq_lens = MIXES[mix]
     num_heads, num_kv_heads = heads
-    head_dim, num_padding = 8, 2
+    head_dim = 8
     kv_layer, attn, new_k, new_v, full_k, full_v = _batch(
         gen, query_lens, seq_lens, block_size, 64, num_kv_heads, head_dim, num_padding, torch.float32, "cpu")
     query = torch.randn(sum(query_lens) + num_padding, num_heads, head_dim, generator=gen)
     scale = 1 / math.sqrt(head_dim)
     write_kv(kv_layer, new_k, new_v, attn.slot_mapping)
-    out = paged_attention(query, kv_layer, attn, scale, sliding_window=window)
-    expected = _reference(query, full_k, full_v, query_lens, scale, window)
+    out = paged_attention(query, kv_layer, attn, scale, sliding_window=window, softcap=softcap)
+    expected = _reference(query, full_k, full_v, query_lens, scale, window, softcap)
     assert out.shape == query.shape
-    torch.testing.assert_close(out[:-num_padding].double(), expected, atol=1e-5, rtol=1e-5)
-    assert (out[-num_padding:] == 0).all(), "padding tokens get zeros"
+    num_real = sum(query_lens)
+    torch.testing.assert_close(out[:num_real].double(), expected, atol=1e-5, rtol=1e-5)
+    assert (out[num_real:] == 0).all(), "padding tokens get zeros"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])

@@ -6,9 +6,10 @@ token position p of a sequence lives at slot ``block_table[p // block_size] * bl
 Each step: the new tokens' K/V are written at their slots, then every sequence's context (cached +
 new) is gathered through its block table into a padded ``[B, max_seq_len]`` batch and attended by
 one ``scaled_dot_product_attention`` call with a per-sequence causal (optionally sliding-window)
-mask. There is no per-token or per-sequence Python loop and no host sync, so the same code runs on
-CPU and GPU and can be captured in a CUDA graph when the batch shapes (T, B, max_query_len,
-max_seq_len) are fixed.
+mask (a decode-only batch needs just a [B, max_seq_len] key mask; GQA query heads share their KV
+head through ``enable_gqa`` rather than a per-head copy). There is no per-token or per-sequence
+Python loop and no host sync, so the same code runs on CPU and GPU and can be captured in a CUDA
+graph when the batch shapes (T, B, max_query_len, max_seq_len) are fixed.
 
 Sliding windows (Mistral, Qwen2's windowed layers, Gemma 2's even layers) are one more mask term, so
 contexts longer than the window are exact; blocks that left the window stay allocated (no memory
@@ -147,34 +148,26 @@ def _torch_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: At
     num_seqs = attn.seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return query.new_zeros(query.shape)
-    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
-    max_q = max(attn.max_query_len, 1)
-    max_blocks = min(-(-max(attn.max_seq_len, 1) // block_size), attn.block_tables.shape[1])
-    max_s = min(max(attn.max_seq_len, 1), max_blocks * block_size)  # a padded max_seq_len may exceed the tables
-
-    # Gather every sequence's context through its block table.
-    tables = attn.block_tables[:, :max_blocks].to(torch.int64)  # [B, MB]
-    context = kv_layer[:, tables]  # [2, B, MB, block_size, H_kv, D]
-    context = context.reshape(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)[:, :, :max_s]
+    k_ctx, v_ctx, key_valid, keys = _gather_context(kv_layer, attn, query.dtype)
+    seq_lens = attn.seq_lens.to(torch.int64)  # [B]
+    if attn.max_query_len == 1 and num_tokens == num_seqs:
+        # Pure decode: token b is sequence b's last position, so the causal term is key_valid itself
+        # and no [B, MQ, MS] mask, query scatter or output gather is needed.
+        mask = key_valid  # [B, MS]
+        if sliding_window is not None:
+            mask = mask & (keys[None, :] >= seq_lens[:, None] - sliding_window)
+        out = _attend(query[:, :, None], k_ctx, v_ctx, mask[:, None, None], scale, softcap)  # [B, H, 1, D]
+        return out.view(num_tokens, num_heads, head_dim)
 
     # Mask: key j of sequence b is visible to its query row i at position pos[b, i] when j <= pos and
     # j < seq_len (and j > pos - window); pad rows sit past the context so they are never fully masked.
-    seq_lens = attn.seq_lens.to(torch.int64)  # [B]
+    max_q = max(attn.max_query_len, 1)
     query_lens = (attn.query_start_loc[1:] - attn.query_start_loc[:-1]).to(torch.int64)  # [B]
-    device = query.device
-    rows = torch.arange(max_q, device=device)  # [MQ]
-    keys = torch.arange(max_s, device=device)  # [MS]
+    rows = torch.arange(max_q, device=query.device)  # [MQ]
     positions = (seq_lens - query_lens)[:, None] + rows[None, :]  # [B, MQ]
-    key_valid = keys[None, :] < seq_lens[:, None]  # [B, MS]
     mask = (keys[None, None, :] <= positions[:, :, None]) & key_valid[:, None, :]  # [B, MQ, MS]
     if sliding_window is not None:
         mask &= keys[None, None, :] > positions[:, :, None] - sliding_window
-
-    # Zero K/V outside the context: stale blocks may hold anything (even NaN), and 0 * NaN = NaN.
-    context = torch.where(key_valid[None, :, :, None, None], context, 0).to(query.dtype)
-    group = num_heads // num_kv_heads
-    k_ctx = context[0].repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, MS, D]
-    v_ctx = context[1].repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, MS, D]
 
     # Scatter the flat queries into [B, MQ] rows; graph padding goes to one spare row.
     seq, row = _token_rows(attn, num_tokens, max_q)
@@ -189,14 +182,41 @@ def _torch_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: At
     return out[flat_row]  # [T, H, D]
 
 
+def _gather_context(kv_layer: torch.Tensor, attn: AttentionMetadata,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every sequence's context gathered through its block table, with K/V outside it zeroed.
+
+    Returns K and V [B, H_kv, MS, D] in `dtype`, key_valid [B, MS] (key j < seq_len) and the key
+    positions [MS]; MS is max_seq_len clipped to what the block tables can address.
+    """
+    num_seqs = attn.seq_lens.shape[0]
+    block_size, num_kv_heads, head_dim = kv_layer.shape[2:]
+    max_blocks = min(-(-max(attn.max_seq_len, 1) // block_size), attn.block_tables.shape[1])
+    max_s = min(max(attn.max_seq_len, 1), max_blocks * block_size)  # a padded max_seq_len may exceed the tables
+    tables = attn.block_tables[:, :max_blocks].reshape(-1)  # [B * MB]
+    # index_select on the flattened blocks: advanced indexing (kv_layer[:, tables]) is several times slower on CPU
+    context = kv_layer.flatten(2).index_select(1, tables)  # [2, B * MB, block_size * H_kv * D], a fresh tensor
+    context = context.view(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)[:, :, :max_s]
+    keys = torch.arange(max_s, device=kv_layer.device)  # [MS]
+    key_valid = keys[None, :] < attn.seq_lens.to(torch.int64)[:, None]  # [B, MS]
+    # Zero K/V outside the context: stale blocks may hold anything (even NaN), and 0 * NaN = NaN.
+    context = context.masked_fill_(~key_valid[None, :, :, None, None], 0).to(dtype)
+    context = context.transpose(2, 3)  # [2, B, H_kv, MS, D]
+    return context[0], context[1], key_valid, keys
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
-    """softmax(scale * q @ k.T, capped, masked) @ v for q [B, H, MQ, D], k/v [B, H, MS, D], mask [B, 1, MQ, MS]."""
+    """softmax(scale * q @ k.T, capped, masked) @ v for q [B, H, MQ, D], k/v [B, H_kv, MS, D] (query
+    head h reads KV head h // (H / H_kv)), mask [B, 1, MQ, MS]; returns [B, H, MQ, D]."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, MQ, MS]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    batch, num_heads, max_q, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, max_q, head_dim)  # [B, H_kv, G, MQ, D]
+    scores = torch.matmul(q, k[:, :, None].transpose(-1, -2)) * scale  # [B, H_kv, G, MQ, MS]
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     # a padded query row may see no key (NaN here, as with SDPA): such rows are never returned
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs, v[:, :, None]).view(batch, num_heads, max_q, head_dim)
