@@ -269,11 +269,9 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
         shape_a, shape_b = (vocab_factor_shapes(name, key, factors, rank, spec) if match is None
                             else spec.peft_shapes(match.group("leaf"), rank))
         a = _checked_factor(name, f"{key}.lora_A", factors["lora_A"], shape_a, 1.0, dtype)  # [r, K]
-        # The vocab slots fold the scaling into B (their expand takes no per-slot scale).
-        b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b,
-                            scaling if match is None else 1.0, dtype)  # [N_j, r]
+        b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b, 1.0, dtype)  # [N_j, r]
         if match is None:
-            vocab[VOCAB_MODULES[key]] = LoRAPair(a, b)
+            vocab[VOCAB_MODULES[key]] = LoRAPair(a, b, scaling)
             continue
         _check_magnitude(name, key, factors, shape_b[0], use_dora)
         layer, leaf = int(match.group("layer")), match.group("leaf")

@@ -7,9 +7,12 @@ no such LoRA):
 
 - ``embedding_a[s, :, :r_e] = A.T`` [V, r_e]: PEFT's ``lora_embedding_A`` transposed, so a token's
   R values are one contiguous row (the gather shrink reads one row per token);
-  ``embedding_b[s, :, :r_e] = B * scaling`` [hidden, r_e];
-- ``lm_head_a[s, 0, :r_h] = A`` [r_h, hidden], ``lm_head_b[s, :, :r_h] = B * scaling`` [V, r_h]: the
-  layout of a one-slice packed module, for ``punica_kernels.add_lora``.
+  ``embedding_b[s, :, :r_e] = B`` [hidden, r_e];
+- ``lm_head_a[s, 0, :r_h] = A`` [r_h, hidden], ``lm_head_b[s, :, :r_h] = B`` [V, r_h]: the
+  layout of a one-slice packed module, for ``punica_kernels.add_lora``;
+- ``embedding_scales[s, 0]`` / ``lm_head_scales[s, 0]`` float32: the LoRA scaling, applied by the
+  expand to the fp32 intermediate (as the LoRA slots' slice scales: folding it into a half B would
+  round it).
 
 Tensors are written in place only (CUDA-graph safe). Writing zeroes the whole slot first; clearing
 (eviction, removal) zeroes it too, so no later tenant of the slot can read a former one's factors.
@@ -42,6 +45,8 @@ class VocabLoRASlots:
         self.embedding_b = torch.zeros(max_loras, hidden, rank, **like)  # [max_loras, hidden, R]
         self.lm_head_a = torch.zeros(max_loras, 1, rank, hidden, **like)  # [max_loras, 1, R, hidden]
         self.lm_head_b = torch.zeros(max_loras, vocab, rank, **like)  # [max_loras, V, R]
+        self.embedding_scales = torch.ones(max_loras, 1, dtype=torch.float32, device=device)  # [max_loras, 1]
+        self.lm_head_scales = torch.ones(max_loras, 1, dtype=torch.float32, device=device)  # [max_loras, 1]
         self.embedding_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
         self.lm_head_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
         self._host_lm_head_ranks = [0] * max_loras
@@ -52,7 +57,8 @@ class VocabLoRASlots:
     @property
     def nbytes(self) -> int:
         """Device bytes allocated for all slots."""
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        tensors = (*self._tensors(), self.embedding_scales, self.lm_head_scales)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def write(self, slot: int, adapter: LoRAWeights) -> None:
         """Zero ``slot``, then write the adapter's embed_tokens / lm_head factors (already validated)."""
@@ -62,19 +68,23 @@ class VocabLoRASlots:
             rank = embedding.a.shape[0]
             _copy(self.embedding_a[slot, :, :rank], embedding.a.T)  # [V, r]
             _copy(self.embedding_b[slot, :, :rank], embedding.b)  # [hidden, r]
+            self.embedding_scales[slot] = embedding.scaling
             self.embedding_ranks[slot] = rank
         if lm_head is not None:
             rank = lm_head.a.shape[0]
             _copy(self.lm_head_a[slot, 0, :rank], lm_head.a)  # [r, hidden]
             _copy(self.lm_head_b[slot, :, :rank], lm_head.b)  # [V, r]
+            self.lm_head_scales[slot] = lm_head.scaling
             self.lm_head_ranks[slot] = rank
             self._host_lm_head_ranks[slot] = rank
 
     def clear(self, slot: int) -> None:
-        """Zero ``slot``: factors and ranks."""
+        """Zero ``slot``: factors and ranks (scales back to 1)."""
         assert 0 <= slot < self.num_slots, f"slot {slot} out of range [0, {self.num_slots})"
         for tensor in self._tensors():
             tensor[slot].zero_()
+        self.embedding_scales[slot] = 1.0
+        self.lm_head_scales[slot] = 1.0
         self.embedding_ranks[slot] = 0
         self.lm_head_ranks[slot] = 0
         self._host_lm_head_ranks[slot] = 0

@@ -177,7 +177,7 @@ def test_decode_graphs_apply_embedding_lora_captured_with_a_plain_warmup_adapter
 
 # ---------------------------------------------------------------- parsing, refusals, slot layout
 
-def test_parsed_factors_fold_scaling_and_slots_lay_them_out(env):
+def test_parsed_factors_keep_scaling_apart_and_slots_lay_them_out(env):
     spec = dataclasses.replace(model_spec(env.hf), vocab_size=VOCAB)
     weights = load_lora("both", env.adapters["both"][0], spec, max_lora_rank=16)
     tensors = load_file(f"{env.adapters['both'][0]}/adapter_model.safetensors")
@@ -186,8 +186,9 @@ def test_parsed_factors_fold_scaling_and_slots_lay_them_out(env):
     head_a, head_b = (tensors[f"base_model.model.lm_head.lora_{ab}.weight"] for ab in "AB")  # [8, hidden], [V, 8]
     assert weights.rank == 16 and set(weights.vocab) == {"embed_tokens", "lm_head"}
     assert torch.equal(weights.vocab["embed_tokens"].a, embed_a)
-    torch.testing.assert_close(weights.vocab["embed_tokens"].b, embed_b * 16 / 16)  # alpha 16 / r 16
-    torch.testing.assert_close(weights.vocab["lm_head"].b, head_b * 4 / 8)  # alpha_pattern 4 / r 8
+    assert torch.equal(weights.vocab["embed_tokens"].b, embed_b) and torch.equal(weights.vocab["lm_head"].b, head_b)
+    assert weights.vocab["embed_tokens"].scaling == 16 / 16  # alpha 16 / r 16
+    assert weights.vocab["lm_head"].scaling == 4 / 8  # alpha_pattern 4 / r 8
     slots = VocabLoRASlots(spec, 3, 16)
     for tensor in slots._tensors():
         tensor.fill_(float("nan"))
@@ -196,8 +197,10 @@ def test_parsed_factors_fold_scaling_and_slots_lay_them_out(env):
     assert torch.equal(slots.lm_head_b[1, :, :8], weights.vocab["lm_head"].b)
     assert slots.lm_head_b[1, :, 8:].abs().sum() == 0 and slots.embedding_a[0].isnan().all()  # padded / untouched
     assert slots.embedding_ranks.tolist() == [0, 16, 0] and slots.lm_head_ranks.tolist() == [0, 8, 0]
+    assert slots.lm_head_scales[:, 0].tolist() == [1.0, 0.5, 1.0] and slots.embedding_scales[1, 0] == 1.0
     slots.clear(1)
     assert slots.lm_head_ranks.tolist() == [0, 0, 0] and not slots.lm_head_in_use()
+    assert slots.lm_head_scales[:, 0].tolist() == [1.0, 1.0, 1.0]
     assert all(torch.count_nonzero(t[1]) == 0 for t in slots._tensors())
 
 
@@ -264,14 +267,16 @@ def test_embedding_shrink_triton_matches_float64_reference(dtype, rank):
     assert out[~lora].isnan().all()  # rows of no-adapter tokens are not written
     if slots[3] >= 0:
         assert out[3].abs().sum() == 0
-    # the whole delta (gather + expand) against scaling * B @ A[:, t] in float64
+    # the whole delta (gather + expand, the slot's scaling on the fp32 intermediate) against
+    # scaling * B @ A[:, t] in float64
+    scales = torch.rand(max_loras, 1, generator=gen) + 0.25  # [L, 1] float32
     hidden_in = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     got = hidden_in.clone()
-    punica_kernels.lora_expand(got, out, lora_b, meta, (hidden,), backend="triton")
+    punica_kernels.lora_expand(got, out, lora_b, meta, (hidden,), slice_scales=scales, backend="triton")
     expected = hidden_in.double().clone()
     for t in range(num_tokens):
         if slots[t] >= 0 and ids[t] < vocab:
-            expected[t] += lora_b[slots[t]].double() @ lora_a[slots[t], ids[t]].double()
+            expected[t] += scales[slots[t], 0].double() * (lora_b[slots[t]].double() @ lora_a[slots[t], ids[t]].double())
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # fp16: one rounding of the output (|y| ~ 10)
     assert (got.double() - expected).abs().max() <= tol * max(1.0, expected.abs().max().item() / 10)
     assert torch.equal(got[~lora], hidden_in[~lora])  # bit-identical

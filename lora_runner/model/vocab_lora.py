@@ -28,7 +28,8 @@ def add_embedding_lora(hidden: torch.Tensor, input_ids: torch.Tensor, lora: LoRA
     # the meta's workspace (sized for the widest layer) holds the [T, 1, R] intermediate: no allocation
     inter = meta.workspace_for(num_tokens * rank)[:num_tokens * rank].view(num_tokens, 1, rank)
     punica_kernels.embedding_shrink(input_ids, vocab.embedding_a, meta, inter)
-    punica_kernels.lora_expand(hidden, inter, vocab.embedding_b, meta, (hidden.shape[1],))
+    punica_kernels.lora_expand(hidden, inter, vocab.embedding_b, meta, (hidden.shape[1],),
+                               slice_scales=vocab.embedding_scales)
 
 
 @dataclass
@@ -42,7 +43,7 @@ class LMHeadLoRAContext:
 def add_lm_head_lora(logits: torch.Tensor, hidden: torch.Tensor, lm_head: LMHeadLoRAContext) -> None:
     """logits [S, V] += each row's lm_head LoRA delta of hidden [S, hidden], in place."""
     punica_kernels.add_lora(logits, hidden, lm_head.slots.lm_head_a, lm_head.slots.lm_head_b, lm_head.meta,
-                            (logits.shape[1],))
+                            (logits.shape[1],), slice_scales=lm_head.slots.lm_head_scales)
 
 
 class LMHeadLoRA:
