@@ -23,8 +23,10 @@ Catalogue (kind -> exception: where; bare names are ADAPTER_CASES keys)
   unsupported PEFT type or feature -> UnsupportedAdapterError: unsupported-peft-type,
       unsupported-feature-modules-to-save, prompt-adapter-as-lora (each feature:
       test_adapters_lora.py::test_unsupported_features_are_refused_by_name)
-  DoRA without its magnitude vectors -> InvalidAdapterError: dora-without-magnitudes (other malformed
-      DoRA: test_dora.py::test_malformed_dora_is_invalid)
+  DoRA without its magnitude vectors, or with a NaN one -> InvalidAdapterError: dora-without-magnitudes,
+      dora-nan-magnitude (other malformed DoRA: test_dora.py::test_malformed_dora_is_invalid)
+  embed_tokens LoRA trained on a resized vocabulary -> InvalidAdapterError: embedding-lora-resized-vocab
+      (other vocab LoRA refusals: test_vocab_lora.py::test_unservable_vocab_adapters_are_refused_clearly)
   prompt adapter with too many virtual tokens / another hidden size -> AdapterTooLargeError /
       InvalidAdapterError: test_bad_prompt_adapters_fail_only_their_own_request
   empty prompt, prompt over max_model_len, duplicate request id, ids outside the vocabulary, wrong
@@ -106,9 +108,22 @@ def _dora_without_magnitudes(ctx, case):
     return LoRARequest(case, str(path))
 
 
-def _edit_tensors(name, edit):
+def _nan_magnitude(tensors):
+    key = next(k for k in sorted(tensors) if "lora_magnitude_vector" in k)
+    tensors[key] = tensors[key].clone()
+    tensors[key][0] = float("nan")
+    return tensors
+
+
+def _fewer_embedding_columns(tensors):
+    key = next(k for k in tensors if k.endswith("lora_embedding_A"))  # [r, vocab]
+    tensors[key] = tensors[key][:, :-3].contiguous()
+    return tensors
+
+
+def _edit_tensors(name, edit, **save_kwargs):
     def build(ctx, case):
-        path = _saved(ctx, name)
+        path = _saved(ctx, name, **save_kwargs)
         factories.edit_adapter_tensors(path, edit)
         return LoRARequest(case, str(path))
     return build
@@ -203,6 +218,11 @@ ADAPTER_CASES = {
         lambda ctx, case: LoRARequest(case, str(_saved(ctx, case, modules_to_save=["lm_head"]))),
         UnsupportedAdapterError, "modules_to_save"),
     "dora-without-magnitudes": Case(_dora_without_magnitudes, InvalidAdapterError, "lora_magnitude_vector is missing"),
+    "dora-nan-magnitude": Case(_edit_tensors("dora-nan", _nan_magnitude, use_dora=True), InvalidAdapterError,
+                               "lora_magnitude_vector contains NaN or inf"),
+    "embedding-lora-resized-vocab": Case(
+        _edit_tensors("resized-vocab", _fewer_embedding_columns, target_modules=["embed_tokens", "q_proj"]),
+        InvalidAdapterError, "trained on a resized vocabulary"),
     "prompt-adapter-as-lora": Case(_prompt_tuning_dir, UnsupportedAdapterError, "peft_type='PROMPT_TUNING'"),
 }
 
