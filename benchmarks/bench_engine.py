@@ -272,7 +272,7 @@ def _faster(best: dict | None, result: dict, clock: str) -> dict:
 
 
 def _policies(text: str) -> list[str]:
-    from lora_runner.fairness import POLICIES
+    from lora_runner.core.fairness import POLICIES
 
     policies = text.split(",")
     if not policies or any(p not in POLICIES for p in policies):
@@ -292,11 +292,11 @@ def fairness_row(policy: str, light_requests: int = 50, max_num_seqs: int = 8, s
     of weighted served tokens count the steps at whose start every tenant still had a waiting request."""
     import numpy as np
 
-    from lora_runner.block_manager import BlockManager
-    from lora_runner.fairness import VirtualTokenCounter, served_tokens
+    from lora_runner.core.block_manager import BlockManager
+    from lora_runner.core.fairness import VirtualTokenCounter, served_tokens
     from lora_runner.sampling_params import SamplingParams
-    from lora_runner.scheduler import Scheduler
-    from lora_runner.sequence import Request
+    from lora_runner.core.scheduler import Scheduler
+    from lora_runner.core.request import Request
 
     rng = np.random.default_rng(seed)
     vtc = VirtualTokenCounter()

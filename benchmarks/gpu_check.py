@@ -266,7 +266,7 @@ def write_random_model(path: Path, sizes: Sizes) -> None:
 def make_engine(model_dir: Path, sizes: Sizes, graphs: bool):
     """An LLMEngine for the benchmark; on CPU "graphs" are emulated (RerunGraph) through the same hook."""
     from lora_runner import LLMEngine
-    from lora_runner.cuda_graphs import RerunGraph
+    from lora_runner.worker.cuda_graphs import RerunGraph
 
     max_loras = max(sizes.adapter_counts)
     engine = LLMEngine(str(model_dir), device=sizes.device, dtype=sizes.dtype, max_loras=max_loras, max_lora_rank=16,

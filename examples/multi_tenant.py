@@ -204,7 +204,7 @@ def hot_load(engine, prompts: list[str], tenants: dict[str, str], new_tenant: st
     progress and returns per-request {tenant, prompt, added_step, finished_step, text, finish_reason}."""
     from adapters import LoRARequest
     from lora_runner import SamplingParams
-    from lora_runner.chat import chat_token_ids
+    from lora_runner.engine.chat import chat_token_ids
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     running = [name for name in tenants if name != new_tenant][:2] + [BASE]

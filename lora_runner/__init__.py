@@ -1,9 +1,9 @@
 """lora_runner: serve many LoRA fine-tunes of one Llama-family base model in one batch."""
 
 from lora_runner.config import EngineConfig
-from lora_runner.engine import LLMEngine
-from lora_runner.engine_adapters import EngineClosedError
-from lora_runner.llm import LLM
+from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.engine.errors import EngineClosedError
+from lora_runner.entrypoints.llm import LLM
 from lora_runner.outputs import CompletionOutput, RequestOutput
 from lora_runner.sampling_params import SamplingParams
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from lora_runner.device import available_host_memory, resolve_device, resolve_dtype
-from lora_runner.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
-from lora_runner.kv_budget import host_kv_budget
+from lora_runner.core.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
+from lora_runner.worker.kv_budget import host_kv_budget
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +36,20 @@ class EngineConfig:
     max_num_batched_tokens: tokens per step (None: max(min(max_model_len, 8192; 2048 on CPU), max_num_seqs));
     longer prompts are prefilled in chunks. block_size: tokens per KV block. kv_cache_memory_bytes:
     KV-cache budget (None: enough for max_num_seqs full-length requests, bounded on CPU by a quarter of
-    the RAM available at start-up and 4 GiB (lora_runner.kv_budget; the CPU cache takes RAM only as
+    the RAM available at start-up and 4 GiB (lora_runner.worker.kv_budget; the CPU cache takes RAM only as
     blocks are first used) and, on CUDA, by what the start-up memory profile leaves under
-    gpu_memory_utilization, a fraction of the device's memory, see lora_runner.memory_profile).
+    gpu_memory_utilization, a fraction of the device's memory, see lora_runner.worker.memory_profile).
     The chosen size and why are logged at INFO. cpu_threads: torch intra-op threads, set with
     torch.set_num_threads when the engine starts (process-global: it applies to everything else in
     the process too); None: on CPU the physical cores available to the process (affinity mask, SMT,
     cgroup quota), never more than torch's current setting, and on CUDA untouched.
     enforce_eager: never use CUDA graphs (else decode
-    steps replay graphs on CUDA, see lora_runner.cuda_graphs). seed: for requests
+    steps replay graphs on CUDA, see lora_runner.worker.cuda_graphs). seed: for requests
     without their own seed. allow_pickle / local_files_only / max_adapter_bytes: adapter loading.
     max_logprobs: the most logprobs (SamplingParams.logprobs) one request may ask for (default 20,
     as in vLLM); a request over it is refused with ValueError at add_request.
     scheduling_policy: "fair" (admit the least-served tenant first, Virtual Token Counter, see
-    lora_runner.fairness; fairness_prefill_weight / fairness_decode_weight price a prompt and a
+    lora_runner.core.fairness; fairness_prefill_weight / fairness_decode_weight price a prompt and a
     generated token) or "fcfs" (arrival order).
     """
 

@@ -11,7 +11,7 @@ class CompletionOutput:
 
     finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_model_len), "abort"
     (abort_request), "error" (the request failed: its adapter could not be loaded, its logits were
-    NaN/inf (lora_runner.sampler.NonFiniteLogitsError), or its own sampling, detokenization or
+    NaN/inf (lora_runner.sample.sampler.NonFiniteLogitsError), or its own sampling, detokenization or
     soft-prompt placeholders raised; the exception is in `error`, other requests are unaffected),
     or None while the request is still running.
     logprobs: when SamplingParams.logprobs is set, one dict token_id -> logprob per generated token,

@@ -57,13 +57,13 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    # penalties (lora_runner.sampler applies them before temperature/top-k/top-p)
+    # penalties (lora_runner.sample.sampler applies them before temperature/top-k/top-p)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     n: int = 1  # parallel samples of the prompt, sharing its prefill (see LLMEngine.add_request)
     logprobs: int | None = None
-    # stop strings and min_tokens (lora_runner.detokenizer, lora_runner.output_processor)
+    # stop strings and min_tokens (lora_runner.engine.detokenizer, lora_runner.engine.output_processor)
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     min_tokens: int = 0

@@ -45,8 +45,8 @@ def serve_args(model_dir: str, loras: dict[str, str], prompt_adapters: dict[str,
 
 def start_server(args: argparse.Namespace):
     """(BackgroundServer started on a free port, its ServerState)."""
-    from lora_runner.entrypoints.app import build_app
-    from lora_runner.entrypoints.background import BackgroundServer
+    from lora_runner.entrypoints.openai.app import build_app
+    from lora_runner.entrypoints.openai.background import BackgroundServer
     from lora_runner.entrypoints.cli import build_state
 
     state = build_state(args)

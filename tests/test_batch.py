@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from lora_runner.batch import BatchBuilder, SeqChunk
+from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.model.attention import paged_attention, write_kv
 from lora_runner.model.forward_context import AttentionMetadata
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lora_runner.block_manager import BlockManager
+from lora_runner.core.block_manager import BlockManager
 
 
 def test_allocate_grows_table_and_counts():

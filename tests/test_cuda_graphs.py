@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from lora_runner.batch import BatchBuilder, SeqChunk
-from lora_runner.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, capture_sizes
-from lora_runner.memory_profile import MemoryProfile, profile_steps
+from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
+from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, capture_sizes
+from lora_runner.worker.memory_profile import MemoryProfile, profile_steps
 
 BUFFERS = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",
            "block_tables", "sample_indices")

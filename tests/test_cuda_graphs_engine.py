@@ -10,7 +10,7 @@ import torch
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import EngineConfig, LLMEngine, SamplingParams
-from lora_runner.cuda_graphs import RerunGraph
+from lora_runner.worker.cuda_graphs import RerunGraph
 from test_engine_lora import NAMES, run_all
 
 ENGINE = dict(max_num_seqs=12, max_model_len=64, max_loras=3, max_lora_rank=16, max_cpu_loras=5, block_size=4,
@@ -108,8 +108,8 @@ def test_cuda_engine_captures_at_startup_and_matches_eager(engine_checkpoint):
 def test_memory_profile_steps_run_with_dummy_adapters(engine_checkpoint):
     """The CUDA start-up profile's steps, on CPU: they run on a throwaway runner with max_loras dummy
     adapters resident (every token on the LoRA path) and leave no adapter behind."""
-    from lora_runner.cuda_graphs import resident_dummy_loras
-    from lora_runner.memory_profile import MemoryProfile, profile_memory, profile_steps
+    from lora_runner.worker.cuda_graphs import resident_dummy_loras
+    from lora_runner.worker.memory_profile import MemoryProfile, profile_memory, profile_steps
 
     engine = LLMEngine(engine_checkpoint[0], device="cpu", **ENGINE)
     max_model_len, max_batched, max_blocks = engine.config.step_sizes(engine.model_config.max_position_embeddings)

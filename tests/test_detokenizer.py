@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_runner.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, OutputText
+from lora_runner.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, OutputText
 from factories import MULTIBYTE_CORPUS, make_byte_level_tokenizer, save_tiny_tokenizer
 
 

@@ -9,7 +9,7 @@ import torch
 
 from factories import save_tiny_model
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.kv_cache import kv_block_bytes
+from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.model import ModelConfig
 
 VOCAB = 256

@@ -9,7 +9,7 @@ import torch
 
 from adapters import AdapterCapacityError, AdapterError, LoRARequest
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.kv_cache import kv_block_bytes
+from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.model import ModelConfig
 
 NAMES = ["r4", "r8-rslora", "r16-patterns", "r8-qv", "r16-mlp"]

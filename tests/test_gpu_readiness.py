@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from adapters import LoRARequest
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.batch import BatchBuilder, SeqChunk
-from lora_runner.cuda_graphs import RerunGraph
+from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
+from lora_runner.worker.cuda_graphs import RerunGraph
 from test_engine_lora import NAMES, run_all
 
 ROOT = Path(__file__).resolve().parent.parent

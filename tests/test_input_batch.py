@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from lora_runner.batch import BatchBuilder, SeqChunk
-from lora_runner.block_manager import BlockManager
-from lora_runner.input_batch import InputBatch, StepUpdate
+from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
+from lora_runner.core.block_manager import BlockManager
+from lora_runner.worker.request_rows import InputBatch, StepUpdate
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",
           "block_tables", "sample_indices", "token_prompt_slots", "token_prompt_positions")
@@ -18,7 +18,7 @@ POISON = -12345
 
 @dataclass(eq=False)
 class FakeRequest:
-    """The fields of lora_runner.sequence.Request the rows read."""
+    """The fields of lora_runner.core.request.Request the rows read."""
 
     request_id: str
     token_ids: list[int]
@@ -271,7 +271,7 @@ def test_engine_rows_mirror_the_running_requests(engine_checkpoint, greedy_oracl
     After each update the rows hold exactly the running requests' tokens, counts and tables (no row of
     a request that left), and every finished request matches the greedy oracle."""
     from lora_runner import LLMEngine, SamplingParams
-    from lora_runner.kv_cache import kv_block_bytes
+    from lora_runner.worker.kv_cache import kv_block_bytes
     from lora_runner.model import ModelConfig
 
     path, hf, _ = engine_checkpoint

@@ -249,7 +249,7 @@ def test_torch_path_choice_by_measured_crossover():
 def test_triton_available_reports_the_import(monkeypatch, caplog):
     """punica_kernels.triton_available() is what cuda_graphs asks before capturing LoRA."""
     import punica_kernels
-    from lora_runner.cuda_graphs import cuda_graphs_available
+    from lora_runner.worker.cuda_graphs import cuda_graphs_available
     from punica_kernels import ops
 
     assert punica_kernels.triton_available() == (ops.triton_ops is not None)
@@ -259,6 +259,6 @@ def test_triton_available_reports_the_import(monkeypatch, caplog):
     monkeypatch.setattr(ops, "_TRITON_IMPORT_ERROR", error)
     assert not punica_kernels.triton_available()
     assert punica_kernels.triton_import_error() is error
-    with caplog.at_level("WARNING", logger="lora_runner.cuda_graphs"):
+    with caplog.at_level("WARNING", logger="lora_runner.worker.cuda_graphs"):
         assert not cuda_graphs_available(torch.device("cuda"))  # no Triton: no graphs, said why
     assert "No module named 'triton'" in caplog.text

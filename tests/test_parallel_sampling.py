@@ -5,7 +5,7 @@ import torch
 
 from lora_runner import LLM, LLMEngine, SamplingParams
 from lora_runner.model import ModelConfig
-from lora_runner.kv_cache import kv_block_bytes
+from lora_runner.worker.kv_cache import kv_block_bytes
 
 PROMPT = list(range(5, 14))  # 9 tokens: two full blocks of 4 to share, the last token computed per sample
 
@@ -53,7 +53,7 @@ def test_seed_near_the_top_wraps():
 
 
 def test_block_manager_fork_counts_references():
-    from lora_runner.block_manager import BlockManager
+    from lora_runner.core.block_manager import BlockManager
 
     bm = BlockManager(8, 4)
     leader = list(bm.allocate("a", 10))  # 3 blocks
@@ -142,8 +142,8 @@ def test_a_sample_without_progress_in_a_step_repeats_no_text_delta():
     """Streams are built from text_delta: a sample that got no output in a step (admitted a step
     after its leader, or preempted) must report an empty delta, never its previous one again."""
     from lora_runner.outputs import CompletionOutput, RequestOutput
-    from lora_runner.parallel_sampling import SampleGroup
-    from lora_runner.sequence import Request
+    from lora_runner.engine.parallel_sampling import SampleGroup
+    from lora_runner.core.request import Request
 
     samples = [Request(f"r[{i}]", [1, 2], SamplingParams(max_tokens=4), arrival=i) for i in range(2)]
     group = SampleGroup("r", samples)

@@ -10,7 +10,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from lora_runner import LLM, SamplingParams
-from lora_runner.sampler import Sampler
+from lora_runner.sample.sampler import Sampler
 
 V = 40
 

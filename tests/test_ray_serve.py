@@ -65,7 +65,7 @@ SERVE_ROUTER_ENV = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2",
 @pytest.fixture(scope="module")
 def cluster(engine_checkpoint, loras, broken):
     """(base URL, model dir) of the Serve app on a local Ray instance (torn down after the module)."""
-    from lora_runner.entrypoints.ray_serve import build_application
+    from lora_runner.entrypoints.ray.deployments import build_application
 
     model_dir = engine_checkpoint[0]
     ray.init(num_cpus=6, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False,
@@ -167,7 +167,7 @@ def _same_errors_as_single_process(http, cluster):
 
 def _multiplex_eviction_removes_the_adapter_from_the_engine(cluster, loras):
     """One replica that holds 2 adapters: a third evicts the least recently used from its engine."""
-    from lora_runner.entrypoints.ray_serve import build_application
+    from lora_runner.entrypoints.ray.deployments import build_application
 
     args = serve_args(cluster[1], loras, extra=["--num-replicas", "1", "--replica-cpus", "1",
                                                 "--max-adapters-per-replica", "2", "--max-cpu-loras", "6"])

@@ -17,8 +17,8 @@ import torch
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import LLM, SamplingParams
-from lora_runner.sampler import NonFiniteLogitsError, Sampler
-from lora_runner.sequence import Request
+from lora_runner.sample.sampler import NonFiniteLogitsError, Sampler
+from lora_runner.core.request import Request
 from tests import factories
 from tests.test_reliability_catalogue import assert_exact, assert_idle, make_engine, step_until_done
 

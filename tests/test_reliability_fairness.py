@@ -1,6 +1,6 @@
 """Issue 11 item 6: a busy pair of tenants must not starve a third; admission is fair across tenants.
 
-The fair policy is the Virtual Token Counter (lora_runner.fairness): unit tests of the counters and
+The fair policy is the Virtual Token Counter (lora_runner.core.fairness): unit tests of the counters and
 the order, then the scheduler with a fake model (many steps, exact), then the engine on the tiny
 Llama and its PEFT adapters: the three-tenant case of the issue (C's first token within a stated
 number of steps; FCFS starves it within the same number) and a skewed load (one tenant sends 10x
@@ -16,11 +16,11 @@ import pytest
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.block_manager import BlockManager
+from lora_runner.core.block_manager import BlockManager
 from lora_runner.config import EngineConfig
-from lora_runner.fairness import FairQueue, VirtualTokenCounter, served_tokens, tenant_of
-from lora_runner.scheduler import Scheduler
-from lora_runner.sequence import Request
+from lora_runner.core.fairness import FairQueue, VirtualTokenCounter, served_tokens, tenant_of
+from lora_runner.core.scheduler import Scheduler
+from lora_runner.core.request import Request
 
 # ------------------------------------------------------------------------------- counters and order
 

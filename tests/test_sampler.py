@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lora_runner.sampler import Sampler
+from lora_runner.sample.sampler import Sampler
 from lora_runner.sampling_params import SamplingParams
 
 V = 8

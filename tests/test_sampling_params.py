@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lora_runner import EngineConfig, SamplingParams
-from lora_runner.sampler import Sampler
+from lora_runner.sample.sampler import Sampler
 from lora_runner.sampling_params import MAX_STOP_TOKEN_IDS
 
 

@@ -307,7 +307,7 @@ def test_adapter_that_fails_to_load_is_422_and_others_go_on(served, client, tmp_
 def test_no_capacity_is_503_with_retry_after(served):
     import dataclasses
 
-    from lora_runner.entrypoints.tenants import ANONYMOUS
+    from lora_runner.entrypoints.openai.tenants import ANONYMOUS
 
     state = served[1]
     config = state.config

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.async_engine import AsyncLLMEngine, EngineDeadError
+from lora_runner.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import openai
 import pytest
 from serve_support import PROMPTS, offline_greedy, serve_args, start_server, token_ids
 
-from lora_runner.entrypoints.tenants import load_tenant_keys
+from lora_runner.entrypoints.openai.tenants import load_tenant_keys
 
 SUPER = "super-key-000000"
 KEYS = {  # key -> tenant entry

@@ -12,8 +12,8 @@ import torch
 
 from lora_runner import EngineConfig, LLMEngine, SamplingParams
 from lora_runner import device as device_mod
-from lora_runner.block_manager import BlockManager
-from lora_runner.kv_budget import CPU_KV_CAP_BYTES, host_kv_budget
+from lora_runner.core.block_manager import BlockManager
+from lora_runner.worker.kv_budget import CPU_KV_CAP_BYTES, host_kv_budget
 
 MiB, GiB = 2**20, 2**30
 KV_PER_TOKEN = 512  # the tiny llama: 2 layers x K,V x 2 KV heads x head_dim 16 x fp32
@@ -75,7 +75,7 @@ def test_default_max_model_len_is_lowered_to_fit_an_explicit_budget():
 
 
 def test_explicit_settings_that_force_a_large_cache_warn(caplog):
-    with caplog.at_level(logging.WARNING, "lora_runner.kv_budget"):
+    with caplog.at_level(logging.WARNING, "lora_runner.worker.kv_budget"):
         one_request = budget(max_model_len=2**20, context=2**20, available_bytes=1 * GiB)
         assert one_request.bytes == 2**20 * KV_PER_TOKEN  # 512 MiB: over the 256 MiB bound, one request
         assert budget(explicit_bytes=3 * GiB, available_bytes=8 * GiB).bytes == 3 * GiB

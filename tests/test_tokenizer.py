@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from factories import make_byte_level_tokenizer, save_tiny_tokenizer
-from lora_runner.tokenizer import LazyTokenizer, _backend_decode
+from lora_runner.engine.tokenizer import LazyTokenizer, _backend_decode
 
 
 def punctuated_tokenizer(path, clean_up):

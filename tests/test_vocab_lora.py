@@ -24,7 +24,7 @@ from adapters.lora import load_lora
 from adapters.vocab_slots import VocabLoRASlots
 from factories import build_tiny_model, edit_adapter_config, model_spec, save_lora, save_prompt_adapter, save_tiny_model
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.cuda_graphs import RerunGraph
+from lora_runner.worker.cuda_graphs import RerunGraph
 from test_engine_lora import check_against_oracle  # greedy tokens exact, logprobs within 1e-4
 from test_prompt_adapters import SoftPromptOnLoRA
 

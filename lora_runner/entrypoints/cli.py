@@ -7,13 +7,13 @@ import logging
 import sys
 
 from adapters import AdapterError, LoRARequest, PromptAdapterRequest
-from lora_runner.async_engine import AsyncLLMEngine
+from lora_runner.engine.async_llm_engine import AsyncLLMEngine
 from lora_runner.config import EngineConfig
-from lora_runner.engine import LLMEngine
-from lora_runner.entrypoints.app import build_app
-from lora_runner.entrypoints.shutdown import GracefulServer
-from lora_runner.entrypoints.state import ServerConfig, ServerState
-from lora_runner.entrypoints.tenants import KeyRing
+from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.entrypoints.openai.app import build_app
+from lora_runner.entrypoints.openai.shutdown import GracefulServer
+from lora_runner.entrypoints.openai.state import ServerConfig, ServerState
+from lora_runner.entrypoints.openai.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.num_replicas > 1:
-        from lora_runner.entrypoints.ray_serve_run import serve_on_ray
+        from lora_runner.entrypoints.ray.run import serve_on_ray
 
         serve_on_ray(args)
         return

@@ -1,7 +1,7 @@
 """The Llama-family base model: config parsing, checkpoint loading, the decoder with LoRA-aware linears."""
 
 from lora_runner.device import resolve_device, resolve_dtype
-from lora_runner.kv_cache import allocate_kv_cache
+from lora_runner.worker.kv_cache import allocate_kv_cache
 from lora_runner.model.config import ModelConfig, RopeConfig
 from lora_runner.model.llama import LlamaForCausalLM
 from lora_runner.model.loader import load_model, resolve_model_dir

@@ -1,0 +1,1 @@
+"""Scheduling state with no tensors: requests, the scheduler, fair admission and KV block bookkeeping."""

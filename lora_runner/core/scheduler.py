@@ -1,0 +1,369 @@
+"""Continuous batching with chunked prefill, preemption by recompute and adapter-aware, fair admission.
+
+Each step the scheduler gives every running request (oldest first) the tokens it still has to
+compute, a decode token or the next prefill chunk, within `max_num_batched_tokens`. When the KV
+cache runs out of blocks the newest running request is preempted: it frees its blocks and goes
+back to the front of the waiting queue to recompute its tokens later. Then, if nothing was
+preempted, waiting requests are admitted while there is budget, a free sequence slot, enough
+blocks and room for their LoRA among at most `max_loras` distinct adapters and for their prompt
+adapter among at most `max_prompt_adapters` (a soft prompt needs its slot only until its virtual
+tokens are computed). The order is the policy's: "fcfs" takes them in arrival order, "fair" takes
+the next request of the least-served tenant (lora_runner.core.fairness). A waiting request whose adapter
+is still loading, or whose placeholders are not inserted yet, is skipped (others behind it may
+run); one whose adapter failed, or that the engine marked with an error, is handed back in `failed`.
+
+Slot handover ("fair"): when a ready request finds no adapter slot, one held adapter is chosen to
+give its slot up (unpinned, its tenants the most served); requests behind the starved one in line may
+not join that adapter, so the slot frees as its running requests finish and the starved request
+gets it. The choice is kept across steps, so the drained adapter does not flip back and forth.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from adapters.errors import AdapterCapacityError
+from lora_runner.core.block_manager import BlockManager
+from lora_runner.core.fairness import POLICIES, FairQueue, FcfsQueue, VirtualTokenCounter, served_tokens, tenant_of
+from lora_runner.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from lora_runner.engine.output_processor import OutputProcessor
+    from lora_runner.sample.sampler import SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    """A request's share of one step: `num_new_tokens` tokens from position `start`."""
+
+    request: Request
+    start: int  # == request.num_computed_tokens when scheduled
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step, and what left the running set."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # running first, then admitted
+    failed: list[Request] = field(default_factory=list)  # adapter failed to load: finish with error
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the step's flat batch."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to run."""
+        return not self.scheduled
+
+
+# adapter ref -> "ready" | "loading" | "failed"
+AdapterState = Callable[[Hashable], str]
+# adapter refs of a step -> device slots that other (pinned) adapters keep meanwhile
+ReservedSlots = Callable[[set], int]
+
+
+@dataclass(frozen=True)
+class AdapterSlots:
+    """One adapter kind as admission sees it: at most `max_slots` distinct refs per step."""
+
+    kind: str  # "LoRA" or "prompt adapter", for messages
+    limit: str  # the setting that sizes the slots, for messages
+    max_slots: int
+    state: AdapterState
+    reserved: ReservedSlots
+    ref_of: Callable[[Request], Hashable | None]  # the ref whose slot a request needs now, or None
+
+
+def _lora_ref(request: Request) -> Hashable | None:
+    return request.lora_ref
+
+
+def _prompt_adapter_ref(request: Request) -> Hashable | None:
+    return request.prompt_adapter_ref if request.needs_prompt_adapter else None
+
+
+class Scheduler:
+    """Decides which requests run each step (see the module docstring for the policy)."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int, adapter_state: AdapterState,
+                 reserved_lora_slots: ReservedSlots = lambda refs: 0, max_prompt_adapters: int = 0,
+                 prompt_adapter_state: AdapterState | None = None,
+                 reserved_prompt_slots: ReservedSlots = lambda refs: 0,
+                 policy: str = "fair", fairness: VirtualTokenCounter | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras
+        self.adapter_state = adapter_state
+        self.reserved_lora_slots = reserved_lora_slots
+        self.max_prompt_adapters = max_prompt_adapters
+        self.prompt_adapter_state = prompt_adapter_state
+        self.reserved_prompt_slots = reserved_prompt_slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival: oldest first
+        self.num_preemptions = 0  # cumulative, for stats and tests
+        self.policy = policy
+        self.fairness = fairness if fairness is not None else VirtualTokenCounter()  # kept under "fcfs" too
+        self._tenants: dict[Request, str] = {}  # unfinished request -> the tenant it joined as
+        self._handover: dict[str, Hashable] = {}  # adapter kind -> held ref that gives its slot to a starved one
+        self._leaders: dict[Request, Request] = {}  # parallel sample -> sample 0 of its prompt (see add)
+        self._freed: list[str] = []  # ids removed or preempted since take_freed (the runner frees their rows)
+
+    def add(self, request: Request, leader: Request | None = None) -> None:
+        """Queue a new request at the back of the waiting queue.
+
+        leader: for parallel sample i > 0 of one prompt, sample 0 (added first). The sample then
+        waits until the leader has computed its prompt, and starts by sharing the leader's full
+        prompt blocks (BlockManager.fork); it computes only the rest itself (less than one block
+        plus the last prompt token). If the leader finished or was preempted, it computes it all.
+        """
+        if leader is not None:
+            self._leaders[request] = leader
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self._tenants[request] = tenant_of(request)
+        self.fairness.join(self._tenants[request])
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; allocates their KV blocks."""
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        out.failed = self._take_failed()
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        for s in out.scheduled:
+            self.fairness.charge(self._tenants[s.request], *served_tokens(s.request, s.num_new_tokens, s.samples))
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        pending = deque(self.running)  # oldest first; victims are taken from the back
+        kept: list[Request] = []
+        while pending:
+            request = pending.popleft()
+            if budget == 0:
+                kept.append(request)
+                continue
+            num_new = min(request.num_uncomputed_tokens, budget)
+            end = request.num_computed_tokens + num_new
+            if self.block_manager.blocks_needed(request.request_id, end):  # most decode steps need none
+                while not self.block_manager.can_allocate(request.request_id, end) and pending:
+                    self._preempt(pending.pop(), out)
+                if not self.block_manager.can_allocate(request.request_id, end):
+                    self._preempt(request, out)
+                    continue
+                self.block_manager.allocate(request.request_id, end)
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            kept.append(request)
+            budget -= num_new
+        self.running = kept
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.block_manager.free(request.request_id)
+        self._freed.append(request.request_id)
+        request.preempt()
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        self.num_preemptions += 1
+        logger.info("preempted request %r (KV cache full); it will recompute %d tokens",
+                    request.request_id, request.num_tokens)
+
+    def _adapter_slots(self) -> list[AdapterSlots]:
+        # built per call: tests and tools may swap adapter_state on a live scheduler
+        kinds = [AdapterSlots("LoRA", "max_loras", self.max_loras, self.adapter_state, self.reserved_lora_slots,
+                              _lora_ref)]
+        if self.prompt_adapter_state is not None:
+            kinds.append(AdapterSlots("prompt adapter", "max_prompt_adapters", self.max_prompt_adapters,
+                                      self.prompt_adapter_state, self.reserved_prompt_slots, _prompt_adapter_ref))
+        return kinds
+
+    def _take_failed(self) -> list[Request]:
+        failed = [request for request in self.waiting if request.error is not None or self._adapter_failed(request)]
+        for request in failed:
+            self.waiting.remove(request)
+        return failed
+
+    def _adapter_failed(self, request: Request) -> bool:
+        """True when an adapter of the request failed to load or can never get a slot (sets request.error)."""
+        for kind in self._adapter_slots():
+            ref = kind.ref_of(request)
+            if ref is None:
+                continue
+            if kind.state(ref) == "failed":
+                return True
+            if kind.reserved({ref}) >= kind.max_slots:
+                request.error = AdapterCapacityError(
+                    f"{kind.kind} {getattr(ref, 'name', ref)!r} can never get a device slot: pinned adapters hold "
+                    f"all {kind.max_slots}; unpin one or raise {kind.limit}")
+                return True
+        return False
+
+    @staticmethod
+    def _fits(kind: AdapterSlots, ref: Hashable, held: set) -> bool:
+        if ref in held:
+            return True
+        wanted = held | {ref}
+        return len(wanted) + kind.reserved(wanted) <= kind.max_slots
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:  # nothing to admit: skip the sets over the running requests below
+            if budget > 0 and len(self.running) < self.max_num_seqs:
+                self._handover = {}  # what the loop concludes when its queue is empty
+            return
+        kinds = self._adapter_slots()
+        held = [{k.ref_of(r) for r in self.running} - {None} for k in kinds]  # per kind: refs with a slot
+        queue = FairQueue(self.waiting, self.fairness) if self.policy == "fair" else FcfsQueue(self.waiting)
+        starved: set[str] = set()  # kinds in which a ready request ahead in line found no slot
+        admitted: set[Request] = set()
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = queue.pop()
+            if request is None:
+                self._handover = {kind: ref for kind, ref in self._handover.items() if kind in starved}
+                break
+            refs = [k.ref_of(request) for k in kinds]
+            if not self._may_admit(request, kinds, refs, held, starved):
+                continue  # still loading, no slot for one of its adapters, or its slot is handed over
+            self._share_leader_prompt(request)
+            start = request.num_computed_tokens  # 0 unless it shares its leader's prompt blocks
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(request.request_id, start + num_new):
+                break  # in line order: do not let later requests jump the KV queue
+            self.block_manager.allocate(request.request_id, start + num_new)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival)
+            out.scheduled.append(ScheduledRequest(request, start, num_new))
+            queue.charge(request, *served_tokens(request, num_new, num_new == request.num_uncomputed_tokens))
+            admitted.add(request)
+            budget -= num_new
+            for ref, h in zip(refs, held):
+                if ref is not None:
+                    h.add(ref)
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if r not in admitted)
+
+    def _prompt_blocks_to_share(self, request: Request) -> int | None:
+        """Full blocks of the leader's computed prompt `request` can share now; None while it should
+        wait for its leader's prefill; 0 when there is nothing to share (no leader, or it is gone)."""
+        leader = self._leaders.get(request)
+        if leader is None or leader.is_finished or request.num_computed_tokens or \
+                self.block_manager.table(request.request_id):
+            return 0
+        prompt_len = leader.num_virtual_tokens + leader.num_prompt_tokens  # the tokens both have in common
+        if leader not in self.running or leader.num_computed_tokens < prompt_len:
+            return None
+        # at least the last prompt token stays to compute: the sample needs its own logits to sample from
+        return min(leader.num_computed_tokens, request.num_tokens - 1, prompt_len - 1) // self.block_manager.block_size
+
+    def _share_leader_prompt(self, request: Request) -> None:
+        num_blocks = self._prompt_blocks_to_share(request)
+        if num_blocks:
+            self.block_manager.fork(self._leaders[request].request_id, request.request_id, num_blocks)
+            request.num_computed_tokens = num_blocks * self.block_manager.block_size
+
+    def _may_admit(self, request: Request, kinds: list[AdapterSlots], refs: list, held: list[set],
+                   starved: set[str]) -> bool:
+        """True when the request can join this step; under "fair", a ready request without a slot
+        marks its kind starved and picks the held ref whose slot it will get (see the module docstring).
+        A parallel sample waits for its leader's prefill (see add)."""
+        if self._prompt_blocks_to_share(request) is None:
+            return False
+        if request.awaiting_virtual_tokens or any(
+                ref is not None and k.state(ref) != "ready" for k, ref in zip(kinds, refs)):
+            return False
+        for k, ref, h in zip(kinds, refs, held):
+            if ref is None:
+                continue
+            if k.kind in starved and ref == self._handover.get(k.kind):
+                return False  # its slot goes to a request ahead in line once the running ones finish
+            if not self._fits(k, ref, h):
+                if self.policy == "fair":
+                    starved.add(k.kind)
+                    if self._handover.get(k.kind) not in h and h:
+                        self._handover[k.kind] = self._pick_handover(k, h)
+                return False
+        return True
+
+    def _pick_handover(self, kind: AdapterSlots, held: set) -> Hashable:
+        """The held ref whose slot goes to a starved request: unpinned first (a pinned one keeps its
+        slot anyway), then the one whose tenants were served most (VTC: the most-served gives way),
+        then the fewest running requests (frees soonest), then the most recently admitted."""
+        served: dict[Hashable, float] = {}
+        num_running: dict[Hashable, int] = {}
+        newest: dict[Hashable, int] = {}
+        for request in self.running:  # oldest first
+            ref = kind.ref_of(request)
+            if ref in held:
+                counter = self.fairness.counter(self._tenants[request])
+                served[ref] = max(served.get(ref, counter), counter)
+                num_running[ref] = num_running.get(ref, 0) + 1
+                newest[ref] = request.arrival
+        reserved = kind.reserved(set())
+        return min(held, key=lambda ref: (kind.reserved({ref}) < reserved, -served.get(ref, 0.0),
+                                          num_running.get(ref, 0), -newest.get(ref, 0)))
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the queues and free its blocks (it finished or was aborted)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request.request_id)
+        self._freed.append(request.request_id)
+        self._leaders.pop(request, None)
+        if request in self._tenants:
+            self.fairness.leave(self._tenants.pop(request))
+
+    def take_freed(self) -> list[str]:
+        """Ids of the requests removed or preempted since the last call, oldest first (the runner
+        drops their persistent rows: lora_runner.worker.request_rows)."""
+        freed, self._freed = self._freed, []
+        return freed
+
+    def postprocess(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
+                    processor: OutputProcessor) -> list[tuple[Request, BaseException | None]]:
+        """After the model ran: count each scheduled chunk as computed, append every sampled token
+        (processor.append: detokenize, check stops) and finish and remove (free the blocks of) the
+        requests that stopped. sampled: one row per chunk with samples=True, in order.
+
+        Returns (request, error) per sampled request. error: the sampler's error for its row, or what
+        appending its token raised; that request alone failed and is left for the caller to finish
+        with "error" (it releases adapters too); the others go on.
+        """
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        sampling = [s.request for s in scheduled if s.samples]
+        results = []
+        for request, token, logprobs, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors):
+            if error is None:
+                try:
+                    reason = processor.append(request, token, logprobs)
+                    if reason is not None:
+                        request.finish(processor.finish(request, reason))
+                        self.remove(request)
+                except Exception as exc:  # this request's output could not be made; it alone fails
+                    error = exc
+            results.append((request, error))
+        return results

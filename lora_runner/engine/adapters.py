@@ -1,0 +1,180 @@
+"""The engine's one seam to its adapters: LoRAs and prompt adapters through the same calls.
+
+A request holds an AdapterRef per adapter kind it names (``request.lora_ref``,
+``request.prompt_adapter_ref``) from add_request until it is reported finished:
+
+    acquire(request)            both kinds, or neither (a failure releases what was acquired)
+    failure(request)            the load error of one of its adapters, if any failed
+    activate(scheduled)         make the step's adapters resident: (LoRA ref -> slot, prompt ref -> slot)
+    release(request)            exactly once, when the request is reported finished
+
+Pins, reservations and load state live in the adapter tiers only (``adapters.tier``): the scheduler
+asks each tier's ``state`` and ``reserved_slots`` directly. ``step_lock`` is held by the engine from
+scheduling to activation; pins and removals take it, so a pin from another thread can never take a
+slot the step counted on.
+
+Prompt adapters (PEFT prompt-tuning soft prompts) add one thing: once the adapter is loaded, so that
+its number of virtual tokens n is known, n placeholder tokens are put in front of the request's
+prompt. They take positions 0..n-1 and the prompt n.., exactly as PEFT prepends its soft prompt,
+and the KV cache and attention treat them as ordinary prompt tokens (max_model_len counts them). The
+batch builder maps each placeholder to the adapter's device slot and virtual index, and the model's
+embedding step overwrites the placeholder embeddings with the soft prompt. A soft prompt needs its
+slot only while its placeholders are being computed: at the first prefill, and again when a
+preempted request recomputes its tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+from adapters.manager import AdapterManager
+from adapters.request import PromptAdapterRequest
+from adapters.tier import AdapterRef, AdapterTier, TierClosedError
+from lora_runner.core.scheduler import ScheduledRequest
+from lora_runner.core.request import Request
+from lora_runner.engine.errors import EngineClosedError
+
+logger = logging.getLogger(__name__)
+
+class EngineAdapters:
+    """Adapters of one LLMEngine, both kinds behind one interface.
+
+    Args:
+        manager: the adapter manager (its ``loras`` and ``prompts`` tiers, CPU caches, slots, loading).
+        max_model_len: the engine's limit on placeholders + prompt + generated tokens.
+        prompts_enabled: False when the engine has no prompt-adapter slots (max_prompt_adapters=0).
+    """
+
+    def __init__(self, manager: AdapterManager, max_model_len: int, prompts_enabled: bool) -> None:
+        self.manager, self.max_model_len, self.prompts_enabled = manager, max_model_len, prompts_enabled
+        self.tiers: dict[str, AdapterTier] = {"lora": manager.loras, "prompt": manager.prompts}
+        self.step_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ user side, per kind
+    def check_prompt_adapter(self, request: PromptAdapterRequest | None) -> None:
+        """ValueError unless ``request`` is None or a PromptAdapterRequest this engine can serve."""
+        if request is None:
+            return
+        if not isinstance(request, PromptAdapterRequest):
+            raise ValueError(f"prompt_adapter_request must be a PromptAdapterRequest or None, got "
+                             f"{type(request).__name__}")
+        if not self.prompts_enabled:
+            raise ValueError(f"prompt adapter {request.name!r}: prompt adapters are disabled; create the engine "
+                             "with max_prompt_adapters > 0 and max_prompt_adapter_tokens > 0")
+
+    def add(self, kind: str, request) -> AdapterRef:
+        """Load and validate now; a bad new version under a known name leaves the old one serving.
+        Raises the adapter's AdapterError (ValueError for a disabled or mistyped prompt adapter)."""
+        if kind == "prompt":
+            self.check_prompt_adapter(request)
+        with _closed_as_engine_error():
+            return self.tiers[kind].add(request)
+
+    def remove(self, kind: str, name: str) -> None:
+        """Forget ``name``; deferred while requests hold it."""
+        with self.step_lock:
+            self.tiers[kind].remove(name)
+
+    def pin(self, kind: str, name: str) -> None:
+        """Pin the version ``name`` serves (AdapterCapacityError if it would leave no slot unpinned)."""
+        with self.step_lock:
+            self.tiers[kind].pin(name)
+
+    def unpin(self, kind: str, name: str) -> None:
+        """Make ``name`` evictable again."""
+        with self.step_lock:
+            self.tiers[kind].unpin(name)
+
+    def list(self, kind: str) -> list[str]:
+        """Names of the CPU-cached adapters of ``kind``, least recently used first."""
+        return self.tiers[kind].list()
+
+    def close(self) -> None:
+        """Cancel loads (their requests fail at the next step) and stop the loader threads, at once."""
+        self.manager.close()
+
+    # ------------------------------------------------------------------ a request's life
+    def acquire(self, request: Request) -> None:
+        """Start using the request's adapters (background loads); sets its refs.
+
+        All or nothing: on any exception what was acquired is released and the refs are cleared.
+        A prompt adapter that is ready already gets its placeholders now, and a prompt that no
+        longer fits max_model_len raises ValueError.
+        """
+        try:
+            with _closed_as_engine_error():
+                if request.lora_request is not None:
+                    request.lora_ref = self.tiers["lora"].acquire(request.lora_request)
+                if request.prompt_adapter_request is not None:
+                    request.prompt_adapter_ref = self.tiers["prompt"].acquire(request.prompt_adapter_request)
+            error = self._insert_if_ready(request)
+            if error is not None:
+                raise error
+        except BaseException:
+            self.release(request)
+            raise
+
+    def release(self, request: Request) -> None:
+        """Let go of the request's adapters (it finished, or was never queued); clears its refs so a
+        second release is a no-op rather than a release of someone else's hold."""
+        for attr, kind in (("lora_ref", "lora"), ("prompt_adapter_ref", "prompt")):
+            ref = getattr(request, attr)
+            if ref is not None:
+                setattr(request, attr, None)
+                self.tiers[kind].release(ref)
+
+    def failure(self, request: Request) -> BaseException | None:
+        """The load error of the request's adapter that failed (LoRA first), or None."""
+        for kind, ref in (("lora", request.lora_ref), ("prompt", request.prompt_adapter_ref)):
+            if ref is not None and self.tiers[kind].state(ref) == "failed":
+                return self.tiers[kind].error(ref)
+        return None
+
+    def insert_virtual_tokens(self, waiting: Iterable[Request]) -> None:
+        """Insert placeholders into waiting requests whose prompt adapter finished loading.
+
+        A request that would exceed max_model_len gets ``request.error``; the scheduler fails it.
+        """
+        for request in waiting:
+            if request.awaiting_virtual_tokens and request.error is None:
+                request.error = self._insert_if_ready(request)
+
+    def activate(self, scheduled: list[ScheduledRequest]) -> tuple[dict[AdapterRef, int], dict[AdapterRef, int]]:
+        """Make the step's LoRAs, and the soft prompts of chunks that contain placeholders, resident.
+
+        Returns (LoRA ref -> slot, prompt-adapter ref -> slot). Call under ``step_lock``, right after
+        the scheduler admitted the step within each tier's ``reserved_slots``."""
+        loras = [s.request.lora_ref for s in scheduled if s.request.lora_ref is not None]
+        prompts = [s.request.prompt_adapter_ref for s in scheduled if s.start < s.request.num_virtual_tokens]
+        return self._activate("lora", loras), self._activate("prompt", prompts)
+
+    def _activate(self, kind: str, refs: list[AdapterRef]) -> dict[AdapterRef, int]:
+        refs = list(dict.fromkeys(refs))
+        return dict(zip(refs, self.tiers[kind].activate(refs))) if refs else {}
+
+    def _insert_if_ready(self, request: Request) -> ValueError | None:
+        ref, tier = request.prompt_adapter_ref, self.manager.prompts
+        if ref is None or not request.awaiting_virtual_tokens or tier.state(ref) != "ready":
+            return None
+        num_virtual = tier.num_virtual_tokens(ref)
+        if num_virtual + request.num_tokens > self.max_model_len:
+            return ValueError(f"request {request.request_id!r}: prompt adapter {ref.name!r} adds {num_virtual} "
+                              f"virtual tokens to a {request.num_tokens}-token prompt, more than max_model_len="
+                              f"{self.max_model_len}")
+        request.insert_virtual_tokens(num_virtual)
+        logger.debug("request %r: %d soft-prompt placeholders of %r", request.request_id, num_virtual, ref.name)
+        return None
+
+
+@contextmanager
+def _closed_as_engine_error():
+    """A tier closed under a racing call raises EngineClosedError, as the engine documents."""
+    try:
+        yield
+    except EngineClosedError:
+        raise
+    except TierClosedError as exc:
+        raise EngineClosedError("the engine is closed") from exc

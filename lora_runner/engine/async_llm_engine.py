@@ -1,0 +1,239 @@
+"""AsyncLLMEngine: an LLMEngine stepped by one background thread, consumed from asyncio.
+
+The step thread loops on ``LLMEngine.step()`` while requests are unfinished and sleeps on a
+condition variable otherwise (``generate`` and ``abort`` wake it). Each step's RequestOutputs are
+routed to the asyncio loop of the request's ``generate`` call with ``loop.call_soon_threadsafe``
+into that request's ``asyncio.Queue``. A ``generate`` iterator that is cancelled or closed early (a
+client that disconnected) aborts its request, so the engine frees its KV blocks and adapter
+references at the next step. An exception raised by ``step()`` is logged, delivered to every
+waiting iterator and leaves the engine dead: later calls raise :class:`EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.outputs import RequestOutput
+from lora_runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# While every unfinished request only waits for its adapter to load, step() makes no progress and
+# returns nothing: the thread then blocks in LLMEngine.wait_for_work (woken by a finished load, a new
+# request or an abort); the timeout only bounds how long a shutdown waits to be noticed.
+ADAPTER_WAIT_TIMEOUT_S = 0.25
+
+
+class EngineDeadError(RuntimeError):
+    """The step thread stopped (an exception in step(), or shutdown()); no request can be served."""
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue owned by an asyncio loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Hand `item` to the request's loop (callable from any thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            logger.debug("dropped an output for a closed event loop")
+
+
+class AsyncLLMEngine:
+    """Serve an LLMEngine to asyncio code: ``async for output in engine.generate(...)``.
+
+    Args:
+        engine: the engine to drive; this object owns it from now on (``shutdown`` closes it).
+        start: start the step thread now (else call ``start()``).
+    """
+
+    def __init__(self, engine: LLMEngine, start: bool = True) -> None:
+        self.engine = engine
+        self._wake = threading.Condition()
+        self._streams: dict[str, _Stream] = {}  # guarded by _wake
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="lora-runner-step", daemon=True)
+        self._accepts_tenant = "tenant" in inspect.signature(engine.add_request).parameters
+        self.num_aborted = 0  # requests aborted through abort() (closed or cancelled iterators included)
+        if start:
+            self.start()
+
+    @classmethod
+    def from_config(cls, model, **kwargs) -> AsyncLLMEngine:
+        """Build the LLMEngine (an EngineConfig or a model plus EngineConfig keywords) and wrap it."""
+        return cls(LLMEngine(model, **kwargs))
+
+    def start(self) -> None:
+        """Start the step thread."""
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the step thread serves requests."""
+        return self._thread.is_alive() and self._error is None and not self._stopping
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that killed the step thread, if any."""
+        return self._error
+
+    # ----------------------------------------------------------------------------- asyncio side
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       lora_request: LoRARequest | None = None,
+                       prompt_adapter_request: PromptAdapterRequest | None = None,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its RequestOutputs, the last one with ``finished`` set.
+
+        Raises what ``LLMEngine.add_request`` raises (ValueError, AdapterError) before the first
+        output, EngineDeadError when the step thread is gone, or the exception that killed it.
+        Closing or cancelling the iterator early aborts the request. tenant: passed on to the
+        engine's fair scheduling when its add_request takes it, else unused.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._register(request_id, stream)
+        try:
+            self._add(request_id, prompt, params, lora_request, prompt_adapter_request, tenant)
+        except BaseException:
+            self._unregister(request_id, stream)
+            raise
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine is dead or shut down: nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._unregister(request_id, stream)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored); its iterator ends without output."""
+        if self._error is not None or not self._thread.is_alive():
+            return
+        self.num_aborted += 1
+        self.engine.abort_request(request_id)
+        self._notify()
+
+    def abort_all(self) -> None:
+        """Abort every request with a live iterator; each ends with its "abort" output."""
+        with self._wake:
+            ids = list(self._streams)
+        if ids and self._error is None and self._thread.is_alive():
+            self.engine.abort_request(ids)
+            self._notify()
+
+    def _add(self, request_id, prompt, params, lora_request, prompt_adapter_request, tenant) -> None:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))
+        kwargs = {"tenant": tenant} if self._accepts_tenant and tenant is not None else {}
+        self.engine.add_request(request_id, prompt, params, lora_request=lora_request,
+                                prompt_adapter_request=prompt_adapter_request, **kwargs)
+        self._notify()
+
+    def _register(self, request_id: str, stream: _Stream) -> None:
+        with self._wake:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+
+    def _unregister(self, request_id: str, stream: _Stream) -> None:
+        with self._wake:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    # ----------------------------------------------------------------------------- step thread
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                outputs = self.engine.step()
+                self._dispatch(outputs)
+                if not outputs:
+                    self._wait_for_adapter_loads()
+        except BaseException as exc:  # noqa: BLE001 - delivered to every waiter, then the thread ends
+            logger.exception("the engine's step() raised; failing every in-flight request")
+            self._fail_all(exc)
+
+    def _wait_for_work(self) -> bool:
+        """Sleep until a request is unfinished or shutdown is asked; False to stop."""
+        with self._wake:
+            while not self._stopping and not self.engine.has_unfinished_requests():
+                self._wake.wait()
+            return not self._stopping
+
+    def _wait_for_adapter_loads(self) -> None:
+        """A step that produced nothing: sleep until the engine has work it can run (returns at
+        once when the step did run something, e.g. a prefill chunk that samples nothing)."""
+        if not self._stopping:
+            self.engine.wait_for_work(ADAPTER_WAIT_TIMEOUT_S)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        with self._wake:
+            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        for stream, output in targets:
+            if stream is not None:
+                stream.put(output)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._wake:
+            self._error = exc
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(exc)
+
+    # ----------------------------------------------------------------------------- shutdown
+    def num_in_flight(self) -> int:
+        """Requests with a live generate() iterator."""
+        with self._wake:
+            return len(self._streams)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for in-flight requests to finish; True when none is left."""
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.num_in_flight()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight, stop the step thread (waiting at most `timeout` s), close the engine.
+
+        Iterators still waiting get EngineDeadError. Idempotent."""
+        with self._wake:
+            ids = list(self._streams)
+        if ids and self._error is None:
+            self.engine.abort_request(ids)
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the step thread did not stop within %.1f s", timeout)
+        self._fail_all_if_waiting(EngineDeadError("the engine was shut down"))
+        self.engine.close()
+
+    def _fail_all_if_waiting(self, exc: BaseException) -> None:
+        with self._wake:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(exc)

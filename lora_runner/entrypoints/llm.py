@@ -1,0 +1,206 @@
+"""LLM: the offline API. generate() runs a list of prompts, each with its own adapters, to completion."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from itertools import count
+
+import torch
+from tqdm.auto import tqdm
+
+from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.engine.chat import as_conversations, chat_token_ids, encoding_token_ids, tensor_token_ids
+from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.outputs import RequestOutput
+from lora_runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]  # a tokenizer output (BatchEncoding / dict) or a 1-D int tensor is converted
+_IDLE_WAIT_S = 1.0  # longest sleep of generate() between steps while every request waits for a load
+
+
+class LLM:
+    """One base model serving many LoRA and prompt adapters: ``LLM(model, **EngineConfig kwargs)``.
+
+    ``generate(prompts, sampling_params, lora_request, prompt_adapter_request)`` returns one
+    RequestOutput per prompt, in input order; ``chat(messages, ...)`` does the same for chat
+    conversations through the tokenizer's chat template. Adapters are managed with add_lora / remove_lora /
+    pin_lora / list_loras and add_prompt_adapter / remove_prompt_adapter / pin_prompt_adapter /
+    list_prompt_adapters.
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(model, **kwargs)
+        self._ids = count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 prompt_adapter_request: PromptAdapterRequest | Sequence[PromptAdapterRequest | None] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run `prompts` to completion, continuously batched; outputs in input order.
+
+        prompts: a string, a list of token ids, a 1-D integer tensor, or a list of these; or a
+        tokenizer output (BatchEncoding or dict with ``input_ids``, one prompt or a padded batch
+        whose ``attention_mask`` marks the real tokens). sampling_params,
+        lora_request and prompt_adapter_request: one for all prompts or a list aligned with them
+        (None = no adapter of that kind); a prompt may use a LoRA and a prompt adapter at once.
+        Every distinct named adapter is loaded and validated before any prompt runs, so a bad
+        adapter raises its adapters.AdapterError with nothing lost. ValueError for misaligned lists,
+        an argument of the wrong type, one adapter name bound to two paths/revisions in the call,
+        bad sampling params, a bad prompt, or prompt adapters on an engine without prompt-adapter
+        slots. Whatever it raises, none of its requests is left in the engine.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _aligned(sampling_params if sampling_params is not None else SamplingParams(),
+                          SamplingParams, len(prompt_list), "sampling_params")
+        loras = _aligned(lora_request, LoRARequest, len(prompt_list), "lora_request")
+        soft_prompts = _aligned(prompt_adapter_request, PromptAdapterRequest, len(prompt_list),
+                                "prompt_adapter_request")
+        for requests, what in ((loras, "lora_request"), (soft_prompts, "prompt_adapter_request")):
+            _check_one_source_per_name(requests, what)
+        for request in dict.fromkeys(r for r in loras if r is not None):
+            self.engine.add_lora(request)
+        for request in dict.fromkeys(r for r in soft_prompts if r is not None):
+            self.engine.add_prompt_adapter(request)
+        request_ids = [f"generate-{next(self._ids)}" for _ in prompt_list]
+        try:
+            for request_id, prompt, p, lora, soft in zip(request_ids, prompt_list, params, loras, soft_prompts):
+                self.engine.add_request(request_id, prompt, p, lora_request=lora, prompt_adapter_request=soft)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:  # re-raised: only makes sure none of this call's requests stays live
+            self._abort_and_drain(request_ids)
+            raise
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             prompt_adapter_request: PromptAdapterRequest | Sequence[PromptAdapterRequest | None] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to chat conversations, as vLLM's ``LLM.chat``.
+
+        messages: one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of
+        conversations; one RequestOutput per conversation, in order. Each is rendered with the
+        tokenizer's chat template (or `chat_template`, a Jinja string) and tokenized exactly as
+        transformers' ``apply_chat_template(tokenize=True)`` does (no second BOS when the template
+        writes one). `tools` and `chat_template_kwargs` are passed to the template. The other
+        arguments are generate()'s. ValueError for malformed messages, a tokenizer without a chat
+        template when none is given, or a template that rejects the messages.
+        """
+        conversations, _ = as_conversations(messages)
+        prompts = chat_token_ids(self.engine.tokenizer.get(), conversations, chat_template=chat_template,
+                                 add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, tools=tools,
+                                 chat_template_kwargs=chat_template_kwargs)
+        return self.generate(prompts, sampling_params, lora_request=lora_request,
+                             prompt_adapter_request=prompt_adapter_request, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+                # sleeps only when the step found nothing to run (every request waits for an adapter
+                # load) until a load finishes; the timeout is a safety net, not a poll interval
+                self.engine.wait_for_work(timeout=_IDLE_WAIT_S)
+        return [finished[request_id] for request_id in request_ids]
+
+    def _abort_and_drain(self, request_ids: list[str]) -> None:
+        """Abort this call's requests and step until the engine reports them (the next step does)."""
+        self.engine.abort_request(request_ids)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def close(self) -> None:
+        """Release the engine's background loader threads."""
+        self.engine.close()
+
+    def add_lora(self, lora_request: LoRARequest):
+        """Load and validate an adapter now; a new path under an existing name replaces it for new requests."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, name: str) -> None:
+        """Remove an adapter by name (deferred while running requests still use it)."""
+        self.engine.remove_lora(name)
+
+    def pin_lora(self, name: str) -> None:
+        """Keep an adapter cached and, once resident, in its device slot."""
+        self.engine.pin_lora(name)
+
+    def unpin_lora(self, name: str) -> None:
+        """Make a pinned adapter evictable again."""
+        self.engine.unpin_lora(name)
+
+    def list_loras(self) -> list[str]:
+        """Names of the LoRAs in the CPU cache, least recently used first."""
+        return self.engine.list_loras()
+
+    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest):
+        """Load and validate a prompt adapter now; a new path under an existing name replaces it."""
+        return self.engine.add_prompt_adapter(prompt_adapter_request)
+
+    def remove_prompt_adapter(self, name: str) -> None:
+        """Remove a prompt adapter by name (deferred while running requests still use it)."""
+        self.engine.remove_prompt_adapter(name)
+
+    def pin_prompt_adapter(self, name: str) -> None:
+        """Keep a prompt adapter cached and, once resident, in its device slot."""
+        self.engine.pin_prompt_adapter(name)
+
+    def unpin_prompt_adapter(self, name: str) -> None:
+        """Make a pinned prompt adapter evictable again."""
+        self.engine.unpin_prompt_adapter(name)
+
+    def list_prompt_adapters(self) -> list[str]:
+        """Names of the prompt adapters in the CPU cache, least recently used first."""
+        return self.engine.list_prompt_adapters()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Mapping):
+        return encoding_token_ids(prompts)
+    if isinstance(prompts, torch.Tensor):
+        return [tensor_token_ids(prompts)]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return [tensor_token_ids(p) if isinstance(p, torch.Tensor) else p for p in prompts]
+    raise ValueError("prompts must be a string, a list of token ids, a 1-D integer tensor, a tokenizer "
+                     "output with input_ids, or a non-empty list of strings, id lists or 1-D tensors")
+
+
+def _aligned(value, kind: type, n: int, name: str) -> list:
+    """`value` (one for all, or a list/tuple with one per prompt; None allowed) as a list of n."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a {kind.__name__}, None, or a list of them, got {type(value).__name__}")
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} prompts: pass one for all, or one per prompt")
+    wrong = next((v for v in values if v is not None and not isinstance(v, kind)), None)
+    if wrong is not None:
+        raise ValueError(f"{name} entries must be {kind.__name__} or None, got {type(wrong).__name__}")
+    return values
+
+
+def _check_one_source_per_name(requests: list, what: str) -> None:
+    """ValueError when one call binds an adapter name to two (path, revision) sources: each
+    request would replace the adapter the others use, and the load would repeat."""
+    sources: dict[str, tuple] = {}
+    for request in requests:
+        if request is None:
+            continue
+        known = sources.setdefault(request.name, request.source)
+        if known != request.source:
+            raise ValueError(f"{what}: adapter name {request.name!r} is given two sources in one call, "
+                             f"{known} and {request.source}: use one name per adapter")

@@ -1,0 +1,113 @@
+"""The FastAPI app: OpenAI-compatible routes over one AsyncLLMEngine.
+
+Every route but /health needs ``Authorization: Bearer KEY`` when keys are configured (401). On
+shutdown (uvicorn's lifespan, after it stopped accepting and let in-flight requests finish or
+cancelled them) the engine is shut down: what is still in flight is aborted, the engine closed.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from lora_runner.entrypoints.openai import admin, completions
+from lora_runner.entrypoints.openai.body_limit import BodyLimitMiddleware
+from lora_runner.entrypoints.openai.errors import APIError, install_error_handlers
+from lora_runner.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRARequest,
+    UnloadLoRARequest,
+)
+from lora_runner.entrypoints.openai.state import ServerState
+from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
+
+logger = logging.getLogger(__name__)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def authenticate(request: Request) -> Tenant:
+    """The caller's tenant; 401 without a valid key."""
+    return require_tenant(_state(request).keys, request.headers.get("authorization"))
+
+
+def require_tenant(keys: KeyRing, authorization: str | None) -> Tenant:
+    """The tenant of an Authorization header; 401 without a valid key (also used by the Ray Serve ingress)."""
+    tenant = keys.authenticate(authorization)
+    if tenant is None:
+        raise APIError(401, "missing or invalid API key (Authorization: Bearer KEY)", "invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    return tenant
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The app serving `state`'s engine (its lifespan shuts the engine down)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        logger.info("shutting down: aborting what is still in flight and closing the engine")
+        await run_in_threadpool(state.engine.shutdown, state.config.shutdown_timeout)
+
+    app = FastAPI(title="lora-runner", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
+    _add_routes(app)
+    return app
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        ok = _state(request).engine.is_running
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request, tenant: Tenant = Depends(authenticate)) -> JSONResponse:
+        return JSONResponse(list_models(_state(request), tenant))
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request, tenant: Tenant = Depends(authenticate)):
+        return await completions.create_completion(_state(request), tenant, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat(body: ChatCompletionRequest, request: Request, tenant: Tenant = Depends(authenticate)):
+        return await completions.create_chat_completion(_state(request), tenant, body, request)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load(body: LoadLoRARequest, request: Request, tenant: Tenant = Depends(authenticate)):
+        return PlainTextResponse(await admin.load_lora_adapter(_state(request), tenant, body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload(body: UnloadLoRARequest, request: Request, tenant: Tenant = Depends(authenticate)):
+        return PlainTextResponse(await admin.unload_lora_adapter(_state(request), tenant, body))
+
+    @app.get("/metrics")
+    async def metrics(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def list_models(state: ServerState, tenant: Tenant) -> dict:
+    """OpenAI's model list: the base model (when the tenant may use it) and the tenant's adapters."""
+    base = state.registry.base_name
+    entries = []
+    if tenant.base:
+        entries.append(_model_card(base, root=state.engine.engine.config.model if tenant.admin else base, parent=None))
+    for adapter in state.registry.visible(tenant):
+        entries.append(_model_card(adapter.name, root=adapter.request.path if tenant.admin else adapter.name,
+                                   parent=base, created=adapter.created, kind=adapter.kind))
+    return {"object": "list", "data": entries}
+
+
+def _model_card(name: str, root: str, parent: str | None, created: int = 0, kind: str = "base") -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "lora-runner", "root": root,
+            "parent": parent, "kind": kind}

@@ -1,0 +1,58 @@
+"""POST /v1/completions and POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+
+from lora_runner.entrypoints.openai.formatting import ChatFormat, CompletionFormat
+from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation
+from lora_runner.entrypoints.openai.prompts import chat_prompt, completion_prompts
+from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from lora_runner.entrypoints.openai.sampling import check_supported, requested_logprobs, sampling_params
+from lora_runner.entrypoints.openai.state import ServerState
+from lora_runner.entrypoints.openai.tenants import Tenant
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+async def create_completion(state: ServerState, tenant: Tenant, body: CompletionRequest, request: Request):
+    """A text completion of one or several prompts."""
+    started = time.monotonic()
+    logprobs, target = _checked(state, tenant, body)
+    prompts = completion_prompts(state, body.prompt)
+    max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    return await _generate(state, tenant, body, request, target, prompts, max_tokens, logprobs, started,
+                           CompletionFormat, "cmpl")
+
+
+async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatCompletionRequest, request: Request):
+    """A chat completion through the tokenizer's chat template."""
+    started = time.monotonic()
+    logprobs, target = _checked(state, tenant, body)
+    prompt = chat_prompt(state, body.messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(
+        state.max_tokens_limit, state.max_model_len - len(prompt)))
+    return await _generate(state, tenant, body, request, target, [prompt], max_tokens, logprobs, started,
+                           ChatFormat, "chatcmpl")
+
+
+def _checked(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatCompletionRequest):
+    """(logprobs, Target) after the checks both routes make first: unsupported fields and the
+    logprobs limit (400), then the model and prompt adapter the tenant may use (404)."""
+    check_supported(body, state.config.max_n)
+    logprobs = requested_logprobs(body, state.max_logprobs)
+    return logprobs, resolve_target(state, tenant, body.model, body.prompt_adapter)
+
+
+async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatCompletionRequest,
+                    request: Request, target, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
+                    started: float, format_type, id_prefix: str):
+    """Length checks (400), the engine's SamplingParams, then the generation in `format_type`'s shape."""
+    check_lengths(state, prompts, max_tokens)
+    params = sampling_params(body, max_tokens, logprobs)
+    fmt = format_type(state.new_id(id_prefix), body.model)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
+                                include_usage, started)

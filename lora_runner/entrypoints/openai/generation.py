@@ -1,0 +1,338 @@
+"""Running one OpenAI generation request on the async engine: one ChoiceRun per prompt.
+
+Each run follows its request's RequestOutputs and turns them into Deltas (new text, new logprobs,
+finish reason), recording time to first token and inter-token latency on the way. With n > 1 a
+run's engine request has n samples (sharing the prompt's prefill): prompt p's samples are the
+choices p * n .. p * n + n - 1, each with its own Delta. Every run's first
+output is awaited before the response starts, so a request that fails at once (bad prompt, adapter
+that fails to load) gets a real HTTP status even when streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.entrypoints.openai.errors import APIError, api_error_from, error_body, model_not_found
+from lora_runner.entrypoints.openai.formatting import DONE_EVENT, CompletionFormat, Delta, TokenLogprob, Usage, sse
+from lora_runner.entrypoints.openai.state import ServerState
+from lora_runner.entrypoints.openai.tenants import Tenant
+from lora_runner.outputs import RequestOutput
+from lora_runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
+
+
+@dataclass(frozen=True)
+class Target:
+    """The adapters a request runs with, chosen by ``model`` and ``prompt_adapter``."""
+
+    model: str
+    lora: LoRARequest | None = None
+    prompt_adapter: PromptAdapterRequest | None = None
+
+
+def resolve_target(state: ServerState, tenant: Tenant, model: str, prompt_adapter: str | None) -> Target:
+    """404 (the same for unknown names and names the tenant may not use) unless both names resolve."""
+    if model == state.registry.base_name:
+        if not tenant.base:
+            raise model_not_found(model)
+        target = Target(model)
+    else:
+        served = state.registry.get(model, tenant)
+        if served is None:
+            raise model_not_found(model)
+        is_lora = served.kind == "lora"
+        target = Target(model, served.request if is_lora else None, None if is_lora else served.request)
+    if prompt_adapter is None:
+        return target
+    served = state.registry.get(prompt_adapter, tenant)
+    if served is None or served.kind != "prompt_adapter":
+        raise model_not_found(prompt_adapter)
+    if target.prompt_adapter is not None:
+        raise APIError(400, "model already names a prompt adapter; prompt_adapter adds one to a LoRA "
+                       "or the base model", "invalid_value")
+    return Target(model, target.lora, served.request)
+
+
+def check_lengths(state: ServerState, prompts: list[list[int]], max_tokens: int) -> None:
+    """400 for a prompt over the prompt-token limit or a max_tokens that does not fit the context."""
+    if max_tokens > state.max_tokens_limit:
+        raise APIError(400, f"max_tokens must be <= {state.max_tokens_limit}, got {max_tokens}", "invalid_value")
+    for ids in prompts:
+        if len(ids) > state.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(ids)} tokens, more than the limit of "
+                           f"{state.max_prompt_tokens}", "prompt_too_long")
+        if len(ids) + max_tokens > state.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {state.max_model_len} tokens, but "
+                           f"{len(ids)} prompt tokens + {max_tokens} max_tokens were requested", "context_length_exceeded")
+
+
+@dataclass
+class _Sent:
+    """What has been sent of one sample (choice)."""
+
+    tokens: int = 0
+    done: bool = False  # its finish (or error) was reported
+
+
+class ChoiceRun:
+    """One prompt's generation (n samples: choices index .. index + n - 1) and what has been sent of it."""
+
+    def __init__(self, state: ServerState, index: int, request_id: str, prompt_len: int,
+                 gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1) -> None:
+        self.state, self.index, self.request_id, self.prompt_len = state, index, request_id, prompt_len
+        self.gen, self.started, self.logprobs_k = gen, started, logprobs_k
+        self.first: RequestOutput | None = None
+        self.advance_first: list[Delta] = []  # the first output's deltas, sent before the rest
+        self.sent = [_Sent() for _ in range(n)]
+        self.last_token_at: float | None = None
+        self.num_output_tokens = 0
+
+    @property
+    def choice_indices(self) -> range:
+        """The choice index of each sample."""
+        return range(self.index, self.index + len(self.sent))
+
+    def advance(self, output: RequestOutput) -> list[Delta]:
+        """Each sample's delta since the last call (samples without news left out); APIError for a
+        sample that failed (reported once)."""
+        self._record_latency(sum(len(c.token_ids) - sent.tokens for c, sent in zip(output.outputs, self.sent)))
+        self.num_output_tokens = sum(len(c.token_ids) for c in output.outputs)
+        deltas = [self._advance_sample(sample, completion) for sample, completion in enumerate(output.outputs)]
+        return [delta for delta in deltas if delta is not None]
+
+    def _advance_sample(self, sample: int, completion) -> Delta | None:
+        sent = self.sent[sample]
+        if sent.done:
+            return None
+        if completion.finish_reason == "error":
+            sent.done = True
+            self._finished("error", len(completion.token_ids))
+            raise api_error_from(completion.error or RuntimeError("the request failed"))
+        new_ids = completion.token_ids[sent.tokens:]
+        text = completion.text_delta  # the engine's incremental text: whole characters, stop strings cut
+        logprobs = self._logprobs(completion, sent.tokens, len(new_ids))
+        sent.tokens += len(new_ids)
+        if completion.finished:
+            sent.done = True
+            self._finished(completion.finish_reason, len(completion.token_ids))
+        if not text and not new_ids and not completion.finished:
+            return None
+        return Delta(self.index + sample, text, logprobs, completion.finish_reason, completion.stop_reason)
+
+    def _logprobs(self, completion, start: int, num_new: int) -> list[TokenLogprob] | None:
+        if completion.logprobs is None:
+            return None
+        k = self.logprobs_k or 0
+        ids = completion.token_ids[start:start + num_new]
+        entries = completion.logprobs[start:start + num_new]
+        return [_token_logprob(self.state, token, table, k) for token, table in zip(ids, entries)]
+
+    def _record_latency(self, num_new: int) -> None:
+        if num_new == 0:
+            return
+        now = time.monotonic()
+        metrics = self.state.metrics
+        if self.last_token_at is None:
+            metrics.ttft.observe(now - self.started)
+        else:
+            metrics.itl.observe((now - self.last_token_at) / num_new)
+        self.last_token_at = now
+
+    def _finished(self, reason: str | None, num_tokens: int) -> None:
+        self.state.metrics.finished.labels(reason or "unknown").inc()
+        self.state.metrics.generation_tokens.inc(num_tokens)
+
+    async def close(self) -> None:
+        """Close the iterator (aborting an unfinished request)."""
+        try:
+            await self.gen.aclose()
+        except RuntimeError:  # still being iterated by a cancelled task: abort directly
+            self.state.engine.abort(self.request_id)
+
+
+def _token_logprob(state: ServerState, token: int, table: dict[int, float], k: int) -> TokenLogprob:
+    top = sorted(table.items(), key=lambda item: -item[1])[:k]
+    return TokenLogprob(state.token_text(token), table[token], [(state.token_text(t), lp) for t, lp in top])
+
+
+async def _first_output(run: ChoiceRun) -> None:
+    try:
+        run.first = await run.gen.__anext__()
+    except StopAsyncIteration:
+        raise RuntimeError(f"request {run.request_id} ended without output") from None
+
+
+async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts: list[list[int]],
+                     params: SamplingParams, started: float) -> list[ChoiceRun]:
+    """Add one engine request per prompt and wait for each one's first output (errors raise)."""
+    runs = []
+    for index, ids in enumerate(prompts):
+        request_id = state.new_id("req")
+        gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name)
+        runs.append(ChoiceRun(state, index * params.n, request_id, len(ids), gen, started, params.logprobs, params.n))
+    results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    try:
+        if errors:
+            raise errors[0]
+        for run in runs:  # an adapter that failed to load shows up here, before any byte is sent
+            run.advance_first = run.advance(run.first)
+    except BaseException:
+        await close_runs(runs)
+        raise
+    return runs
+
+
+async def close_runs(runs: list[ChoiceRun]) -> None:
+    """Close every run's iterator (aborting what is unfinished)."""
+    for run in runs:
+        await run.close()
+
+
+async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, RequestOutput | BaseException]]:
+    """(run, output) for every output after each run's first, in arrival order."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            if not run.first.finished:
+                async for output in run.gen:
+                    await queue.put((run, output))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
+            await queue.put((run, exc))
+        await queue.put((run, None))
+
+    tasks = [asyncio.ensure_future(pump(run)) for run in runs]
+    try:
+        remaining = len(runs)
+        while remaining:
+            run, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            else:
+                yield run, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Runs `cleanup` however the response ends: a client that went away, or one that was gone
+    before the body started (then the body iterator never ran, so its own cleanup cannot)."""
+
+    def __init__(self, content, cleanup: Callable, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._cleanup()
+
+
+async def run_generation(state: ServerState, request: Request, tenant: Tenant, target: Target,
+                         prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
+                         stream: bool, include_usage: bool, started: float):
+    """Admit, start and answer one generation request (streamed or whole)."""
+    release = state.admit(tenant, len(prompts) * params.n)
+    try:
+        state.metrics.requests.labels(target.model).inc()
+        state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
+        runs = await start_runs(state, tenant, target, prompts, params, started)
+    except BaseException:
+        release()
+        raise
+    if stream:
+        async def cleanup() -> None:
+            await close_runs(runs)
+            release()
+
+        return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup), cleanup,
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        body = await _cancel_on_disconnect(request, _collect(runs, fmt))
+    finally:
+        await close_runs(runs)
+        release()
+    return JSONResponse(body)
+
+
+def _usage(runs: list[ChoiceRun]) -> Usage:
+    return Usage(sum(r.prompt_len for r in runs), sum(r.num_output_tokens for r in runs))
+
+
+async def _collect(runs: list[ChoiceRun], fmt: CompletionFormat) -> dict:
+    totals = {choice: Delta(choice, logprobs=None) for run in runs for choice in run.choice_indices}
+    for delta in (d for run in runs for d in run.advance_first):
+        totals[delta.index] = _join(totals[delta.index], delta)
+    async for run, item in merged(runs):
+        if isinstance(item, BaseException):
+            raise api_error_from(item)
+        for delta in run.advance(item):
+            totals[delta.index] = _join(totals[delta.index], delta)
+    return fmt.response([totals[choice] for choice in sorted(totals)], _usage(runs))
+
+
+def _join(total: Delta, delta: Delta | None) -> Delta:
+    if delta is None:
+        return total
+    logprobs = None if delta.logprobs is None else (total.logprobs or []) + delta.logprobs
+    return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason, delta.stop_reason)
+
+
+async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: bool,
+                  cleanup: Callable) -> AsyncIterator[str]:
+    rest = merged(runs)
+    try:
+        for run in runs:
+            if fmt.role_chunk:
+                for choice in run.choice_indices:
+                    yield sse(fmt.opening_chunk(choice, include_usage))
+            for delta in run.advance_first:
+                yield sse(fmt.chunk(delta, include_usage))
+        async for run, item in rest:
+            try:
+                if isinstance(item, BaseException):
+                    raise api_error_from(item)
+                deltas = run.advance(item)
+            except APIError as err:  # this choice failed mid-stream: tell the client, go on with the rest
+                yield sse(error_body(err.status, err.message, err.code))
+                continue
+            for delta in deltas:
+                yield sse(fmt.chunk(delta, include_usage))
+        if include_usage:
+            yield sse(fmt.usage_chunk(_usage(runs)))
+        yield DONE_EVENT
+    finally:
+        await rest.aclose()
+        await cleanup()
+
+
+async def _cancel_on_disconnect(request: Request, coro):
+    """Await `coro`; cancel it (so its requests are aborted) when the client disconnects first."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected", "client_disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

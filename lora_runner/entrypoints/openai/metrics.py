@@ -1,0 +1,92 @@
+"""Prometheus metrics of one server (its own CollectorRegistry, so several apps can share a process).
+
+Counted by the HTTP layer: requests per served model, prompt and generated tokens, time to first
+token and inter-token latency, runtime adapter loads. Read from the engine at scrape time: running
+and waiting requests, KV blocks in use, and every field of the adapter manager's cumulative stats
+(slot loads are the slot misses; hits appear when the manager counts them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from lora_runner.engine.async_llm_engine import AsyncLLMEngine
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    """The server's metrics; ``render()`` gives the Prometheus text format."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("lora_runner_requests", "Generation requests accepted, per served model",
+                                ["model"], registry=reg)
+        self.finished = Counter("lora_runner_requests_finished", "Requests finished, per finish reason",
+                                ["reason"], registry=reg)
+        self.prompt_tokens = Counter("lora_runner_prompt_tokens", "Prompt tokens of accepted requests", registry=reg)
+        self.generation_tokens = Counter("lora_runner_generation_tokens", "Tokens generated", registry=reg)
+        self.ttft = Histogram("lora_runner_time_to_first_token_seconds", "Request receipt to first token",
+                              buckets=_LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram("lora_runner_inter_token_latency_seconds", "Time between a request's tokens",
+                             buckets=_LATENCY_BUCKETS, registry=reg)
+        self.runtime_loads = Counter("lora_runner_runtime_adapter_loads", "load_lora_adapter calls, per result",
+                                     ["result"], registry=reg)
+        reg.register(_EngineCollector(engine))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine state read at scrape time."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        """Yield the engine's gauges and adapter counters."""
+        engine = self.engine.engine
+        scheduler = getattr(engine, "scheduler", None)
+        gauges = {
+            "lora_runner_requests_running": ("Requests being decoded or prefilled", len(getattr(scheduler, "running", ()))),
+            "lora_runner_requests_waiting": ("Requests queued (adapter loading or no room)", len(getattr(scheduler, "waiting", ()))),
+            "lora_runner_requests_in_flight": ("Requests with an open HTTP generation", self.engine.num_in_flight()),
+            "lora_runner_kv_blocks_used": ("KV-cache blocks held by requests", engine.block_manager.num_used_blocks),
+            "lora_runner_kv_blocks_total": ("KV-cache blocks", engine.block_manager.num_blocks),
+            "lora_runner_engine_up": ("1 while the step thread serves requests", int(self.engine.is_running)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield from self._adapter_stats(engine)
+
+    @staticmethod
+    def _adapter_stats(engine):
+        stats = engine.adapter_manager.stats
+        events = CounterMetricFamily("lora_runner_adapter_events", "Cumulative adapter-manager events "
+                                     "(lora_loads = LoRA slot misses, lora_evictions = slot evictions, "
+                                     "lora_disk_loads = adapter loads from disk or the Hub)", labels=["event"])
+        for field in dataclasses.fields(stats):
+            value = getattr(stats, field.name)
+            if isinstance(value, (int, float)):
+                events.add_metric([field.name], value)
+        yield events
+        yield CounterMetricFamily("lora_runner_lora_slot_misses", "LoRAs written into a device slot",
+                                  value=stats.lora_loads)
+        yield CounterMetricFamily("lora_runner_lora_slot_evictions", "Resident LoRAs evicted from a slot",
+                                  value=stats.lora_evictions)
+        hits = getattr(stats, "lora_hits", None)
+        if hits is not None:
+            yield CounterMetricFamily("lora_runner_lora_slot_hits", "Steps that found a LoRA resident", value=hits)
+
+    def describe(self):
+        """Nothing up front: the metric names are only known at collect time."""
+        return []

@@ -1,0 +1,62 @@
+"""From an OpenAI request body to the engine's SamplingParams, refusing what cannot be honoured.
+
+The engine has no best_of, echo, suffix or logit_bias yet: a
+request that asks for one gets a 400 naming the field, never a silently different result.
+"""
+
+from __future__ import annotations
+
+from lora_runner.entrypoints.openai.errors import APIError
+from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from lora_runner.sampling_params import SamplingParams
+
+
+def _unsupported(field: str, what: str) -> APIError:
+    return APIError(400, f"{field}: {what} is not supported by this server yet", "unsupported_parameter")
+
+
+def check_supported(body: CompletionRequest | ChatCompletionRequest, max_n: int) -> None:
+    """400 for every field set to something the engine cannot do."""
+    if body.n > max_n:
+        raise APIError(400, f"n must be <= {max_n}, got {body.n}", "invalid_value")
+    if body.logit_bias:
+        raise _unsupported("logit_bias", "logit bias")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "invalid_value")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise _unsupported("echo", "echoing the prompt")
+        if body.suffix:
+            raise _unsupported("suffix", "a suffix")
+        if body.best_of not in (None, 1):
+            raise _unsupported("best_of", "best_of > 1")
+
+
+def requested_logprobs(body: CompletionRequest | ChatCompletionRequest, max_logprobs: int) -> int | None:
+    """How many top logprobs per token the request wants (None: no logprobs); 400 over the limit."""
+    if isinstance(body, CompletionRequest):
+        count = body.logprobs
+    elif body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "invalid_value")
+    else:
+        count = (body.top_logprobs or 0) if body.logprobs else None
+    if count is not None and count > max_logprobs:
+        raise APIError(400, f"at most {max_logprobs} logprobs per token, got {count}", "invalid_value")
+    return count
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams (400 for values it rejects)."""
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k is None else body.top_k,
+            seed=body.seed, n=body.n, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            stop=body.stop, include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_value") from exc

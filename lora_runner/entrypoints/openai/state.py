@@ -1,0 +1,122 @@
+"""What every route needs: the async engine, server settings, keys, adapter registry, metrics."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.engine.async_llm_engine import AsyncLLMEngine
+from lora_runner.entrypoints.openai.errors import APIError
+from lora_runner.entrypoints.openai.metrics import ServerMetrics
+from lora_runner.entrypoints.openai.registry import AdapterRegistry
+from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server settings (the engine's are in EngineConfig). Validated on construction (ValueError).
+
+    served_model_name: the base model's name in ``model``. allow_runtime_lora_updating /
+    adapter_root / allow_hub_adapters: the load/unload routes (see adapter_root). max_body_bytes,
+    max_prompt_tokens, max_tokens_limit, max_n, max_logprobs: request size limits (None: the
+    engine's max_model_len). max_pending_requests: generations in flight at once, beyond which
+    requests get 503. shutdown_timeout: seconds in-flight requests get to finish on SIGTERM.
+    """
+
+    served_model_name: str
+    allow_runtime_lora_updating: bool = False
+    adapter_root: str | None = None
+    allow_hub_adapters: bool = False
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None
+    max_tokens_limit: int | None = None
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_pending_requests: int = 1024
+    shutdown_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty string")
+        for name in ("max_body_bytes", "max_n", "max_pending_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.max_logprobs < 0 or self.shutdown_timeout < 0:
+            raise ValueError("max_logprobs and shutdown_timeout must be >= 0")
+
+
+class ServerState:
+    """Shared by all routes of one app; lives on ``app.state.server``."""
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, keys: KeyRing) -> None:
+        self.engine, self.config, self.keys = engine, config, keys
+        self.registry = AdapterRegistry(config.served_model_name)
+        self.metrics = ServerMetrics(engine)
+        self.max_model_len = engine.engine.limits.max_model_len
+        self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
+        self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
+        engine_max_logprobs = getattr(engine.engine.config, "max_logprobs", None)  # engines that bound it
+        self.max_logprobs = min(config.max_logprobs, engine_max_logprobs if engine_max_logprobs is not None
+                                else config.max_logprobs)
+        self.draining = False  # set on shutdown: new generations get 503
+        self._in_flight = 0
+        self._in_flight_per_tenant: Counter[str] = Counter()
+
+    @property
+    def tokenizer(self):
+        """The model's transformers tokenizer, or None."""
+        return self.engine.engine.tokenizer.get()
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text for logprobs (special tokens included; "token_id:N" without a tokenizer)."""
+        tokenizer = self.tokenizer
+        return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        """A fresh response/request id."""
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load and validate a LoRA in the engine, then serve it (AdapterError / ValueError)."""
+        self.engine.engine.add_lora(request)
+        self.registry.add(request)
+        logger.info("serving LoRA %r from %s", request.name, request.path)
+
+    def add_prompt_adapter(self, request: PromptAdapterRequest) -> None:
+        """Load and validate a soft prompt in the engine, then serve it."""
+        self.engine.engine.add_prompt_adapter(request)
+        self.registry.add(request)
+        logger.info("serving prompt adapter %r from %s", request.name, request.path)
+
+    def admit(self, tenant: Tenant, count: int) -> Callable[[], None]:
+        """Take `count` generation slots; returns the (idempotent) release. 503 when the server is
+        full or the engine is down, 429 over the tenant's max_concurrent_requests."""
+        if not self.engine.is_running or self.draining:
+            raise APIError(503, "the engine is not serving requests (shutting down?)", "engine_unavailable")
+        if self._in_flight + count > self.config.max_pending_requests:
+            raise APIError(503, "the server is at capacity; retry later", "server_busy")
+        limit = tenant.max_concurrent_requests
+        if limit is not None and self._in_flight_per_tenant[tenant.name] + count > limit:
+            raise APIError(429, f"more than {limit} concurrent requests for this key", "rate_limit_exceeded")
+        self._in_flight += count
+        self._in_flight_per_tenant[tenant.name] += count
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._in_flight -= count
+                self._in_flight_per_tenant[tenant.name] -= count
+
+        return release

@@ -1,0 +1,1 @@
+"""``lora-runner serve --num-replicas N``: the OpenAI server's engine replicas on Ray Serve."""

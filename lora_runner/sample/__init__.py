@@ -1,0 +1,1 @@
+"""Sampling one token per row from the step's logits: settings, penalties, bans and logprobs."""

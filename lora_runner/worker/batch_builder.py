@@ -1,0 +1,332 @@
+"""The mapping builder: scheduled chunks -> the flat token batch the model reads, in persistent buffers.
+
+A step is written in two phases. write() flattens the chunks into host arrays allocated once at
+their maximum size (rows [:n] per step) and returns the step's shape; write_rows() does the same
+from the runner's persistent request rows (lora_runner.worker.request_rows) by gathers alone, the engine's
+path. upload() hands the rows to the device. On CPU the device views are the host arrays themselves: nothing is copied. On CUDA,
+upload() packs the step's rows into one pinned staging buffer (two of them alternate) and queues
+one non-blocking copy (lora_runner/worker/staging.py): a step that samples nothing never waits for the
+device, and the host arrays are never a copy's source, so write() never waits either.
+
+Decode graphs run fixed-size steps: upload(step, padded_seqs=p) first fills rows past a decode
+step with padding sequences, so the one copy carries a whole captured size; padding_batch is such
+a step made of padding only (capture). The packed layout depends only on the row counts, so every
+replay of one graph sees the views its capture saw.
+
+Prompt adapters: a sequence's first `num_virtual_tokens` positions are its soft prompt's
+placeholders. Each such token gets its prompt-adapter slot and virtual index (its position) in
+`token_prompt_slots` / `token_prompt_positions`; every other token gets -1, and the model's
+embedding step overwrites only the mapped tokens. Only prefill chunks can contain them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lora_runner.worker.staging import StagedUpload, packed_bytes
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a step: tokens token_ids[start:start+num_new_tokens]."""
+
+    token_ids: list[int]  # the sequence's whole token list (prompt + generated); not copied
+    start: int  # position of the first new token == tokens already in the KV cache
+    num_new_tokens: int
+    block_table: list[int]  # KV blocks covering positions [0, start + num_new_tokens)
+    lora_slot: int = -1  # device LoRA slot of the sequence's adapter, -1 = base model
+    sample: bool = True  # sample a token after this chunk's last token
+    prompt_adapter_slot: int = -1  # device slot of its soft prompt; needed while start < num_virtual_tokens
+    num_virtual_tokens: int = 0  # positions [0, num_virtual_tokens) are soft-prompt placeholders
+
+
+@dataclass
+class BatchInputs:
+    """Device views of the step's batch: T tokens of B sequences, S of which sample."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64 KV slot per token
+    token_lora_slots: torch.Tensor  # [T] int32, -1 = no adapter
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32 context length after the step
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, unused entries 0
+    sample_indices: torch.Tensor  # [S] int64 rows of the flat batch whose logits are sampled
+    max_query_len: int
+    max_seq_len: int
+    has_lora: bool  # any token with a LoRA slot >= 0
+    # None when no token of the step is a soft-prompt placeholder (decode-only steps, for instance)
+    token_prompt_slots: torch.Tensor | None = None  # [T] int64 prompt-adapter slot, -1 = ordinary token
+    token_prompt_positions: torch.Tensor | None = None  # [T] int64 index in the soft prompt, -1 = ordinary
+
+    @property
+    def has_prompt_adapter(self) -> bool:
+        """True when some token of the step is a soft-prompt placeholder."""
+        return self.token_prompt_slots is not None
+
+    @property
+    def num_tokens(self) -> int:
+        """T."""
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        """B."""
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        """S."""
+        return self.sample_indices.shape[0]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What write() put in the host arrays: the step's sizes, before any upload."""
+
+    num_tokens: int  # T
+    num_seqs: int  # B
+    num_samples: int  # S
+    max_query_len: int
+    max_seq_len: int
+    has_lora: bool  # any token with a LoRA slot >= 0
+    has_prompt_adapter: bool  # any soft-prompt placeholder token
+
+
+@dataclass
+class SeqArrays:
+    """Per-sequence values of one step, [B] each, in step order."""
+
+    lora_slots: np.ndarray  # int: device LoRA slot, -1 = base model
+    sample: np.ndarray  # bool: sample a token after the chunk's last token
+    num_virtual: np.ndarray  # int: soft-prompt placeholders at the front of the sequence
+    prompt_slots: np.ndarray  # int: prompt-adapter slot (needed while a placeholder is computed), -1 = none
+
+
+class _Buffer:
+    """A host tensor (plain, never a copy's source) with a numpy view."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.cpu = torch.zeros(shape, dtype=dtype)
+        self.np = self.cpu.numpy()
+
+
+class BatchBuilder:
+    """Writes scheduled chunks into persistent buffers sized for the largest step.
+
+    Args:
+        max_num_tokens, max_num_seqs, max_blocks_per_seq: the largest step (buffer sizes).
+        block_size: KV-cache block size (token position p lives in block table[p // block_size]).
+        device: where the model reads the batch.
+        staged: upload through packed staging buffers; default: on any device but the CPU (True on
+            CPU runs the device path's packing and single copy, for tests).
+    """
+
+    def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device | str, staged: bool | None = None) -> None:
+        device = torch.device(device)
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.input_ids = _Buffer((max_num_tokens,), torch.int64)
+        self.positions = _Buffer((max_num_tokens,), torch.int64)
+        self.slot_mapping = _Buffer((max_num_tokens,), torch.int64)
+        self.token_lora_slots = _Buffer((max_num_tokens,), torch.int32)
+        self.token_prompt_slots = _Buffer((max_num_tokens,), torch.int64)
+        self.token_prompt_positions = _Buffer((max_num_tokens,), torch.int64)
+        self.query_start_loc = _Buffer((max_num_seqs + 1,), torch.int32)
+        self.seq_lens = _Buffer((max_num_seqs,), torch.int32)
+        self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32)
+        self.sample_indices = _Buffer((max_num_seqs,), torch.int64)
+        self._arange = np.arange(max(max_num_tokens, max_blocks_per_seq * block_size), dtype=np.int64)
+        # staged: the host arrays travel through StagedUpload (always on a device; on CPU for tests)
+        staged = device.type != "cpu" if staged is None else staged
+        largest = self._upload_rows(max_num_tokens, max_num_seqs, max_num_seqs, with_prompt=True)
+        self.staging = StagedUpload(packed_bytes([buf.np[:n].nbytes for buf, n in largest]), device) if staged else None
+
+    def build(self, chunks: Sequence[SeqChunk]) -> BatchInputs:
+        """Flatten `chunks` (in order) into the buffers and return this step's device views."""
+        return self.upload(self.write(chunks))
+
+    def write(self, chunks: Sequence[SeqChunk]) -> StepShape:
+        """Flatten `chunks` (in order) into the host arrays; returns the step's shape (see upload).
+
+        Vectorized over the step: one pass over the chunks gathers their scalars, numpy does the rest.
+        """
+        num_seqs = len(chunks)
+        starts = np.fromiter((c.start for c in chunks), np.int64, num_seqs)  # [B]
+        lens = np.fromiter((c.num_new_tokens for c in chunks), np.int64, num_seqs)  # [B]
+        num_tokens = self._check_size(num_seqs, lens)
+        ends = starts + lens  # [B] context length after the step
+        num_blocks = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)  # [B]
+        self._check_fit(chunks, lens, ends, num_blocks)
+        token_seq, positions = self._write_positions(starts, lens, num_tokens)
+        self.input_ids.np[:num_tokens] = np.fromiter(
+            itertools.chain.from_iterable(c.token_ids[c.start:c.start + c.num_new_tokens] for c in chunks),
+            np.int64, num_tokens)
+        tables = self.block_tables.np
+        tables[:num_seqs] = 0
+        table_start = np.cumsum(num_blocks) - num_blocks  # [B] offset of each table in the flat list
+        table_rows = np.repeat(self._arange[:num_seqs], num_blocks)  # [sum(num_blocks)]
+        table_cols = np.arange(table_rows.shape[0]) - np.repeat(table_start, num_blocks)
+        tables[table_rows, table_cols] = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks),
+                                                     np.int64, table_rows.shape[0])
+        return self._write_rest(token_seq, positions, lens, ends, SeqArrays(
+            lora_slots=np.fromiter((c.lora_slot for c in chunks), np.int64, num_seqs),
+            sample=np.fromiter((c.sample for c in chunks), bool, num_seqs),
+            num_virtual=np.fromiter((c.num_virtual_tokens for c in chunks), np.int64, num_seqs),
+            prompt_slots=np.fromiter((c.prompt_adapter_slot for c in chunks), np.int64, num_seqs)))
+
+    def write_rows(self, token_ids: np.ndarray, block_tables: np.ndarray, rows: np.ndarray, starts: np.ndarray,
+                   lens: np.ndarray, seqs: SeqArrays) -> StepShape:
+        """write() for sequences kept in persistent rows (lora_runner.worker.request_rows): sequence i of the
+        step is row rows[i] of token_ids [R, L] (its tokens) and block_tables [R, max_blocks_per_seq]
+        (its table, unused entries 0), computing tokens starts[i]..starts[i]+lens[i]-1. Only gathers:
+        no Python loop over the sequences. The caller guarantees the rows hold what they cover."""
+        num_seqs = rows.shape[0]
+        num_tokens = self._check_size(num_seqs, lens)
+        token_seq, positions = self._write_positions(starts, lens, num_tokens)
+        self.input_ids.np[:num_tokens] = token_ids[rows[token_seq], positions]
+        self.block_tables.np[:num_seqs] = block_tables[rows]
+        return self._write_rest(token_seq, positions, lens, starts + lens, seqs)
+
+    def _check_size(self, num_seqs: int, lens: np.ndarray) -> int:
+        """The step's token count; ValueError when the step does not fit the buffers."""
+        num_tokens = int(lens.sum())
+        if not 0 < num_seqs <= self.max_num_seqs or num_tokens > self.max_num_tokens:
+            raise ValueError(f"batch of {num_seqs} sequences / {num_tokens} tokens exceeds the "
+                             f"buffers ({self.max_num_seqs} / {self.max_num_tokens})")
+        return num_tokens
+
+    def _write_positions(self, starts: np.ndarray, lens: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Write query_start_loc and positions; returns (sequence of each token [T], positions [T])."""
+        num_seqs = starts.shape[0]
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(lens, out=qsl[1:num_seqs + 1])
+        token_seq = np.repeat(self._arange[:num_seqs], lens)  # [T] sequence of each token
+        positions = self._arange[:num_tokens] - np.repeat(qsl[:num_seqs] - starts, lens)  # [T]
+        self.positions.np[:num_tokens] = positions
+        return token_seq, positions
+
+    def _write_rest(self, token_seq: np.ndarray, positions: np.ndarray, lens: np.ndarray, ends: np.ndarray,
+                    seqs: SeqArrays) -> StepShape:
+        """After input ids, positions and block tables: KV slots, LoRA slots, context lengths,
+        sample rows and prompt-adapter rows."""
+        num_seqs, num_tokens = lens.shape[0], positions.shape[0]
+        bs = self.block_size
+        self.slot_mapping.np[:num_tokens] = self.block_tables.np[token_seq, positions // bs] * bs + positions % bs
+        self.token_lora_slots.np[:num_tokens] = np.repeat(seqs.lora_slots, lens)
+        self.seq_lens.np[:num_seqs] = ends
+        num_samples = int(seqs.sample.sum())
+        self.sample_indices.np[:num_samples] = (self.query_start_loc.np[1:num_seqs + 1] - 1)[seqs.sample]
+        num_virtual = self._map_virtual_tokens(positions, lens, seqs)
+        return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, num_samples=num_samples,
+                         max_query_len=int(lens.max()), max_seq_len=int(ends.max()),
+                         has_lora=bool((seqs.lora_slots >= 0).any()), has_prompt_adapter=num_virtual > 0)
+
+    def _check_fit(self, chunks: Sequence[SeqChunk], lens: np.ndarray, ends: np.ndarray,
+                   num_blocks: np.ndarray) -> None:
+        """Raise for the first chunk whose tokens or blocks do not fit (before anything is written)."""
+        num_ids = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+        bad = ((lens < 1) | (ends > num_ids) | (num_blocks * self.block_size < ends)
+               | (num_blocks > self.max_blocks_per_seq))
+        if bad.any():
+            i = int(bad.argmax())
+            chunk = chunks[i]
+            raise ValueError(f"chunk {i}: {chunk.num_new_tokens} tokens from {chunk.start} do not fit its "
+                             f"{len(chunk.token_ids)} tokens / {len(chunk.block_table)} blocks")
+
+    def upload(self, step: StepShape | BatchInputs, padded_seqs: int | None = None) -> BatchInputs:
+        """The device views of the step `step` describes (the last write()), after one host->device copy.
+
+        padded_seqs: pad the decode-only step to that many sequences first (for a decode graph).
+        Padding sequences get one token each: token 0 at position 0, LoRA slot -1, KV slot -1 (not
+        written), context length 1 over block 0 (only read: finite, zero or a real token's K/V);
+        sample_indices stay the step's and max_seq_len becomes the block tables' capacity, so the
+        views serve any context length.
+        """
+        num_tokens, num_seqs, max_seq_len = step.num_tokens, step.num_seqs, step.max_seq_len
+        if padded_seqs is not None:
+            if step.max_query_len != 1 or num_tokens != num_seqs or step.has_prompt_adapter:
+                raise ValueError(f"padding needs a decode-only step without soft-prompt placeholders, got "
+                                 f"{num_tokens} tokens of {num_seqs} sequences")
+            self._write_decode_padding(num_seqs, padded_seqs)
+            num_tokens = num_seqs = padded_seqs
+            max_seq_len = self.max_blocks_per_seq * self.block_size
+        rows = self._upload_rows(num_tokens, num_seqs, step.num_samples, step.has_prompt_adapter)
+        if self.staging is None:
+            views = [buf.cpu[:n] for buf, n in rows]  # CPU: the host arrays are the device buffers
+        else:
+            views = self.staging.upload([buf.np[:n] for buf, n in rows])
+        fields = dict(zip(self._UPLOAD_ORDER, views))
+        return BatchInputs(**fields, max_query_len=step.max_query_len, max_seq_len=max_seq_len,
+                           has_lora=step.has_lora)
+
+    # graph-read fields first: their offsets in the packed upload depend on (T, B) only
+    _UPLOAD_ORDER = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",
+                     "block_tables", "sample_indices", "token_prompt_slots", "token_prompt_positions")
+
+    def _upload_rows(self, num_tokens: int, num_seqs: int, num_samples: int,
+                     with_prompt: bool) -> list[tuple[_Buffer, int]]:
+        """(buffer, rows) of one upload, in _UPLOAD_ORDER (prompt fields only when used)."""
+        rows = [num_tokens] * 4 + [num_seqs + 1, num_seqs, num_seqs, num_samples] + [num_tokens] * 2
+        names = self._UPLOAD_ORDER if with_prompt else self._UPLOAD_ORDER[:-2]
+        return [(getattr(self, name), n) for name, n in zip(names, rows)]
+
+    def pad_decode(self, batch: StepShape | BatchInputs, num_seqs: int) -> BatchInputs:
+        """upload(batch, padded_seqs=num_seqs): the decode step `batch` (the last build() or write())
+        padded to `num_seqs` sequences, uploaded again."""
+        return self.upload(batch, padded_seqs=num_seqs)
+
+    def padding_batch(self, num_seqs: int, lora_slot: int = -1) -> BatchInputs:
+        """A decode step of `num_seqs` padding sequences (as upload pads) that samples no row;
+        lora_slot >= 0 puts every token on that adapter. For graph capture."""
+        self._write_decode_padding(0, num_seqs)
+        self.token_lora_slots.np[:num_seqs] = lora_slot
+        step = StepShape(num_tokens=num_seqs, num_seqs=num_seqs, num_samples=0, max_query_len=1,
+                         max_seq_len=self.max_blocks_per_seq * self.block_size, has_lora=lora_slot >= 0,
+                         has_prompt_adapter=False)
+        return self.upload(step)
+
+    def _write_decode_padding(self, num_seqs: int, padded_seqs: int) -> None:
+        """Write padding sequences num_seqs..padded_seqs-1 of a decode step into the host arrays."""
+        capacity = min(self.max_num_seqs, self.max_num_tokens)  # one token per sequence
+        if not 0 <= num_seqs <= padded_seqs <= capacity:
+            raise ValueError(f"cannot pad {num_seqs} sequences to {padded_seqs} (buffers hold {capacity})")
+        rows = slice(num_seqs, padded_seqs)  # decode: token i belongs to sequence i
+        self.input_ids.np[rows] = 0
+        self.positions.np[rows] = 0
+        self.slot_mapping.np[rows] = -1
+        self.token_lora_slots.np[rows] = -1
+        self.query_start_loc.np[num_seqs + 1:padded_seqs + 1] = np.arange(num_seqs + 1, padded_seqs + 1)
+        self.seq_lens.np[rows] = 1
+        self.block_tables.np[rows] = 0
+
+    def _map_virtual_tokens(self, positions: np.ndarray, lens: np.ndarray, seqs: SeqArrays) -> int:
+        """Write the step's prompt-adapter rows (-1 for ordinary tokens); returns its placeholder count.
+
+        A token is a placeholder when its position is below its sequence's num_virtual (only prefill
+        chunks of prompt-adapter requests have any); its virtual index is its position.
+        """
+        num_tokens = positions.shape[0]
+        slots, virtual = self.token_prompt_slots.np, self.token_prompt_positions.np
+        is_virtual = positions < np.repeat(seqs.num_virtual, lens)  # [T]
+        if not is_virtual.any():
+            slots[:num_tokens] = -1
+            virtual[:num_tokens] = -1
+            return 0
+        seq_slots = np.repeat(seqs.prompt_slots, lens)  # [T]
+        missing = is_virtual & (seq_slots < 0)
+        if missing.any():
+            seq = int(np.searchsorted(self.query_start_loc.np[1:lens.shape[0] + 1], missing.argmax(), side="right"))
+            raise ValueError(f"chunk {seq}: soft-prompt placeholder(s) but no prompt-adapter slot")
+        slots[:num_tokens] = np.where(is_virtual, seq_slots, -1)
+        virtual[:num_tokens] = np.where(is_virtual, positions, -1)
+        return int(is_virtual.sum())

@@ -1,0 +1,286 @@
+"""CUDA graphs for decode steps: capture sizes, padding into the persistent buffers, capture, replay.
+
+A decode-only step (every sequence adds one token, no soft-prompt placeholder) of B sequences
+replays the graph of key (smallest capture size >= B, whether any token uses an adapter).
+``BatchBuilder.pad_decode`` fills rows B..size-1 of the persistent batch buffers with padding
+sequences (KV slot -1, context length 1 over block 0); the graph's context comes from the runner's
+``ForwardContextBuilder``, as an eager step's does. Prefill, mixed steps and steps beyond the
+largest size run eagerly.
+
+No context-length key: the Triton paged attention (lora_runner/model/paged_attention.py) reads
+``seq_lens`` and the block tables at run time, so one graph serves every context length. Its
+metadata's host int ``max_seq_len`` is the table's capacity (max_blocks_per_seq * block_size),
+which only the torch attention path reads (CPU emulation with RerunGraph): it then gathers the whole
+table, correct but slow. On CUDA with the torch attention forced (LORA_RUNNER_ATTENTION=torch) graphs
+are off.
+
+Base-only steps (no token with an adapter) replay graphs captured without the LoRA context, so
+they run no LoRA kernel at all; steps with adapters replay graphs captured with one dummy adapter.
+
+Everything a graph reads lives in fixed buffers: the batch builder's device buffers, the LoRA
+meta's buffers (``meta.prepare`` runs outside the graph each step, with the padded token slots),
+the LoRA slot weights (written in place, so adapters loaded after capture are served) and the KV
+cache. The kernels' grid depends on the padded token count only (punica_kernels.meta), so graphs
+captured with one dummy adapter replay any mix of adapters (design.md section 4, SGLang #28371).
+Decode graphs carry no prompt-adapter context: decode tokens are never soft-prompt placeholders.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, StepShape
+from lora_runner.model.attention import BACKEND_ENV
+from lora_runner.worker.forward_context_builder import ForwardContextBuilder
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_SIZE_STEP = 8  # capture sizes: 1, 2, 4, then every 8
+WARMUP_LORA_NAME = "__cuda_graph_warmup__"
+
+
+def cuda_graphs_available(device: torch.device) -> bool:
+    """True on CUDA with the Triton LoRA kernels importable: the torch LoRA path syncs with the host
+    and cannot be captured (a warning says so). False when the torch attention is forced: graphs
+    no longer bucket contexts, and it would gather every sequence's whole block table."""
+    if torch.device(device).type != "cuda":
+        return False
+    if os.environ.get(BACKEND_ENV, "auto") == "torch":
+        logger.warning("CUDA graphs disabled: %s=torch forces the torch attention", BACKEND_ENV)
+        return False
+    import punica_kernels
+
+    if not punica_kernels.triton_available():
+        logger.warning("CUDA graphs disabled: Triton is not importable, and the torch LoRA path cannot "
+                       "be captured (%s)", punica_kernels.triton_import_error())
+        return False
+    return True
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Padded decode batch sizes, ascending: 1, 2, 4, 8, 16, 24, ... and max_num_seqs itself."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    sizes += range(CAPTURE_SIZE_STEP, max_num_seqs + 1, CAPTURE_SIZE_STEP)
+    if sizes[-1:] != [max_num_seqs]:
+        sizes.append(max_num_seqs)  # never pad past the buffers (sized max_num_seqs)
+    return sizes
+
+
+@dataclass(frozen=True, order=True)
+class DecodeGraphKey:
+    """What a decode graph was captured for."""
+
+    num_seqs: int  # padded batch size (== tokens): a capture size
+    has_lora: bool  # captured with the LoRA context (a dummy adapter); False: no LoRA kernel in the graph
+
+
+class DecodeGraphPlan:
+    """Which decode graphs exist and which one a step uses; pure logic, no device.
+
+    Args:
+        max_num_seqs: largest decode batch (the batch buffers' size).
+    """
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.sizes = capture_sizes(max_num_seqs)
+
+    def keys(self) -> list[DecodeGraphKey]:
+        """Every key, largest first (the capture order: later, smaller graphs reuse its memory)."""
+        return sorted((DecodeGraphKey(s, lora) for s in self.sizes for lora in (True, False)), reverse=True)
+
+    def key_for(self, batch: StepShape | BatchInputs) -> DecodeGraphKey | None:
+        """The graph for `batch`, or None when it must run eagerly (prefill or mixed step, soft-prompt
+        placeholders, more sequences than the largest capture size)."""
+        decode_only = batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
+        if not decode_only or batch.has_prompt_adapter:
+            return None
+        size = _round_up(self.sizes, batch.num_seqs)
+        return None if size is None else DecodeGraphKey(size, batch.has_lora)
+
+
+def _round_up(values: list[int], x: int) -> int | None:
+    """Smallest of the ascending `values` >= x, None if there is none."""
+    i = bisect.bisect_left(values, x)
+    return values[i] if i < len(values) else None
+
+
+# ----------------------------------------------------------------------------- graphs
+
+
+class Graph(Protocol):
+    """One captured computation: capture(fn) runs fn once under capture and returns its output
+    tensor; replay() recomputes that same tensor from the current contents of fn's inputs."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    """A torch.cuda.CUDAGraph captured into a memory pool shared by all decode graphs."""
+
+    def __init__(self, pool) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Record fn's kernels; its output lives in the pool and is rewritten by every replay."""
+        # thread_local: adapter-loading threads may call CUDA (pinned copies) while we capture
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
+            output = fn()
+        return output
+
+    def replay(self) -> None:
+        """Launch the recorded kernels."""
+        self.graph.replay()
+
+
+class RerunGraph:
+    """CPU stand-in for CudaGraph (tests, smoke runs): replay reruns fn and writes its result into
+    the tensor capture returned, so anything fn reads that is not a persistent buffer shows up."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], torch.Tensor] | None = None
+        self.output: torch.Tensor | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run fn once and remember it."""
+        self.fn, self.output = fn, fn()
+        return self.output
+
+    def replay(self) -> None:
+        """Rerun fn into the captured output tensor."""
+        self.output.copy_(self.fn())
+
+
+@dataclass
+class _Captured:
+    graph: Graph
+    batch: BatchInputs  # the static input views the graph reads
+    hidden: torch.Tensor  # [num_seqs, hidden] static output
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one model runner, and their replay.
+
+    Args:
+        model: the decoder (``model(input_ids, positions, ctx) -> [T, hidden]``).
+        contexts: the runner's ForwardContextBuilder (KV cache, LoRA meta built with max_rank /
+            max_slices so capture allocates nothing, LoRA slots).
+        builder: the runner's BatchBuilder (its device buffers are the graphs' inputs; it pads steps).
+        plan: which keys to capture.
+        make_graph: () -> Graph; default a CudaGraph on one shared memory pool (CUDA only).
+    """
+
+    def __init__(self, model, contexts: ForwardContextBuilder, builder: BatchBuilder, plan: DecodeGraphPlan,
+                 make_graph: Callable[[], Graph] | None = None) -> None:
+        self.device = contexts.kv_cache.device
+        if make_graph is None:
+            if self.device.type != "cuda":
+                raise ValueError("CUDA graphs need a CUDA device; pass make_graph=RerunGraph to emulate")
+            pool = torch.cuda.graph_pool_handle()
+            make_graph = lambda: CudaGraph(pool)  # noqa: E731
+        self.model, self.contexts, self.builder, self.plan = model, contexts, builder, plan
+        self._make_graph = make_graph
+        self._graphs: dict[DecodeGraphKey, _Captured] = {}
+        self.num_replays = 0  # decode steps served by a graph
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    @torch.inference_mode()
+    def capture(self, lora_slot: int, progress: bool = True) -> None:
+        """Capture every key of the plan, largest first; in graphs with LoRA every capture token is on
+        `lora_slot` (the resident warmup adapter, so the LoRA kernels run for real in the warm-up pass)."""
+        from tqdm.auto import tqdm
+
+        on_cuda = self.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
+        start = time.perf_counter()
+        keys = self.plan.keys()
+        for key in tqdm(keys, desc="capture decode graphs", disable=not progress):
+            self._capture_one(key, lora_slot)
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
+        logger.info("captured %d decode graphs (batch sizes %s, with and without LoRA) in %.1f s, using %.0f MiB",
+                    len(keys), self.plan.sizes, time.perf_counter() - start, used / 2**20)
+
+    def _capture_one(self, key: DecodeGraphKey, lora_slot: int) -> None:
+        # every capture sequence is padding, on the warmup adapter in graphs with LoRA
+        batch = self.builder.padding_batch(key.num_seqs, lora_slot if key.has_lora else -1)
+        self.contexts.prepare_lora(batch)
+        forward = self._forward_fn(batch)
+        forward()  # warm-up outside capture: compiles kernels, caches slice offsets
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        graph = self._make_graph()
+        self._graphs[key] = _Captured(graph, batch, graph.capture(forward))
+
+    def _forward_fn(self, batch: BatchInputs) -> Callable[[], torch.Tensor]:
+        ctx = self.contexts.build(batch)
+        return lambda: self.model(batch.input_ids, batch.positions, ctx)  # [num_seqs, hidden]
+
+    def key_for(self, step: StepShape | BatchInputs) -> DecodeGraphKey | None:
+        """The captured graph for `step`, or None when it must run eagerly."""
+        key = self.plan.key_for(step)
+        return key if key in self._graphs else None
+
+    @torch.inference_mode()
+    def replay(self, key: DecodeGraphKey, padded: BatchInputs) -> torch.Tensor:
+        """Replay graph `key` on `padded` (the builder's upload of the step padded to key.num_seqs):
+        hidden [key.num_seqs, hidden], valid until the next replay."""
+        captured = self._graphs[key]
+        # the packed upload puts a size's rows where its capture found them (block tables: the last
+        # field the graph reads, so its offset depends on every field before it); a moved view goes unread
+        assert padded.block_tables.data_ptr() == captured.batch.block_tables.data_ptr(), "padded step off the graph"
+        self.contexts.prepare_lora(padded)  # outside the graph
+        captured.graph.replay()
+        self.num_replays += 1
+        return captured.hidden
+
+    @torch.inference_mode()
+    def run(self, batch: BatchInputs) -> torch.Tensor | None:
+        """Pad the step `batch` (just built by the builder) and replay its graph: hidden [T, hidden]
+        of its real tokens, valid until the next replay. None when the step must run eagerly."""
+        key = self.key_for(batch)
+        if key is None:
+            return None
+        return self.replay(key, self.builder.pad_decode(batch, key.num_seqs))[:batch.num_tokens]  # [T, hidden]
+
+    @torch.inference_mode()
+    def run_eager(self, batch: BatchInputs) -> torch.Tensor:
+        """The captured computation of `batch`'s key run eagerly on the same padded inputs (same
+        kernels, so it equals replay bit for bit): hidden [T, hidden]. For tests and checks."""
+        key = self.plan.key_for(batch)
+        if key is None:
+            raise ValueError("this step has no decode graph (prefill, mixed, or too large)")
+        padded = self.builder.pad_decode(batch, key.num_seqs)
+        self.contexts.prepare_lora(padded)
+        return self._forward_fn(padded)()[:batch.num_tokens]  # [T, hidden]
+
+
+@contextmanager
+def resident_dummy_loras(tier, count: int, rank: int, prefix: str = WARMUP_LORA_NAME):
+    """Make `count` dummy LoRAs of `rank` resident in device slots; yields their slots and removes
+    them (freeing the slots) on exit. `tier` is the adapter manager's LoRA tier."""
+    names = [f"{prefix}{i}" for i in range(count)]
+    refs = []
+    try:
+        for name in names:
+            refs.append(tier.add_dummy(name, rank))
+        yield tier.activate(refs)
+    finally:
+        for ref in refs:
+            tier.remove(ref.name)

@@ -1,0 +1,140 @@
+"""ModelRunner: one forward pass + sampling over the step's flat batch.
+
+It owns the model, the paged KV cache, the persistent batch buffers and the step's punica LoRAMeta.
+The meta is prepared once per step and read by every LoRA-aware layer; when no token of the step
+uses an adapter, ctx.lora is None and the model skips the LoRA path entirely. Likewise ctx.prompt_adapter
+is set only in steps with soft-prompt placeholders (prefill of prompt-adapter requests).
+After capture_decode_graphs (CUDA), decode-only steps replay CUDA graphs (lora_runner.worker.cuda_graphs).
+
+The engine's steps come as a StepUpdate: each running request keeps a persistent row
+(lora_runner.worker.request_rows), so a decode step writes only what changed and the flat batch is gathered
+from the rows. Explicit SeqChunk lists (memory profiling, tests) are flattened as given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, SeqChunk, StepShape
+from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
+from lora_runner.worker.request_rows import InputBatch, StepUpdate
+from lora_runner.worker.kv_cache import allocate_kv_cache
+from lora_runner.model.vocab_lora import LMHeadLoRA, LMHeadLoRAContext
+from lora_runner.sample.sampler import Sampler, SamplerOutput
+from lora_runner.sampling_params import SamplingParams
+from lora_runner.worker.forward_context_builder import ForwardContextBuilder
+from punica_kernels import LoRAMeta
+
+logger = logging.getLogger(__name__)
+
+_MAX_LORA_SLICES = 3  # qkv has the most slices
+
+
+class ModelRunner:
+    """Runs the model for scheduled chunks and samples the rows that reach their last token.
+
+    Args:
+        model: the decoder (``model(input_ids, positions, ctx)``, ``model.compute_logits``).
+        model_config: its ModelConfig (sizes for the KV cache, vocab size).
+        lora_slots: the adapters manager's LoRASlots (``.weights(layer, packed)``, ``.slot_ranks``).
+        prompt_slots: the manager's PromptSlots (``.embeddings``); None when prompt adapters are off.
+        vocab_slots: the manager's VocabLoRASlots (embed_tokens / lm_head LoRA); None: not served.
+        num_kv_blocks, block_size: the paged KV cache to allocate.
+        max_num_tokens, max_num_seqs, max_blocks_per_seq: largest step (buffer sizes).
+        max_loras, max_lora_rank: LoRA slot count and padded rank.
+        dtype, device: of the KV cache and buffers. seed: for requests without their own seed.
+    """
+
+    def __init__(self, model, model_config, lora_slots, *, num_kv_blocks: int, block_size: int,
+                 max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, max_loras: int,
+                 max_lora_rank: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 prompt_slots=None, vocab_slots=None) -> None:
+        self.model = model
+        self.lora_slots = lora_slots
+        self.prompt_slots = prompt_slots
+        self.device = device
+        self.kv_cache = allocate_kv_cache(model_config, num_kv_blocks, block_size, dtype, device)
+        self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
+                                          max_blocks_per_seq=max_blocks_per_seq, block_size=block_size,
+                                          device=device)
+        self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
+                                      block_size=block_size)
+        self.lora_meta = LoRAMeta(max_num_tokens, max_loras, device, max_rank=max_lora_rank,
+                                  max_slices=_MAX_LORA_SLICES)
+        self.forward_contexts = ForwardContextBuilder(self.kv_cache, self.lora_meta, lora_slots, prompt_slots,
+                                                      vocab_slots)
+        # lm_head LoRA: a second meta over the sampled rows (at most one per sequence)
+        self.lm_head_lora = (None if vocab_slots is None else
+                             LMHeadLoRA(vocab_slots, max_num_seqs, max_loras, max_lora_rank, device))
+        self.sampler = Sampler(model_config.vocab_size, device, seed)
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+
+    @torch.inference_mode()
+    def execute(self, step: StepUpdate | Sequence[SeqChunk], params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None], histories=None, banned=None) -> SamplerOutput:
+        """Forward the step and sample one token for each chunk that reaches its sequence's end.
+
+        step: the scheduler's step (StepUpdate: the engine's path, through the persistent rows) or
+        explicit chunks (SeqChunk, flattened as given; the rows are not touched).
+        params / generators / histories: one per sampling chunk, in chunk order; histories[i] is the
+        (prompt token ids, generated token ids) the penalties of row i count (None: no row has any);
+        banned[i] the token ids row i may not sample (None: no row bans any).
+        """
+        if isinstance(step, StepUpdate):
+            rows = self.input_batch.update(step)
+            shape = self.batch_builder.write_rows(self.input_batch.token_ids, self.input_batch.block_tables,
+                                                  rows.rows, rows.starts, rows.lens, rows.seqs)
+        else:
+            rows, shape = None, self.batch_builder.write(step)
+        result = self._forward_and_sample(shape, params, generators, histories, banned)
+        if rows is not None:  # only after the step ran: a step that raised leaves the rows as they were
+            self.input_batch.commit(rows, result.token_ids)
+        return result
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Free the persistent rows of requests that left the running set (a step that runs nothing
+        passes them here; a StepUpdate carries them otherwise)."""
+        for request_id in request_ids:
+            self.input_batch.free(request_id)
+
+    def _forward_and_sample(self, shape: StepShape, params, generators, histories, banned) -> SamplerOutput:
+        batch, key = self._upload(shape)
+        if key is not None:
+            hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
+        if not params:
+            return SamplerOutput([], [])
+        rows, lm_head = hidden[batch.sample_indices], self._lm_head_lora(batch)  # [S, hidden]
+        logits = self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
+        return self.sampler(logits, self.sampler.make_batch(params, generators, histories, banned))
+
+    def _lm_head_lora(self, batch: BatchInputs) -> LMHeadLoRAContext | None:
+        """The lm_head LoRA over the sampled rows, None when no row can have one (the plain logits)."""
+        if self.lm_head_lora is None or not batch.has_lora:
+            return None
+        return self.lm_head_lora.context(batch.token_lora_slots[batch.sample_indices])
+
+    def _upload(self, step: StepShape) -> tuple[BatchInputs, DecodeGraphKey | None]:
+        """The step's device views and its decode graph (None: eager), after one upload: a graphed
+        decode step is padded to its graph's size before it."""
+        key = self.decode_graphs.key_for(step) if self.decode_graphs is not None else None
+        return self.batch_builder.upload(step, padded_seqs=key.num_seqs if key is not None else None), key
+
+    def capture_decode_graphs(self, lora_tier, max_lora_rank: int, make_graph=None, progress: bool = True) -> None:
+        """Capture decode graphs with a dummy warmup LoRA of max_lora_rank resident in lora_tier (the
+        manager's LoRA tier), removed afterwards. make_graph: see DecodeGraphs (default: CUDA graphs)."""
+        builder = self.batch_builder
+        # a padded decode step has as many tokens as sequences: never more than the token buffers hold
+        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens))
+        graphs = DecodeGraphs(self.model, self.forward_contexts, builder, plan, make_graph)
+        with resident_dummy_loras(lora_tier, 1, max_lora_rank) as slots:
+            graphs.capture(slots[0], progress=progress)
+        self.decode_graphs = graphs
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A per-request generator on the sampling device."""
+        return torch.Generator(device=self.device).manual_seed(seed)
