@@ -87,7 +87,7 @@ class AdapterTier:
         if max_loading < 1:
             raise ValueError(f"max_loading must be >= 1, got {max_loading}")
         self.kind, self._request_type, self._load_fn, self._dummy_fn = kind, request_type, load, make_dummy
-        self.slots, self._executor, self._on_settled = slots, executor, on_settled
+        self.slots, self._on_settled = slots, on_settled
         self._lock = threading.RLock()  # guards every part below; they have no locks of their own
         self._versions = VersionTable(kind, on_drop=self._free)
         self._cpu: LRUCache[AdapterVersion, None] = LRUCache(max_cpu, on_remove=self._free_weights)  # ready ones
