@@ -34,10 +34,11 @@ from adapters.prompt import dummy_prompt_adapter, load_prompt_adapter
 from adapters.request import LoRARequest, PromptAdapterRequest
 from adapters.slots import LoRASlots, PromptSlots
 from adapters.spec import ModelSpec
-from adapters.tier import AdapterRef, AdapterTier, PromptAdapterTier, TierClosedError
+from adapters.tier import FAILED, LOADING, READY, AdapterRef, AdapterTier, PromptAdapterTier, TierClosedError
 from adapters.vocab_slots import SlotGroup, VocabLoRASlots
 
-__all__ = ["AdapterManager", "AdapterRef", "AdapterStats", "AdapterTier", "PromptAdapterTier", "TierClosedError"]
+__all__ = ["FAILED", "LOADING", "READY", "AdapterManager", "AdapterRef", "AdapterStats", "AdapterTier",
+           "PromptAdapterTier", "TierClosedError"]
 
 logger = logging.getLogger(__name__)
 

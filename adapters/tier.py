@@ -24,71 +24,42 @@ requests hold it (they all fail alike; no reload storm), then is dropped. A reti
 dropped once no request holds it; ``remove`` is deferred the same way. Dropping a version frees its
 CPU tensors and its slot.
 
-Pins live here only, on the version a name serves (``_Version.pinned``): a replacement inherits the
-pin once it takes over; a failed, removed or retired version holds none. At most ``num_slots - 1``
-versions are pinned, so unpinned adapters always keep a slot; ``reserved_slots`` tells the scheduler
-how many slots pinned residents keep from a step.
+Pins live on the version record only, on the version a name serves (``AdapterVersion.pinned``): a
+replacement inherits the pin once it takes over; a failed, removed or retired version holds none.
+At most ``num_slots - 1`` versions are pinned, so unpinned adapters always keep a slot;
+``reserved_slots`` tells the scheduler how many slots pinned residents keep from a step.
+
+The tier orchestrates four small parts, one idea each: the version table (``adapters.versions``:
+refs, records, which version serves a name), the load queue (``adapters.load_queue``: the CPU bound
+above), and one LRU class (``adapters.lru``) used twice, for the CPU cache here and for the device
+slots in the slot pool (``adapters.slot_pool``: slot choice, eviction, reserved slots).
 
 Thread-safety: user threads (acquire/add/prefetch/remove/pin) and the engine's step thread
-(activate/release) share one lock; disk and Hub IO always run outside it.
+(activate/release) share the tier's one lock, which guards all four parts (they have no locks of
+their own); disk and Hub IO always run outside it.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import threading
-from collections import Counter, deque
-from dataclasses import dataclass
+from collections import Counter
 from typing import Any, Callable
 
 from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterError, UnknownAdapterError
+from adapters.load_queue import LoadQueue
+from adapters.lru import LRUCache
+from adapters.slot_pool import SlotPool
+from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, VersionTable
+
+__all__ = ["FAILED", "LOADING", "READY", "AdapterRef", "AdapterTier", "PromptAdapterTier", "TierClosedError"]
 
 logger = logging.getLogger(__name__)
-
-LOADING, READY, FAILED = "loading", "ready", "failed"
 
 
 class TierClosedError(RuntimeError):
     """The adapter manager was closed: it starts no new loads (lora_runner raises EngineClosedError)."""
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """One version of a named adapter: what a request holds between acquire and release."""
-
-    name: str
-    path: str
-    revision: str | None
-    version: int  # unique per manager tier: re-adding the same source after removal is a new version
-
-
-class _Version:
-    """Internal state of one adapter version (guarded by the tier's lock)."""
-
-    def __init__(self, ref: AdapterRef, request: Any):
-        self.ref, self.request = ref, request
-        self.state, self.error, self.weights = LOADING, None, None
-        self.done = threading.Event()  # set once state leaves LOADING
-        self.holders = 0  # live requests (acquire minus release)
-        self.slot: int | None = None
-        self.cpu_tick = self.slot_tick = 0  # last use, for LRU in each tier
-        self.retired = False  # removed or replaced: dropped when holders reaches 0
-        self.pinned = False  # the one record of a pin; never True once failed or retired
-        self.started = False  # its load was handed to a worker (or runs in an add() caller)
-
-    @property
-    def source(self) -> tuple[str, str | None]:
-        return self.ref.path, self.ref.revision
-
-
-@dataclass
-class _SlotPlan:
-    """What activate() will do: evict ``victims``, then write each new version into its slot."""
-
-    victims: list[_Version]
-    writes: list[tuple[_Version, int]]
 
 
 class AdapterTier:
@@ -116,18 +87,19 @@ class AdapterTier:
         if max_loading < 1:
             raise ValueError(f"max_loading must be >= 1, got {max_loading}")
         self.kind, self._request_type, self._load_fn, self._dummy_fn = kind, request_type, load, make_dummy
-        self.slots, self._max_cpu, self._executor = slots, max_cpu, executor
-        self.max_loading, self._on_settled = max_loading, on_settled
-        self._lock = threading.RLock()
-        self._current: dict[str, _Version] = {}  # name -> the newest version (loading or ready)
-        self._fallback: dict[str, _Version] = {}  # name -> the ready version serving while the newest loads
-        self._versions: dict[AdapterRef, _Version] = {}  # every live version (current or retired but held)
-        self._slot_owner: list[_Version | None] = [None] * slots.num_slots
-        self._queue: deque[_Version] = deque()  # loads waiting for room in the CPU cache, oldest first
-        self._num_loading = 0  # loads started and not finished
+        self.slots, self._on_settled = slots, on_settled
+        self._lock = threading.RLock()  # guards every part below; they have no locks of their own
+        self._versions = VersionTable(kind, on_drop=self._free)
+        self._cpu: LRUCache[AdapterVersion, None] = LRUCache(max_cpu, on_remove=self._free_weights)  # ready ones
+        self._slot_pool = SlotPool(kind, slots)
+        self._loads = LoadQueue(max_cpu, max_loading, submit=lambda version: executor.submit(self._load, version))
         self._closed = False
-        self._ids, self._ticks = itertools.count(), itertools.count(1)
         self._counts: Counter[str] = Counter()  # cumulative events, see counts()
+
+    @property
+    def max_loading(self) -> int:
+        """Background loads in flight at most (beyond the CPU cache, see the module docstring)."""
+        return self._loads.max_loading
 
     # ---- requests' side: acquire / release -------------------------------------------------------
     def acquire(self, request) -> AdapterRef:
@@ -144,15 +116,9 @@ class AdapterTier:
     def release(self, ref: AdapterRef) -> None:
         """A request using ``ref`` finished or was aborted; completes deferred removals/replacements."""
         with self._lock:
-            version = self._versions.get(ref)
-            if version is None or version.holders == 0:
-                raise ValueError(f"release of {ref} without a matching acquire")
-            version.holders -= 1
+            version = self._versions.release(ref)  # drops it if it was retired or failed
             if version.holders == 0:
-                if version.retired or version.state == FAILED:
-                    self._drop(version)
-                else:
-                    self._trim_cpu()
+                self._trim_cpu()
             self._start_queued()
 
     def state(self, ref: AdapterRef) -> str:
@@ -189,8 +155,7 @@ class AdapterTier:
             version = self._hold(request)
             run_here = not version.started  # queued: load it now rather than wait for room
             if run_here:
-                version.started = True
-                self._num_loading += 1
+                self._loads.begin(version)
         try:
             if run_here:
                 self._load(version)
@@ -221,12 +186,12 @@ class AdapterTier:
         weights = self._dummy_fn(name, size)
         with self._lock:
             self._check_open()
-            version = _Version(AdapterRef(name, "<dummy>", None, next(self._ids)), None)
+            version = AdapterVersion(self._versions.new_ref(name, "<dummy>", None), None)
             version.state, version.weights, version.started = READY, weights, True
             version.done.set()
-            version.pinned = self._retire_name(name)
-            self._register(version)
-            self._touch_cpu(version)
+            version.pinned = self._versions.retire_name(name)
+            self._versions.register(version)
+            self._cpu.put(version, None)
             self._trim_cpu()
             return version.ref
 
@@ -234,8 +199,8 @@ class AdapterTier:
         """Forget ``name`` (and its pin); deferred while requests hold it (they keep their weights)."""
         with self._lock:
             if self._serving(name) is None:
-                raise UnknownAdapterError(f"unknown {self.kind} {name!r}; known: {sorted(self._current)}")
-            self._retire_name(name)
+                raise UnknownAdapterError(f"unknown {self.kind} {name!r}; known: {sorted(self._versions.names())}")
+            self._versions.retire_name(name)
             self._start_queued()
 
     def pin(self, name: str) -> None:
@@ -269,14 +234,13 @@ class AdapterTier:
     def num_pinned(self) -> int:
         """How many versions are pinned (at most ``num_slots - 1``)."""
         with self._lock:
-            return sum(v.pinned for v in self._versions.values())
+            return self._versions.num_pinned()
 
     def list(self) -> list[str]:
         """Names whose serving version is in the CPU cache, least recently used first."""
         with self._lock:
-            ready = [v for v in map(self._serving, list(self._current) + list(self._fallback))
-                     if v is not None and v.state == READY]
-            return [v.ref.name for v in sorted(set(ready), key=lambda v: v.cpu_tick)]
+            serving = self._versions.serving_versions()
+            return [v.ref.name for v in self._cpu if v in serving]
 
     def close(self) -> None:
         """Start no more loads: queued and running loads fail now with an AdapterError ("cancelled");
@@ -284,8 +248,8 @@ class AdapterTier:
         reading discards its result. Idempotent."""
         with self._lock:
             self._closed = True
-            self._queue.clear()
-            for version in [v for v in self._versions.values() if v.state == LOADING]:
+            self._loads.clear()
+            for version in [v for v in self._versions if v.state == LOADING]:
                 error = AdapterError(f"{self.kind} {version.ref.name!r}: load cancelled: the engine was closed")
                 self._settle(version, None, error)
         self._notify()
@@ -297,7 +261,7 @@ class AdapterTier:
         Exact, not an upper bound: activate() can make any set of refs resident whose size plus this
         number is at most ``num_slots``. The scheduler asks this (under the engine's step lock)."""
         with self._lock:
-            return sum(1 for v in self._slot_owner if v is not None and v.pinned and v.ref not in refs)
+            return self._slot_pool.reserved(refs)
 
     def activate(self, refs: list[AdapterRef]) -> list[int]:
         """Make every ref resident in a device slot; returns the slot of each ref (same order).
@@ -315,24 +279,17 @@ class AdapterTier:
                 if version.state != READY:
                     raise ValueError(f"cannot activate {self.kind} {version.ref.name!r}: it is {version.state}")
             needed = list(dict.fromkeys(versions))  # distinct, in order
-            plan = self._choose_slots(needed)
-            for victim in plan.victims:
-                self._evict_slot(victim)
-                self._counts["slot_evictions"] += 1
-            for version, slot in plan.writes:
-                self.slots.write(slot, version.weights)
-                self._counts["slot_loads"] += 1
-                version.slot, self._slot_owner[slot] = slot, version
+            plan = self._slot_pool.activate(needed, self.num_pinned)
+            self._counts["slot_evictions"] += len(plan.victims)
+            self._counts["slot_loads"] += len(plan.writes)
             for version in needed:
-                version.slot_tick = next(self._ticks)
                 self._touch_cpu(version)
             return [v.slot for v in versions]
 
     def memory_stats(self) -> dict:
         """CPU bytes of cached adapters, device bytes of resident adapters' weights, counts."""
         with self._lock:
-            cached = [v for v in self._versions.values() if v.state == READY]
-            resident = [v for v in self._slot_owner if v is not None]
+            cached, resident = list(self._cpu), self._slot_pool.resident()
             return dict(cpu_bytes=sum(v.weights.nbytes for v in cached),
                         device_bytes_used=sum(v.weights.nbytes for v in resident),
                         device_bytes_allocated=self.slots.nbytes, num_cpu=len(cached), num_resident=len(resident))
@@ -340,9 +297,8 @@ class AdapterTier:
     def load_stats(self) -> dict[str, int]:
         """Versions now ``ready`` (cached), ``loading`` (load started) and ``queued`` (waiting for room)."""
         with self._lock:
-            queued = sum(1 for v in self._versions.values() if v.state == LOADING and not v.started)
-            ready = sum(1 for v in self._versions.values() if v.state == READY)
-            return dict(ready=ready, loading=self._num_loading, queued=queued)
+            queued = sum(1 for v in self._versions if v.state == LOADING and not v.started)
+            return dict(ready=len(self._cpu), loading=self._loads.num_running, queued=queued)
 
     def counts(self) -> dict[str, int]:
         """Cumulative events: slot_loads (writes into a device slot), slot_evictions (resident adapters
@@ -360,59 +316,37 @@ class AdapterTier:
         if self._closed:
             raise TierClosedError(f"the {self.kind} tier is closed: no new adapters are loaded")
 
-    def _get(self, ref: AdapterRef) -> _Version:
+    def _get(self, ref: AdapterRef) -> AdapterVersion:
         with self._lock:
             version = self._versions.get(ref)
         if version is None:
             raise UnknownAdapterError(f"unknown {self.kind} version {ref} (removed, replaced or evicted)")
         return version
 
-    def _hold(self, request) -> _Version:
+    def _serving(self, name: str) -> AdapterVersion | None:
+        """The version that serves ``name`` now: the fallback while a replacement loads, else the newest."""
+        return self._versions.serving(name)
+
+    def _hold(self, request) -> AdapterVersion:
         self._check_open()
         version = self._version_for(request)
         version.holders += 1
         self._touch_cpu(version)
         return version
 
-    def _serving(self, name: str) -> _Version | None:
-        """The version that serves ``name`` now: the fallback while a replacement loads, else the newest."""
-        return self._fallback.get(name) or self._current.get(name)
-
-    def _version_for(self, request) -> _Version:
-        """The version of request.name with the request's source; a new source makes a new, queued
-        version that the name refers to (the old one keeps serving until the new one is ready)."""
-        name, current = request.name, self._current.get(request.name)
-        for known in (current, self._fallback.get(name)):
-            if known is not None and known.source == request.source:
-                return known
-        version = _Version(AdapterRef(name, request.path, request.revision, next(self._ids)), request)
-        if current is not None:
-            logger.info("%s %r: replacing %s with %s", self.kind, name, current.source, request.source)
-            if current.state == READY:  # keep it serving until the new version loaded
-                assert name not in self._fallback, f"{name!r} has a fallback and a ready newest version"
-                self._fallback[name] = current
-            else:  # a newer source supersedes one still loading (and takes its pin, if any)
-                version.pinned = current.pinned
-                self._retire(current)
-        self._register(version)
-        self._queue.append(version)
+    def _version_for(self, request) -> AdapterVersion:
+        """The version of the request's name and source; a new one is queued for loading."""
+        version, created = self._versions.version_for(request)
+        if created:
+            self._loads.push(version)
         return version
 
     def _start_queued(self) -> None:
         """Start queued loads, oldest first, while the CPU bound allows (module docstring)."""
-        if self._closed:
-            return
-        ready = sum(1 for v in self._versions.values() if v.state == READY)
-        while self._queue and self._num_loading < self.max_loading and \
-                ready + self._num_loading < self._max_cpu + self.max_loading:
-            version = self._queue.popleft()
-            if version.started or self._versions.get(version.ref) is not version:
-                continue  # add() took it over, or it was dropped while queued
-            version.started = True
-            self._num_loading += 1
-            self._executor.submit(self._load, version)
+        if not self._closed:
+            self._loads.start(len(self._cpu), is_live=lambda v: self._versions.get(v.ref) is v)
 
-    def _load(self, version: _Version) -> None:
+    def _load(self, version: AdapterVersion) -> None:
         """Load outside the lock, then publish the result (or discard it if the version was dropped)."""
         name, weights, error = version.ref.name, None, None
         try:
@@ -424,7 +358,7 @@ class AdapterTier:
             error = InvalidAdapterError(f"{self.kind} {name!r}: unexpected error while loading: {exc!r}")
             error.__cause__ = exc
         with self._lock:
-            self._num_loading -= 1
+            self._loads.finish()
             if self._versions.get(version.ref) is not version or version.state != LOADING:
                 logger.debug("%s %r: dropped or cancelled while loading; result discarded", self.kind, name)
             else:
@@ -432,106 +366,45 @@ class AdapterTier:
             self._start_queued()
         self._notify()
 
-    def _settle(self, version: _Version, weights, error: AdapterError | None) -> None:
+    def _settle(self, version: AdapterVersion, weights, error: AdapterError | None) -> None:
         """Publish a finished load: ready (and take over its name) or failed (the name falls back)."""
-        name = version.ref.name
         if error is None:
             version.state, version.weights = READY, weights
             self._counts["disk_loads"] += 1
-            if self._current.get(name) is version and name in self._fallback:
-                old = self._fallback.pop(name)
-                version.pinned = version.pinned or old.pinned
-                self._retire(old)
-            self._touch_cpu(version)
+            self._versions.take_over(version)
+            self._cpu.put(version, None)
             self._trim_cpu()
         else:
-            logger.warning("%s %r failed to load: %s", self.kind, name, error)
-            version.state, version.error, version.pinned = FAILED, error, False
+            logger.warning("%s %r failed to load: %s", self.kind, version.ref.name, error)
+            version.state, version.error = FAILED, error
             self._counts["load_failures"] += 1
-            if self._current.get(name) is version and name in self._fallback:  # the old one serves on
-                self._current[name] = self._fallback.pop(name)
-            if version.holders == 0:
-                self._drop(version)
+            self._versions.fall_back(version)
         version.done.set()
 
     def _notify(self) -> None:
         if self._on_settled is not None:
             self._on_settled()
 
-    def _register(self, version: _Version) -> None:
-        self._current[version.ref.name] = version
-        self._versions[version.ref] = version
-
-    def _touch_cpu(self, version: _Version) -> None:
-        version.cpu_tick = next(self._ticks)
-
-    def _retire_name(self, name: str) -> bool:
-        """Retire every version of ``name``; returns whether its serving version was pinned."""
-        serving = self._serving(name)
-        pinned = serving is not None and serving.pinned
-        for version in (self._fallback.get(name), self._current.get(name)):
-            if version is not None:
-                self._retire(version)
-        return pinned
-
-    def _retire(self, version: _Version) -> None:
-        version.retired, version.pinned = True, False
-        self._forget_name(version)
-        if version.holders == 0:
-            self._drop(version)
-
-    def _forget_name(self, version: _Version) -> None:
-        name = version.ref.name
-        if self._current.get(name) is version:
-            del self._current[name]
-        if self._fallback.get(name) is version:
-            del self._fallback[name]
-
-    def _drop(self, version: _Version) -> None:
-        """Forget a version: free its CPU tensors and its slot."""
-        self._versions.pop(version.ref, None)
-        self._forget_name(version)
-        version.pinned = False
-        if version.slot is not None:
-            self._evict_slot(version)
-        version.weights = None
-
-    def _choose_slots(self, needed: list[_Version]) -> _SlotPlan:
-        """Choose (without writing) a slot for each needed version that is not resident: free slots
-        first, then the least recently used resident versions that are neither needed nor pinned."""
-        if len(needed) > self.slots.num_slots:
-            raise AdapterCapacityError(f"a step needs {len(needed)} distinct {self.kind}s but there are only "
-                                       f"{self.slots.num_slots} device slots")
-        new = [v for v in needed if v.slot is None]
-        free = [s for s, owner in enumerate(self._slot_owner) if owner is None]
-        victims = []
-        if len(new) > len(free):
-            candidates = sorted((v for v in self._slot_owner if v is not None and v not in needed and not v.pinned),
-                                key=lambda v: v.slot_tick)
-            if len(new) - len(free) > len(candidates):
-                raise AdapterCapacityError(
-                    f"a step needs {len(needed)} {self.kind}s but only {len(free) + len(candidates)} of "
-                    f"{self.slots.num_slots} device slots can be freed ({self.num_pinned()} pinned)")
-            victims = candidates[:len(new) - len(free)]
-            free += [v.slot for v in victims]
-        return _SlotPlan(victims, list(zip(new, free)))
-
-    def _evict_slot(self, version: _Version) -> int:
-        slot = version.slot
-        self.slots.clear(slot)
-        version.slot, self._slot_owner[slot] = None, None
-        return slot
+    def _touch_cpu(self, version: AdapterVersion) -> None:
+        if version.state == READY:  # only ready versions are cached; a load's end touches it anyway
+            self._cpu.touch(version)
 
     def _trim_cpu(self) -> None:
         """Evict least recently used, unpinned, unheld versions while the CPU cache is over capacity."""
-        cached = [v for v in self._versions.values() if v.state == READY]
-        excess = len(cached) - self._max_cpu
-        if excess > 0:
-            victims = sorted((v for v in cached if v.holders == 0 and not v.pinned), key=lambda v: v.cpu_tick)
-            for victim in victims[:excess]:
-                logger.debug("%s %r evicted from the CPU cache", self.kind, victim.ref.name)
-                self._counts["cpu_evictions"] += 1
-                self._drop(victim)
+        for victim in self._cpu.trim(keep=lambda v: v.holders > 0 or v.pinned):
+            logger.debug("%s %r evicted from the CPU cache", self.kind, victim.ref.name)
+            self._counts["cpu_evictions"] += 1
+            self._versions.drop(victim)
+
+    def _free(self, version: AdapterVersion) -> None:
+        """The version table's on-drop hook: the version leaves the CPU cache (if cached)."""
+        self._cpu.discard(version)
+        assert version.slot is None and version.weights is None, f"{version.ref} still holds a slot or weights"
+
+    def _free_weights(self, version: AdapterVersion, _value: None) -> None:
+        """The CPU cache's on-remove hook: free the version's slot, then its CPU tensors."""
+        self._slot_pool.evict(version)
+        version.weights = None
 
 
 class PromptAdapterTier(AdapterTier):

@@ -361,7 +361,7 @@ def test_weights_are_freed_when_dropped(env, make):
     m = make(max_cpu_loras=2)
     ref = m.loras.add(req(env, "a"))
     m.loras.activate([ref])
-    probe = weakref.ref(m.loras._versions[ref].weights)
+    probe = weakref.ref(m.loras._get(ref).weights)  # noqa: SLF001
     m.loras.add(req(env, "b"))
     m.loras.add(req(env, "c"))  # evicts a from the CPU cache and its slot
     gc.collect()
