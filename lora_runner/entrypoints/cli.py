@@ -102,7 +102,8 @@ def serve(args: argparse.Namespace) -> None:
 
     The configs are built (and validated) once here and handed to the server or the Ray replicas."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine, server, adapters, layout = engine_config(args), server_config(args), startup_adapters(args), ray_config(args)
+    engine, server, adapters = engine_config(args), server_config(args), startup_adapters(args)
+    layout = ray_config(args)
     if layout.enabled:
         check_ray_serving(server)
         try:  # imported here: Ray is an optional dependency (lora-runner[ray]), needed only for replicas
