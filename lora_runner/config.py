@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,63 +21,71 @@ _CUDA_MAX_CHUNK = 8192  # default cap of max_num_batched_tokens
 _CPU_MAX_CHUNK = 2048
 
 
+def _doc(text: str, **default) -> dict:
+    """A field's default plus its description (``metadata["help"]``: the one place a setting is
+    described; the ``serve`` options are generated from these, lora_runner.entrypoints.engine_args)."""
+    return {**default, "metadata": {"help": text}}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the user chooses about an engine; validated on construction (ValueError).
 
-    model / revision: local dir or Hub repo id (and branch/tag/commit). max_loras: LoRA device slots
-    (distinct LoRAs per step); max_lora_rank: largest adapter rank accepted; max_cpu_loras: adapters
-    kept in CPU memory (None: max(16, max_loras)). max_prompt_adapters / max_prompt_adapter_tokens:
-    soft-prompt slots (0 = off). device: "auto" (cuda if available, else cpu), "cpu", "cuda[:i]".
-    dtype: "auto" (bf16 on CUDA, fp32 on CPU), a name ("float32", "bf16", ...) or a torch.dtype.
-    max_num_seqs: requests running at once. max_model_len: prompt + generated tokens per request
-    (None: the model's max_position_embeddings on CPU, lowered when one such request does not fit the
-    CPU KV budget; min(2048, it) on CUDA; a larger explicit value is an error).
-    max_num_batched_tokens: tokens per step (None: max(min(max_model_len, 8192; 2048 on CPU), max_num_seqs));
-    longer prompts are prefilled in chunks. block_size: tokens per KV block. kv_cache_memory_bytes:
-    KV-cache budget (None: enough for max_num_seqs full-length requests, bounded on CPU by a quarter of
-    the RAM available at start-up and 4 GiB (lora_runner.worker.kv_budget; the CPU cache takes RAM only as
-    blocks are first used) and, on CUDA, by what the start-up memory profile leaves under
-    gpu_memory_utilization, a fraction of the device's memory, see lora_runner.worker.memory_profile).
-    The chosen size and why are logged at INFO. cpu_threads: torch intra-op threads, set with
-    torch.set_num_threads when the engine starts (process-global: it applies to everything else in
-    the process too); None: on CPU the physical cores available to the process (affinity mask, SMT,
-    cgroup quota), never more than torch's current setting, and on CUDA untouched.
-    enforce_eager: never use CUDA graphs (else decode
-    steps replay graphs on CUDA, see lora_runner.worker.cuda_graphs). seed: for requests
-    without their own seed. allow_pickle / local_files_only / max_adapter_bytes: adapter loading.
-    max_logprobs: the most logprobs (SamplingParams.logprobs) one request may ask for (default 20,
-    as in vLLM); a request over it is refused with ValueError at add_request.
-    scheduling_policy: "fair" (admit the least-served tenant first, Virtual Token Counter, see
-    lora_runner.core.fairness; fairness_prefill_weight / fairness_decode_weight price a prompt and a
-    generated token) or "fcfs" (arrival order).
+    Each field's description is its ``metadata["help"]`` (``dataclasses.fields(EngineConfig)``).
     """
 
-    model: str
-    revision: str | None = None
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    max_prompt_adapters: int = 0
-    max_prompt_adapter_tokens: int = 0
-    device: str = "auto"
-    dtype: str | torch.dtype = "auto"
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    enforce_eager: bool = False
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    allow_pickle: bool = False
-    local_files_only: bool | None = None
-    max_adapter_bytes: int | None = None
-    max_logprobs: int = 20
-    scheduling_policy: str = "fair"
-    fairness_prefill_weight: float = DEFAULT_PREFILL_WEIGHT
-    fairness_decode_weight: float = DEFAULT_DECODE_WEIGHT
-    cpu_threads: int | None = None
+    model: str = field(**_doc("base model: a local directory or a Hugging Face Hub repo id"))
+    revision: str | None = field(**_doc("the model's Hub branch, tag or commit", default=None))
+    max_loras: int = field(**_doc("LoRA device slots (distinct LoRAs per step)", default=4))
+    max_lora_rank: int = field(**_doc("largest LoRA rank accepted", default=16))
+    max_cpu_loras: int | None = field(**_doc("LoRAs kept in CPU memory (None: max(16, max_loras))", default=None))
+    max_prompt_adapters: int = field(**_doc("soft-prompt device slots (0 = prompt adapters off)", default=0))
+    max_prompt_adapter_tokens: int = field(**_doc("most virtual tokens of one soft prompt (0 = off)", default=0))
+    device: str = field(**_doc('"auto" (cuda if available, else cpu), "cpu" or "cuda[:i]"', default="auto"))
+    dtype: str | torch.dtype = field(**_doc('"auto" (bf16 on CUDA, fp32 on CPU), a name ("float32", "bfloat16", '
+                                            '"float16") or a torch.dtype', default="auto"))
+    max_num_seqs: int = field(**_doc("requests running at once", default=64))
+    max_model_len: int | None = field(**_doc(
+        "prompt + generated tokens per request (None: the model's max_position_embeddings on CPU, lowered "
+        "when one such request does not fit the CPU KV budget; min(2048, it) on CUDA; a larger explicit "
+        "value is an error)", default=None))
+    max_num_batched_tokens: int | None = field(**_doc(
+        "tokens per step; longer prompts are prefilled in chunks (None: max(min(max_model_len, 8192; 2048 "
+        "on CPU), max_num_seqs))", default=None))
+    block_size: int = field(**_doc("tokens per KV block", default=16))
+    kv_cache_memory_bytes: int | None = field(**_doc(
+        "KV-cache budget (None: enough for max_num_seqs full-length requests, bounded on CPU by a quarter "
+        "of the RAM available at start-up and 4 GiB (lora_runner.worker.kv_budget; the CPU cache takes RAM "
+        "only as blocks are first used) and, on CUDA, by what the start-up memory profile leaves under "
+        "gpu_memory_utilization, see lora_runner.worker.memory_profile); the chosen size and why are "
+        "logged at INFO", default=None))
+    enforce_eager: bool = field(**_doc("never use CUDA graphs (else decode steps replay graphs on CUDA, see "
+                                       "lora_runner.worker.cuda_graphs)", default=False))
+    gpu_memory_utilization: float = field(**_doc(
+        "the fraction of the CUDA device's memory the engine may use (weights, activations, graphs and "
+        "the KV cache), in (0, 1]", default=0.9))
+    seed: int = field(**_doc("the sampling seed of requests without their own seed", default=0))
+    allow_pickle: bool = field(**_doc("also read adapter_model.bin adapter weights (torch.load with "
+                                      "weights_only=True)", default=False))
+    local_files_only: bool | None = field(**_doc("never use the network for the model and adapters (None: "
+                                                 "follow HF_HUB_OFFLINE)", default=None))
+    max_adapter_bytes: int | None = field(**_doc("refuse adapter files larger than this (None: no limit)",
+                                                 default=None))
+    max_logprobs: int = field(**_doc(
+        "the most logprobs (SamplingParams.logprobs) one request may ask for (as in vLLM); a request over "
+        "it is refused with ValueError at add_request", default=20))
+    scheduling_policy: str = field(**_doc(
+        f'one of {POLICIES}: "fair" admits the least-served tenant first (Virtual Token Counter, see '
+        'lora_runner.core.fairness), "fcfs" in arrival order', default="fair"))
+    fairness_prefill_weight: float = field(**_doc("the fair policy's price of one prompt token",
+                                                  default=DEFAULT_PREFILL_WEIGHT))
+    fairness_decode_weight: float = field(**_doc("the fair policy's price of one generated token",
+                                                 default=DEFAULT_DECODE_WEIGHT))
+    cpu_threads: int | None = field(**_doc(
+        "torch intra-op threads, set with torch.set_num_threads when the engine starts (process-global: it "
+        "applies to everything else in the process too); None: on CPU the physical cores available to the "
+        "process (affinity mask, SMT, cgroup quota), never more than torch's current setting, and on CUDA "
+        "untouched", default=None))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -1,5 +1,5 @@
 """Shared by tests/test_serve_*.py: a copy of the engine test model with a chat template and a soft
-prompt, a real server on it (CLI options -> state -> app -> uvicorn in a thread), and the offline
+prompt, a real server on it (CLI options -> frozen configs -> state -> app -> uvicorn in a thread), and the offline
 LLM.generate oracle."""
 
 from __future__ import annotations
@@ -43,13 +43,20 @@ def serve_args(model_dir: str, loras: dict[str, str], prompt_adapters: dict[str,
     return parser.parse_args(argv + list(extra or []))
 
 
+def serve_configs(args: argparse.Namespace) -> tuple:
+    """(EngineConfig, ServerConfig, StartupAdapters) of the parsed options, as `serve` builds them."""
+    from lora_runner.entrypoints.cli import engine_config, server_config, startup_adapters
+
+    return engine_config(args), server_config(args), startup_adapters(args)
+
+
 def start_server(args: argparse.Namespace):
     """(BackgroundServer started on a free port, its ServerState)."""
+    from lora_runner.entrypoints.launch import build_state
     from lora_runner.entrypoints.openai.app import build_app
     from lora_runner.entrypoints.openai.background import BackgroundServer
-    from lora_runner.entrypoints.cli import build_state
 
-    state = build_state(args)
+    state = build_state(*serve_configs(args))
     return BackgroundServer(build_app(state)).start(), state
 
 

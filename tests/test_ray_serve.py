@@ -15,12 +15,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_support import PROMPTS, offline_greedy, serve_args, token_ids
+from serve_support import PROMPTS, offline_greedy, serve_args, serve_configs, token_ids
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 pytestmark = pytest.mark.slow
+
+
+def ray_application(args):
+    """The Serve application of parsed `serve` options (the configs `serve` builds, then the deployments)."""
+    from lora_runner.entrypoints.cli import ray_config
+    from lora_runner.entrypoints.ray.app import build_application
+
+    return build_application(*serve_configs(args), ray_config(args))
 
 KEY = "sk-ray"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -65,8 +73,6 @@ SERVE_ROUTER_ENV = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2",
 @pytest.fixture(scope="module")
 def cluster(engine_checkpoint, loras, broken):
     """(base URL, model dir) of the Serve app on a local Ray instance (torn down after the module)."""
-    from lora_runner.entrypoints.ray.deployments import build_application
-
     model_dir = engine_checkpoint[0]
     ray.init(num_cpus=6, include_dashboard=False, object_store_memory=200 * 1024 ** 2, log_to_driver=False,
              runtime_env={"env_vars": SERVE_ROUTER_ENV})
@@ -76,7 +82,7 @@ def cluster(engine_checkpoint, loras, broken):
         args = serve_args(model_dir, {**loras, "broken": broken}, extra=["--num-replicas", "2", "--replica-cpus", "1",
                                                    "--max-cpu-loras", "6", "--max-adapters-per-replica", "6",
                                                    "--api-key", KEY])
-        serve.run(build_application(args), name="lora-runner", route_prefix="/")
+        serve.run(ray_application(args), name="lora-runner", route_prefix="/")
         yield f"http://127.0.0.1:{port}", model_dir
     finally:
         serve.shutdown()
@@ -167,11 +173,9 @@ def _same_errors_as_single_process(http, cluster):
 
 def _multiplex_eviction_removes_the_adapter_from_the_engine(cluster, loras):
     """One replica that holds 2 adapters: a third evicts the least recently used from its engine."""
-    from lora_runner.entrypoints.ray.deployments import build_application
-
     args = serve_args(cluster[1], loras, extra=["--num-replicas", "1", "--replica-cpus", "1",
                                                 "--max-adapters-per-replica", "2", "--max-cpu-loras", "6"])
-    serve.run(build_application(args), name="evict", route_prefix="/evict")
+    serve.run(ray_application(args), name="evict", route_prefix="/evict")
     try:
         with httpx.Client(base_url=cluster[0] + "/evict", timeout=TIMEOUT) as client:
             for name in ("r4", "r8-qv", "r4", "r16-mlp"):  # r8-qv is then the least recently used

@@ -53,6 +53,24 @@ def test_outputs_reach_their_own_iterators_and_equal_the_sync_engine(engine, eng
         assert outputs[-1].outputs[0].token_ids == expected[i].outputs[0].token_ids
 
 
+def test_a_stats_snapshot_is_published_after_every_step(engine):
+    snapshots, step = [], engine.engine.step
+
+    def recording_step():
+        outputs = step()
+        snapshots.append(engine.get_stats())  # on the step thread, before the outputs are dispatched
+        return outputs
+
+    engine.engine.step = recording_step
+    before = engine.get_stats()
+    asyncio.run(_collect(engine, "r", [5, 6, 7], max_tokens=4, ignore_eos=True))
+    assert (before.steps, before.running, before.kv_blocks_used) == (0, 0, 0)
+    assert before.kv_blocks_total == engine.engine.block_manager.num_blocks
+    assert [s.steps for s in snapshots] == list(range(1, len(snapshots) + 1))
+    assert snapshots[0].running == 1 and snapshots[0].kv_blocks_used > 0
+    assert (snapshots[-1].running, snapshots[-1].waiting, snapshots[-1].kv_blocks_used) == (0, 0, 0)
+
+
 def test_the_step_thread_sleeps_without_work(engine):
     calls = _count_steps(engine)
     asyncio.run(_collect(engine, "warm", [5, 6], max_tokens=2))

@@ -120,7 +120,7 @@ def test_the_adapter_root_cannot_be_escaped(served, path):
     assert response.status_code == 403, response.text
     assert response.json()["error"]["type"] == "permission_error"
     assert "escape" not in {m.id for m in _client(served, SUPER).models.list().data}
-    assert "escape" not in served[1].engine.engine.list_loras()
+    assert "escape" not in served[1].engine.list_loras()
 
 
 def test_a_load_that_fails_is_422_and_a_taken_name_is_400(served):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.engine.stats import EngineStats
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
 
@@ -53,6 +54,9 @@ class _Stream:
 
 class AsyncLLMEngine:
     """Serve an LLMEngine to asyncio code: ``async for output in engine.generate(...)``.
+
+    It is the server's EngineClient (lora_runner.engine.protocol): the model, limits, tokenizer,
+    adapter management and stats below are what the entrypoints use of the engine.
 
     Args:
         engine: the engine to drive; this object owns it from now on (``shutdown`` closes it).
@@ -89,6 +93,54 @@ class AsyncLLMEngine:
     def error(self) -> BaseException | None:
         """The exception that killed the step thread, if any."""
         return self._error
+
+    # ----------------------------------------------------------------------------- EngineClient
+    @property
+    def model_name(self) -> str:
+        """The base model as configured (a local directory or a Hub repo id)."""
+        return self.engine.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus generated tokens one request may hold."""
+        return self.engine.limits.max_model_len
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs one request may ask for."""
+        return self.engine.config.max_logprobs
+
+    def get_tokenizer(self):
+        """The model's transformers tokenizer, or None."""
+        return self.engine.tokenizer.get()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (ValueError when the model has no tokenizer)."""
+        return self.engine.tokenizer.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of `token_ids` without special tokens ("" without a tokenizer)."""
+        return self.engine.tokenizer.decode(token_ids)
+
+    def add_lora(self, lora_request: LoRARequest):
+        """Load and validate a LoRA now (blocks while it loads); see LLMEngine.add_lora."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget a LoRA; see LLMEngine.remove_lora."""
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        """Names of the LoRAs in the engine's CPU cache, least recently used first."""
+        return self.engine.list_loras()
+
+    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest):
+        """Load and validate a soft prompt now (blocks while it loads); see LLMEngine.add_prompt_adapter."""
+        return self.engine.add_prompt_adapter(prompt_adapter_request)
+
+    def get_stats(self) -> EngineStats:
+        """The engine after its latest step (LLMEngine.stats; safe from any thread)."""
+        return self.engine.stats
 
     # ----------------------------------------------------------------------------- asyncio side
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,

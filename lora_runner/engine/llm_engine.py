@@ -11,6 +11,7 @@ adapters as placeholder tokens); pins and load state live in the adapter tiers o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable
@@ -27,6 +28,7 @@ from lora_runner.device import available_host_memory, set_cpu_threads
 from lora_runner.core.fairness import VirtualTokenCounter
 from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.errors import EngineClosedError
+from lora_runner.engine.stats import EngineStats
 from lora_runner.worker.request_rows import StepUpdate
 from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.worker.memory_profile import profile_kv_cache_budget
@@ -110,6 +112,7 @@ class LLMEngine:
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self.adapters = EngineAdapters(self.adapter_manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
         self._arrivals = count()
+        self._stats = EngineStats.collect(self.scheduler, self.block_manager, self.adapter_manager.stats, steps=0)
 
     def _make_runner(self, num_kv_blocks: int, max_model_len: int | None = None) -> ModelRunner:
         cfg = self.config
@@ -340,9 +343,23 @@ class LLMEngine:
         if not self._stepping.acquire(blocking=False):
             raise RuntimeError("LLMEngine.step() is already running in another thread; call it from one thread")
         try:
-            return self._merge_samples(self._step())
+            outputs = self._merge_samples(self._step())
+            self._publish_stats()
+            return outputs
         finally:
             self._stepping.release()
+
+    def _publish_stats(self) -> None:
+        """Swap in this step's EngineStats (one reference: readers on other threads see the whole old
+        snapshot or the whole new one)."""
+        self._stats = EngineStats.collect(self.scheduler, self.block_manager, self.adapter_manager.stats,
+                                          steps=self._stats.steps + 1)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The snapshot of the latest step, safe to read from any thread; its adapter counters are
+        read now (adapters also load between steps, and the manager's counters have their own lock)."""
+        return dataclasses.replace(self._stats, adapters=self.adapter_manager.stats)
 
     def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """One RequestOutput per request with n > 1 (lora_runner.engine.parallel_sampling); a finished

@@ -1,4 +1,8 @@
-"""``lora-runner serve MODEL [options]`` (also ``python -m lora_runner.serve MODEL [options]``)."""
+"""``lora-runner serve MODEL [options]`` (also ``python -m lora_runner.serve MODEL [options]``).
+
+Argparse only: the engine options are generated from EngineConfig (engine_args), the parsed
+options become frozen configs (EngineConfig, ServerConfig, StartupAdapters, RayConfig) once, and
+those go to launch.build_state (one process) or to the Ray Serve application (ray.app)."""
 
 from __future__ import annotations
 
@@ -6,18 +10,19 @@ import argparse
 import logging
 import sys
 
+import uvicorn
+
 from adapters import AdapterError, LoRARequest, PromptAdapterRequest
-from lora_runner.engine.async_llm_engine import AsyncLLMEngine
 from lora_runner.config import EngineConfig
-from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.entrypoints.engine_args import add_engine_arguments
+from lora_runner.entrypoints.engine_args import engine_config as engine_config_of
+from lora_runner.entrypoints.launch import StartupAdapters, build_state
 from lora_runner.entrypoints.openai.app import build_app
 from lora_runner.entrypoints.openai.shutdown import GracefulServer
-from lora_runner.entrypoints.openai.state import ServerConfig, ServerState
-from lora_runner.entrypoints.openai.tenants import KeyRing
+from lora_runner.entrypoints.openai.state import ServerConfig
+from lora_runner.entrypoints.ray.config import RayConfig, check_ray_serving
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_PROMPT_ADAPTER_TOKENS = 64
 
 
 def adapter_spec(text: str) -> tuple[str, str, str | None]:
@@ -30,27 +35,14 @@ def adapter_spec(text: str) -> tuple[str, str, str | None]:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `serve`."""
-    add = parser.add_argument
-    add("model", help="base model: a local directory or a Hugging Face Hub repo id")
+    """The options of `serve`: the engine's (one per EngineConfig field), the server's, Ray Serve's."""
+    add_engine_arguments(parser.add_argument_group("engine (EngineConfig)"))
+    server = parser.add_argument_group("server")
+    add = server.add_argument
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
     add("--lora-modules", nargs="+", type=adapter_spec, default=[], metavar="NAME=PATH[@REVISION]")
     add("--prompt-adapters", nargs="+", type=adapter_spec, default=[], metavar="NAME=PATH")
-    add("--max-loras", type=int, default=4)
-    add("--max-lora-rank", type=int, default=16)
-    add("--max-cpu-loras", type=int, default=None)
-    add("--max-prompt-adapters", type=int, default=None, help="default: 1 when --prompt-adapters is given, else 0")
-    add("--max-prompt-adapter-token", type=int, default=None,
-        help=f"default: {DEFAULT_PROMPT_ADAPTER_TOKENS} when prompt adapters are enabled")
-    add("--max-num-seqs", type=int, default=64)
-    add("--max-model-len", type=int, default=None)
-    add("--device", default="auto")
-    add("--dtype", default="auto")
-    add("--enforce-eager", action="store_true")
-    add("--cpu-threads", type=int, default=None,
-        help="intra-op threads on CPU (default: the physical cores available to the process)")
-    add("--seed", type=int, default=0)
     add("--api-key", action="append", default=[], help="a key with full access (repeatable)")
     add("--tenant-keys", default=None, metavar="FILE", help="JSON or YAML: key -> {adapters, base, admin}")
     add("--allow-runtime-lora-updating", action="store_true")
@@ -60,11 +52,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-body-bytes", type=int, default=1 << 20)
     add("--max-prompt-tokens", type=int, default=None)
     add("--max-tokens-limit", type=int, default=None)
-    add("--max-logprobs", type=int, default=20)
     add("--max-pending-requests", type=int, default=1024)
     add("--shutdown-timeout", type=float, default=10.0)
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_ray_arguments(parser)
+    add_ray_arguments(parser.add_argument_group("Ray Serve (with --num-replicas > 1; needs lora-runner[ray])"))
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,60 +70,49 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the parsed options."""
-    prompt_slots = args.max_prompt_adapters
-    if prompt_slots is None:
-        prompt_slots = 1 if args.prompt_adapters else 0
-    prompt_tokens = args.max_prompt_adapter_token
-    if prompt_tokens is None:
-        prompt_tokens = DEFAULT_PROMPT_ADAPTER_TOKENS if prompt_slots else 0
-    return EngineConfig(model=args.model, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        max_cpu_loras=args.max_cpu_loras, max_prompt_adapters=prompt_slots,
-                        max_prompt_adapter_tokens=prompt_tokens, device=args.device, dtype=args.dtype,
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        enforce_eager=args.enforce_eager, seed=args.seed,
-                        cpu_threads=args.cpu_threads)
+    """EngineConfig from the parsed options (--prompt-adapters turns prompt adapters on by default)."""
+    return engine_config_of(args, prompt_adapters_given=bool(args.prompt_adapters))
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """ServerConfig from the parsed options."""
-    return ServerConfig(served_model_name=args.served_model_name or args.model,
-                        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+    return ServerConfig(served_model_name=args.served_model_name or args.model, api_keys=tuple(args.api_key),
+                        tenant_keys=args.tenant_keys, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                         adapter_root=args.adapter_root, allow_hub_adapters=args.allow_hub_adapters,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                        max_tokens_limit=args.max_tokens_limit, max_logprobs=args.max_logprobs,
-                        max_pending_requests=args.max_pending_requests, shutdown_timeout=args.shutdown_timeout)
+                        max_tokens_limit=args.max_tokens_limit, max_pending_requests=args.max_pending_requests,
+                        shutdown_timeout=args.shutdown_timeout)
 
 
-def build_state(args: argparse.Namespace) -> ServerState:
-    """Engine, keys and the startup adapters (each loaded and validated now: a bad one fails startup)."""
-    config = server_config(args)
-    keys = KeyRing.from_options(args.api_key, args.tenant_keys)
-    if config.allow_runtime_lora_updating and not keys.enabled:
-        logger.warning("runtime adapter loading is enabled without API keys: any caller may load adapters")
-    state = ServerState(AsyncLLMEngine(LLMEngine(engine_config(args))), config, keys)
-    try:
-        for name, path, revision in args.lora_modules:
-            state.add_lora(LoRARequest(name, path, revision))
-        for name, path, revision in args.prompt_adapters:
-            state.add_prompt_adapter(PromptAdapterRequest(name, path, revision))
-    except BaseException:
-        state.engine.shutdown()
-        raise
-    return state
+def startup_adapters(args: argparse.Namespace) -> StartupAdapters:
+    """The adapters named by --lora-modules and --prompt-adapters."""
+    return StartupAdapters(loras=tuple(LoRARequest(*spec) for spec in args.lora_modules),
+                           prompt_adapters=tuple(PromptAdapterRequest(*spec) for spec in args.prompt_adapters))
+
+
+def ray_config(args: argparse.Namespace) -> RayConfig:
+    """RayConfig from the parsed options."""
+    return RayConfig(num_replicas=args.num_replicas, address=args.ray_address, replica_cpus=args.replica_cpus,
+                     replica_gpus=args.replica_gpus, max_adapters_per_replica=args.max_adapters_per_replica,
+                     host=args.host, port=args.port)
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, waits, then the engine shuts down)."""
-    import uvicorn
+    """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, waits, then the engine shuts down).
 
+    The configs are built (and validated) once here and handed to the server or the Ray replicas."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.num_replicas > 1:
-        from lora_runner.entrypoints.ray.run import serve_on_ray
-
-        serve_on_ray(args)
+    engine, server, adapters = engine_config(args), server_config(args), startup_adapters(args)
+    layout = ray_config(args)
+    if layout.enabled:
+        check_ray_serving(server)
+        try:  # imported here: Ray is an optional dependency (lora-runner[ray]), needed only for replicas
+            from lora_runner.entrypoints.ray.app import serve_on_ray
+        except ImportError as exc:
+            raise ValueError("--num-replicas > 1 needs Ray Serve: pip install 'lora-runner[ray]'") from exc
+        serve_on_ray(engine, server, adapters, layout)
         return
-    state = build_state(args)
+    state = build_state(engine, server, adapters)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))
     GracefulServer(config, state).run()

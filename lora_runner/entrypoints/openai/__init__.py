@@ -1,1 +1,2 @@
-"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLMEngine: one module per concept."""
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an EngineClient (lora_runner.engine.protocol,
+implemented by AsyncLLMEngine): one module per concept."""

@@ -57,7 +57,7 @@ async def unload_lora_adapter(state: ServerState, tenant: Tenant, body: UnloadLo
         raise model_not_found(body.lora_name)
     state.registry.remove(body.lora_name)
     try:
-        state.engine.engine.remove_lora(body.lora_name)
+        state.engine.remove_lora(body.lora_name)
     except UnknownAdapterError:  # already evicted from the engine's CPU cache: nothing to free
         logger.debug("LoRA %r was not in the engine's cache", body.lora_name)
     logger.info("stopped serving LoRA %r", body.lora_name)

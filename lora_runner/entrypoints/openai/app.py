@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI-compatible routes over one AsyncLLMEngine.
+"""The FastAPI app: OpenAI-compatible routes over one EngineClient (an AsyncLLMEngine).
 
 Every route but /health needs ``Authorization: Bearer KEY`` when keys are configured (401). On
 shutdown (uvicorn's lifespan, after it stopped accepting and let in-flight requests finish or
@@ -101,7 +101,7 @@ def list_models(state: ServerState, tenant: Tenant) -> dict:
     base = state.registry.base_name
     entries = []
     if tenant.base:
-        entries.append(_model_card(base, root=state.engine.engine.config.model if tenant.admin else base, parent=None))
+        entries.append(_model_card(base, root=state.engine.model_name if tenant.admin else base, parent=None))
     for adapter in state.registry.visible(tenant):
         entries.append(_model_card(adapter.name, root=adapter.request.path if tenant.admin else adapter.name,
                                    parent=base, created=adapter.created, kind=adapter.kind))

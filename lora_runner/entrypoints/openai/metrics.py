@@ -1,9 +1,10 @@
 """Prometheus metrics of one server (its own CollectorRegistry, so several apps can share a process).
 
 Counted by the HTTP layer: requests per served model, prompt and generated tokens, time to first
-token and inter-token latency, runtime adapter loads. Read from the engine at scrape time: running
-and waiting requests, KV blocks in use, and every field of the adapter manager's cumulative stats
-(slot loads are the slot misses; hits appear when the manager counts them).
+token and inter-token latency, runtime adapter loads. Read at scrape time from the stats snapshot
+the engine publishes after each step (EngineClient.get_stats): running and waiting requests, KV
+blocks in use, preemptions, and every field of the adapter manager's cumulative stats (slot loads
+are the slot misses; hits appear when the manager counts them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from lora_runner.engine.async_llm_engine import AsyncLLMEngine
+from adapters.manager import AdapterStats
+from lora_runner.engine.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +26,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class ServerMetrics:
     """The server's metrics; ``render()`` gives the Prometheus text format."""
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("lora_runner_requests", "Generation requests accepted, per served model",
@@ -47,30 +49,30 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    """Engine state read at scrape time."""
+    """Engine state read at scrape time from the engine's stats snapshot (EngineClient.get_stats)."""
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self):
         """Yield the engine's gauges and adapter counters."""
-        engine = self.engine.engine
-        scheduler = getattr(engine, "scheduler", None)
+        stats = self.engine.get_stats()
         gauges = {
-            "lora_runner_requests_running": ("Requests being decoded or prefilled", len(getattr(scheduler, "running", ()))),
-            "lora_runner_requests_waiting": ("Requests queued (adapter loading or no room)", len(getattr(scheduler, "waiting", ()))),
+            "lora_runner_requests_running": ("Requests being decoded or prefilled", stats.running),
+            "lora_runner_requests_waiting": ("Requests queued (adapter loading or no room)", stats.waiting),
             "lora_runner_requests_in_flight": ("Requests with an open HTTP generation", self.engine.num_in_flight()),
-            "lora_runner_kv_blocks_used": ("KV-cache blocks held by requests", engine.block_manager.num_used_blocks),
-            "lora_runner_kv_blocks_total": ("KV-cache blocks", engine.block_manager.num_blocks),
+            "lora_runner_kv_blocks_used": ("KV-cache blocks held by requests", stats.kv_blocks_used),
+            "lora_runner_kv_blocks_total": ("KV-cache blocks", stats.kv_blocks_total),
             "lora_runner_engine_up": ("1 while the step thread serves requests", int(self.engine.is_running)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
-        yield from self._adapter_stats(engine)
+        yield CounterMetricFamily("lora_runner_preemptions", "Running requests preempted (blocks freed, "
+                                  "recomputed later)", value=stats.preemptions)
+        yield from self._adapter_stats(stats.adapters)
 
     @staticmethod
-    def _adapter_stats(engine):
-        stats = engine.adapter_manager.stats
+    def _adapter_stats(stats: AdapterStats):
         events = CounterMetricFamily("lora_runner_adapter_events", "Cumulative adapter-manager events "
                                      "(lora_loads = LoRA slot misses, lora_evictions = slot evictions, "
                                      "lora_disk_loads = adapter loads from disk or the Hub)", labels=["event"])

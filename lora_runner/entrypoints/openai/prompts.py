@@ -23,7 +23,7 @@ def completion_prompts(state: ServerState, prompt) -> list[list[int]]:
 
 def _encode(state: ServerState, text: str) -> list[int]:
     try:
-        ids = state.engine.engine.tokenizer.encode(text)
+        ids = state.engine.encode(text)
     except ValueError as exc:  # no tokenizer
         raise APIError(400, str(exc), "invalid_value") from exc
     if not ids:

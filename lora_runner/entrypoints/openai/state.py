@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from adapters import LoRARequest, PromptAdapterRequest
-from lora_runner.engine.async_llm_engine import AsyncLLMEngine
+from lora_runner.engine.protocol import EngineClient
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.metrics import ServerMetrics
 from lora_runner.entrypoints.openai.registry import AdapterRegistry
@@ -22,14 +22,18 @@ logger = logging.getLogger(__name__)
 class ServerConfig:
     """Server settings (the engine's are in EngineConfig). Validated on construction (ValueError).
 
-    served_model_name: the base model's name in ``model``. allow_runtime_lora_updating /
-    adapter_root / allow_hub_adapters: the load/unload routes (see adapter_root). max_body_bytes,
-    max_prompt_tokens, max_tokens_limit, max_n, max_logprobs: request size limits (None: the
-    engine's max_model_len). max_pending_requests: generations in flight at once, beyond which
+    served_model_name: the base model's name in ``model``. api_keys / tenant_keys: keys with full
+    access / a JSON or YAML file of tenant keys (lora_runner.entrypoints.openai.tenants; neither: no
+    authentication). allow_runtime_lora_updating / adapter_root / allow_hub_adapters: the
+    load/unload routes (see adapter_root). max_body_bytes, max_prompt_tokens, max_tokens_limit,
+    max_n: request size limits (None: the engine's max_model_len; the logprobs limit is the
+    engine's max_logprobs). max_pending_requests: generations in flight at once, beyond which
     requests get 503. shutdown_timeout: seconds in-flight requests get to finish on SIGTERM.
     """
 
     served_model_name: str
+    api_keys: tuple[str, ...] = ()
+    tenant_keys: str | None = None
     allow_runtime_lora_updating: bool = False
     adapter_root: str | None = None
     allow_hub_adapters: bool = False
@@ -37,7 +41,6 @@ class ServerConfig:
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
     max_n: int = 16
-    max_logprobs: int = 20
     max_pending_requests: int = 1024
     shutdown_timeout: float = 10.0
 
@@ -50,23 +53,22 @@ class ServerConfig:
         for name in ("max_prompt_tokens", "max_tokens_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
-        if self.max_logprobs < 0 or self.shutdown_timeout < 0:
-            raise ValueError("max_logprobs and shutdown_timeout must be >= 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
 
 class ServerState:
-    """Shared by all routes of one app; lives on ``app.state.server``."""
+    """Shared by all routes of one app; lives on ``app.state.server``. The engine is used only
+    through its EngineClient protocol."""
 
-    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, keys: KeyRing) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, keys: KeyRing) -> None:
         self.engine, self.config, self.keys = engine, config, keys
         self.registry = AdapterRegistry(config.served_model_name)
         self.metrics = ServerMetrics(engine)
-        self.max_model_len = engine.engine.limits.max_model_len
+        self.max_model_len = engine.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
-        engine_max_logprobs = getattr(engine.engine.config, "max_logprobs", None)  # engines that bound it
-        self.max_logprobs = min(config.max_logprobs, engine_max_logprobs if engine_max_logprobs is not None
-                                else config.max_logprobs)
+        self.max_logprobs = engine.max_logprobs  # checked here too, so an excess is a 400 before any work
         self.draining = False  # set on shutdown: new generations get 503
         self._in_flight = 0
         self._in_flight_per_tenant: Counter[str] = Counter()
@@ -74,7 +76,7 @@ class ServerState:
     @property
     def tokenizer(self):
         """The model's transformers tokenizer, or None."""
-        return self.engine.engine.tokenizer.get()
+        return self.engine.get_tokenizer()
 
     def token_text(self, token_id: int) -> str:
         """A token's text for logprobs (special tokens included; "token_id:N" without a tokenizer)."""
@@ -88,13 +90,13 @@ class ServerState:
 
     def add_lora(self, request: LoRARequest) -> None:
         """Load and validate a LoRA in the engine, then serve it (AdapterError / ValueError)."""
-        self.engine.engine.add_lora(request)
+        self.engine.add_lora(request)
         self.registry.add(request)
         logger.info("serving LoRA %r from %s", request.name, request.path)
 
     def add_prompt_adapter(self, request: PromptAdapterRequest) -> None:
         """Load and validate a soft prompt in the engine, then serve it."""
-        self.engine.engine.add_prompt_adapter(request)
+        self.engine.add_prompt_adapter(request)
         self.registry.add(request)
         logger.info("serving prompt adapter %r from %s", request.name, request.path)
 

@@ -1,0 +1,90 @@
+"""EngineClient: everything the HTTP server needs from an engine, as one protocol (vLLM's
+``vllm/engine/protocol.py``).
+
+``AsyncLLMEngine`` implements it; the entrypoints (``lora_runner.entrypoints``) type their engine
+with it and use nothing else, so the server never reaches into the engine's tokenizer, limits,
+scheduler or block manager. Requests stream through ``generate``; adapter management and the
+tokenizer are plain calls (the adapter ones block while an adapter loads: call them from a thread
+pool on an event loop); ``get_stats`` is the snapshot the engine publishes after each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.engine.stats import EngineStats
+from lora_runner.outputs import RequestOutput
+from lora_runner.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The server's view of an engine (see the module docstring)."""
+
+    # ---- the model and the limits requests are checked against
+    @property
+    def model_name(self) -> str:
+        """The base model as configured (a local directory or a Hub repo id)."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus generated tokens one request may hold."""
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs one request may ask for (EngineConfig.max_logprobs)."""
+
+    # ---- requests
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 lora_request: LoRARequest | None = None,
+                 prompt_adapter_request: PromptAdapterRequest | None = None,
+                 tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs, the last one finished; closing it early aborts it."""
+
+    def abort(self, request_id: str) -> None:
+        """Abort one request (unknown ids are ignored)."""
+
+    def abort_all(self) -> None:
+        """Abort every request with a live generate() iterator."""
+
+    def num_in_flight(self) -> int:
+        """Requests with a live generate() iterator."""
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for in-flight requests; True when none is left."""
+
+    # ---- tokenizer
+    def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer, or None when the model directory has none."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (ValueError when the model has no tokenizer)."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of `token_ids` without special tokens ("" when the model has no tokenizer)."""
+
+    # ---- adapters
+    def add_lora(self, lora_request: LoRARequest) -> Any:
+        """Load and validate a LoRA now (adapters.AdapterError when it cannot serve)."""
+
+    def remove_lora(self, name: str) -> None:
+        """Forget a LoRA (adapters.UnknownAdapterError when the engine does not hold it)."""
+
+    def list_loras(self) -> list[str]:
+        """Names of the LoRAs the engine holds in its CPU cache, least recently used first."""
+
+    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest) -> Any:
+        """Load and validate a soft prompt now (adapters.AdapterError, ValueError when disabled)."""
+
+    # ---- health, stats, shutdown
+    @property
+    def is_running(self) -> bool:
+        """True while the engine serves requests."""
+
+    def get_stats(self) -> EngineStats:
+        """The engine after its latest step (safe to call from any thread)."""
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight, stop stepping and close the engine (idempotent)."""

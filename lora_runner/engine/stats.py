@@ -1,0 +1,38 @@
+"""EngineStats: what the engine's step loop looked like after its latest step, as one frozen snapshot.
+
+The step thread builds a new snapshot after every ``LLMEngine.step()`` and swaps it in as one
+reference, so a reader on another thread (the server's ``/metrics``) gets a consistent view without
+touching the scheduler or the block manager, which only the step thread may read while it steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adapters.manager import AdapterStats
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine after its latest step (at construction: before any step).
+
+    running / waiting: requests being prefilled or decoded / queued (loading adapters or no room).
+    kv_blocks_used / kv_blocks_total: KV-cache blocks held by requests / in the cache.
+    preemptions: running requests preempted (their blocks freed, recomputed later) since start.
+    steps: step() calls since start. adapters: the adapter manager's cumulative counters.
+    """
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    preemptions: int
+    steps: int
+    adapters: AdapterStats
+
+    @classmethod
+    def collect(cls, scheduler, block_manager, adapters: AdapterStats, steps: int) -> EngineStats:
+        """A snapshot of `scheduler` and `block_manager` (call on the step thread, between steps)."""
+        return cls(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                   kv_blocks_used=block_manager.num_used_blocks, kv_blocks_total=block_manager.num_blocks,
+                   preemptions=scheduler.num_preemptions, steps=steps, adapters=adapters)

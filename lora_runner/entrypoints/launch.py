@@ -1,0 +1,45 @@
+"""From frozen configs to a running server's state: the engine, the keys and the startup adapters.
+
+Both entry points use it: ``cli`` (one process) and the Ray Serve engine replicas
+(lora_runner.entrypoints.ray.replica), each handing over the configs ``cli`` built once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.config import EngineConfig
+from lora_runner.engine.async_llm_engine import AsyncLLMEngine
+from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.entrypoints.openai.state import ServerConfig, ServerState
+from lora_runner.entrypoints.openai.tenants import KeyRing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StartupAdapters:
+    """The adapters served from the start (``--lora-modules``, ``--prompt-adapters``)."""
+
+    loras: tuple[LoRARequest, ...] = ()
+    prompt_adapters: tuple[PromptAdapterRequest, ...] = ()
+
+
+def build_state(engine_config: EngineConfig, server_config: ServerConfig, adapters: StartupAdapters) -> ServerState:
+    """Engine, keys and the startup adapters (each loaded and validated now: a bad one fails startup,
+    with the engine shut down). Raises ValueError for bad settings or keys, adapters.AdapterError."""
+    keys = KeyRing.from_options(list(server_config.api_keys), server_config.tenant_keys)
+    if server_config.allow_runtime_lora_updating and not keys.enabled:
+        logger.warning("runtime adapter loading is enabled without API keys: any caller may load adapters")
+    state = ServerState(AsyncLLMEngine(LLMEngine(engine_config)), server_config, keys)
+    try:
+        for lora in adapters.loras:
+            state.add_lora(lora)
+        for prompt_adapter in adapters.prompt_adapters:
+            state.add_prompt_adapter(prompt_adapter)
+    except BaseException:
+        state.engine.shutdown()
+        raise
+    return state

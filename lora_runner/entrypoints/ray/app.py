@@ -1,0 +1,57 @@
+"""The Ray Serve application of ``serve --num-replicas N``: engine replicas behind one ingress.
+
+:func:`build_application` binds the deployments (lora_runner.entrypoints.ray.replica, .ingress) to
+the frozen configs ``cli`` built once; :func:`serve_on_ray` starts (or joins) Ray and runs it on
+host:port until SIGINT/SIGTERM. Details: docs/scaling-out.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import ray
+from ray import serve
+
+from lora_runner.config import EngineConfig
+from lora_runner.entrypoints.launch import StartupAdapters
+from lora_runner.entrypoints.openai.state import ServerConfig
+from lora_runner.entrypoints.ray.config import RayConfig, check_ray_serving
+from lora_runner.entrypoints.ray.ingress import ingress_deployment
+from lora_runner.entrypoints.ray.replica import engine_deployment
+
+logger = logging.getLogger(__name__)
+
+
+def build_application(engine_config: EngineConfig, server_config: ServerConfig, adapters: StartupAdapters,
+                      ray_config: RayConfig):
+    """The Serve application (engine replicas + ingress) of the given configs."""
+    max_adapters = ray_config.max_adapters_per_replica or engine_config.max_cpu_loras or engine_config.max_loras
+    options = {"num_replicas": ray_config.num_replicas,
+               "ray_actor_options": {"num_cpus": ray_config.replica_cpus, "num_gpus": ray_config.replica_gpus}}
+    engine = engine_deployment(max_adapters, engine_config.max_num_seqs).options(**options).bind(
+        engine_config, server_config, adapters)
+    return ingress_deployment().bind(engine, server_config, adapters)
+
+
+def serve_on_ray(engine_config: EngineConfig, server_config: ServerConfig, adapters: StartupAdapters,
+                 ray_config: RayConfig) -> None:
+    """Start (or join) Ray, run the application on host:port until SIGINT/SIGTERM, then tear it down.
+
+    ValueError for settings Ray Serve mode cannot honour (check_ray_serving)."""
+    check_ray_serving(server_config)
+    ray.init(address=ray_config.address, include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": ray_config.host, "port": ray_config.port})
+        serve.run(build_application(engine_config, server_config, adapters, ray_config), name="lora-runner",
+                  route_prefix="/")
+        logger.info("serving on http://%s:%d with %d engine replicas", ray_config.host, ray_config.port,
+                    ray_config.num_replicas)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,70 @@
+"""The ingress's ``/metrics`` on Ray Serve: generation requests and adapter loads, per replica and summed.
+
+Built at scrape time from the ingress's request counts and the latest report of each engine
+replica (lora_runner.entrypoints.ray.replica.EngineReplicaBase.report).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+def render_metrics(requests: Counter, reports: dict[str, dict]) -> bytes:
+    """Prometheus text: generation requests and adapter loads/evictions, per replica and summed."""
+    registry = CollectorRegistry()
+    registry.register(_ReplicaCollector(requests, reports))
+    return generate_latest(registry)
+
+
+class _ReplicaCollector:
+    """The replicas' counters, read when the registry is rendered."""
+
+    def __init__(self, requests: Counter, reports: dict[str, dict]) -> None:
+        self.requests, self.reports = requests, reports
+
+    def collect(self):
+        """Yield the request counters, the adapter load/eviction counters and the resident gauge."""
+        per_model = CounterMetricFamily("lora_runner_requests", "Generation requests, per served model "
+                                        "(all replicas)", labels=["model"])
+        for model, count in _sum_by(self.requests, 1).items():
+            per_model.add_metric([model], count)
+        yield per_model
+        per_replica = CounterMetricFamily("lora_runner_replica_requests", "Generation requests per replica",
+                                          labels=["replica"])
+        for replica, count in _sum_by(self.requests, 0).items():
+            per_replica.add_metric([replica], count)
+        yield per_replica
+        for kind in ("loads", "unloads"):
+            yield from self._adapter_counters(kind)
+        resident = GaugeMetricFamily("lora_runner_replica_adapters_resident", "1 for each LoRA in a replica's "
+                                     "engine cache (as of the replica's latest answer)", labels=["replica", "adapter"])
+        for replica, report in sorted(self.reports.items()):
+            for adapter in report["resident"]:
+                resident.add_metric([replica, adapter], 1)
+        yield resident
+
+    def _adapter_counters(self, kind: str):
+        verb = "registered with" if kind == "loads" else "evicted from"
+        total = sum(sum(r[kind].values()) for r in self.reports.values())
+        yield CounterMetricFamily(f"lora_runner_adapter_{kind}", f"Adapters {verb} a replica's engine "
+                                  "(all replicas)", value=total)
+        per = CounterMetricFamily(f"lora_runner_replica_adapter_{kind}", f"Adapters {verb} the replica's "
+                                  "engine, per replica and adapter", labels=["replica", "adapter"])
+        for replica, report in sorted(self.reports.items()):
+            for adapter, count in sorted(report[kind].items()):
+                per.add_metric([replica, adapter], count)
+        yield per
+
+    def describe(self):
+        """Nothing up front: the labels are only known at collect time."""
+        return []
+
+
+def _sum_by(counter: Counter, position: int) -> Counter:
+    sums: Counter = Counter()
+    for key, count in counter.items():
+        sums[key[position]] += count
+    return sums

@@ -1,0 +1,105 @@
+"""`lora-runner serve`'s options: generated from EngineConfig, today's names kept, no model needed."""
+
+import argparse
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from lora_runner.config import EngineConfig
+from lora_runner.entrypoints import engine_args
+from lora_runner.entrypoints.cli import add_serve_arguments, engine_config, server_config
+from lora_runner.entrypoints.engine_args import DEFAULT_PROMPT_ADAPTER_TOKENS, option_name
+
+FIELDS = [field.name for field in dataclasses.fields(EngineConfig)]
+MODEL = "org/model"
+# str fields: a valid value other than the default (a new str field needs one here)
+STR_VALUES = {"revision": "v2", "device": "cpu", "dtype": "bfloat16", "scheduling_policy": "fcfs"}
+# settings that are only valid together: the option's partner and what the config then holds
+PARTNERS = {"max_prompt_adapters": ([], {"max_prompt_adapter_tokens": DEFAULT_PROMPT_ADAPTER_TOKENS}),
+            "max_prompt_adapter_tokens": (["--max-prompt-adapters", "1"], {"max_prompt_adapters": 1})}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _non_default(field: dataclasses.Field) -> tuple[list[str], object]:
+    """(command-line words, the value EngineConfig should then hold) for a value unlike the default."""
+    option, default = option_name(field.name), field.default
+    if field.type in ("bool", "bool | None"):
+        return ([option], True) if not default else (["--no-" + option[2:]], False)
+    if field.type in ("int", "int | None"):
+        value = 40 if default is None else default + 3
+    elif field.type == "float":
+        value = default / 2
+    else:
+        assert field.name in STR_VALUES, f"give EngineConfig.{field.name} a non-default value in STR_VALUES"
+        value = STR_VALUES[field.name]
+    return [option, str(value)], value
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_engine_config_field_has_a_described_option(name):
+    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+    assert field.metadata.get("help"), f"EngineConfig.{name} needs field(metadata={{'help': ...}})"
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    actions = {action.dest: action for action in parser._actions}
+    assert name in actions and field.metadata["help"].replace("%", "%%") in actions[name].help
+
+
+@pytest.mark.parametrize("name", [name for name in FIELDS if name != "model"])
+def test_a_non_default_value_on_the_command_line_reaches_the_engine_config(name):
+    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+    words, value = _non_default(field)
+    partner_words, partner_values = PARTNERS.get(name, ([], {}))
+    config = engine_config(_parse([MODEL, *words, *partner_words]))
+    assert config == EngineConfig(MODEL, **{name: value, **partner_values})  # this field alone changed
+
+
+def test_defaults_are_engine_config_defaults():
+    assert engine_config(_parse([MODEL])) == EngineConfig(MODEL)
+
+
+def test_a_field_without_help_is_refused(monkeypatch):
+    @dataclasses.dataclass(frozen=True)
+    class Undocumented:
+        model: str = dataclasses.field(metadata={"help": "base model"})
+        new_limit: int = 3
+
+    monkeypatch.setattr(engine_args, "EngineConfig", Undocumented)
+    with pytest.raises(ValueError, match="new_limit has no description"):
+        engine_args.add_engine_arguments(argparse.ArgumentParser())
+
+
+def test_todays_prompt_adapter_options_keep_working():
+    implied = engine_config(_parse([MODEL, "--prompt-adapters", "soft=/adapters/soft"]))
+    assert (implied.max_prompt_adapters, implied.max_prompt_adapter_tokens) == (1, DEFAULT_PROMPT_ADAPTER_TOKENS)
+    alias = engine_config(_parse([MODEL, "--prompt-adapters", "soft=/a", "--max-prompt-adapter-token", "8"]))
+    assert (alias.max_prompt_adapters, alias.max_prompt_adapter_tokens) == (1, 8)
+    off = engine_config(_parse([MODEL]))
+    assert (off.max_prompt_adapters, off.max_prompt_adapter_tokens) == (0, 0)
+
+
+def test_max_logprobs_is_the_engines_alone():
+    """One flag: --max-logprobs reaches EngineConfig, and the server has no second default of its own."""
+    args = _parse([MODEL, "--max-logprobs", "50"])
+    assert engine_config(args).max_logprobs == 50
+    assert "max_logprobs" not in {field.name for field in dataclasses.fields(server_config(args))}
+
+
+ENTRYPOINTS = Path(__file__).resolve().parents[1] / "lora_runner" / "entrypoints"
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ENTRYPOINTS)) for p in ENTRYPOINTS.rglob("*.py")
+                                        if p.name != "cli.py"))
+def test_nothing_below_the_cli_imports_it(path):
+    """The CLI is the top: the server and the Ray deployments take configs, never cli's argparse."""
+    tree = ast.parse((ENTRYPOINTS / path).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert "lora_runner.entrypoints.cli" not in imported
