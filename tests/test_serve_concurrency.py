@@ -52,7 +52,7 @@ def test_concurrent_streams_over_more_adapters_than_slots_all_complete_exactly(e
 
         outputs = asyncio.run(run_all())
         assert [token_ids(state.tokenizer, o) for o in outputs] == expected
-        stats = state.engine.engine.adapter_manager.stats
+        stats = state.engine.engine.adapters.manager.stats
         assert stats.lora_evictions > 0  # eight adapters through two slots
         assert not state.engine.engine.has_unfinished_requests()
         assert state.engine.engine.block_manager.num_used_blocks == 0

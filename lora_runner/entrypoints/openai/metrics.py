@@ -70,7 +70,7 @@ class _EngineCollector:
 
     @staticmethod
     def _adapter_stats(engine):
-        stats = engine.adapter_manager.stats
+        stats = engine.adapters.manager.stats
         events = CounterMetricFamily("lora_runner_adapter_events", "Cumulative adapter-manager events "
                                      "(lora_loads = LoRA slot misses, lora_evictions = slot evictions, "
                                      "lora_disk_loads = adapter loads from disk or the Hub)", labels=["event"])
