@@ -108,6 +108,19 @@ def test_one_request_gets_a_private_validated_copy_of_its_params():
     assert default.params == SamplingParams()
 
 
+def test_the_checks_run_on_a_private_copy(monkeypatch):
+    caller = SamplingParams(max_tokens=3)
+    validate = SamplingParams.validate
+
+    def validate_then_race(self, **limits):
+        validate(self, **limits)
+        caller.max_tokens = 0  # another thread changes the caller's object right after the check
+
+    monkeypatch.setattr(SamplingParams, "validate", validate_then_race)
+    (request,) = samples(make_processor(), params=caller)
+    assert request.params.max_tokens == 3  # what was checked is what runs
+
+
 def test_n_samples_get_their_own_ids_and_seeds_and_share_the_prompt():
     recorder = Recorder()
     group = samples(make_processor(), "g", (5, 6), SamplingParams(n=3, seed=40, max_tokens=2), new_request=recorder)

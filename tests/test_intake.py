@@ -131,6 +131,14 @@ def test_a_wake_before_the_idle_step_began_does_not_count():
     assert not intake.wait_for_work(timeout=0)
 
 
+def test_a_wake_while_the_idle_step_ran_counts():
+    intake = Intake()
+    began = intake.step_began()
+    intake.wake()  # an adapter load finished after the step looked at the waiting requests
+    intake.step_ended(began)
+    assert intake.wait_for_work(timeout=0)
+
+
 def _blocked_in_wait(intake, thread):
     """Wait until `thread` sleeps on the intake's condition (CPython keeps its waiters in _waiters)."""
     deadline = time.monotonic() + WAIT_S
