@@ -132,8 +132,8 @@ class LLMEngine:
         max_model_len, max_batched, _ = cfg.step_sizes(self.model_config.max_position_embeddings)
         return profile_kv_cache_budget(
             partial(self._make_runner, manager=manager), manager.loras, max_loras=cfg.max_loras,
-            max_lora_rank=cfg.max_lora_rank,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+            max_lora_rank=cfg.max_lora_rank, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
             block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs)
 
     @property
@@ -145,6 +145,7 @@ class LLMEngine:
     def eos_token_ids(self, ids) -> None:
         self.output_processor.eos_token_ids = frozenset(ids)
 
+    # ----------------------------------------------------------------------------- intake (any thread)
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None,
                     prompt_adapter_request: PromptAdapterRequest | None = None, *,
@@ -271,8 +272,8 @@ class LLMEngine:
         self.intake.check_open()
         return self.adapters
 
-    # _step keeps the intake's idle accounting under these three names; the intake locks for itself,
-    # so the `with self._work:` around them holds nothing
+    # _step keeps the intake's idle accounting under these three names (Intake.step_began/step_ended,
+    # which lock for themselves: the `with self._work:` around them holds nothing)
     @property
     def _work(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

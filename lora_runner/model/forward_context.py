@@ -20,7 +20,8 @@ class AttentionMetadata:
     are the last (query_start_loc[i+1]-query_start_loc[i]) tokens of its context of seq_lens[i].
     """
 
-    slot_mapping: torch.Tensor  # [T] int64: KV-cache slot (block * block_size + offset) per token; -1 = padding, not written
+    # [T] int64: KV-cache slot (block * block_size + offset) per token; -1 = padding, not written
+    slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor  # [B+1] int32 cumulative new-token counts
     seq_lens: torch.Tensor  # [B] int32 context length after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32 block ids (unused entries: 0)
