@@ -72,8 +72,8 @@ class EngineAdapters:
             self.tiers[kind].remove(name)
 
     def pin(self, kind: str, name: str) -> None:
-        """Keep ``name`` cached and, once resident, in its device slot. At most (slots - 1) adapters
-        of a kind can be pinned (AdapterCapacityError beyond), so unpinned ones always keep a slot;
+        """Pin the version ``name`` serves: kept cached and, once resident, in its device slot. At most (slots - 1)
+        adapters of a kind can be pinned (AdapterCapacityError beyond), so unpinned ones always keep a slot;
         a replacement inherits the pin once it takes over; a failed load holds none."""
         with self.step_lock:
             self.tiers[kind].pin(name)
