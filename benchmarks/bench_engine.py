@@ -153,7 +153,7 @@ class EngineRunner:
 
 def adapter_stats(engine) -> dict:
     """Cumulative LoRA events of the engine's adapter manager (device slots and CPU cache)."""
-    stats = engine.adapter_manager.stats
+    stats = engine.adapters.manager.stats
     return {"loads": stats.lora_loads, "evictions": stats.lora_evictions,
             "disk_loads": stats.lora_disk_loads, "cpu_evictions": stats.lora_cpu_evictions}
 

@@ -274,9 +274,9 @@ def make_engine(model_dir: Path, sizes: Sizes, graphs: bool):
                        max_model_len=sizes.max_model_len, max_num_batched_tokens=8192,
                        enforce_eager=not graphs, gpu_memory_utilization=0.8)
     if graphs and sizes.device == "cpu":
-        engine.runner.capture_decode_graphs(engine.adapter_manager.loras, 16, make_graph=RerunGraph, progress=False)
+        engine.runner.capture_decode_graphs(engine.adapters.manager.loras, 16, make_graph=RerunGraph, progress=False)
     for i in range(max_loras):
-        engine.adapter_manager.loras.add_dummy(f"bench-{i}", 16)
+        engine.adapters.manager.loras.add_dummy(f"bench-{i}", 16)
     return engine
 
 
@@ -335,7 +335,7 @@ def run_engine(sizes: Sizes, results: dict, deadline: float) -> None:
                     rows.setdefault(f"{num_requests}/{num_adapters}", {})[mode] = run
                     logger.info("%s: %d requests, %d adapters: %.0f decode tok/s", mode, num_requests,
                                 num_adapters, run["tokens_per_s"])
-            engine.adapter_manager.close()
+            engine.adapters.manager.close()
             del engine, graphs
             gc.collect()
             if torch.cuda.is_available():

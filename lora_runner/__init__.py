@@ -1,11 +1,12 @@
 """lora_runner: serve many LoRA fine-tunes of one Llama-family base model in one batch."""
 
 from lora_runner.config import EngineConfig
+from lora_runner.engine.async_llm_engine import AsyncLLMEngine
 from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.engine.errors import EngineClosedError
 from lora_runner.entrypoints.llm import LLM
 from lora_runner.outputs import CompletionOutput, RequestOutput
 from lora_runner.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
-           "EngineClosedError"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "EngineConfig", "EngineClosedError"]

@@ -161,7 +161,7 @@ def test_engine_fed_from_threads_while_stepping(engine_checkpoint, greedy_oracle
 
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.holders() == []
-    tier = engine.adapter_manager.loras
+    tier = engine.adapters.manager.loras
     for name in ("r4", "r8-qv", "r16-mlp", "tenant"):  # no request holds a reference any more:
         try:  # removing every adapter frees everything at once, nothing is deferred
             engine.unpin_lora(name)

@@ -42,7 +42,7 @@ def test_emulated_graphs_in_the_engine_match_eager(engine_checkpoint):
     eager = LLMEngine(path, device="cpu", **ENGINE)
     assert eager.runner.decode_graphs is None  # CPU: never captured at start-up
     graphed = LLMEngine(path, device="cpu", **ENGINE)
-    graphed.runner.capture_decode_graphs(graphed.adapter_manager.loras, 16, make_graph=RerunGraph, progress=False)
+    graphed.runner.capture_decode_graphs(graphed.adapters.manager.loras, 16, make_graph=RerunGraph, progress=False)
     graphs = graphed.runner.decode_graphs
     assert len(graphs) == len(graphs.plan.keys()) and graphed.list_loras() == []  # warmup adapter removed
     requests = workload(adapters)
@@ -63,7 +63,7 @@ def test_emulated_graphs_with_soft_prompts_match_eager(engine_checkpoint, tmp_pa
     kwargs = dict(ENGINE, max_prompt_adapters=2, max_prompt_adapter_tokens=8, max_num_batched_tokens=16)
     eager = LLMEngine(path, device="cpu", **kwargs)
     graphed = LLMEngine(path, device="cpu", **kwargs)
-    graphed.runner.capture_decode_graphs(graphed.adapter_manager.loras, 16, make_graph=RerunGraph, progress=False)
+    graphed.runner.capture_decode_graphs(graphed.adapters.manager.loras, 16, make_graph=RerunGraph, progress=False)
     outputs = []
     for engine in (eager, graphed):
         for i, (lora, prompt_adapter) in enumerate([(None, "pa3"), ("r4", "pa6"), ("r16-mlp", None), (None, None),
@@ -96,7 +96,7 @@ def test_cuda_engine_captures_at_startup_and_matches_eager(engine_checkpoint):
     graphed = LLMEngine(path, device="cuda", gpu_memory_utilization=0.5, **ENGINE)
     graphs = graphed.runner.decode_graphs
     assert graphs is not None and len(graphs) == len(graphs.plan.keys())
-    assert graphed.list_loras() == [] and int(graphed.adapter_manager.lora_slots.slot_ranks.max()) == 0
+    assert graphed.list_loras() == [] and int(graphed.adapters.manager.lora_slots.slot_ranks.max()) == 0
     # KV cache sized by the memory profile: min(what max_num_seqs full-length requests need, the budget)
     assert graphed.limits.num_kv_blocks == 12 * 16
     requests = workload(adapters, seed=1)
@@ -115,12 +115,12 @@ def test_memory_profile_steps_run_with_dummy_adapters(engine_checkpoint):
     max_model_len, max_batched, max_blocks = engine.config.step_sizes(engine.model_config.max_position_embeddings)
     runner = engine._make_runner(max_blocks)
     runner.kv_cache.zero_()  # the CPU cache is allocated uninitialized: only what the profile writes is checked
-    tier = engine.adapter_manager.loras
+    tier = engine.adapters.manager.loras
     with resident_dummy_loras(tier, ENGINE["max_loras"], 16) as slots:
-        assert sorted(slots) == [0, 1, 2] and engine.adapter_manager.lora_slots.slot_ranks.tolist() == [16] * 3
+        assert sorted(slots) == [0, 1, 2] and engine.adapters.manager.lora_slots.slot_ranks.tolist() == [16] * 3
         steps = profile_steps(max_num_seqs=12, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                               block_size=4, lora_slots=slots)
         assert profile_memory(runner, steps) == MemoryProfile(0, 0, 0, 0, 0)  # CPU: nothing to measure
         assert runner.lora_meta.num_tokens == 12  # the last step (12 decodes) ran on the LoRA path
         assert torch.isfinite(runner.kv_cache[:, :, :max_blocks]).all()
-    assert tier.list() == [] and engine.adapter_manager.lora_slots.slot_ranks.tolist() == [0] * 3
+    assert tier.list() == [] and engine.adapters.manager.lora_slots.slot_ranks.tolist() == [0] * 3

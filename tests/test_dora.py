@@ -126,8 +126,8 @@ def check(done, requests, models, greedy_oracle):
 
 
 def column_scales_of(engine, name: str) -> list[torch.Tensor]:
-    slot = engine.adapter_manager.loras._serving(name).slot  # noqa: SLF001 (the test reads the slot it got)
-    slots = engine.adapter_manager.lora_slots
+    slot = engine.adapters.manager.loras._serving(name).slot  # noqa: SLF001 (the test reads the slot it got)
+    slots = engine.adapters.manager.lora_slots
     return [slots.scales(layer, packed)[1][slot] for layer in range(slots.spec.num_layers) for packed in PACKED_MODULES]
 
 
@@ -149,9 +149,9 @@ def test_mixed_dora_lora_and_base_batch_matches_peft_then_slot_reuse(checkpoint,
                for name in ("dora-r8", "plain")]
     assert all(differs)  # the adapters matter
     # removing a resident DoRA adapter frees its scale row
-    slot = engine.adapter_manager.loras._serving("dora-r8").slot  # noqa: SLF001
+    slot = engine.adapters.manager.loras._serving("dora-r8").slot  # noqa: SLF001
     engine.remove_lora("dora-r8")
-    slots = engine.adapter_manager.lora_slots
+    slots = engine.adapters.manager.lora_slots
     assert all((slots.scales(layer, packed)[1][slot] == 1).all()
                for layer in range(slots.spec.num_layers) for packed in PACKED_MODULES)
 

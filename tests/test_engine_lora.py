@@ -76,7 +76,7 @@ def test_mixed_adapters_match_peft_with_eviction(engine_checkpoint, greedy_oracl
     assert sum(differs) >= len(differs) // 2  # the adapters matter: a dropped delta would show
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    assert engine.adapter_manager.loras.memory_stats()["num_cpu"] <= 2  # held refs all released
+    assert engine.adapters.manager.loras.memory_stats()["num_cpu"] <= 2  # held refs all released
 
 
 def test_failed_adapter_fails_only_its_request(engine_checkpoint, greedy_oracle, tmp_path):

@@ -45,7 +45,7 @@ def host_sync_ops(fn) -> list[str]:
 
 def graphed_engine(path: str, dtype, **kwargs) -> LLMEngine:
     engine = LLMEngine(path, device="cpu", dtype=dtype, **(kwargs or ENGINE))
-    engine.runner.capture_decode_graphs(engine.adapter_manager.loras, 16, make_graph=RerunGraph, progress=False)
+    engine.runner.capture_decode_graphs(engine.adapters.manager.loras, 16, make_graph=RerunGraph, progress=False)
     return engine
 
 
@@ -68,10 +68,10 @@ def test_decode_graph_forward_and_meta_prepare_have_no_host_sync(engine_checkpoi
     monkeypatch.setattr(layers.punica_kernels, "embedding_shrink", lambda input_ids, lora_a, meta, out: out)
     monkeypatch.setattr(layers.punica_kernels, "lora_expand", lambda y, *args, **kwargs: y)
     graphs, meta = engine.runner.decode_graphs, engine.runner.lora_meta
-    slot = engine.adapter_manager.loras.activate([engine.add_lora(LoRARequest("r4", adapters["r4"][0]))])[0]
+    slot = engine.adapters.manager.loras.activate([engine.add_lora(LoRARequest("r4", adapters["r4"][0]))])[0]
     for key, captured in graphs._graphs.items():
         captured.batch.token_lora_slots[:] = torch.arange(key.num_seqs) % 2 * (slot + 1) - 1  # -1 / slot
-        slot_ranks = engine.adapter_manager.lora_slots.slot_ranks
+        slot_ranks = engine.adapters.manager.lora_slots.slot_ranks
         assert host_sync_ops(lambda: meta.prepare(captured.batch.token_lora_slots, slot_ranks, check=False)) == []
         assert meta.num_tokens == key.num_seqs
         calls.clear()
@@ -135,7 +135,7 @@ def test_half_precision_engine_with_emulated_graphs_matches_eager(engine_checkpo
     for engine in (eager, graphed):
         for name in NAMES:
             engine.add_lora(LoRARequest(name, adapters[name][0]))
-    assert graphed.adapter_manager.lora_slots.weights(0, "qkv")[0].dtype == dtype
+    assert graphed.adapters.manager.lora_slots.weights(0, "qkv")[0].dtype == dtype
     want, got = run_all(eager, requests, per_step=3), run_all(graphed, requests, per_step=3)
     assert graphed.runner.decode_graphs.num_replays >= 5
     for request_id, out in want.items():  # prefills run eagerly in both engines: bit-identical

@@ -73,7 +73,7 @@ def make_engine(soft, **kwargs):
     engine = LLMEngine(soft.path, **kwargs)
     # a stale or unwritten read shows as NaN: the whole KV cache and every soft-prompt slot row
     engine.runner.kv_cache.fill_(float("nan"))
-    engine.adapter_manager.prompt_slots.embeddings.fill_(float("nan"))
+    engine.adapters.manager.prompt_slots.embeddings.fill_(float("nan"))
     return engine
 
 
@@ -99,7 +99,7 @@ def assert_idle(engine):
         engine.remove_lora(name)
     for name in engine.list_prompt_adapters():
         engine.remove_prompt_adapter(name)
-    for tier in (engine.adapter_manager.loras, engine.adapter_manager.prompts):
+    for tier in (engine.adapters.manager.loras, engine.adapters.manager.prompts):
         stats = tier.memory_stats()
         assert (stats["num_cpu"], stats["num_resident"]) == (0, 0), (tier.kind, stats)
 
@@ -174,7 +174,7 @@ def test_chunked_prefill_preemption_and_slot_limit(soft, greedy_oracle):
         preempted_with_soft_prompt |= {r.request_id for r in engine.scheduler.waiting
                                        if r.num_preemptions and r.prompt_adapter_request is not None}
     assert preempted_with_soft_prompt and steps_slots and max(len(s) for s in steps_slots) == 1
-    assert engine.adapter_manager.stats.prompt_evictions > 0  # one slot, two adapters: slot re-written
+    assert engine.adapters.manager.stats.prompt_evictions > 0  # one slot, two adapters: slot re-written
     for i, ((name, lora), prompt) in enumerate(zip(cases, prompts)):
         check_greedy(done[f"c{i}"], oracle_model(soft, name, lora), prompt, 5, greedy_oracle)
     assert_idle(engine)
@@ -233,7 +233,7 @@ def test_llm_generate_with_prompt_adapters_and_management(soft, greedy_oracle):
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["held"].outputs[0].token_ids == greedy_oracle(soft.oracles["pa7"], prompts[2], 4)[0]
-    assert engine.adapter_manager.prompts.memory_stats()["num_cpu"] == 1  # pa7 dropped once released
+    assert engine.adapters.manager.prompts.memory_stats()["num_cpu"] == 1  # pa7 dropped once released
     with pytest.raises(ValueError, match="prompt_adapter_request has 1 entries for 2 prompts"):
         llm.generate(prompts[:2], greedy, prompt_adapter_request=[None], use_tqdm=False)
     with pytest.raises(ValueError, match="must be a PromptAdapterRequest"):

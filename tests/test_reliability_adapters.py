@@ -81,8 +81,8 @@ def make_engine(kit, **kwargs):
               "max_cpu_loras": 4, "max_prompt_adapters": 2, "max_prompt_adapter_tokens": 8, "block_size": 4,
               **kwargs}
     engine = LLMEngine(kit.path, **kwargs)
-    resolver = GatedResolver(engine.adapter_manager._resolver)
-    engine.adapter_manager._resolver = resolver
+    resolver = GatedResolver(engine.adapters.manager._resolver)
+    engine.adapters.manager._resolver = resolver
     return engine, resolver
 
 
@@ -139,14 +139,14 @@ def test_pin_on_a_replaced_name_never_makes_step_raise(kit, greedy_oracle, kind)
     done = {}
     step_until(engine, done, lambda: "new" in done)  # version 2 ran: it is resident and pinned
     gate.set()
-    old_ref = getattr(engine._live["old"], "lora_ref" if kind == "lora" else "prompt_adapter_ref")
-    wait_settled(getattr(engine.adapter_manager, k.tier), old_ref)
+    old_ref = getattr(engine.intake.live("old"), "lora_ref" if kind == "lora" else "prompt_adapter_ref")
+    wait_settled(getattr(engine.adapters.manager, k.tier), old_ref)
     add(engine, kind, "other", other, kit.dirs[other])  # becomes admissible in the same step as "old"
     drain(engine, done)
     assert_tokens(kit, done["old"], k.copy, greedy_oracle)
     assert_tokens(kit, done["new"], k.good[0], greedy_oracle)
     assert_tokens(kit, done["other"], other, greedy_oracle)
-    assert getattr(engine.adapter_manager, k.tier).num_pinned() == 1
+    assert getattr(engine.adapters.manager, k.tier).num_pinned() == 1
     engine.close()
 
 
@@ -156,13 +156,13 @@ def test_a_failed_load_holds_no_pin(kit, greedy_oracle, kind):
     agree that the name is gone, and the full pin budget is free again."""
     k = KINDS[kind]
     engine, resolver = make_engine(kit)
-    tier = getattr(engine.adapter_manager, k.tier)
+    tier = getattr(engine.adapters.manager, k.tier)
     gate = resolver.gate(kit.dirs[k.nan])
     add(engine, kind, "doomed", "z", kit.dirs[k.nan])
     getattr(engine, k.pin)("z")  # pinned while it loads
     assert tier.num_pinned() == 1
     gate.set()
-    wait_settled(tier, getattr(engine._live["doomed"], "lora_ref" if kind == "lora" else "prompt_adapter_ref"))
+    wait_settled(tier, getattr(engine.intake.live("doomed"), "lora_ref" if kind == "lora" else "prompt_adapter_ref"))
     assert tier.num_pinned() == 0  # while the request still holds the failed version
     done = drain(engine, {})
     assert done["doomed"].outputs[0].finish_reason == "error"
@@ -185,7 +185,7 @@ def test_bad_replacement_keeps_the_old_version_serving_and_pinned(kit, greedy_or
     the old version keeps serving and keeps its pin; a request naming the bad source fails alone."""
     k = KINDS[kind]
     engine, _ = make_engine(kit)
-    tier = getattr(engine.adapter_manager, k.tier)
+    tier = getattr(engine.adapters.manager, k.tier)
     good = kit.dirs[k.good[0]]
     getattr(engine, k.add)(k.request("x", good))
     getattr(engine, k.pin)("x")
@@ -256,7 +256,7 @@ def test_abort_racing_add_request_reports_the_request_once(kit, greedy_oracle, m
     add(engine, "lora", "later", "r4", kit.dirs["r4"])  # later steps are fine
     assert_tokens(kit, drain(engine, done)["later"], "r4", greedy_oracle)
     engine.remove_lora("r4")
-    assert engine.adapter_manager.loras.memory_stats()["num_cpu"] == 0  # nothing still held
+    assert engine.adapters.manager.loras.memory_stats()["num_cpu"] == 0  # nothing still held
     engine.close()
 
 
@@ -266,7 +266,7 @@ def test_waiting_requests_with_distinct_adapters_keep_cpu_memory_bounded(kit, gr
     (load_workers + download_workers) adapter versions ever hold weights; every request finishes
     with its adapter's tokens."""
     engine, _ = make_engine(kit, max_cpu_loras=2)
-    tier = engine.adapter_manager.loras
+    tier = engine.adapters.manager.loras
     alive, peak, load = [0], [0], tier._load_fn
     lock = threading.Lock()
 
@@ -310,7 +310,7 @@ def test_close_returns_at_once_with_a_stalled_download_and_fails_its_requests(ki
                      lambda: engine.add_prompt_adapter(PromptAdapterRequest("pa3", kit.dirs["pa3"]))):
             with pytest.raises(EngineClosedError):
                 call()
-        assert "late" not in engine._live and "late" not in engine._adding  # nothing registered
+        assert not engine.intake.in_use("late")  # nothing registered
         done = drain(engine, {}, timeout=10)
         assert done["stalled"].outputs[0].finish_reason == "error" and "cancelled" in str(done["stalled"].error)
         assert not engine.has_unfinished_requests()
@@ -354,8 +354,8 @@ def test_waiting_for_a_slow_load_sleeps_instead_of_spinning(kit, greedy_oracle):
     the process uses well under 10% of a core during a 2 s load; wait_for_work wakes on the load."""
     llm = LLM(kit.path, device="cpu", max_loras=2, max_lora_rank=16, max_cpu_loras=2, max_num_seqs=2,
               max_model_len=32, block_size=4)
-    resolver = GatedResolver(llm.engine.adapter_manager._resolver)
-    llm.engine.adapter_manager._resolver = resolver
+    resolver = GatedResolver(llm.engine.adapters.manager._resolver)
+    llm.engine.adapters.manager._resolver = resolver
     cpu = {}
 
     def slow(path):

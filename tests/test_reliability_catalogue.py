@@ -308,7 +308,7 @@ def test_bad_adapters_fail_only_their_own_request(engine_checkpoint, greedy_orac
         assert_exact(done[request_id], model, prompt, greedy_oracle)
     assert_idle(engine)
     assert sorted(engine.list_loras()) == ["hub-tenant", "r16-patterns", "r4"]  # failures leave nothing behind
-    assert engine.adapter_manager.loras.memory_stats()["num_cpu"] == 3
+    assert engine.adapters.manager.loras.memory_stats()["num_cpu"] == 3
     for case, request in bad.items():  # add_lora raises the same documented exception as the request got
         with pytest.raises(ADAPTER_CASES[case].error, match=re.escape(ADAPTER_CASES[case].fragment)):
             engine.add_lora(request)

@@ -121,7 +121,7 @@ def assert_nothing_held(engine, names):
     for name in names:
         if name in engine.list_loras():
             engine.remove_lora(name)
-    stats = engine.adapter_manager.loras.memory_stats()
+    stats = engine.adapters.manager.loras.memory_stats()
     assert (stats["num_cpu"], stats["num_resident"], stats["cpu_bytes"]) == (0, 0, 0), stats
 
 
@@ -216,7 +216,7 @@ def test_aborts_in_prefill_decode_and_loading_free_everything(engine_checkpoint,
     drain(engine, done)
     assert_exact(done["survivor"], hf, [5, 6, 7], greedy_oracle)
     assert_exact(done["later"], hf, [14, 15], greedy_oracle)
-    tier = engine.adapter_manager.loras
+    tier = engine.adapters.manager.loras
     # the loads outlive their aborted requests: a success is cached (unheld), a failure nobody holds is forgotten
     assert settled_state(tier, "slow") == "ready" and settled_state(tier, "doomed") is None
     assert_nothing_held(engine, ["r4", "r16-mlp", "slow", "doomed"])
@@ -337,5 +337,5 @@ def test_replaced_while_running_and_preempted_keeps_its_version(engine_checkpoin
     assert_exact(done["newer"], adapters["r8-qv"][1], list(range(80, 86)), greedy_oracle)
     assert_exact(done["bg-1"], adapters["r4"][1], list(range(20, 32)), greedy_oracle, 20)
     assert_exact(done["bg-2"], hf, list(range(40, 52)), greedy_oracle, 20)
-    assert engine.list_loras().count("mid") == 1 and engine.adapter_manager.loras.memory_stats()["num_cpu"] == 2
+    assert engine.list_loras().count("mid") == 1 and engine.adapters.manager.loras.memory_stats()["num_cpu"] == 2
     assert_nothing_held(engine, ["mid", "r4"])

@@ -54,7 +54,7 @@ def env(request, tmp_path_factory):
 
 def make_engine(env, **kwargs) -> LLMEngine:
     engine = LLMEngine(env.path, **{**ENGINE, **kwargs})
-    for tensor in engine.adapter_manager.vocab_slots._tensors():  # a read of an unwritten slot row shows as NaN
+    for tensor in engine.adapters.manager.vocab_slots._tensors():  # a read of an unwritten slot row shows as NaN
         tensor.fill_(float("nan"))
     return engine
 
@@ -122,7 +122,7 @@ def test_more_adapters_than_slots_evicts_and_reuses_slots_cleanly(env, greedy_or
     adapter without embed/lm_head LoRA must give plain results, and eviction zeroes the vocab slots.
     Untied: a CPU cache of 4 (slot evictions); tied: of 2 (dropping a version frees its slot)."""
     engine = make_engine(env, max_loras=2, max_cpu_loras=4 if env.tied == "untied" else 2)
-    vocab_slots = engine.adapter_manager.vocab_slots
+    vocab_slots = engine.adapters.manager.vocab_slots
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
     prompts = random_prompts(4, seed=2)
     waves = [["both", "head"], ["plain", "embed"], ["plain", None]]
@@ -132,7 +132,7 @@ def test_more_adapters_than_slots_evicts_and_reuses_slots_cleanly(env, greedy_or
         done = run(engine, requests)
         for (request_id, prompt, _, _, _), name in zip(requests, names):
             check_against_oracle(done[request_id], oracle_of(env, name), prompt, 4, greedy_oracle)
-    stats = engine.adapter_manager.stats
+    stats = engine.adapters.manager.stats
     assert stats.lora_loads == 4 and stats.lora_evictions + stats.lora_cpu_evictions >= 2
     assert not vocab_slots.lm_head_in_use() and vocab_slots.lm_head_b.abs().sum() == 0  # 'both', 'head' evicted
     engine.remove_lora("embed")  # removal clears its slot too
@@ -166,7 +166,7 @@ def test_decode_graphs_apply_embedding_lora_captured_with_a_plain_warmup_adapter
     if env.tied == "tied":
         pytest.skip("one embedding layout suffices for the graph path")
     engine = make_engine(env)
-    engine.runner.capture_decode_graphs(engine.adapter_manager.loras, 16, make_graph=RerunGraph, progress=False)
+    engine.runner.capture_decode_graphs(engine.adapters.manager.loras, 16, make_graph=RerunGraph, progress=False)
     prompts = random_prompts(3, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
     names = ["embed", "both", None]

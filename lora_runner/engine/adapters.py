@@ -31,19 +31,21 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 
 from adapters.manager import AdapterManager
-from adapters.request import PromptAdapterRequest
 from adapters.tier import AdapterRef, AdapterTier, TierClosedError
 from lora_runner.core.scheduler import ScheduledRequest
 from lora_runner.core.request import Request
 from lora_runner.engine.errors import EngineClosedError
+from lora_runner.engine.input_processor import check_prompt_adapter_request
 
 logger = logging.getLogger(__name__)
+
 
 class EngineAdapters:
     """Adapters of one LLMEngine, both kinds behind one interface.
 
     Args:
-        manager: the adapter manager (its ``loras`` and ``prompts`` tiers, CPU caches, slots, loading).
+        manager: the adapter manager (its ``loras`` and ``prompts`` tiers, CPU caches, slots, loading);
+            ``engine.adapters.manager`` is the one way to reach it from an LLMEngine.
         max_model_len: the engine's limit on placeholders + prompt + generated tokens.
         prompts_enabled: False when the engine has no prompt-adapter slots (max_prompt_adapters=0).
     """
@@ -54,32 +56,25 @@ class EngineAdapters:
         self.step_lock = threading.Lock()
 
     # ------------------------------------------------------------------ user side, per kind
-    def check_prompt_adapter(self, request: PromptAdapterRequest | None) -> None:
-        """ValueError unless ``request`` is None or a PromptAdapterRequest this engine can serve."""
-        if request is None:
-            return
-        if not isinstance(request, PromptAdapterRequest):
-            raise ValueError(f"prompt_adapter_request must be a PromptAdapterRequest or None, got "
-                             f"{type(request).__name__}")
-        if not self.prompts_enabled:
-            raise ValueError(f"prompt adapter {request.name!r}: prompt adapters are disabled; create the engine "
-                             "with max_prompt_adapters > 0 and max_prompt_adapter_tokens > 0")
-
+    # kind: "lora" or "prompt"; LLMEngine's add_lora, pin_prompt_adapter, ... call these.
     def add(self, kind: str, request) -> AdapterRef:
-        """Load and validate now; a bad new version under a known name leaves the old one serving.
+        """Load and validate now (hot-load). A new path under a known name replaces it once it
+        loaded (running requests keep the old weights); if it fails, the old version keeps serving.
         Raises the adapter's AdapterError (ValueError for a disabled or mistyped prompt adapter)."""
         if kind == "prompt":
-            self.check_prompt_adapter(request)
+            check_prompt_adapter_request(request, self.prompts_enabled)
         with _closed_as_engine_error():
             return self.tiers[kind].add(request)
 
     def remove(self, kind: str, name: str) -> None:
-        """Forget ``name``; deferred while requests hold it."""
+        """Forget ``name`` and its pin; deferred while running requests use it (they finish on its weights)."""
         with self.step_lock:
             self.tiers[kind].remove(name)
 
     def pin(self, kind: str, name: str) -> None:
-        """Pin the version ``name`` serves (AdapterCapacityError if it would leave no slot unpinned)."""
+        """Pin the version ``name`` serves: kept cached and, once resident, in its device slot. At most (slots - 1)
+        adapters of a kind can be pinned (AdapterCapacityError beyond), so unpinned ones always keep a slot;
+        a replacement inherits the pin once it takes over; a failed load holds none."""
         with self.step_lock:
             self.tiers[kind].pin(name)
 

@@ -12,14 +12,16 @@ adapters as placeholder tokens); pins and load state live in the adapter tiers o
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable
+from functools import partial
 from itertools import count
 
 import torch
 
-from adapters import LoRARequest, PromptAdapterRequest
+from adapters import AdapterRef, LoRARequest, PromptAdapterRequest
 from adapters.manager import AdapterManager
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.config import EngineConfig
@@ -27,8 +29,9 @@ from lora_runner.worker.cuda_graphs import cuda_graphs_available
 from lora_runner.device import available_host_memory, set_cpu_threads
 from lora_runner.core.fairness import VirtualTokenCounter
 from lora_runner.engine.adapters import EngineAdapters
-from lora_runner.engine.errors import EngineClosedError
 from lora_runner.engine.stats import EngineStats
+from lora_runner.engine.input_processor import InputProcessor, abort_ids
+from lora_runner.engine.intake import Intake
 from lora_runner.worker.request_rows import StepUpdate
 from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.worker.memory_profile import profile_kv_cache_budget
@@ -36,7 +39,6 @@ from lora_runner.model import load_model
 from lora_runner.model.layers import lora_base_weights
 from lora_runner.engine.output_processor import OutputProcessor
 from lora_runner.outputs import RequestOutput
-from lora_runner.engine.parallel_sampling import SampleGroup, merge_outputs, sample_ids
 from lora_runner.worker.model_runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.core.scheduler import Scheduler, ScheduledRequest
@@ -51,10 +53,14 @@ class LLMEngine:
 
     Build it from an EngineConfig or from the same keyword arguments
     (``LLMEngine("path/or/repo", max_loras=4, ...)``). add_request, abort_request and add_lora may
-    be called from other threads while one thread loops on step(): they only touch an intake
-    guarded by a lock, which step() moves into the scheduler at its start. A loop on step() can
+    be called from other threads while one thread loops on step(): they only touch the intake
+    (lora_runner.engine.intake), which step() moves into the scheduler at its start. A loop on step() can
     call ``wait_for_work(timeout)`` between steps to sleep while every request waits for an adapter
     load. After ``close()`` the adding and adapter-management calls raise EngineClosedError.
+
+    Parts: ``intake`` (thread-safe add/abort), ``inputs`` (argument checks, lora_runner.engine.
+    input_processor), ``adapters`` (the seam to both adapter kinds; its ``manager`` holds the tiers),
+    ``scheduler``, ``block_manager``, ``runner``, ``output_processor``.
     """
 
     def __init__(self, model: str | EngineConfig, **kwargs) -> None:
@@ -62,76 +68,75 @@ class LLMEngine:
             raise ValueError("pass either an EngineConfig or keyword arguments, not both")
         self.config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **kwargs)
         cfg = self.config
-        self._work = threading.Condition()  # signalled by _wake(): new request, abort, load done, close
-        self._work_events, self._idle_since = 0, None  # _idle_since: _work_events when a step found nothing
+        self.intake = Intake()
         device, dtype = cfg.torch_device(), cfg.torch_dtype()
         if device.type == "cpu" or cfg.cpu_threads is not None:
             set_cpu_threads(cfg.cpu_threads)
         self.model, self.model_config, self.model_dir = load_model(
             cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only)
-        self.adapter_manager = AdapterManager(
+        manager = AdapterManager(
             self.model_config.spec(), max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
             max_cpu_loras=cfg.cpu_loras, max_prompt_adapters=cfg.max_prompt_adapters,
             max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=dtype,
             allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
-            max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=self._wake,
+            max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=self.intake.wake,
             base_weight=lora_base_weights(self.model))
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
-        kv_budget = (self._profile_kv_budget(use_graphs)
+        kv_budget = (self._profile_kv_budget(manager, use_graphs)
                      if device.type == "cuda" and cfg.kv_cache_memory_bytes is None else None)
         self.limits = cfg.limits(self.model_config.max_position_embeddings,
                                  kv_block_bytes(self.model_config, 1, dtype), free, kv_budget,
                                  available_host_memory() if device.type == "cpu" else None)
+        self.adapters = EngineAdapters(manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
         self.block_manager = BlockManager(self.limits.num_kv_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=self.limits.max_num_batched_tokens,
-                                   max_loras=cfg.max_loras, adapter_state=self.adapter_manager.loras.state,
-                                   reserved_lora_slots=self.adapter_manager.loras.reserved_slots,
+                                   max_loras=cfg.max_loras, adapter_state=manager.loras.state,
+                                   reserved_lora_slots=manager.loras.reserved_slots,
                                    max_prompt_adapters=cfg.max_prompt_adapters,
-                                   prompt_adapter_state=self.adapter_manager.prompts.state,
-                                   reserved_prompt_slots=self.adapter_manager.prompts.reserved_slots,
+                                   prompt_adapter_state=manager.prompts.state,
+                                   reserved_prompt_slots=manager.prompts.reserved_slots,
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
                                        cfg.fairness_prefill_weight, cfg.fairness_decode_weight))
         self.runner = self._make_runner(self.limits.num_kv_blocks, self.limits.max_model_len)
         if use_graphs:
-            self.runner.capture_decode_graphs(self.adapter_manager.loras, cfg.max_lora_rank)
+            self.runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
         self.tokenizer = LazyTokenizer(self.model_dir)
         # decode looked up per call, so a tokenizer swapped on the engine (tests) is the one used
         self.output_processor = OutputProcessor(lambda ids: self.tokenizer.decode(ids),
                                                 eos_token_ids(self.model_config, self.model_dir),
                                                 self.limits.max_model_len)
-        self._lock = threading.Lock()  # guards the intake: _new, _aborts, _live, _adding, _closed
-        self._new: list[Request] = []
-        self._aborts: list[Request] = []  # the request objects, so an id reused later is never hit
-        self._live: dict[str, Request] = {}  # id -> request queued and not yet reported finished
-        self._adding: set[str] = set()  # ids inside add_request: taken, but invisible to abort_request
-        self._groups: dict[str, SampleGroup] = {}  # caller id -> its samples, for requests with n > 1
-        self._sample_of: dict[str, tuple[SampleGroup, int]] = {}  # sample id -> (group, index)
-        self._closed = False
+        # encode looked up per call too, for the same reason
+        self.inputs = InputProcessor(vocab_size=self.model_config.vocab_size, max_model_len=self.limits.max_model_len,
+                                     max_logprobs=cfg.max_logprobs, encode=lambda text: self.tokenizer.encode(text),
+                                     prompts_enabled=cfg.max_prompt_adapters > 0)
         self._stepping = threading.Lock()  # held by the one thread inside step()
-        self.adapters = EngineAdapters(self.adapter_manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
         self._arrivals = count()
-        self._stats = EngineStats.collect(self.scheduler, self.block_manager, self.adapter_manager.stats, steps=0)
+        self._stats = EngineStats.collect(self.scheduler, self.block_manager, self.adapters.manager.stats, steps=0)
 
-    def _make_runner(self, num_kv_blocks: int, max_model_len: int | None = None) -> ModelRunner:
-        cfg = self.config
+    def _make_runner(self, num_kv_blocks: int, max_model_len: int | None = None, *,
+                     manager: AdapterManager | None = None) -> ModelRunner:
+        """A runner over the adapter slots of `manager` (default: the engine's; the start-up memory
+        profile runs before the engine's adapter seam exists)."""
+        cfg, manager = self.config, manager or self.adapters.manager
         _, max_batched, max_blocks_per_seq = cfg.step_sizes(self.model_config.max_position_embeddings,
                                                             max_model_len)
         return ModelRunner(
-            self.model, self.model_config, self.adapter_manager.lora_slots, num_kv_blocks=num_kv_blocks,
+            self.model, self.model_config, manager.lora_slots, num_kv_blocks=num_kv_blocks,
             block_size=cfg.block_size, max_num_tokens=max_batched, max_num_seqs=cfg.max_num_seqs,
             max_blocks_per_seq=max_blocks_per_seq, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
             dtype=cfg.torch_dtype(), device=cfg.torch_device(), seed=cfg.seed,
-            prompt_slots=self.adapter_manager.prompt_slots, vocab_slots=self.adapter_manager.vocab_slots)
+            prompt_slots=manager.prompt_slots, vocab_slots=manager.vocab_slots)
 
-    def _profile_kv_budget(self, use_graphs: bool) -> int:
+    def _profile_kv_budget(self, manager: AdapterManager, use_graphs: bool) -> int:
         """CUDA start-up memory profile (lora_runner.worker.memory_profile): bytes left for the KV cache."""
         cfg = self.config
         max_model_len, max_batched, _ = cfg.step_sizes(self.model_config.max_position_embeddings)
         return profile_kv_cache_budget(
-            self._make_runner, self.adapter_manager.loras, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+            partial(self._make_runner, manager=manager), manager.loras, max_loras=cfg.max_loras,
+            max_lora_rank=cfg.max_lora_rank, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
             block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs)
 
     @property
@@ -165,41 +170,10 @@ class LLMEngine:
         reported as one RequestOutput with n CompletionOutputs; their internal ids
         f"{request_id}[i]" are taken too while it runs; abort_request(request_id) aborts them all.
         """
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        params = self._checked_params(params)
-        if lora_request is not None and not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
-        if tenant is not None and not isinstance(tenant, str):
-            raise ValueError(f"tenant must be a string or None, got {type(tenant).__name__}")
-        self.adapters.check_prompt_adapter(prompt_adapter_request)
-        token_ids = self._prompt_token_ids(prompt)
-        ids = sample_ids(request_id, params.n)
-        samples = [self._new_request(sample_id, token_ids, params.sample_params(i), prompt, lora_request,
-                                     prompt_adapter_request, tenant) for i, sample_id in enumerate(ids)]
-        taken = {request_id, *ids}
-        with self._lock:
-            self._check_open()
-            if any(i in self._live or i in self._adding or i in self._groups for i in taken):
-                raise ValueError(f"request id {request_id!r} is already in use"
-                                 + (f" (or one of its sample ids {ids})" if params.n > 1 else ""))
-            self._adding |= taken
-        try:
+        samples = self.inputs.sample_requests(request_id, prompt, params, lora_request, prompt_adapter_request,
+                                              tenant, self._new_request)
+        with self.intake.adding(request_id, samples):  # ids reserved now; queued once the adapters are held
             self._acquire_all(samples)
-        except BaseException:
-            with self._lock:
-                self._adding -= taken
-            raise
-        # visible to abort_request only now, queued with its adapters held: reported finished once
-        with self._lock:
-            self._adding -= taken
-            if params.n > 1:
-                group = self._groups[request_id] = SampleGroup(request_id, samples)
-                self._sample_of.update((r.request_id, (group, i)) for i, r in enumerate(samples))
-            for request in samples:
-                self._live[request.request_id] = request
-            self._new.extend(samples)
-        self._wake()
 
     def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams, prompt, lora_request,
                      prompt_adapter_request, tenant) -> Request:
@@ -224,16 +198,7 @@ class LLMEngine:
         """Abort requests by id (unknown ids are ignored); the next step() reports them as "abort".
 
         ValueError unless request_id is a string or an iterable of strings."""
-        ids = [request_id] if isinstance(request_id, str) else _id_list(request_id)
-        with self._lock:  # only requests live now: never one added later under the same id
-            ids = [sample for i in ids for sample in self._sample_ids(i)]
-            self._aborts.extend(self._live[i] for i in ids if i in self._live)
-        self._wake()
-
-    def _sample_ids(self, request_id: str) -> list[str]:
-        """The ids to abort for `request_id`: its samples' when it has n > 1 (call under _lock)."""
-        group = self._groups.get(request_id)
-        return [request_id] if group is None else [r.request_id for r in group.samples]
+        self.intake.abort(abort_ids(request_id))
 
     def close(self) -> None:
         """Cancel background adapter loads and stop the loader threads; returns at once, even while
@@ -241,21 +206,16 @@ class LLMEngine:
         were cancelled finish with "error" at the next step(); requests with ready adapters can
         still be stepped to completion. From now on add_request, add_lora, add_prompt_adapter and
         pin/unpin/remove raise EngineClosedError. Idempotent."""
-        with self._lock:
-            self._closed = True
+        self.intake.close()
         self.adapters.close()
-        self._wake()
+        self.intake.wake()  # the cancelled loads are failures the next step reports
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until a step could make progress: returns at once unless the last step() found
         nothing to run (every request waiting for an adapter load); then waits until a load
         finishes, a request is added or aborted, or the engine is closed. Returns False on timeout.
         Loops on step() call this between steps instead of spinning."""
-        with self._work:
-            seen = self._idle_since
-            if seen is None:
-                return True
-            return self._work.wait_for(lambda: self._work_events != seen, timeout)
+        return self.intake.wait_for_work(timeout)
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -265,73 +225,67 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while any added request has not been reported finished."""
-        with self._lock:
-            return bool(self._live)
+        return self.intake.has_unfinished()
 
-    def add_lora(self, lora_request: LoRARequest):
-        """Load and validate an adapter now (hot-load). A new path under a known name replaces it
-        once it loaded (running requests keep the old weights); if it fails, the old version keeps
-        serving. Raises its adapters.AdapterError."""
-        self._check_open()
-        return self.adapters.add("lora", lora_request)
+    # ----------------------------------------------------------------------------- adapters (any thread)
+    # README's adapter API: each call forwards to the seam, EngineAdapters (lora_runner.engine.adapters),
+    # whose add / remove / pin / unpin / list document what they do; all but list_* raise
+    # EngineClosedError after close().
+    def add_lora(self, lora_request: LoRARequest) -> AdapterRef:
+        """Load and validate a LoRA now (hot-load or replace); raises its adapters.AdapterError."""
+        return self._open_adapters().add("lora", lora_request)
 
     def remove_lora(self, name: str) -> None:
-        """Forget an adapter and its pin; deferred while running requests use it (they finish on its
-        weights)."""
-        self._check_open()
-        self.adapters.remove("lora", name)
+        """Forget a LoRA and its pin; deferred while running requests use it."""
+        self._open_adapters().remove("lora", name)
 
     def pin_lora(self, name: str) -> None:
-        """Keep an adapter cached and, once resident, in its device slot. At most max_loras - 1
-        adapters can be pinned (AdapterCapacityError beyond), so unpinned adapters always keep a
-        slot; a replacement inherits the pin once it takes over; a failed load holds none."""
-        self._check_open()
-        self.adapters.pin("lora", name)
+        """Keep a LoRA cached and, once resident, in its device slot (at most max_loras - 1 pins)."""
+        self._open_adapters().pin("lora", name)
 
     def unpin_lora(self, name: str) -> None:
-        """Make a pinned adapter evictable again."""
-        self._check_open()
-        self.adapters.unpin("lora", name)
+        """Make a pinned LoRA evictable again."""
+        self._open_adapters().unpin("lora", name)
 
     def list_loras(self) -> list[str]:
         """Names of the LoRAs in the CPU cache, least recently used first."""
         return self.adapters.list("lora")
 
-    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest):
-        """Load and validate a prompt adapter now (hot-load or replace, like add_lora). Raises its
-        adapters.AdapterError, or ValueError when prompt adapters are disabled."""
-        self._check_open()
-        return self.adapters.add("prompt", prompt_adapter_request)
+    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest) -> AdapterRef:
+        """Load and validate a prompt adapter now, like add_lora (ValueError when they are disabled)."""
+        return self._open_adapters().add("prompt", prompt_adapter_request)
 
     def remove_prompt_adapter(self, name: str) -> None:
-        """Forget a prompt adapter; deferred while running requests use it."""
-        self._check_open()
-        self.adapters.remove("prompt", name)
+        """Forget a prompt adapter and its pin; deferred while running requests use it."""
+        self._open_adapters().remove("prompt", name)
 
     def pin_prompt_adapter(self, name: str) -> None:
-        """Keep a prompt adapter cached and, once resident, in its device slot (at most
-        max_prompt_adapters - 1 pins, like pin_lora)."""
-        self._check_open()
-        self.adapters.pin("prompt", name)
+        """Keep a prompt adapter cached and resident (at most max_prompt_adapters - 1 pins)."""
+        self._open_adapters().pin("prompt", name)
 
     def unpin_prompt_adapter(self, name: str) -> None:
         """Make a pinned prompt adapter evictable again."""
-        self._check_open()
-        self.adapters.unpin("prompt", name)
+        self._open_adapters().unpin("prompt", name)
 
     def list_prompt_adapters(self) -> list[str]:
         """Names of the prompt adapters in the CPU cache, least recently used first."""
         return self.adapters.list("prompt")
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("the engine is closed: create a new LLMEngine to serve more requests")
+    def _open_adapters(self) -> EngineAdapters:
+        self.intake.check_open()
+        return self.adapters
 
-    def _wake(self) -> None:
-        """Something a step could act on happened: wake wait_for_work()."""
-        with self._work:
-            self._work_events += 1
-            self._work.notify_all()
+    # _step keeps the intake's idle accounting under these three names (Intake.step_began/step_ended,
+    # which lock for themselves: the `with self._work:` around them holds nothing)
+    @property
+    def _work(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @property
+    def _work_events(self) -> int:
+        return self.intake.step_began()
+
+    _idle_since = property(fset=lambda self, idle_since: self.intake.step_ended(idle_since))
 
     # ----------------------------------------------------------------------------- the step loop
     def step(self) -> list[RequestOutput]:
@@ -352,28 +306,18 @@ class LLMEngine:
     def _publish_stats(self) -> None:
         """Swap in this step's EngineStats (one reference: readers on other threads see the whole old
         snapshot or the whole new one)."""
-        self._stats = EngineStats.collect(self.scheduler, self.block_manager, self.adapter_manager.stats,
+        self._stats = EngineStats.collect(self.scheduler, self.block_manager, self.adapters.manager.stats,
                                           steps=self._stats.steps + 1)
 
     @property
     def stats(self) -> EngineStats:
         """The snapshot of the latest step, safe to read from any thread; its adapter counters are
         read now (adapters also load between steps, and the manager's counters have their own lock)."""
-        return dataclasses.replace(self._stats, adapters=self.adapter_manager.stats)
+        return dataclasses.replace(self._stats, adapters=self.adapters.manager.stats)
 
     def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """One RequestOutput per request with n > 1 (lora_runner.engine.parallel_sampling); a finished
-        group is forgotten."""
-        with self._lock:
-            if not self._groups:
-                return outputs
-            merged = merge_outputs(outputs, self._sample_of)
-            for output in merged:
-                if output.finished and output.request_id in self._groups:
-                    group = self._groups.pop(output.request_id)
-                    for request in group.samples:
-                        self._sample_of.pop(request.request_id, None)
-        return merged
+        """One RequestOutput per request with n > 1 (lora_runner.engine.parallel_sampling)."""
+        return self.intake.merge_samples(outputs)
 
     def _step(self) -> list[RequestOutput]:
         with self._work:
@@ -397,17 +341,12 @@ class LLMEngine:
         return outputs
 
     def _take_intake(self) -> list[RequestOutput]:
-        with self._lock:
-            new, aborts = self._new, self._aborts
-            self._new, self._aborts = [], []
-        for request in new:
-            group = self._sample_of.get(request.request_id, (None,))[0]
-            self.scheduler.add(request, group.leader_of(request) if group is not None else None)
-        outputs = []
-        for request in aborts:
-            if not request.is_finished:  # it may have finished since the abort was asked for
-                outputs.append(self._finish(request, "abort"))
-        return outputs
+        """Hand the requests added since the last step to the scheduler; finish those aborted."""
+        new, aborts = self.intake.take()
+        for request, leader in new:
+            self.scheduler.add(request, leader)
+        return [self._finish(request, "abort") for request in aborts
+                if not request.is_finished]  # it may have finished since the abort was asked for
 
     def _run(self, scheduled: list[ScheduledRequest], slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
         # the runner keeps each running request's state in a row: it reads only what changed
@@ -453,42 +392,13 @@ class LLMEngine:
     def _release(self, request: Request) -> None:
         """A finished request gives back its adapters and stops being live."""
         self.adapters.release(request)
-        with self._lock:
-            if self._live.get(request.request_id) is request:
-                del self._live[request.request_id]
+        self.intake.finished(request)
 
     def _output(self, request: Request) -> RequestOutput:
         """The request's RequestOutput (its text and the text since its previous output)."""
         completion = self.output_processor.completion(request)
         return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
                              finished=request.is_finished, prompt=request.prompt)
-
-    def _checked_params(self, params: SamplingParams | None) -> SamplingParams:
-        """A private, validated copy of the request's params (ValueError naming a bad field)."""
-        if params is None:
-            return SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params = params.clone()
-        params.validate(max_logprobs=self.config.max_logprobs, vocab_size=self.model_config.vocab_size)
-        return params
-
-    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) > self.limits.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
-                             f"{self.limits.max_model_len}")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary)")
-        return token_ids
 
 
 def _banned_before_min_tokens(request: Request, eos_token_ids: frozenset[int]) -> list[int] | None:
@@ -505,13 +415,3 @@ def _penalty_histories(requests: list[Request]) -> list[tuple[list[int], list[in
     """Per sampled request, the (prompt, generated) token ids its penalties count; None for the
     requests without penalties (nothing is copied for them)."""
     return [(r.prompt_token_ids, r.output_token_ids) if r.params.has_penalties else None for r in requests]
-
-
-def _id_list(request_ids) -> list[str]:
-    """abort_request's ids as a list; ValueError for anything but an iterable of strings."""
-    if not hasattr(request_ids, "__iter__"):
-        raise ValueError(f"request_id must be a string or an iterable of strings, got {type(request_ids).__name__}")
-    ids = list(request_ids)
-    if not all(isinstance(i, str) for i in ids):
-        raise ValueError("request_id must be a string or an iterable of strings, got a non-string id")
-    return ids

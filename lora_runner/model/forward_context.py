@@ -4,9 +4,12 @@ and the step's LoRA / prompt-adapter state. Built by the runner once per step; r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from adapters.slots import LoRASlots
+from adapters.vocab_slots import VocabLoRASlots
+from punica_kernels import LoRAMeta
 
 
 @dataclass
@@ -17,7 +20,8 @@ class AttentionMetadata:
     are the last (query_start_loc[i+1]-query_start_loc[i]) tokens of its context of seq_lens[i].
     """
 
-    slot_mapping: torch.Tensor  # [T] int64: KV-cache slot (block * block_size + offset) per token; -1 = padding, not written
+    # [T] int64: KV-cache slot (block * block_size + offset) per token; -1 = padding, not written
+    slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor  # [B+1] int32 cumulative new-token counts
     seq_lens: torch.Tensor  # [B] int32 context length after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32 block ids (unused entries: 0)
@@ -29,9 +33,9 @@ class AttentionMetadata:
 class LoRAContext:
     """The step's LoRA state: punica meta (prepared once per step) and the device slot weights."""
 
-    meta: Any  # punica_kernels.LoRAMeta
-    slots: Any  # adapters manager's LoRASlots: .weights(layer, packed) -> (lora_a, lora_b)
-    vocab: Any = None  # the manager's VocabLoRASlots (embed_tokens / lm_head LoRA); None: none served
+    meta: LoRAMeta  # prepared from the step's token slots
+    slots: LoRASlots  # the manager's projection slots: .weights(layer, packed) -> (lora_a, lora_b)
+    vocab: VocabLoRASlots | None = None  # the manager's embed_tokens / lm_head LoRA slots; None: none served
 
 
 @dataclass
