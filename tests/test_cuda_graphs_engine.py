@@ -10,6 +10,7 @@ import torch
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import EngineConfig, LLMEngine, SamplingParams
+from lora_runner.engine.limits import step_sizes
 from lora_runner.worker.cuda_graphs import RerunGraph
 from test_engine_lora import NAMES, run_all
 
@@ -112,7 +113,7 @@ def test_memory_profile_steps_run_with_dummy_adapters(engine_checkpoint):
     from lora_runner.worker.memory_profile import MemoryProfile, profile_memory, profile_steps
 
     engine = LLMEngine(engine_checkpoint[0], device="cpu", **ENGINE)
-    max_model_len, max_batched, max_blocks = engine.config.step_sizes(engine.model_config.max_position_embeddings)
+    max_model_len, max_batched, max_blocks = step_sizes(engine.config, engine.model_config.max_position_embeddings)
     runner = engine._make_runner(max_blocks)
     runner.kv_cache.zero_()  # the CPU cache is allocated uninitialized: only what the profile writes is checked
     tier = engine.adapters.manager.loras

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lora_runner import EngineConfig, SamplingParams
+from lora_runner.engine.limits import engine_limits
 from lora_runner.sample.sampler import Sampler
 from lora_runner.sampling_params import MAX_STOP_TOKEN_IDS
 
@@ -60,16 +61,16 @@ def test_engine_config_resolves_auto_and_limits():
     cfg = EngineConfig("some/model", device="cpu", max_num_seqs=4)
     assert cfg.torch_device() == torch.device("cpu") and cfg.torch_dtype() == torch.float32
     assert cfg.cpu_loras == 16
-    limits = cfg.limits(max_position_embeddings=512, kv_bytes_per_token=100)
+    limits = engine_limits(cfg, max_position_embeddings=512, kv_bytes_per_token=100)
     assert limits.max_model_len == 512 and limits.max_blocks_per_seq == 32
     assert limits.num_kv_blocks == 4 * 32  # enough for max_num_seqs full-length requests
     assert limits.max_num_batched_tokens == 512
     assert EngineConfig("m", dtype="bf16").torch_dtype() == torch.bfloat16
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        EngineConfig("m", max_model_len=1024).limits(512, 100)
+        engine_limits(EngineConfig("m", max_model_len=1024), 512, 100)
     with pytest.raises(ValueError, match="raise kv_cache_memory_bytes"):
-        EngineConfig("m", kv_cache_memory_bytes=1000, block_size=16).limits(512, 100)
-    assert EngineConfig("m", kv_cache_memory_bytes=16 * 100 * 40).limits(512, 100).num_kv_blocks == 40
+        engine_limits(EngineConfig("m", kv_cache_memory_bytes=1000, block_size=16), 512, 100)
+    assert engine_limits(EngineConfig("m", kv_cache_memory_bytes=16 * 100 * 40), 512, 100).num_kv_blocks == 40
 
 
 # ---------------------------------------------------------------- issue 11: full validation, copies

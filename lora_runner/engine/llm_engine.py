@@ -32,6 +32,7 @@ from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.stats import EngineStats
 from lora_runner.engine.input_processor import InputProcessor, abort_ids
 from lora_runner.engine.intake import Intake
+from lora_runner.engine.limits import engine_limits, step_sizes
 from lora_runner.worker.request_rows import StepUpdate
 from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.worker.memory_profile import profile_kv_cache_budget
@@ -85,7 +86,7 @@ class LLMEngine:
         use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
         kv_budget = (self._profile_kv_budget(manager, use_graphs)
                      if device.type == "cuda" and cfg.kv_cache_memory_bytes is None else None)
-        self.limits = cfg.limits(self.model_config.max_position_embeddings,
+        self.limits = engine_limits(cfg, self.model_config.max_position_embeddings,
                                  kv_block_bytes(self.model_config, 1, dtype), free, kv_budget,
                                  available_host_memory() if device.type == "cpu" else None)
         self.adapters = EngineAdapters(manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
@@ -120,7 +121,7 @@ class LLMEngine:
         """A runner over the adapter slots of `manager` (default: the engine's; the start-up memory
         profile runs before the engine's adapter seam exists)."""
         cfg, manager = self.config, manager or self.adapters.manager
-        _, max_batched, max_blocks_per_seq = cfg.step_sizes(self.model_config.max_position_embeddings,
+        _, max_batched, max_blocks_per_seq = step_sizes(cfg, self.model_config.max_position_embeddings,
                                                             max_model_len)
         return ModelRunner(
             self.model, self.model_config, manager.lora_slots, num_kv_blocks=num_kv_blocks,
@@ -132,7 +133,7 @@ class LLMEngine:
     def _profile_kv_budget(self, manager: AdapterManager, use_graphs: bool) -> int:
         """CUDA start-up memory profile (lora_runner.worker.memory_profile): bytes left for the KV cache."""
         cfg = self.config
-        max_model_len, max_batched, _ = cfg.step_sizes(self.model_config.max_position_embeddings)
+        max_model_len, max_batched, _ = step_sizes(cfg, self.model_config.max_position_embeddings)
         return profile_kv_cache_budget(
             partial(self._make_runner, manager=manager), manager.loras, max_loras=cfg.max_loras,
             max_lora_rank=cfg.max_lora_rank, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched,
