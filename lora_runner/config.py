@@ -11,7 +11,6 @@ from lora_runner.device import resolve_device, resolve_dtype
 from lora_runner.core.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
 
 
-
 def _doc(text: str, **default) -> dict:
     """A field's default plus its description (``metadata["help"]``: the one place a setting is
     described; the ``serve`` options are generated from these, lora_runner.entrypoints.engine_args)."""
