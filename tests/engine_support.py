@@ -46,7 +46,7 @@ def run_to_completion(engine: LLMEngine, requests: Iterable[tuple] = (), *, per_
     pending, done, step = list(requests), {} if done is None else done, 0
     deadline = time.monotonic() + timeout
     while pending or engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "requests still unfinished"
+        assert time.monotonic() < deadline, f"requests still unfinished: {unfinished(engine)}"
         for _ in range(len(pending) if per_step is None else per_step):
             if pending:
                 request_id, prompt, params, *adapters = pending.pop(0)
@@ -64,6 +64,12 @@ def run_to_completion(engine: LLMEngine, requests: Iterable[tuple] = (), *, per_
     return done
 
 
+def unfinished(engine: LLMEngine) -> list[tuple]:
+    """(id, status, adapter ref) of every request the scheduler still holds: what a hang guard reports."""
+    scheduler = engine.scheduler
+    return [(r.request_id, r.status, r.lora_ref) for r in (*scheduler.running, *scheduler.waiting)]
+
+
 def step_until(engine: LLMEngine, done: dict[str, RequestOutput], predicate: Callable[[], bool],
                timeout: float = HANG_GUARD_S) -> dict[str, RequestOutput]:
     """Step until ``predicate()`` holds, recording finished outputs in ``done`` (a deadline, not a hang)."""
@@ -75,18 +81,20 @@ def step_until(engine: LLMEngine, done: dict[str, RequestOutput], predicate: Cal
 
 
 def assert_exact(output: RequestOutput, model, prompt: list[int], oracle, max_tokens: int = 5, *,
-                 finish_reason: str | None = "length", tolerance: float = 1e-4) -> None:
+                 finish_reason: str | None = "length", logprobs: bool = True, tolerance: float = 1e-4) -> None:
     """The output is what ``model`` (transformers/PEFT) gives greedily: the prompt as given (no
-    placeholders), the same tokens, the finish reason (None: not checked), each chosen token's
-    logprob within ``tolerance``."""
-    tokens, logprobs = oracle(model, prompt, max_tokens)
+    placeholders), the same tokens, the finish reason (None: not checked) and, unless the request
+    asked for none (``logprobs=False``), each chosen token's logprob within ``tolerance``."""
+    tokens, want_logprobs = oracle(model, prompt, max_tokens)
     completion = output.outputs[0]
     assert output.prompt_token_ids == prompt, output.request_id
     assert completion.token_ids == tokens, (output.request_id, completion.token_ids, tokens, output.error)
     if finish_reason is not None:
         assert completion.finish_reason == finish_reason, (output.request_id, completion.finish_reason)
+    if not logprobs:
+        return
     assert completion.logprobs is not None and len(completion.logprobs) == len(tokens), output.request_id
-    for step, want in enumerate(logprobs):
+    for step, want in enumerate(want_logprobs):
         assert abs(completion.logprobs[step][tokens[step]] - want) <= tolerance, (output.request_id, step)
 
 
