@@ -12,7 +12,8 @@ from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import EngineConfig, LLMEngine, SamplingParams
 from lora_runner.engine.limits import step_sizes
 from lora_runner.worker.cuda_graphs import RerunGraph
-from test_engine_lora import NAMES, run_all
+from engine_support import run_to_completion
+from test_engine_lora import NAMES
 
 ENGINE = dict(max_num_seqs=12, max_model_len=64, max_loras=3, max_lora_rank=16, max_cpu_loras=5, block_size=4,
               max_num_batched_tokens=48, dtype="float32")
@@ -47,7 +48,7 @@ def test_emulated_graphs_in_the_engine_match_eager(engine_checkpoint):
     graphs = graphed.runner.decode_graphs
     assert len(graphs) == len(graphs.plan.keys()) and graphed.list_loras() == []  # warmup adapter removed
     requests = workload(adapters)
-    check_same(run_all(eager, requests, per_step=3), run_all(graphed, requests, per_step=3))
+    check_same(run_to_completion(eager, requests, per_step=3), run_to_completion(graphed, requests, per_step=3))
     assert graphs.num_replays >= 7  # the decode-only steps replayed; prefill/mixed steps ran eagerly
 
 
@@ -101,7 +102,7 @@ def test_cuda_engine_captures_at_startup_and_matches_eager(engine_checkpoint):
     # KV cache sized by the memory profile: min(what max_num_seqs full-length requests need, the budget)
     assert graphed.limits.num_kv_blocks == 12 * 16
     requests = workload(adapters, seed=1)
-    check_same(run_all(eager, requests, per_step=3), run_all(graphed, requests, per_step=3))
+    check_same(run_to_completion(eager, requests, per_step=3), run_to_completion(graphed, requests, per_step=3))
     assert graphs.num_replays >= 7
     torch.cuda.synchronize()
 

@@ -18,10 +18,11 @@ from adapters.slots import LoRASlots
 from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED
 from factories import (build_tiny_model, edit_adapter_config, edit_adapter_tensors, model_spec, save_lora,
                        save_tiny_tokenizer)
-from lora_runner import LLMEngine, SamplingParams
+from lora_runner import SamplingParams
 from lora_runner.model.layers import lora_base_weights
 from lora_runner.model.loader import load_model
 from punica_kernels import LoRAMeta, add_lora
+from engine_support import assert_exact, make_engine, run_to_completion
 from test_model_harness import randomize_biases
 
 DORA_ADAPTERS = {  # name -> save_lora kwargs
@@ -99,30 +100,12 @@ def test_dora_modules_equal_peft_through_slots_and_kernels(checkpoint):
     assert all((part - 1).abs().min() > 0 for part in scales.split(spec.slice_sizes("qkv")))
 
 
-def make_engine(path, **kwargs):
-    kwargs = {"device": "cpu", "max_num_seqs": 4, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 8,
-              "max_cpu_loras": 3, "block_size": 4, **kwargs}
-    return LLMEngine(path, **kwargs)
-
-
-def run(engine, requests):
-    """requests: [(id, prompt, lora request)], all added at once; greedy, 5 tokens; returns {id: output}."""
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
-    for request_id, prompt, lora in requests:
-        engine.add_request(request_id, prompt, params, lora_request=lora)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return done
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
 
 
 def check(done, requests, models, greedy_oracle):
-    for request_id, prompt, lora in requests:
-        tokens, logprobs = greedy_oracle(models[lora.name if lora else None], prompt, 5)
-        completion = done[request_id].outputs[0]
-        assert completion.token_ids == tokens, request_id
-        for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
-            assert abs(got[tokens[step]] - want) <= 1e-4, (request_id, step)
+    for request_id, prompt, _, lora in requests:
+        assert_exact(done[request_id], models[lora.name if lora else None], prompt, greedy_oracle, 5)
 
 
 def column_scales_of(engine, name: str) -> list[torch.Tensor]:
@@ -135,15 +118,16 @@ def test_mixed_dora_lora_and_base_batch_matches_peft_then_slot_reuse(checkpoint,
     path, hf, adapters = checkpoint
     models = {None: hf, **{name: model for name, (_, model) in adapters.items()}}
     request = {name: LoRARequest(name, adapter_dir) for name, (adapter_dir, _) in adapters.items()}
-    engine = make_engine(path)
+    engine = make_engine(path, max_lora_rank=8, max_cpu_loras=3)
     # one batch: two DoRA adapters (both slots) and requests without an adapter
-    first = [("d1", [5, 6, 7, 8], request["dora-r8"]), ("base1", [9, 10], None),
-             ("d2", [11, 12, 13], request["dora-patterns"]), ("base2", [14], None)]
-    check(run(engine, first), first, models, greedy_oracle)
+    first = [("d1", [5, 6, 7, 8], GREEDY, request["dora-r8"]), ("base1", [9, 10], GREEDY, None),
+             ("d2", [11, 12, 13], GREEDY, request["dora-patterns"]), ("base2", [14], GREEDY, None)]
+    check(run_to_completion(engine, first), first, models, greedy_oracle)
     assert any((scales != 1).any() for scales in column_scales_of(engine, "dora-r8"))
     # plain LoRA now takes a slot a DoRA adapter held, next to the other DoRA adapter
-    second = [("p1", [5, 6, 7, 8], request["plain"]), ("d3", [9, 10], request["dora-r8"]), ("base3", [3, 4], None)]
-    check(run(engine, second), second, models, greedy_oracle)
+    second = [("p1", [5, 6, 7, 8], GREEDY, request["plain"]), ("d3", [9, 10], GREEDY, request["dora-r8"]),
+              ("base3", [3, 4], GREEDY, None)]
+    check(run_to_completion(engine, second), second, models, greedy_oracle)
     assert all((scales == 1).all() for scales in column_scales_of(engine, "plain"))
     differs = [greedy_oracle(models[name], [5, 6, 7, 8], 5)[0] != greedy_oracle(hf, [5, 6, 7, 8], 5)[0]
                for name in ("dora-r8", "plain")]

@@ -8,41 +8,15 @@ import pytest
 import torch
 
 from adapters import AdapterCapacityError, AdapterError, LoRARequest
-from lora_runner import LLMEngine, SamplingParams
+from lora_runner import SamplingParams
 from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.model import ModelConfig
 
+from engine_support import assert_exact, make_engine, run_to_completion
+
+# the engine here: 2 CPU-cached adapters (ENGINE_DEFAULTS hold 4), so 5 names evict
+CPU_LORAS = dict(max_cpu_loras=2)
 NAMES = ["r4", "r8-rslora", "r16-patterns", "r8-qv", "r16-mlp"]
-
-
-def make_engine(path, **kwargs):
-    kwargs = {"device": "cpu", "max_num_seqs": 4, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 16,
-              "max_cpu_loras": 2, "block_size": 4, **kwargs}
-    return LLMEngine(path, **kwargs)
-
-
-def run_all(engine, requests, per_step=2, on_step=None):
-    """requests: [(id, prompt, params, lora)] added `per_step` before each step; returns {id: output}."""
-    pending, done, step = list(requests), {}, 0
-    while pending or engine.has_unfinished_requests():
-        for _ in range(per_step):
-            if pending:
-                request_id, prompt, params, lora = pending.pop(0)
-                engine.add_request(request_id, prompt, params, lora_request=lora)
-        outputs = engine.step()
-        if on_step:
-            on_step(step, outputs)
-        step += 1
-        done.update({o.request_id: o for o in outputs if o.finished})
-    return done
-
-
-def check_against_oracle(output, model, prompt, max_tokens, oracle):
-    tokens, logprobs = oracle(model, prompt, max_tokens)
-    completion = output.outputs[0]
-    assert completion.token_ids == tokens, output.request_id
-    for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
-        assert abs(got[tokens[step]] - want) <= 1e-4, (output.request_id, step)
 
 
 def test_mixed_adapters_match_peft_with_eviction(engine_checkpoint, greedy_oracle):
@@ -51,7 +25,8 @@ def test_mixed_adapters_match_peft_with_eviction(engine_checkpoint, greedy_oracl
     # 16 tokens per step: prompts are prefilled in chunks; 14 KV blocks of 4 tokens cannot hold
     # several requests of up to 29 tokens: some are preempted and recomputed
     block_bytes = kv_block_bytes(ModelConfig.from_dir(path), 4, torch.float32)
-    engine = make_engine(path, max_num_batched_tokens=16, max_model_len=48, kv_cache_memory_bytes=14 * block_bytes)
+    engine = make_engine(path, **CPU_LORAS, max_num_batched_tokens=16, max_model_len=48,
+                         kv_cache_memory_bytes=14 * block_bytes)
     assert engine.block_manager.num_blocks == 14
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
     names = NAMES + [None] + NAMES[::-1] + [None]  # 10 LoRA requests over 5 adapters, 2 slots
@@ -65,11 +40,11 @@ def test_mixed_adapters_match_peft_with_eviction(engine_checkpoint, greedy_oracl
     def on_step(step, outputs):
         steps_loras.append(len({r.lora_ref for r in engine.scheduler.running} - {None}))
 
-    done = run_all(engine, requests, per_step=3, on_step=on_step)
+    done = run_to_completion(engine, requests, per_step=3, on_step=on_step)
     assert max(steps_loras) == 2 and engine.scheduler.num_preemptions > 0
     for (request_id, prompt, _, lora), name in zip(requests, names):
         model = adapters[name][1] if name else hf
-        check_against_oracle(done[request_id], model, prompt, 5, greedy_oracle)
+        assert_exact(done[request_id], model, prompt, greedy_oracle, 5)
         assert len(done[request_id].outputs[0].logprobs[0]) in (2, 3)
     differs = [greedy_oracle(adapters[n][1], p, 5)[0] != greedy_oracle(hf, p, 5)[0]
                for (_, p, _, _), n in zip(requests, names) if n]
@@ -81,12 +56,12 @@ def test_mixed_adapters_match_peft_with_eviction(engine_checkpoint, greedy_oracl
 
 def test_failed_adapter_fails_only_its_request(engine_checkpoint, greedy_oracle, tmp_path):
     path, hf, adapters = engine_checkpoint
-    engine = make_engine(path)
+    engine = make_engine(path, **CPU_LORAS)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     requests = [("ok", [5, 6, 7], params, LoRARequest("r4", adapters["r4"][0])),
                 ("bad", [5, 6, 7], params, LoRARequest("missing", str(tmp_path / "nope"))),
                 ("base", [8, 9], params, None)]
-    done = run_all(engine, requests, per_step=3)
+    done = run_to_completion(engine, requests, per_step=3)
     assert done["bad"].finished and done["bad"].outputs[0].finish_reason == "error"
     assert isinstance(done["bad"].error, AdapterError) and done["bad"].outputs[0].token_ids == []
     assert done["ok"].outputs[0].token_ids == greedy_oracle(adapters["r4"][1], [5, 6, 7], 4)[0]
@@ -96,7 +71,7 @@ def test_failed_adapter_fails_only_its_request(engine_checkpoint, greedy_oracle,
 
 def test_loading_adapter_does_not_stall_running_requests(engine_checkpoint, greedy_oracle):
     path, hf, adapters = engine_checkpoint
-    engine = make_engine(path)
+    engine = make_engine(path, **CPU_LORAS)
     real_state = engine.scheduler.adapter_state
     slow = {"loading": True}
     engine.scheduler.adapter_state = lambda ref: "loading" if slow["loading"] and ref.name == "r8-qv" \
@@ -118,18 +93,18 @@ def test_loading_adapter_does_not_stall_running_requests(engine_checkpoint, gree
 
 def test_pinned_adapters_keep_their_slot_and_others_still_run(engine_checkpoint, greedy_oracle):
     path, _, adapters = engine_checkpoint
-    engine = make_engine(path, max_cpu_loras=4)
+    engine = make_engine(path)
     for name in ("r4", "r16-mlp"):
         engine.add_lora(LoRARequest(name, adapters[name][0]))
     engine.pin_lora("r4")
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     requests = [(f"p{i}", [5 + i, 6], params, LoRARequest(n, adapters[n][0]))
                 for i, n in enumerate(["r4", "r8-qv", "r16-mlp", "r4"])]
-    done = run_all(engine, requests, per_step=4)
+    done = run_to_completion(engine, requests, per_step=4)
     for (request_id, prompt, _, lora) in requests:
         assert done[request_id].outputs[0].token_ids == greedy_oracle(adapters[lora.name][1], prompt, 3)[0]
     with pytest.raises(AdapterCapacityError, match="at least one must stay free"):
         engine.pin_lora("r16-mlp")  # both slots pinned would leave unpinned adapters no slot: refused
-    done = run_all(engine, [("later", [5], params, LoRARequest("r8-qv", adapters["r8-qv"][0]))])
+    done = run_to_completion(engine, [("later", [5], params, LoRARequest("r8-qv", adapters["r8-qv"][0]))])
     assert done["later"].outputs[0].token_ids == greedy_oracle(adapters["r8-qv"][1], [5], 3)[0]
     assert "r4" in engine.list_loras()

@@ -25,7 +25,8 @@ from adapters import LoRARequest
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.worker.cuda_graphs import RerunGraph
-from test_engine_lora import NAMES, run_all
+from engine_support import run_to_completion
+from test_engine_lora import NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 # aten ops that wait for the device on CUDA (a host read of device data): never inside a graph
@@ -136,7 +137,7 @@ def test_half_precision_engine_with_emulated_graphs_matches_eager(engine_checkpo
         for name in NAMES:
             engine.add_lora(LoRARequest(name, adapters[name][0]))
     assert graphed.adapters.manager.lora_slots.weights(0, "qkv")[0].dtype == dtype
-    want, got = run_all(eager, requests, per_step=3), run_all(graphed, requests, per_step=3)
+    want, got = run_to_completion(eager, requests, per_step=3), run_to_completion(graphed, requests, per_step=3)
     assert graphed.runner.decode_graphs.num_replays >= 5
     for request_id, out in want.items():  # prefills run eagerly in both engines: bit-identical
         assert got[request_id].outputs[0].token_ids[0] == out.outputs[0].token_ids[0]

@@ -20,7 +20,9 @@ from safetensors.torch import load_file
 import adapters.manager
 from adapters import AdapterError, AdapterTooLargeError, InvalidAdapterError, LoRARequest, PromptAdapterRequest
 from factories import build_tiny_model, edit_adapter_tensors, save_prompt_adapter
-from lora_runner import LLM, LLMEngine, SamplingParams
+from lora_runner import LLM, SamplingParams
+
+from engine_support import assert_exact, make_engine, run_to_completion
 
 VOCAB = 256
 SOFT_PROMPTS = {"pa4": dict(num_virtual_tokens=4, seed=11), "pa7": dict(num_virtual_tokens=7, seed=12)}
@@ -67,28 +69,15 @@ def oracle_model(soft, name, lora):
     return soft.oracles[(name, lora) if lora else name]
 
 
-def make_engine(soft, **kwargs):
-    kwargs = {"device": "cpu", "max_num_seqs": 6, "max_model_len": 48, "max_loras": 2, "max_lora_rank": 16,
-              "max_prompt_adapters": 2, "max_prompt_adapter_tokens": MAX_PROMPT_TOKENS, "block_size": 4, **kwargs}
-    engine = LLMEngine(soft.path, **kwargs)
-    # a stale or unwritten read shows as NaN: the whole KV cache and every soft-prompt slot row
-    engine.runner.kv_cache.fill_(float("nan"))
-    engine.adapters.manager.prompt_slots.embeddings.fill_(float("nan"))
-    return engine
+# 6 rows, 2 soft-prompt slots; max_cpu_loras=None: EngineConfig's own default; a stale or unwritten
+# read shows as NaN: the whole KV cache and every soft-prompt slot row are poisoned
+ENGINE = dict(max_num_seqs=6, max_model_len=48, max_cpu_loras=None, max_prompt_adapters=2,
+              max_prompt_adapter_tokens=MAX_PROMPT_TOKENS, poison=("kv_cache", "prompt_slots"))
 
 
 def random_prompts(n, seed, lo=2, hi=9):
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def check_greedy(output, model, prompt, max_tokens, oracle):
-    tokens, logprobs = oracle(model, prompt, max_tokens)
-    completion = output.outputs[0]
-    assert output.prompt_token_ids == prompt, output.request_id  # the user's prompt, no placeholders
-    assert completion.token_ids == tokens, output.request_id
-    for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
-        assert abs(got[tokens[step]] - want) <= 1e-4, (output.request_id, step)
 
 
 def assert_idle(engine):
@@ -108,7 +97,7 @@ MIXED = [("pa4", None), ("pa7", None), (None, None), ("pa4", "r4"), (None, "r8-q
 
 
 def test_mixed_batch_first_step_logits_and_greedy_match_peft(soft, greedy_oracle):
-    engine = make_engine(soft, max_num_batched_tokens=128)
+    engine = make_engine(soft.path, **(ENGINE | dict(max_num_batched_tokens=128)))
     for name in SOFT_PROMPTS:  # loaded now, so every request is admitted in the first step
         engine.add_prompt_adapter(PromptAdapterRequest(name, soft.dirs[name]))
     for lora in ("r4", "r8-qv"):
@@ -129,11 +118,9 @@ def test_mixed_batch_first_step_logits_and_greedy_match_peft(soft, greedy_oracle
         for row, ((name, lora), prompt) in enumerate(zip(MIXED, prompts)):
             want = oracle_model(soft, name, lora)(torch.tensor([prompt])).logits[0, -1]  # [vocab]
             assert (logits[row] - want).abs().max() <= 1e-4, (name, lora)
-    done = {o.request_id: o for o in first if o.finished}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = run_to_completion(engine, done={o.request_id: o for o in first if o.finished})
     for i, ((name, lora), prompt) in enumerate(zip(MIXED, prompts)):
-        check_greedy(done[f"m{i}"], oracle_model(soft, name, lora), prompt, 6, greedy_oracle)
+        assert_exact(done[f"m{i}"], oracle_model(soft, name, lora), prompt, greedy_oracle, 6)
         assert len(done[f"m{i}"].outputs[0].token_ids) == 6
     # the soft prompts matter: a dropped or misplaced soft prompt would show
     for name, prompt in zip(["pa4", "pa7"], prompts):
@@ -147,7 +134,8 @@ def test_chunked_prefill_preemption_and_slot_limit(soft, greedy_oracle):
     # 8 tokens per step cut the soft prompt and the prompt into chunks; 12 blocks of 4 tokens cannot
     # hold several requests of up to 26 tokens, so some are preempted and recompute their soft
     # prompt; one soft-prompt slot: a step never maps two prompt adapters.
-    engine = make_engine(soft, max_num_batched_tokens=8, max_prompt_adapters=1, kv_cache_memory_bytes=12 * 2048)
+    engine = make_engine(soft.path, **(ENGINE | dict(max_num_batched_tokens=8, max_prompt_adapters=1,
+                                                    kv_cache_memory_bytes=12 * 2048)))
     assert engine.block_manager.num_blocks == 12
     cases = [("pa7", None), ("pa4", None), (None, None), ("pa4", "r4"), ("pa7", None), ("pa7", "r16-mlp"),
              ("pa4", None), (None, "r4")]
@@ -163,25 +151,26 @@ def test_chunked_prefill_preemption_and_slot_limit(soft, greedy_oracle):
         return batch
 
     engine.runner.batch_builder.upload = recording_upload
-    pending, done, preempted_with_soft_prompt = list(enumerate(zip(cases, prompts))), {}, set()
-    while pending or engine.has_unfinished_requests():
-        for _ in range(3):
-            if pending:
-                i, ((name, lora), prompt) = pending.pop(0)
-                pa, lora_request = requests_for(soft, name, lora)
-                engine.add_request(f"c{i}", prompt, params, lora_request=lora_request, prompt_adapter_request=pa)
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-        preempted_with_soft_prompt |= {r.request_id for r in engine.scheduler.waiting
-                                       if r.num_preemptions and r.prompt_adapter_request is not None}
+    requests = []
+    for i, ((name, lora), prompt) in enumerate(zip(cases, prompts)):
+        pa, lora_request = requests_for(soft, name, lora)
+        requests.append((f"c{i}", prompt, params, lora_request, pa))
+    preempted_with_soft_prompt = set()
+
+    def record_preempted(step, outputs):
+        preempted_with_soft_prompt.update(r.request_id for r in engine.scheduler.waiting
+                                          if r.num_preemptions and r.prompt_adapter_request is not None)
+
+    done = run_to_completion(engine, requests, per_step=3, on_step=record_preempted)
     assert preempted_with_soft_prompt and steps_slots and max(len(s) for s in steps_slots) == 1
     assert engine.adapters.manager.stats.prompt_evictions > 0  # one slot, two adapters: slot re-written
     for i, ((name, lora), prompt) in enumerate(zip(cases, prompts)):
-        check_greedy(done[f"c{i}"], oracle_model(soft, name, lora), prompt, 5, greedy_oracle)
+        assert_exact(done[f"c{i}"], oracle_model(soft, name, lora), prompt, greedy_oracle, 5)
     assert_idle(engine)
 
 
 def test_max_model_len_counts_virtual_tokens(soft, greedy_oracle, monkeypatch):
-    engine = make_engine(soft, max_model_len=16)
+    engine = make_engine(soft.path, **(ENGINE | dict(max_model_len=16)))
     gate, load = threading.Event(), adapters.manager.load_prompt_adapter
     monkeypatch.setattr(adapters.manager, "load_prompt_adapter", lambda *a, **k: gate.wait(60) and load(*a, **k))
     pa7 = PromptAdapterRequest("pa7", soft.dirs["pa7"])
@@ -195,9 +184,7 @@ def test_max_model_len_counts_virtual_tokens(soft, greedy_oracle, monkeypatch):
     with pytest.raises(ValueError, match="7 virtual tokens to a 10-token prompt, more than max_model_len=16"):
         engine.add_request("known", list(range(3, 13)), long, prompt_adapter_request=pa7)
     engine.add_request("fits", [5, 6, 7, 8, 9, 10, 11], long, prompt_adapter_request=pa7)  # 7 + 7 + 2 outputs
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = run_to_completion(engine)
     late = done["late"]
     assert late.outputs[0].finish_reason == "error" and isinstance(late.error, ValueError)
     assert "more than max_model_len=16" in str(late.error) and late.outputs[0].token_ids == []
@@ -229,9 +216,7 @@ def test_llm_generate_with_prompt_adapters_and_management(soft, greedy_oracle):
     engine.add_request("held", prompts[2], greedy, prompt_adapter_request=requests_for(soft, "pa7", None)[0])
     llm.remove_prompt_adapter("pa7")  # deferred: the queued request keeps the soft prompt it started with
     assert llm.list_prompt_adapters() == ["pa4"]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = run_to_completion(engine)
     assert done["held"].outputs[0].token_ids == greedy_oracle(soft.oracles["pa7"], prompts[2], 4)[0]
     assert engine.adapters.manager.prompts.memory_stats()["num_cpu"] == 1  # pa7 dropped once released
     with pytest.raises(ValueError, match="prompt_adapter_request has 1 entries for 2 prompts"):
@@ -261,7 +246,7 @@ def invalid(soft):
 
 
 def test_invalid_prompt_adapters_fail_only_their_requests(soft, invalid, greedy_oracle):
-    engine = make_engine(soft)
+    engine = make_engine(soft.path, **ENGINE)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     good = [("ok-pa4", "pa4", None, [5, 6, 7]), ("ok-base", None, None, [8, 9]), ("ok-both", "pa4", "r4", [10, 11])]
     for request_id, name, lora, prompt in good[:2]:
@@ -272,9 +257,7 @@ def test_invalid_prompt_adapters_fail_only_their_requests(soft, invalid, greedy_
                            lora_request=LoRARequest("r4", soft.loras["r4"][0]))
     pa, lora_request = requests_for(soft, "pa4", "r4")
     engine.add_request("ok-both", [10, 11], greedy, lora_request=lora_request, prompt_adapter_request=pa)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = run_to_completion(engine)
     for name, (_, error, fragment) in invalid.items():
         out = done[f"bad-{name}"]
         assert out.outputs[0].finish_reason == "error" and isinstance(out.error, error), name

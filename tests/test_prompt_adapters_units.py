@@ -107,7 +107,7 @@ def advance(out):
 def test_admission_holds_at_most_max_prompt_adapters_until_placeholders_are_computed():
     states = {"a": "ready", "b": "ready", "c": "loading", "bad": "failed"}
     sched = make_scheduler(states, max_tokens=19)
-    sched.policy = "fcfs"  # arrival order; the fair policy's slot handover: test_reliability_fairness.py
+    sched.policy = "fcfs"  # arrival order; the fair policy's slot handover: test_fairness.py
     reqs = [make_request(0, [5] * 10, pa="a"), make_request(1, [6] * 2, pa="b"), make_request(2, [7], pa="c"),
             make_request(3, [8] * 2), make_request(4, [9], pa="bad"), make_request(5, [4], pa="a")]
     for request in reqs[:2] + reqs[3:]:

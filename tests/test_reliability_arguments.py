@@ -1,4 +1,4 @@
-"""Bad arguments (catalogue in test_reliability_catalogue.py): each raises ValueError, or
+"""Bad arguments (catalogue in test_engine_bad_adapters.py): each raises ValueError, or
 UnknownAdapterError for an unknown adapter name, naming what is wrong, while requests already in
 the engine keep running and finish exactly as transformers/PEFT compute them.
 
@@ -14,15 +14,8 @@ import pytest
 from adapters import AdapterError, LoRARequest, PromptAdapterRequest, UnknownAdapterError
 from lora_runner import LLM, SamplingParams
 from tests import factories
-from tests.test_reliability_catalogue import (  # noqa: F401 - hub_cache is a fixture
-    GREEDY,
-    assert_exact,
-    assert_idle,
-    good_requests,
-    hub_cache,
-    make_engine,
-    step_until_done,
-)
+from engine_support import assert_exact, assert_idle, make_engine, run_to_completion
+from test_engine_bad_adapters import GREEDY, OFFLINE, good_requests, hub_cache  # noqa: F401 - hub_cache is a fixture
 
 # (SamplingParams kwargs, the field the message must name)
 BAD_SAMPLING = [(dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
@@ -33,7 +26,7 @@ BAD_SAMPLING = [(dict(temperature=-0.5), "temperature"), (dict(temperature=float
 
 def test_bad_arguments_raise_and_others_stay_exact(engine_checkpoint, greedy_oracle, hub_cache):
     path, _, adapters = engine_checkpoint
-    engine = make_engine(path, max_model_len=16)
+    engine = make_engine(path, **OFFLINE, max_model_len=16)
     good = good_requests(engine_checkpoint, "ok")
     for request_id, prompt, lora, _ in good:
         engine.add_request(request_id, prompt, GREEDY, lora_request=lora)
@@ -73,12 +66,12 @@ def test_bad_arguments_raise_and_others_stay_exact(engine_checkpoint, greedy_ora
             method("no-such-tenant")
         assert isinstance(info.value, KeyError) and isinstance(info.value, AdapterError)
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    step_until_done(engine, done)
+    run_to_completion(engine, done=done)
     for request_id, prompt, _, model in good:
         assert_exact(done[request_id], model, prompt, greedy_oracle)
     assert engine.has_unfinished_requests() is False
     engine.add_request("ok-r4", [5, 6, 7, 8], GREEDY, lora_request=good[0][2])  # a finished id is free again
-    assert_exact(step_until_done(engine, {})["ok-r4"], good[0][3], [5, 6, 7, 8], greedy_oracle)
+    assert_exact(run_to_completion(engine)["ok-r4"], good[0][3], [5, 6, 7, 8], greedy_oracle)
     assert_idle(engine)
 
 
@@ -135,8 +128,8 @@ def _serve_bystanders(engine, adapters, attacks=None):
 
 def test_hostile_sampling_params_fail_at_add_request_and_leave_the_engine_untouched(engine_checkpoint, greedy_oracle):
     path, hf, adapters = engine_checkpoint
-    reference = _serve_bystanders(make_engine(path, max_logprobs=8), adapters)
-    engine = make_engine(path, max_logprobs=8)
+    reference = _serve_bystanders(make_engine(path, **OFFLINE, max_logprobs=8), adapters)
+    engine = make_engine(path, **OFFLINE, max_logprobs=8)
     took = {}
     for what, (params, fragment) in hostile_params().items():  # on an idle engine
         start = time.perf_counter()
@@ -153,7 +146,7 @@ def test_hostile_sampling_params_fail_at_add_request_and_leave_the_engine_untouc
         assert attacked[request_id][1] == greedy_oracle(model, prompt, 5)[0]
     assert_idle(engine)
     engine.add_request("attack", [5, 6, 7, 8], GREEDY, lora_request=LoRARequest("r4", adapters["r4"][0]))
-    assert_exact(step_until_done(engine, {})["attack"], adapters["r4"][1], [5, 6, 7, 8], greedy_oracle)
+    assert_exact(run_to_completion(engine)["attack"], adapters["r4"][1], [5, 6, 7, 8], greedy_oracle)
     assert_idle(engine)
 
 

@@ -12,7 +12,6 @@ import torch
 
 from lora_runner import EngineConfig, LLMEngine, SamplingParams
 from lora_runner import device as device_mod
-from lora_runner.core.block_manager import BlockManager
 from lora_runner.worker.kv_budget import CPU_KV_CAP_BYTES, host_kv_budget
 
 MiB, GiB = 2**20, 2**30
@@ -83,18 +82,6 @@ def test_explicit_settings_that_force_a_large_cache_warn(caplog):
     assert warned == ["max_model_len=1048576", "kv_cache_memory_bytes=3221225472"]
     with pytest.raises(ValueError, match="lower max_model_len"):
         budget(max_model_len=2**20, context=2**20, available_bytes=256 * MiB)
-
-
-def test_freed_blocks_are_reused_first():
-    """The blocks ever handed out stay as many as were ever held at once: untouched pages of the
-    CPU cache are never committed."""
-    manager = BlockManager(100, 16)
-    ever_used = set()
-    for i in range(50):
-        ever_used |= set(manager.allocate(f"a{i}", 48)) | set(manager.allocate(f"b{i}", 16))
-        manager.free(f"a{i}")
-        manager.free(f"b{i}")
-    assert len(ever_used) == 4
 
 
 # ---------------------------------------------------------------- the engine on CPU

@@ -23,9 +23,10 @@ from adapters.errors import UnsupportedAdapterError
 from adapters.lora import load_lora
 from adapters.vocab_slots import VocabLoRASlots
 from factories import build_tiny_model, edit_adapter_config, model_spec, save_lora, save_prompt_adapter, save_tiny_model
-from lora_runner import LLMEngine, SamplingParams
+from lora_runner import SamplingParams
 from lora_runner.worker.cuda_graphs import RerunGraph
-from test_engine_lora import check_against_oracle  # greedy tokens exact, logprobs within 1e-4
+
+from engine_support import assert_exact, make_engine, run_to_completion
 from test_prompt_adapters import SoftPromptOnLoRA
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's tied-weights / save_embedding_layers notes
@@ -38,8 +39,8 @@ ADAPTERS = {  # name -> save_lora kwargs
                  target_modules=["embed_tokens", "lm_head", "q_proj", "v_proj", "down_proj"]),
     "plain": dict(seed=24, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"]),
 }
-ENGINE = dict(device="cpu", max_num_seqs=8, max_model_len=64, max_loras=4, max_lora_rank=16, max_cpu_loras=4,
-              block_size=4)
+# 8 rows, 4 slots; a read of an unwritten vocab slot row shows as NaN
+ENGINE = dict(max_num_seqs=8, max_loras=4, poison=("vocab_slots",))
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
@@ -52,29 +53,12 @@ def env(request, tmp_path_factory):
     return SimpleNamespace(path=str(root / "model"), hf=hf, adapters=adapters, root=root, tied=request.param)
 
 
-def make_engine(env, **kwargs) -> LLMEngine:
-    engine = LLMEngine(env.path, **{**ENGINE, **kwargs})
-    for tensor in engine.adapters.manager.vocab_slots._tensors():  # a read of an unwritten slot row shows as NaN
-        tensor.fill_(float("nan"))
-    return engine
-
-
 def oracle_of(env, name):
     return env.hf if name is None else env.adapters[name][1]
 
 
 def lora_of(env, name):
     return None if name is None else LoRARequest(name, env.adapters[name][0])
-
-
-def run(engine, requests) -> dict:
-    """requests: [(id, prompt, params, lora, prompt adapter)], all added before the first step."""
-    for request_id, prompt, params, lora, prompt_adapter in requests:
-        engine.add_request(request_id, prompt, params, lora_request=lora, prompt_adapter_request=prompt_adapter)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return done
 
 
 def capture_logits(engine) -> list[torch.Tensor]:
@@ -94,7 +78,7 @@ MIXED = ["embed", "head", None, "both", "plain", "both", "embed"]
 
 
 def test_mixed_batch_first_step_logits_and_greedy_match_peft(env, greedy_oracle):
-    engine = make_engine(env, max_num_batched_tokens=128)
+    engine = make_engine(env.path, **(ENGINE | dict(max_num_batched_tokens=128)))
     for name in ADAPTERS:  # loaded now: every request is admitted in the first step
         engine.add_lora(lora_of(env, name))
     prompts = random_prompts(len(MIXED), seed=1)
@@ -104,7 +88,7 @@ def test_mixed_batch_first_step_logits_and_greedy_match_peft(env, greedy_oracle)
     captured = capture_logits(engine)
     first = engine.step()  # prefills every prompt: one row per request, in the outputs' order
     assert captured[0].shape[0] == len(first) == len(MIXED)
-    done = run(engine, [])
+    done = run_to_completion(engine)
     with torch.inference_mode():
         for row, output in enumerate(first):
             i = int(output.request_id[1:])
@@ -114,14 +98,14 @@ def test_mixed_batch_first_step_logits_and_greedy_match_peft(env, greedy_oracle)
             if name is not None:  # each adapter's delta is far above the tolerance
                 assert (want - env.hf(torch.tensor([prompt])).logits[0, -1]).abs().max() > 0.1, name
     for i, (name, prompt) in enumerate(zip(MIXED, prompts)):
-        check_against_oracle(done[f"m{i}"], oracle_of(env, name), prompt, 5, greedy_oracle)
+        assert_exact(done[f"m{i}"], oracle_of(env, name), prompt, greedy_oracle, 5)
 
 
 def test_more_adapters_than_slots_evicts_and_reuses_slots_cleanly(env, greedy_oracle):
     """Two slots: 'both' and 'head' fill them, then 'plain' and 'embed' evict them; a slot reused by an
     adapter without embed/lm_head LoRA must give plain results, and eviction zeroes the vocab slots.
     Untied: a CPU cache of 4 (slot evictions); tied: of 2 (dropping a version frees its slot)."""
-    engine = make_engine(env, max_loras=2, max_cpu_loras=4 if env.tied == "untied" else 2)
+    engine = make_engine(env.path, **(ENGINE | dict(max_loras=2, max_cpu_loras=4 if env.tied == "untied" else 2)))
     vocab_slots = engine.adapters.manager.vocab_slots
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
     prompts = random_prompts(4, seed=2)
@@ -129,9 +113,9 @@ def test_more_adapters_than_slots_evicts_and_reuses_slots_cleanly(env, greedy_or
     for wave, names in enumerate(waves):
         requests = [(f"w{wave}-{i}", prompts[(wave + i) % 4], params, lora_of(env, n), None)
                     for i, n in enumerate(names)]
-        done = run(engine, requests)
+        done = run_to_completion(engine, requests)
         for (request_id, prompt, _, _, _), name in zip(requests, names):
-            check_against_oracle(done[request_id], oracle_of(env, name), prompt, 4, greedy_oracle)
+            assert_exact(done[request_id], oracle_of(env, name), prompt, greedy_oracle, 4)
     stats = engine.adapters.manager.stats
     assert stats.lora_loads == 4 and stats.lora_evictions + stats.lora_cpu_evictions >= 2
     assert not vocab_slots.lm_head_in_use() and vocab_slots.lm_head_b.abs().sum() == 0  # 'both', 'head' evicted
@@ -148,16 +132,16 @@ def test_soft_prompt_with_embedding_lora_matches_peft(env, greedy_oracle):
     save_prompt_adapter(env.hf, pa_dir, num_virtual_tokens=3, seed=5)
     soft = load_file(f"{pa_dir}/adapter_model.safetensors")["prompt_embeddings"]
     oracles = {name: SoftPromptOnLoRA(env.hf, env.adapters[name][0], soft) for name in ("both", "embed")}
-    engine = make_engine(env, max_prompt_adapters=1, max_prompt_adapter_tokens=4)
+    engine = make_engine(env.path, **(ENGINE | dict(max_prompt_adapters=1, max_prompt_adapter_tokens=4)))
     prompts = random_prompts(3, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
     pa = PromptAdapterRequest("pa3", str(pa_dir))
     names = ["both", "embed", None]
     requests = [(f"s{i}", p, params, lora_of(env, n), pa if n else None)
                 for i, (n, p) in enumerate(zip(names, prompts))]
-    done = run(engine, requests)
+    done = run_to_completion(engine, requests)
     for (request_id, prompt, _, _, _), name in zip(requests, names):
-        check_against_oracle(done[request_id], oracles[name] if name else env.hf, prompt, 4, greedy_oracle)
+        assert_exact(done[request_id], oracles[name] if name else env.hf, prompt, greedy_oracle, 4)
 
 
 def test_decode_graphs_apply_embedding_lora_captured_with_a_plain_warmup_adapter(env, greedy_oracle):
@@ -165,14 +149,15 @@ def test_decode_graphs_apply_embedding_lora_captured_with_a_plain_warmup_adapter
     each decode token's embedding delta (CPU stand-in graphs rerun what was captured)."""
     if env.tied == "tied":
         pytest.skip("one embedding layout suffices for the graph path")
-    engine = make_engine(env)
+    engine = make_engine(env.path, **ENGINE)
     engine.runner.capture_decode_graphs(engine.adapters.manager.loras, 16, make_graph=RerunGraph, progress=False)
     prompts = random_prompts(3, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
     names = ["embed", "both", None]
-    done = run(engine, [(f"g{i}", p, params, lora_of(env, n), None) for i, (n, p) in enumerate(zip(names, prompts))])
+    requests = [(f"g{i}", p, params, lora_of(env, n)) for i, (n, p) in enumerate(zip(names, prompts))]
+    done = run_to_completion(engine, requests)
     for i, (name, prompt) in enumerate(zip(names, prompts)):
-        check_against_oracle(done[f"g{i}"], oracle_of(env, name), prompt, 5, greedy_oracle)
+        assert_exact(done[f"g{i}"], oracle_of(env, name), prompt, greedy_oracle, 5)
 
 
 # ---------------------------------------------------------------- parsing, refusals, slot layout
@@ -329,10 +314,12 @@ def test_cuda_engine_with_decode_graphs_matches_peft(env, greedy_oracle):
     then decode steps of embedding / lm_head / plain adapters replayed."""
     if env.tied == "tied":
         pytest.skip("one embedding layout suffices on the GPU")
-    engine = LLMEngine(env.path, **{**ENGINE, "device": "cuda", "dtype": "float32", "gpu_memory_utilization": 0.5})
+    engine = make_engine(env.path, **(ENGINE | dict(poison=(), device="cuda", dtype="float32",
+                                                    gpu_memory_utilization=0.5)))
     assert engine.runner.decode_graphs is not None
     prompts = random_prompts(len(MIXED), seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
-    done = run(engine, [(f"c{i}", p, params, lora_of(env, n), None) for i, (n, p) in enumerate(zip(MIXED, prompts))])
+    requests = [(f"c{i}", p, params, lora_of(env, n)) for i, (n, p) in enumerate(zip(MIXED, prompts))]
+    done = run_to_completion(engine, requests)
     for i, (name, prompt) in enumerate(zip(MIXED, prompts)):
-        check_against_oracle(done[f"c{i}"], oracle_of(env, name), prompt, 6, greedy_oracle)
+        assert_exact(done[f"c{i}"], oracle_of(env, name), prompt, greedy_oracle, 6)

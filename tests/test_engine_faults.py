@@ -17,8 +17,10 @@ import pytest
 
 import adapters.weights as adapter_files
 from adapters import AdapterNotFoundError, InvalidAdapterError, LoRARequest, UnknownAdapterError
-from lora_runner import LLMEngine, SamplingParams
+from lora_runner import SamplingParams
 from tests import factories
+
+from engine_support import assert_exact, make_engine, run_to_completion, step_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
 REPOS = {"org/flaky": "r4", "org/partial": "r16-mlp", "org/buggy": "r8-qv", "org/slow": "r8-rslora",
@@ -60,24 +62,10 @@ def hub(engine_checkpoint, tmp_path, monkeypatch):
         gate.set()
 
 
-def make_engine(path, **kwargs):
-    kwargs = {"device": "cpu", "max_num_seqs": 4, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 16,
-              "max_cpu_loras": 4, "block_size": 4, **kwargs}
-    return LLMEngine(path, **kwargs)
-
-
 def step(engine, done):
     outputs = engine.step()
     done.update({o.request_id: o for o in outputs if o.finished})
     return outputs
-
-
-def step_until(engine, done, predicate, timeout=120.0):
-    """Step until predicate() holds (a deadline instead of a hang if it never does)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the condition never came true"
-        step(engine, done)
 
 
 def settled_state(tier, name, timeout=60.0):
@@ -93,25 +81,6 @@ def settled_state(tier, name, timeout=60.0):
             return state
         assert time.monotonic() < deadline, f"{name} still loading"
         time.sleep(0.001)
-
-
-def drain(engine, done, timeout=120.0):
-    deadline = time.monotonic() + timeout  # by time: a step with every request still loading is instant
-    while time.monotonic() < deadline:
-        if not engine.has_unfinished_requests():
-            return done
-        step(engine, done)
-    stuck = [(r.request_id, r.status, r.lora_ref) for r in (*engine.scheduler.running, *engine.scheduler.waiting)]
-    raise AssertionError(f"requests still unfinished: {stuck}")
-
-
-def assert_exact(output, model, prompt, oracle, max_tokens=5):
-    tokens, logprobs = oracle(model, prompt, max_tokens)
-    completion = output.outputs[0]
-    assert completion.finish_reason == "length" and completion.token_ids == tokens, output.request_id
-    if completion.logprobs is not None:
-        for i, want in enumerate(logprobs):
-            assert abs(completion.logprobs[i][tokens[i]] - want) <= 1e-4, (output.request_id, i)
 
 
 def assert_nothing_held(engine, names):
@@ -160,7 +129,7 @@ def test_hub_and_disk_failures_fail_only_affected_requests_and_a_retry_succeeds(
     step_until(engine, done, lambda: len(done) == len(good) + len(affected) - 2)  # all but the gated pair
     assert {"flaky-1", "flaky-2"}.isdisjoint(done) and set(good) <= set(done)  # nobody waited for the Hub
     gate.set()
-    drain(engine, done)
+    run_to_completion(engine, done=done)
     for request_id, (_, name, _, error, fragment) in affected.items():
         output = done[request_id]
         assert output.outputs[0].finish_reason == "error" and output.outputs[0].token_ids == []
@@ -172,7 +141,7 @@ def test_hub_and_disk_failures_fail_only_affected_requests_and_a_retry_succeeds(
     sources = {"flaky": "r4", "partial": "r16-mlp", "buggy": "r8-qv", "rs": "r8-rslora"}
     for request_id, (prompt, name, where, _, _) in affected.items():  # the same requests, retried later
         engine.add_request(f"retry-{request_id}", prompt, GREEDY, lora_request=LoRARequest(name, where))
-    drain(engine, done)
+    run_to_completion(engine, done=done)
     for request_id, (prompt, name, _, _, _) in affected.items():
         assert_exact(done[f"retry-{request_id}"], adapters[sources[name]][1], prompt, greedy_oracle)
     assert hub.calls["org/flaky"] == 2 and disk["failures"] == 1
@@ -213,7 +182,7 @@ def test_aborts_in_prefill_decode_and_loading_free_everything(engine_checkpoint,
     assert decoded == greedy_oracle(adapters["r16-mlp"][1], [8, 9], 30)[0][:len(decoded)]
     slow_gate.set()
     doomed_gate.set()
-    drain(engine, done)
+    run_to_completion(engine, done=done)
     assert_exact(done["survivor"], hf, [5, 6, 7], greedy_oracle)
     assert_exact(done["later"], hf, [14, 15], greedy_oracle)
     tier = engine.adapters.manager.loras
@@ -298,7 +267,7 @@ def test_replace_and_remove_while_the_adapter_loads(engine_checkpoint, greedy_or
     assert {"v1", "gone", "slow"}.isdisjoint(done)
     for gate in (v1_gate, gone_gate, slow_gate):
         gate.set()
-    drain(engine, done)
+    run_to_completion(engine, done=done)
     assert_exact(done["v1"], adapters["r4"][1], [5, 6, 7], greedy_oracle)
     assert_exact(done["v2"], adapters["r8-rslora"][1], [5, 6, 7], greedy_oracle)
     assert_exact(done["gone"], adapters["r16-patterns"][1], [9, 10], greedy_oracle)
@@ -333,9 +302,9 @@ def test_replaced_while_running_and_preempted_keeps_its_version(engine_checkpoin
             phase = "preempted"
         step(engine, done)
     assert phase == "preempted", "the KV cache was meant to preempt the holder after the replacement"
-    assert_exact(done["holder"], adapters["r16-mlp"][1], list(range(60, 72)), greedy_oracle, 20)
+    assert_exact(done["holder"], adapters["r16-mlp"][1], list(range(60, 72)), greedy_oracle, 20, logprobs=False)
     assert_exact(done["newer"], adapters["r8-qv"][1], list(range(80, 86)), greedy_oracle)
-    assert_exact(done["bg-1"], adapters["r4"][1], list(range(20, 32)), greedy_oracle, 20)
-    assert_exact(done["bg-2"], hf, list(range(40, 52)), greedy_oracle, 20)
+    assert_exact(done["bg-1"], adapters["r4"][1], list(range(20, 32)), greedy_oracle, 20, logprobs=False)
+    assert_exact(done["bg-2"], hf, list(range(40, 52)), greedy_oracle, 20, logprobs=False)
     assert engine.list_loras().count("mid") == 1 and engine.adapters.manager.loras.memory_stats()["num_cpu"] == 2
     assert_nothing_held(engine, ["mid", "r4"])

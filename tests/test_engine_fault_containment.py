@@ -20,7 +20,8 @@ from lora_runner import LLM, SamplingParams
 from lora_runner.sample.sampler import NonFiniteLogitsError, Sampler
 from lora_runner.core.request import Request
 from tests import factories
-from tests.test_reliability_catalogue import assert_exact, assert_idle, make_engine, step_until_done
+from engine_support import assert_exact, assert_idle, make_engine, run_to_completion
+from test_engine_bad_adapters import OFFLINE
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
 VICTIM_TEMPERATURE = 0.875  # exact in float32: marks the victim's row inside the sampler
@@ -42,7 +43,7 @@ def serve(engine, requests, prefix=""):
     """Add `requests` (id -> (prompt, params, LoRA)) and step to the end; id -> finished output."""
     for request_id, (prompt, params, lora) in requests.items():
         engine.add_request(prefix + request_id, prompt, params, lora_request=lora)
-    done = step_until_done(engine, {})
+    done = run_to_completion(engine)
     return {request_id[len(prefix):]: output for request_id, output in done.items()}
 
 
@@ -56,7 +57,7 @@ def assert_same_tokens(outputs, reference, names):
 
 def test_a_sampling_fault_fails_only_its_request(engine_checkpoint, greedy_oracle, monkeypatch, caplog):
     path, hf, adapters = engine_checkpoint
-    engine = make_engine(path)
+    engine = make_engine(path, **OFFLINE)
     reference = serve(engine, bystanders(adapters), "ref-")
     real_sample = Sampler._sample
 
@@ -80,7 +81,7 @@ def test_a_sampling_fault_fails_only_its_request(engine_checkpoint, greedy_oracl
 
 def test_a_detokenization_fault_fails_only_its_request(engine_checkpoint, greedy_oracle, monkeypatch):
     path, hf, adapters = engine_checkpoint
-    engine = make_engine(path)
+    engine = make_engine(path, **OFFLINE)
     reference = serve(engine, bystanders(adapters), "ref-")
     victim_model, victim_prompt = adapters["r16-mlp"][1], [40, 41, 42]
     victim_tokens = greedy_oracle(victim_model, victim_prompt, 5)[0]
@@ -110,7 +111,7 @@ def test_a_placeholder_fault_fails_only_its_request(engine_checkpoint, monkeypat
     path, hf, adapters = engine_checkpoint
     factories.save_prompt_adapter(hf, tmp_path / "soft", num_virtual_tokens=4, seed=1)
     factories.write_hub_cache(tmp_path / "hub", "org/soft", tmp_path / "soft", "ab" * 20)
-    engine = make_engine(path, max_prompt_adapters=1, max_prompt_adapter_tokens=8)
+    engine = make_engine(path, **OFFLINE, max_prompt_adapters=1, max_prompt_adapter_tokens=8)
     reference = serve(engine, bystanders(adapters), "ref-")
     gate, real_download = threading.Event(), huggingface_hub.snapshot_download
 
@@ -131,7 +132,7 @@ def test_a_placeholder_fault_fails_only_its_request(engine_checkpoint, monkeypat
         engine.add_request(request_id, prompt, params, lora_request=lora)
     engine.add_request("victim", [30, 31], GREEDY, prompt_adapter_request=PromptAdapterRequest("soft", "org/soft"))
     gate.set()  # inserted by a later step(), not by add_request
-    outputs = step_until_done(engine, {})
+    outputs = run_to_completion(engine)
     failed = outputs["victim"].outputs[0]
     assert failed.finish_reason == "error" and isinstance(failed.error, InjectedFault) and failed.token_ids == []
     assert_same_tokens(outputs, reference, ["base", "r4", "seeded"])
@@ -142,14 +143,14 @@ def test_a_huge_finite_lora_fails_its_request_and_others_stay_exact(engine_check
     path, hf, adapters = engine_checkpoint
     factories.save_huge_lora(hf, tmp_path / "huge")
     huge = LoRARequest("huge", str(tmp_path / "huge"))
-    engine = make_engine(path, max_loras=2)
+    engine = make_engine(path, **OFFLINE, max_loras=2)
     reference = serve(engine, bystanders(adapters), "ref-")
     for request_id, (prompt, params, lora) in bystanders(adapters).items():
         engine.add_request(request_id, prompt, params, lora_request=lora)
     engine.add_request("huge-prefill", [20, 21, 22], GREEDY, lora_request=huge)
     done = {o.request_id: o for o in engine.step() if o.finished}
     engine.add_request("huge-later", [23, 24], GREEDY, lora_request=huge)  # beside bystanders in decode
-    done = step_until_done(engine, done)
+    done = run_to_completion(engine, done=done)
     for request_id in ("huge-prefill", "huge-later"):
         failed = done[request_id].outputs[0]
         assert failed.finish_reason == "error" and failed.token_ids == [], request_id  # not "length" with 0s

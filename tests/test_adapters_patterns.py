@@ -1,12 +1,13 @@
-"""Issue 11, item 1: regexes in a tenant's adapter config never run in a backtracking engine.
+"""adapters.patterns: regexes in a tenant's adapter config never run in a backtracking engine.
 
 ``target_modules`` (a string), ``exclude_modules`` (a string), ``layers_pattern`` and the keys of
 ``rank_pattern`` / ``alpha_pattern`` are evaluated by RE2 with PEFT's exact wrapping. Checked here:
-the issue's catastrophic patterns in each field are answered in well under a second (in a
-subprocess, so a regression is a timeout, not a frozen test run); a bystander's greedy tokens are
-unchanged while such adapters are loaded next to it; patterns RE2 cannot run, or too long or too
-many, are InvalidAdapterError naming the field; and a grid of legitimate patterns targets exactly the
-modules, ranks and scalings PEFT itself gives. Measured times are printed (``pytest -s``).
+the issue's catastrophic patterns in each field load (or are refused as PEFT would) without Python's
+``re`` ever matching them (in a subprocess whose ``re`` refuses to, so a regression is an error, not
+a frozen run); a bystander's greedy tokens are unchanged while such adapters are loaded next to it;
+patterns RE2 cannot run, or too long or too many, are InvalidAdapterError naming the field; and a
+grid of legitimate patterns targets exactly the modules, ranks and scalings PEFT itself gives.
+How long each hostile load takes: benchmarks/bench_hostile_patterns.py.
 """
 
 import json
@@ -22,31 +23,52 @@ from adapters import InvalidAdapterError, LoRARequest
 from adapters.lora import _targeted_ranks, load_lora, parse_lora
 from adapters.patterns import MAX_PATTERN_CHARS, MAX_PATTERN_ENTRIES
 from adapters.weights import read_adapter_config
-from lora_runner import LLMEngine, SamplingParams
+from lora_runner import SamplingParams
 from tests import factories
+
+from engine_support import make_engine
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = [(field, pattern) for field in factories.PATTERN_FIELDS for pattern in factories.HOSTILE_PATTERNS]
 # What PEFT itself concludes (once its backtracking finishes): nothing matches the pattern
 EXPECTED = {"target_modules": "matches no module", "layers_pattern": "matches no module",
             "exclude_modules": None, "rank_pattern": None, "alpha_pattern": None}  # None: loads, pattern inert
-FAIL_FAST_S = 1.0
 ATTACK_PASSES = 3  # each hostile adapter is loaded this many times under a new name while the bystander runs
 
-_TIMING_SCRIPT = """
-import json, sys, time
+# Loads every case with Python's re refusing to match (or search, ...) any regex that contains a
+# hostile pattern: re2 must do all the matching; re may only parse (PEFT's syntax check).
+_GUARDED_LOAD_SCRIPT = """
+import json, re, sys
 from adapters import AdapterError, ModelSpec
 from adapters.lora import load_lora
-spec, cases = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+spec, cases, hostile = (json.loads(arg) for arg in sys.argv[1:4])
+ran_in_re, compile_pattern = [], re._compile
+
+class RefusesToMatch:
+    def __init__(self, compiled):
+        self.compiled = compiled
+    def __getattr__(self, name):
+        if name not in ("match", "fullmatch", "search", "finditer", "findall", "sub", "subn", "split"):
+            return getattr(self.compiled, name)
+        def refuse(*args, **kwargs):
+            ran_in_re.append(self.compiled.pattern)
+            raise RuntimeError("Python's re ran a hostile pattern: " + self.compiled.pattern)
+        return refuse
+
+def guarded_compile(pattern, flags):
+    compiled = compile_pattern(pattern, flags)
+    return RefusesToMatch(compiled) if isinstance(pattern, str) and any(h in pattern for h in hostile) else compiled
+
+re._compile = guarded_compile
 results = []
 for path in cases:
-    start, outcome = time.perf_counter(), None
+    outcome = None
     try:
         load_lora("hostile", path, ModelSpec(**spec), max_lora_rank=16)
     except AdapterError as exc:
         outcome = [type(exc).__name__, str(exc)]
-    results.append([time.perf_counter() - start, outcome])
-print(json.dumps(results))
+    results.append(outcome)
+print(json.dumps({"results": results, "ran_in_re": ran_in_re}))
 """
 
 
@@ -65,18 +87,21 @@ def hostile_dirs(base, tmp_path_factory):
     return dirs
 
 
-def test_issue_patterns_in_every_field_are_answered_fast(base, hostile_dirs):
-    spec = factories.model_spec(base)
-    spec_kwargs = {k: getattr(spec, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                                                 "head_dim", "intermediate_size")}
+def spec_kwargs(model) -> dict:
+    spec = factories.model_spec(model)
+    return {k: getattr(spec, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                                          "intermediate_size")}
+
+
+def test_issue_patterns_in_every_field_never_run_in_pythons_re(base, hostile_dirs):
     paths = [str(hostile_dirs[case]) for case in CASES]
-    done = subprocess.run([sys.executable, "-c", _TIMING_SCRIPT, json.dumps(spec_kwargs), json.dumps(paths)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # a regression: 60 s+ per case
+    args = [json.dumps(spec_kwargs(base)), json.dumps(paths), json.dumps(list(factories.HOSTILE_PATTERNS))]
+    done = subprocess.run([sys.executable, "-c", _GUARDED_LOAD_SCRIPT, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)  # hang guard: Python's re takes 60 s+ per case
     assert done.returncode == 0, done.stderr[-2000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    for (field, pattern), (seconds, outcome) in zip(CASES, results):
-        print(f"{field:16s} {pattern!r:16s} {seconds * 1e3:7.2f} ms  {outcome[0] if outcome else 'loaded'}")
-        assert seconds < FAIL_FAST_S, (field, pattern, seconds)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["ran_in_re"] == []
+    for (field, pattern), outcome in zip(CASES, report["results"]):
         if EXPECTED[field] is None:
             assert outcome is None, (field, pattern, outcome)
         else:
@@ -94,44 +119,48 @@ def _run_bystander(engine, prompts, params) -> dict:
 
 def test_bystander_keeps_its_tokens_while_hostile_patterns_load(engine_checkpoint, hostile_dirs):
     path, _, adapters = engine_checkpoint
-    engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=64, max_loras=2, max_lora_rank=16,
-                       max_cpu_loras=4, block_size=4)
+    engine = make_engine(path)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = {"base": ([5, 6, 7], None), "lora": ([8, 9, 10, 11], LoRARequest("r4", adapters["r4"][0]))}
     _run_bystander(engine, {f"warm-{k}": v for k, v in prompts.items()}, params)
-    start = time.perf_counter()
     expected = _run_bystander(engine, prompts, params)
-    quiet_round = time.perf_counter() - start
-    rounds, stop = [], threading.Event()
+    rounds, stop, attacking = [], threading.Event(), threading.Event()
 
     def bystander():
         while not stop.is_set() or not rounds:
-            begin = time.perf_counter()
+            during_attack = attacking.is_set()
             tokens = _run_bystander(engine, {f"{k}-{len(rounds)}": v for k, v in prompts.items()}, params)
-            rounds.append(({k.rsplit("-", 1)[0]: v for k, v in tokens.items()}, begin, time.perf_counter()))
+            during_attack |= attacking.is_set()
+            rounds.append(({k.rsplit("-", 1)[0]: v for k, v in tokens.items()}, during_attack))
 
     thread = threading.Thread(target=bystander)
     thread.start()
-    load_times, attack_start = [], time.perf_counter()
+    loads = 0
     try:
+        attacking.set()
         for (field, pattern), adapter_dir in list(hostile_dirs.items()) * ATTACK_PASSES:
-            begin = time.perf_counter()
             try:
-                engine.add_lora(LoRARequest(f"hostile-{field}-{len(load_times)}", str(adapter_dir)))
+                engine.add_lora(LoRARequest(f"hostile-{field}-{loads}", str(adapter_dir)))
             except InvalidAdapterError as exc:
                 assert EXPECTED[field] in str(exc)
-            load_times.append(time.perf_counter() - begin)
+            loads += 1
+            if loads == len(hostile_dirs):  # at least one bystander round overlaps the attack
+                assert_waits_for(lambda: any(during for _, during in rounds))
     finally:
-        attack_end = time.perf_counter()
+        attacking.clear()
         stop.set()
         thread.join(60)
     assert not thread.is_alive()
-    slowest = max(end - begin for _, begin, end in rounds)
-    print(f"\nhostile loads: max {max(load_times) * 1e3:.1f} ms; bystander rounds during the attack: {len(rounds)}, "
-          f"slowest {slowest * 1e3:.1f} ms (quiet round {quiet_round * 1e3:.1f} ms)")
-    assert max(load_times) < FAIL_FAST_S
-    assert any(begin < attack_end and end > attack_start for _, begin, end in rounds)  # they did overlap
-    assert all(tokens == expected for tokens, _, _ in rounds)
+    assert loads == len(hostile_dirs) * ATTACK_PASSES and any(during for _, during in rounds)
+    assert all(tokens == expected for tokens, _ in rounds)
+
+
+def assert_waits_for(predicate, timeout: float = 60.0) -> None:
+    """Wait until predicate() holds (the deadline is a hang guard)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the condition never came true"
+        time.sleep(0.001)
 
 
 REFUSED = {  # pattern -> what the message says
@@ -157,10 +186,9 @@ def valid_config(base, tmp_path_factory):
 @pytest.mark.parametrize("pattern", list(REFUSED), ids=lambda p: p[:16])
 def test_patterns_re2_cannot_run_safely_are_invalid_naming_the_field(base, valid_config, field, pattern):
     config = {**valid_config, **factories.hostile_pattern_fields(field, pattern)}
-    start = time.perf_counter()
     with pytest.raises(InvalidAdapterError, match=field) as info:
         parse_lora("bad", config, {}, factories.model_spec(base), max_lora_rank=16)
-    assert REFUSED[pattern] in str(info.value) and time.perf_counter() - start < FAIL_FAST_S
+    assert REFUSED[pattern] in str(info.value)
 
 
 @pytest.mark.parametrize("field, value", [

@@ -15,12 +15,14 @@ import random
 import pytest
 
 from adapters import LoRARequest, PromptAdapterRequest
-from lora_runner import LLMEngine, SamplingParams
+from lora_runner import SamplingParams
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.config import EngineConfig
 from lora_runner.core.fairness import FairQueue, VirtualTokenCounter, served_tokens, tenant_of
 from lora_runner.core.scheduler import Scheduler
 from lora_runner.core.request import Request
+
+from engine_support import make_engine, run_to_completion
 
 # ------------------------------------------------------------------------------- counters and order
 
@@ -253,10 +255,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 C_BOUND_STEPS = PARAMS.max_tokens + 1  # steps from C's add_request to its first token (see below)
 
 
-def make_engine(path, policy, **kwargs):
-    kwargs = {"device": "cpu", "max_num_seqs": 8, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 16,
-              "max_cpu_loras": 4, "block_size": 4, "scheduling_policy": policy, **kwargs}
-    return LLMEngine(path, **kwargs)
+ROWS = 8  # max_num_seqs of the three-tenant engines (the shared default is 4)
 
 
 def check_tokens(done, requests, models, oracle):
@@ -309,8 +308,8 @@ def test_busy_pair_does_not_starve_a_third_tenant(engine_checkpoint, greedy_orac
     C gets nothing in 5x as many steps (it runs only once the refills stop)."""
     path, hf, adapters = engine_checkpoint
     models = {name: adapters[name][1] for name in ("r4", "r8-qv", "r16-mlp")}
-    fair_first, fair_done, fair_requests = run_three_tenants(make_engine(path, "fair"), adapters, max_steps=30)
-    fcfs_first, fcfs_done, fcfs_requests = run_three_tenants(make_engine(path, "fcfs"), adapters,
+    fair_first, fair_done, fair_requests = run_three_tenants(make_engine(path, scheduling_policy="fair", max_num_seqs=ROWS), adapters, max_steps=30)
+    fcfs_first, fcfs_done, fcfs_requests = run_three_tenants(make_engine(path, scheduling_policy="fcfs", max_num_seqs=ROWS), adapters,
                                                              max_steps=10 + 5 * C_BOUND_STEPS)
     assert fair_first is not None and fair_first <= C_BOUND_STEPS
     assert fcfs_first is None or fcfs_first > 5 * C_BOUND_STEPS
@@ -350,9 +349,7 @@ def run_skewed(engine, adapters):
 
     engine.scheduler.schedule = spy
     engine.step()  # takes the intake: the window starts with every request queued
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return served, done, requests
+    return served, run_to_completion(engine, done=done), requests
 
 
 def test_skewed_load_gives_each_backlogged_tenant_an_equal_share(engine_checkpoint, greedy_oracle):
@@ -360,7 +357,7 @@ def test_skewed_load_gives_each_backlogged_tenant_an_equal_share(engine_checkpoi
     models = {"base": hf, "r4": adapters["r4"][1]}
     shares = {}
     for policy in ("fair", "fcfs"):
-        served, done, requests = run_skewed(make_engine(path, policy, max_num_seqs=3), adapters)
+        served, done, requests = run_skewed(make_engine(path, scheduling_policy=policy, max_num_seqs=3), adapters)
         total = sum(served.values())
         shares[policy] = {tenant: tokens / total for tenant, tokens in served.items()}
         assert total > 300, served  # a window long enough to mean something (10 requests per light tenant)
@@ -370,7 +367,7 @@ def test_skewed_load_gives_each_backlogged_tenant_an_equal_share(engine_checkpoi
 
 
 def test_tenant_must_be_a_string(engine_checkpoint):
-    engine = make_engine(engine_checkpoint[0], "fair")
+    engine = make_engine(engine_checkpoint[0], scheduling_policy="fair", max_num_seqs=ROWS)
     with pytest.raises(ValueError, match="tenant"):
         engine.add_request("x", [3, 4], PARAMS, tenant=7)
     assert not engine.has_unfinished_requests()

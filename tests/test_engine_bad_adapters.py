@@ -14,7 +14,7 @@ Catalogue (kind -> exception: where; bare names are ADAPTER_CASES keys)
       corrupt-safetensors, crafted-4TB-header
   pickle .bin without allow_pickle -> UnsafeAdapterError: pickle-without-opt-in
   .bin that runs code, or whose size does not bound its memory, with opt-in -> UnsafeAdapterError:
-      test_reliability_pickles.py
+      test_adapters_pickles.py
   NaN / inf weights -> InvalidAdapterError: nan-weights, inf-weights (fp16 overflow, integer weights:
       test_adapters_lora.py::test_broken_weights_are_invalid)
   wrong shapes, missing tensor -> InvalidAdapterError: wrong-shapes, missing-tensor
@@ -34,9 +34,9 @@ Catalogue (kind -> exception: where; bare names are ADAPTER_CASES keys)
   invalid sampling parameters -> ValueError: test_reliability_arguments.py (and test_sampling_params.py)
   unknown adapter name in remove / pin / unpin -> UnknownAdapterError: test_reliability_arguments.py
   a pin that would leave no device slot for unpinned adapters -> AdapterCapacityError from pin_lora /
-      pin_prompt_adapter: test_reliability_adapters.py::test_pins_leave_a_slot_for_unpinned_adapters
+      pin_prompt_adapter: test_engine_adapter_lifecycle.py::test_pins_leave_a_slot_for_unpinned_adapters
   any call that adds or manages adapters after close() -> EngineClosedError:
-      test_reliability_adapters.py::test_close_returns_at_once_with_a_stalled_download_and_fails_its_requests
+      test_engine_adapter_lifecycle.py::test_close_returns_at_once_with_a_stalled_download_and_fails_its_requests
   a bad adapter in LLM.generate -> raised before any work:
       test_llm_generate.py::test_bad_adapter_raises_before_any_work
 """
@@ -45,7 +45,6 @@ import json
 import os
 import re
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -63,8 +62,10 @@ from adapters import (
     UnsafeAdapterError,
     UnsupportedAdapterError,
 )
-from lora_runner import LLMEngine, SamplingParams
+from lora_runner import SamplingParams
 from tests import factories
+
+from engine_support import assert_exact, assert_idle, make_engine, run_to_completion
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
 HUB_COMMIT = "c0" * 20
@@ -236,32 +237,7 @@ def hub_cache(engine_checkpoint, tmp_path, monkeypatch):
     return tmp_path / "hub"
 
 
-def make_engine(path, **kwargs):
-    kwargs = {"device": "cpu", "max_num_seqs": 4, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 16,
-              "max_cpu_loras": 4, "block_size": 4, "local_files_only": True, **kwargs}
-    return LLMEngine(path, **kwargs)
-
-
-def step_until_done(engine, done, timeout=120.0):
-    deadline = time.monotonic() + timeout  # by time: while every request waits on a load, steps are instant
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "requests still unfinished"
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    return done
-
-
-def assert_exact(output, model, prompt, oracle, max_tokens=5):
-    """Tokens equal the transformers/PEFT greedy oracle and logprobs agree to 1e-4."""
-    tokens, logprobs = oracle(model, prompt, max_tokens)
-    completion = output.outputs[0]
-    assert completion.finish_reason == "length" and completion.token_ids == tokens, output.request_id
-    for step, want in enumerate(logprobs):
-        assert abs(completion.logprobs[step][tokens[step]] - want) <= 1e-4, (output.request_id, step)
-
-
-def assert_idle(engine):
-    bm = engine.block_manager
-    assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks and bm.holders() == []
+OFFLINE = dict(local_files_only=True)  # engines here resolve Hub ids from hub_cache only
 
 
 def good_requests(engine_checkpoint, prefix):
@@ -281,7 +257,7 @@ def test_bad_adapters_fail_only_their_own_request(engine_checkpoint, greedy_orac
     bad = {case: spec.build(ctx, case) for case, spec in ADAPTER_CASES.items()}
     limit = max(os.path.getsize(Path(adapters[n][0]) / "adapter_model.safetensors") for n in ("r4", "r16-patterns"))
     assert os.path.getsize(Path(bad["over-byte-limit"].path) / "adapter_model.safetensors") > limit
-    engine = make_engine(path, max_adapter_bytes=limit)
+    engine = make_engine(path, **OFFLINE, max_adapter_bytes=limit)
     good = good_requests(engine_checkpoint, "good")
     for request_id, prompt, lora, _ in good[:2]:  # two tenants already running when the bad ones arrive
         engine.add_request(request_id, prompt, GREEDY, lora_request=lora)
@@ -296,7 +272,7 @@ def test_bad_adapters_fail_only_their_own_request(engine_checkpoint, greedy_orac
         with pytest.raises(ADAPTER_CASES[case].error):
             engine.add_lora(request)
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    step_until_done(engine, done)
+    run_to_completion(engine, done=done)
 
     for case, spec in ADAPTER_CASES.items():
         output = done[f"bad-{case}"]
@@ -321,13 +297,13 @@ def test_bad_prompt_adapters_fail_only_their_own_request(engine_checkpoint, gree
     factories.save_prompt_adapter(other, tmp_path / "other-hidden", num_virtual_tokens=4)
     cases = {"too-long": (AdapterTooLargeError, "num_virtual_tokens=9 is over max_prompt_adapter_tokens=8"),
              "other-hidden": (InvalidAdapterError, "does not match the base model's hidden size 64")}
-    engine = make_engine(path, max_prompt_adapters=1, max_prompt_adapter_tokens=8)
+    engine = make_engine(path, **OFFLINE, max_prompt_adapters=1, max_prompt_adapter_tokens=8)
     engine.add_request("base", [5, 6, 7], GREEDY)
     engine.add_request("lora", [5, 6, 7, 8], GREEDY, lora_request=LoRARequest("r4", adapters["r4"][0]))
     for case in cases:
         engine.add_request(case, [8, 9], GREEDY,
                            prompt_adapter_request=PromptAdapterRequest(case, str(tmp_path / case)))
-    done = step_until_done(engine, {})
+    done = run_to_completion(engine)
     for case, (error, fragment) in cases.items():
         assert done[case].outputs[0].finish_reason == "error" and isinstance(done[case].error, error)
         assert fragment in str(done[case].error) and repr(case) in str(done[case].error)

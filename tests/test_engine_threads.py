@@ -18,17 +18,16 @@ import time
 import pytest
 
 from adapters import AdapterCapacityError, AdapterError, LoRARequest, UnknownAdapterError
-from lora_runner import LLMEngine, SamplingParams
+from lora_runner import SamplingParams
+
+from engine_support import make_engine, run_to_completion
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "is", "red", "blue"]
 WAIT_S = 60  # hang guard for barriers and events, never reached by a working engine
 
 
-def make_engine(path, **kwargs):
-    kwargs = {"device": "cpu", "max_num_seqs": 4, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 16,
-              "max_cpu_loras": 3, "block_size": 4, **kwargs}
-    return LLMEngine(path, **kwargs)
+CPU_LORAS = 3  # adapters kept in CPU memory while producers churn 4 sources (the shared default keeps 4)
 
 
 class Producer(threading.Thread):
@@ -96,7 +95,7 @@ class Producer(threading.Thread):
 
 def test_engine_fed_from_threads_while_stepping(engine_checkpoint, greedy_oracle, tmp_path):
     path, hf, adapters = engine_checkpoint
-    engine = make_engine(path, max_num_seqs=8)
+    engine = make_engine(path, max_num_seqs=8, max_cpu_loras=CPU_LORAS)
     tokenizer = engine.tokenizer.get()
     num_rounds = 10
     rounds = threading.Barrier(4)  # three producers and this thread
@@ -202,7 +201,7 @@ def test_adapter_calls_between_schedule_and_activate(engine_checkpoint, greedy_o
     """A pin (or remove) from another thread lands between the step's scheduling and its activation of
     adapters. The step must still run every request it scheduled with the right weights."""
     path, hf, adapters = engine_checkpoint
-    engine = make_engine(path, max_cpu_loras=4)
+    engine = make_engine(path)
     loras = {name: LoRARequest(name, adapters[name][0]) for name in ("r4", "r8-qv", "r16-mlp")}
     for request in loras.values():
         engine.add_lora(request)
@@ -247,7 +246,7 @@ def test_step_from_a_second_thread_at_once_is_refused(engine_checkpoint, greedy_
     """step() has one caller at a time: a second thread stepping concurrently gets RuntimeError, and
     the engine carries on unharmed."""
     path, hf, _ = engine_checkpoint
-    engine = make_engine(path)
+    engine = make_engine(path, max_cpu_loras=CPU_LORAS)
     engine.add_request("r", [5, 6, 7], PARAMS)
     schedule, inside, leave = engine.scheduler.schedule, threading.Event(), threading.Event()
 
@@ -265,7 +264,5 @@ def test_step_from_a_second_thread_at_once_is_refused(engine_checkpoint, greedy_
     leave.set()
     first.join()
     engine.scheduler.schedule = schedule
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    done = run_to_completion(engine)
     assert done["r"].outputs[0].token_ids == greedy_oracle(hf, [5, 6, 7], PARAMS.max_tokens)[0]

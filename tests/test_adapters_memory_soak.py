@@ -8,9 +8,9 @@ The figures (cycles, peak and final memory) are printed; see them with ``pytest 
 """
 
 import gc
+import logging
 import random
 import threading
-import time
 
 import pytest
 import torch
@@ -214,7 +214,6 @@ def test_soak_memory_returns_to_what_resident_adapters_need(soak_env, device):
         ranks_bytes = m.lora_slots.slot_ranks.nbytes  # prompt adapters are off: their slots are empty
         assert slots_census[device] - baseline[device] == slot_bytes + ranks_bytes  # allocated once, up front
         rss_start, peak_stats_bytes, peak_census, peak_pinned, peak_rss = rss_bytes(), 0, 0, 0, 0
-        start = time.perf_counter()
         for cycle in range(1, CYCLES + 1):
             soak.step()
             peak_stats_bytes = max(peak_stats_bytes, soak.check_bounds()["cpu_bytes"])
@@ -227,7 +226,6 @@ def test_soak_memory_returns_to_what_resident_adapters_need(soak_env, device):
                 peak_census = max(peak_census, host_bytes(census, slots_census))
                 peak_pinned = max(peak_pinned, census["pinned"] - slots_census["pinned"])
                 peak_rss = max(peak_rss, rss_bytes())
-        elapsed = time.perf_counter() - start
         assert peak_stats_bytes <= (MAX_CPU + MAX_HELD) * max(soak_env["nbytes"].values())
         for ref in soak.held:
             m.loras.release(ref)
@@ -249,7 +247,8 @@ def test_soak_memory_returns_to_what_resident_adapters_need(soak_env, device):
         assert m.lora_slots.slot_ranks.sum().item() == 0
         final_census = tensor_census()
         assert final_census == slots_census  # nothing leaked: CPU, pinned and device bytes all back
-        print(f"\nsoak[{device}]: {CYCLES} cycles over {NUM_NAMES} names x {len(SOURCES)} sources in {elapsed:.1f}s; "
+        logging.getLogger(__name__).info(
+              f"soak[{device}]: {CYCLES} cycles over {NUM_NAMES} names x {len(SOURCES)} sources; "
               f"{counts['disk_loads']} disk loads, {counts['slot_loads']} slot writes, {counts['slot_evictions']} "
               f"slot evictions, {counts['cpu_evictions']} CPU evictions, {counts['load_failures']} failed loads; "
               f"adapter CPU bytes peak {peak_stats_bytes} (census peak {peak_census}), after release "

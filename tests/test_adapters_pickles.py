@@ -15,15 +15,8 @@ import torch
 
 from adapters import LoRARequest, UnsafeAdapterError
 from tests import factories
-from tests.test_reliability_catalogue import (  # noqa: F401 - hub_cache is a fixture
-    GREEDY,
-    assert_exact,
-    assert_idle,
-    good_requests,
-    hub_cache,
-    make_engine,
-    step_until_done,
-)
+from engine_support import assert_exact, assert_idle, make_engine, run_to_completion
+from test_engine_bad_adapters import GREEDY, OFFLINE, good_requests, hub_cache  # noqa: F401 - hub_cache is a fixture
 
 
 class _RunsShell:
@@ -80,7 +73,7 @@ def test_pickles_never_execute_nor_overallocate_even_with_opt_in(engine_checkpoi
         str(legit), safe_serialization=False)
     ctx = dict(root=tmp_path, hf=hf, legit_bin=legit)
     bad = {case: _bin_variant(kind)(ctx, case) for case, (kind, _) in PICKLE_CASES.items()}
-    engine = make_engine(path, allow_pickle=True, max_adapter_bytes=2**20)
+    engine = make_engine(path, **OFFLINE, allow_pickle=True, max_adapter_bytes=2**20)
     good = good_requests(engine_checkpoint, "good") + [("good-bin", [30, 31, 32], LoRARequest("bin", str(legit)),
                                                          adapters["r4"][1])]  # r4 is seed 1, r 4, alpha 8
     for request_id, prompt, lora, _ in good[:2]:
@@ -89,7 +82,7 @@ def test_pickles_never_execute_nor_overallocate_even_with_opt_in(engine_checkpoi
         engine.add_request(case, [40, 41], GREEDY, lora_request=request)
     for request_id, prompt, lora, _ in good[2:]:
         engine.add_request(request_id, prompt, GREEDY, lora_request=lora)
-    done = step_until_done(engine, {})
+    done = run_to_completion(engine)
     for case, (request, marker) in bad.items():
         fragment = PICKLE_CASES[case][1]
         with pytest.raises(UnsafeAdapterError, match=re.escape(fragment)):

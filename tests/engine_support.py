@@ -1,0 +1,105 @@
+"""What the end-to-end engine tests share: one engine builder, one run-to-completion loop, one
+exactness check against the transformers/PEFT greedy oracle (conftest's ``greedy_oracle``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from lora_runner import LLMEngine, RequestOutput
+
+# A small engine on the tiny checkpoints: 4 rows, 2 adapter slots, blocks of 4 tokens.
+ENGINE_DEFAULTS = dict(device="cpu", max_num_seqs=4, max_model_len=64, max_loras=2, max_lora_rank=16,
+                       max_cpu_loras=4, block_size=4)
+HANG_GUARD_S = 120.0  # a deadline instead of a hang when requests never finish; a working engine takes seconds
+
+
+def make_engine(path: str, *, poison: Iterable[str] = (), **overrides) -> LLMEngine:
+    """An LLMEngine on ``path`` with ENGINE_DEFAULTS updated by ``overrides``.
+
+    ``poison`` names buffers filled with NaN before the first step, so a read of a row nothing wrote
+    shows in the logits: "kv_cache", "prompt_slots" (soft-prompt rows), "vocab_slots" (embed/lm_head
+    LoRA rows).
+    """
+    engine = LLMEngine(path, **{**ENGINE_DEFAULTS, **overrides})
+    buffers = {"kv_cache": lambda: [engine.runner.kv_cache],
+               "prompt_slots": lambda: [engine.adapters.manager.prompt_slots.embeddings],
+               "vocab_slots": lambda: engine.adapters.manager.vocab_slots._tensors()}  # noqa: SLF001
+    for name in poison:
+        assert name in buffers, f"unknown buffer {name!r}; poisonable: {sorted(buffers)}"
+        for tensor in buffers[name]():
+            tensor.fill_(float("nan"))
+    return engine
+
+
+def run_to_completion(engine: LLMEngine, requests: Iterable[tuple] = (), *, per_step: int | None = None,
+                      on_step: Callable[[int, list[RequestOutput]], None] | None = None,
+                      done: dict[str, RequestOutput] | None = None,
+                      timeout: float = HANG_GUARD_S) -> dict[str, RequestOutput]:
+    """Add ``requests`` and step until nothing is unfinished; returns ``done``: {id: finished output}.
+
+    requests: ``(id, prompt, params[, lora_request[, prompt_adapter_request]])``, all added before
+    the first step, or ``per_step`` of them before each step. ``on_step(step, outputs)`` sees every
+    step's outputs. A request reported finished twice (or already in ``done``) fails the test.
+    The deadline bounds the wait (steps are instant while every request waits on a load).
+    """
+    pending, done, step = list(requests), {} if done is None else done, 0
+    deadline = time.monotonic() + timeout
+    while pending or engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, f"requests still unfinished: {unfinished(engine)}"
+        for _ in range(len(pending) if per_step is None else per_step):
+            if pending:
+                request_id, prompt, params, *adapters = pending.pop(0)
+                lora, prompt_adapter = (*adapters, None, None)[:2]
+                engine.add_request(request_id, prompt, params, lora_request=lora,
+                                   prompt_adapter_request=prompt_adapter)
+        outputs = engine.step()
+        if on_step is not None:
+            on_step(step, outputs)
+        step += 1
+        for output in outputs:
+            if output.finished:
+                assert output.request_id not in done, f"{output.request_id} reported finished twice"
+                done[output.request_id] = output
+    return done
+
+
+def unfinished(engine: LLMEngine) -> list[tuple]:
+    """(id, status, adapter ref) of every request the scheduler still holds: what a hang guard reports."""
+    scheduler = engine.scheduler
+    return [(r.request_id, r.status, r.lora_ref) for r in (*scheduler.running, *scheduler.waiting)]
+
+
+def step_until(engine: LLMEngine, done: dict[str, RequestOutput], predicate: Callable[[], bool],
+               timeout: float = HANG_GUARD_S) -> dict[str, RequestOutput]:
+    """Step until ``predicate()`` holds, recording finished outputs in ``done`` (a deadline, not a hang)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the condition never came true"
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return done
+
+
+def assert_exact(output: RequestOutput, model, prompt: list[int], oracle, max_tokens: int = 5, *,
+                 finish_reason: str | None = "length", logprobs: bool = True, tolerance: float = 1e-4) -> None:
+    """The output is what ``model`` (transformers/PEFT) gives greedily: the prompt as given (no
+    placeholders), the same tokens, the finish reason (None: not checked) and, unless the request
+    asked for none (``logprobs=False``), each chosen token's logprob within ``tolerance``."""
+    tokens, want_logprobs = oracle(model, prompt, max_tokens)
+    completion = output.outputs[0]
+    assert output.prompt_token_ids == prompt, output.request_id
+    assert completion.token_ids == tokens, (output.request_id, completion.token_ids, tokens, output.error)
+    if finish_reason is not None:
+        assert completion.finish_reason == finish_reason, (output.request_id, completion.finish_reason)
+    if not logprobs:
+        return
+    assert completion.logprobs is not None and len(completion.logprobs) == len(tokens), output.request_id
+    for step, want in enumerate(want_logprobs):
+        assert abs(completion.logprobs[step][tokens[step]] - want) <= tolerance, (output.request_id, step)
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    """Nothing unfinished and every KV block back on the free list, held by no one."""
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests(), "requests still unfinished"
+    assert bm.num_free_blocks == bm.num_blocks and bm.holders() == [], (bm.num_free_blocks, bm.holders())

@@ -1,0 +1,106 @@
+"""No import cycle among the modules of lora_runner, adapters and punica_kernels.
+
+The graph is read from the sources (tests/import_graph.py): function-level imports count, imports
+under ``if TYPE_CHECKING:`` do not. The checker itself is tested on small packages written to tmp_path.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from import_graph import PACKAGES, cycle_path, import_cycles, import_graph
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_package(root: Path, files: dict[str, str]) -> Path:
+    """Write {relative path: source} under ``root`` (``__init__.py`` files included as given)."""
+    for relative, source in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source))
+    return root
+
+
+def describe(graph: dict[str, set[str]], cycles: list[list[str]]) -> str:
+    return "\n".join(f"cycle of {len(c)} modules: {', '.join(c)}\n  e.g. {' -> '.join(cycle_path(graph, c))}"
+                     for c in cycles)
+
+
+def test_our_packages_have_no_import_cycle():
+    graph = import_graph(REPO_ROOT, PACKAGES)
+    assert "lora_runner.engine.llm_engine" in graph and "adapters.tier" in graph and "punica_kernels.ops" in graph
+    cycles = import_cycles(graph)
+    assert cycles == [], "import cycles (function-level imports count):\n" + describe(graph, cycles)
+
+
+def test_a_cycle_closed_by_a_function_level_import_is_found(tmp_path):
+    write_package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg.b import helper\n",
+        "pkg/b.py": """
+            def helper():
+                import pkg.a  # closes a -> b -> a at call time
+                return pkg.a
+            """,
+        "pkg/c.py": "import pkg.b\n",  # depends on the cycle without being part of it
+    })
+    graph = import_graph(tmp_path, ["pkg"])
+    assert import_cycles(graph) == [["pkg.a", "pkg.b"]]
+    assert cycle_path(graph, ["pkg.a", "pkg.b"]) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_type_checking_imports_are_not_edges_but_their_else_branch_is(tmp_path):
+    write_package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": """
+            from __future__ import annotations
+            import typing
+            from typing import TYPE_CHECKING
+            import pkg.b
+            if TYPE_CHECKING:
+                from pkg.b import Thing
+            if typing.TYPE_CHECKING:
+                import pkg.b as b
+            """,
+        "pkg/b.py": """
+            from typing import TYPE_CHECKING
+            if TYPE_CHECKING:
+                from pkg import a
+            else:
+                from pkg import c
+            """,
+        "pkg/c.py": "",
+    })
+    graph = import_graph(tmp_path, ["pkg"])
+    assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.a"] == {"pkg.b"}
+    assert import_cycles(graph) == []
+
+
+def test_from_imports_of_submodules_relative_imports_and_package_inits_are_edges(tmp_path):
+    write_package(tmp_path, {
+        "pkg/__init__.py": "from pkg.sub import x\n",  # an __init__'s imports count
+        "pkg/sub/__init__.py": "from . import leaf\nfrom .leaf import VALUE as x\n",
+        "pkg/sub/leaf.py": """
+            import os  # not one of our packages: no edge
+            def late():
+                from .. import names  # relative, two levels, to a submodule
+                from ..names import NAME  # relative, to a module's attribute
+            """,
+        "pkg/names.py": "from pkg import sub\n",  # `sub` is a package: an edge to pkg.sub, not pkg
+    })
+    graph = import_graph(tmp_path, ["pkg"])
+    assert graph == {"pkg": {"pkg.sub"}, "pkg.sub": {"pkg.sub.leaf"}, "pkg.sub.leaf": {"pkg.names"},
+                     "pkg.names": {"pkg.sub"}}
+    assert import_cycles(graph) == [["pkg.names", "pkg.sub", "pkg.sub.leaf"]]
+
+
+def test_an_attribute_of_a_package_is_an_edge_to_its_init(tmp_path):
+    write_package(tmp_path, {
+        "pkg/__init__.py": "from pkg.engine import Engine\n",
+        "pkg/engine.py": "def build():\n    from pkg import Engine\n    return Engine\n",
+    })
+    graph = import_graph(tmp_path, ["pkg"])
+    assert graph == {"pkg": {"pkg.engine"}, "pkg.engine": {"pkg"}}
+    assert import_cycles(graph) == [["pkg", "pkg.engine"]]
