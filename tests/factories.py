@@ -224,7 +224,7 @@ def save_huge_lora(base_model, path, magnitude: float = 1e18, seed: int = 0, r: 
     return save_lora(base_model, path, seed=seed, r=r, scale=magnitude, **lora_kwargs)
 
 
-# ---- hostile adapters (issue 11): backtracking regexes, files rewritten during a load, huge configs ----
+# ---- hostile adapters: backtracking regexes, files rewritten during a load, huge configs ----
 
 # Catastrophic backtracking for Python's re on any module key; RE2 answers "no match" in linear time.
 HOSTILE_PATTERNS = ("(.|.)*Z", ".{6}(.|.)*Z")
@@ -274,7 +274,7 @@ def save_lora_versions(base_model, root, **lora_kwargs) -> dict[str, Path]:
     return dirs
 
 
-# ---------------------------------------------------------------- hostile adapters: adapter state (issue 11)
+# ---------------------------------------------------------------- hostile adapters: adapter state
 def save_nan_copy(source_dir, path) -> Path:
     """Copy a saved adapter (LoRA or prompt adapter) to ``path`` with every tensor NaN: it passes
     every check but the finiteness one, so its load fails with InvalidAdapterError."""

@@ -1,4 +1,4 @@
-"""Issue 11, items 3 and 7 (config size): adapter files changing under a load, leaks, huge configs.
+"""Adapter files changing under a load, leaks, huge configs.
 
 Safetensors weights are read into memory the process owns and parsed from there, so a file that is
 truncated or rewritten at any stage of a load gives InvalidAdapterError or one version's exact
@@ -208,7 +208,7 @@ def test_load_remove_cycles_leave_rss_where_it_was(versions):
     assert after - before < RSS_BOUND
 
 
-# ---- adapter_config.json size and shape (item 7) -------------------------------------------------------
+# ---- adapter_config.json size and shape --------------------------------------------------------------
 
 def test_oversized_config_is_refused_before_reading(base, tmp_path):
     factories.save_lora(base, tmp_path, r=2)

@@ -1,4 +1,4 @@
-"""Adapter state under a hostile tenant (issue 11, items 4, 5, 7, 8, 9): pins, abort racing
+"""Adapter state under a hostile tenant: pins, abort racing
 add_request, CPU memory of waiting adapters, close(), bad replacements and idle waiting.
 
 Every case runs LoRAs and, where pins and replacement apply, prompt adapters through the same
@@ -106,7 +106,7 @@ def wait_settled(tier, ref, timeout=60.0):
         time.sleep(0.002)
 
 
-# ---------------------------------------------------------------------------------------- item 4: pins
+# ---------------------------------------------------------------------------------------- pins
 @pytest.mark.parametrize("kind", KINDS)
 def test_pin_on_a_replaced_name_never_makes_step_raise(kit, greedy_oracle, kind):
     """4(a): a request on the old version of a name that was then replaced and pinned waits for a slot
@@ -206,7 +206,7 @@ def test_pins_leave_a_slot_for_unpinned_adapters(kit, greedy_oracle, kind):
     engine.close()
 
 
-# ------------------------------------------------------------------------- item 5: abort vs add_request
+# ------------------------------------------------------------------------- abort vs add_request
 def test_abort_racing_add_request_reports_the_request_once(kit, greedy_oracle, monkeypatch):
     """An abort that lands while add_request is acquiring adapters neither reports the request twice
     nor releases what it never acquired; an abort after add_request returned finishes it once."""
@@ -243,7 +243,7 @@ def test_abort_racing_add_request_reports_the_request_once(kit, greedy_oracle, m
     engine.close()
 
 
-# ------------------------------------------------------------------------ item 7: CPU memory of adapters
+# ------------------------------------------------------------------------ CPU memory of adapters
 def test_waiting_requests_with_distinct_adapters_keep_cpu_memory_bounded(kit, greedy_oracle):
     """30 waiting requests with 30 distinct adapters and max_cpu_loras=2: at most max_cpu_loras +
     (load_workers + download_workers) adapter versions ever hold weights; every request finishes
@@ -274,7 +274,7 @@ def test_waiting_requests_with_distinct_adapters_keep_cpu_memory_bounded(kit, gr
     engine.close()
 
 
-# --------------------------------------------------------------------------------------- item 8: close
+# --------------------------------------------------------------------------------------- close
 def test_close_returns_at_once_with_a_stalled_download_and_fails_its_requests(kit, greedy_oracle):
     engine, resolver = gated_engine(kit)
     entered, release, left = threading.Event(), threading.Event(), threading.Event()
@@ -337,7 +337,7 @@ print(f"closed while stalled={not released.is_set()}", flush=True)
     assert line.strip() == "closed while stalled=True" and proc.returncode == 0, (line, proc.returncode)
 
 
-# ------------------------------------------------------------------------- item 9: no busy wait on a load
+# ------------------------------------------------------------------------- no busy wait on a load
 def test_waiting_for_a_slow_load_sleeps_instead_of_spinning(kit, greedy_oracle):
     """While the only request waits for its adapter, LLM.generate's loop sleeps on load completion:
     it steps at most twice while the load is held (a spinning loop steps hundreds of times in the

@@ -30,9 +30,9 @@ Catalogue (kind -> exception: where; bare names are ADAPTER_CASES keys)
   prompt adapter with too many virtual tokens / another hidden size -> AdapterTooLargeError /
       InvalidAdapterError: test_bad_prompt_adapters_fail_only_their_own_request
   empty prompt, prompt over max_model_len, duplicate request id, ids outside the vocabulary, wrong
-      argument types -> ValueError: test_reliability_arguments.py
-  invalid sampling parameters -> ValueError: test_reliability_arguments.py (and test_sampling_params.py)
-  unknown adapter name in remove / pin / unpin -> UnknownAdapterError: test_reliability_arguments.py
+      argument types -> ValueError: test_engine_arguments.py
+  invalid sampling parameters -> ValueError: test_engine_arguments.py (and test_sampling_params.py)
+  unknown adapter name in remove / pin / unpin -> UnknownAdapterError: test_engine_arguments.py
   a pin that would leave no device slot for unpinned adapters -> AdapterCapacityError from pin_lora /
       pin_prompt_adapter: test_engine_adapter_lifecycle.py::test_pins_leave_a_slot_for_unpinned_adapters
   any call that adds or manages adapters after close() -> EngineClosedError:

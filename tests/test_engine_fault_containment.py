@@ -1,4 +1,4 @@
-"""Fault containment inside step() (issue 11 items 2b, 2c, 9): a failure caused by one request
+"""Fault containment inside step(): a failure caused by one request
 (its sampling, its detokenization, its soft-prompt placeholders, NaN/inf logits from a huge LoRA)
 finishes that request with finish_reason "error" and the exception in ``.error``; every other
 request in the step keeps exactly the tokens of a run without the fault. LLM.generate leaves

@@ -1,4 +1,4 @@
-"""Issue 11 item 6: a busy pair of tenants must not starve a third; admission is fair across tenants.
+"""A busy pair of tenants must not starve a third; admission is fair across tenants.
 
 The fair policy is the Virtual Token Counter (lora_runner.core.fairness): unit tests of the counters and
 the order, then the scheduler with a fake model (many steps, exact), then the engine on the tiny

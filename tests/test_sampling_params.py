@@ -72,7 +72,7 @@ def test_engine_config_resolves_auto_and_limits():
     assert engine_limits(EngineConfig("m", kv_cache_memory_bytes=16 * 100 * 40), 512, 100).num_kv_blocks == 40
 
 
-# ---------------------------------------------------------------- issue 11: full validation, copies
+# ---------------------------------------------------------------- full validation, copies
 def _after(**changes):
     """Valid params with fields changed after construction, as a caller may do."""
     params = SamplingParams(temperature=0.0, max_tokens=3)

@@ -1,4 +1,4 @@
-"""Issue 16, items 1 and 3: the CPU KV cache sized from the workload and available RAM, committed
+"""The CPU KV cache sized from the workload and available RAM, committed
 lazily; the intra-op thread count chosen, validated, applied and logged."""
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 UnknownAdapterError for an unknown adapter name, naming what is wrong, while requests already in
 the engine keep running and finish exactly as transformers/PEFT compute them.
 
-Hostile SamplingParams (issue 11 item 2): each is refused at add_request, changed fields
+Hostile SamplingParams: each is refused at add_request, changed fields
 included, before touching engine state; a request running meanwhile keeps bit-identical output;
 LLM.generate leaves nothing live after refusing.
 """
-
-import time
 
 import pytest
 
@@ -75,7 +73,7 @@ def test_bad_arguments_raise_and_others_stay_exact(engine_checkpoint, greedy_ora
     assert_idle(engine)
 
 
-# ---------------------------------------------------------------- issue 11 item 2: hostile SamplingParams
+# ---------------------------------------------------------------- hostile SamplingParams
 def _after(**changes):
     """Valid params whose fields are changed after construction, as a caller may do."""
     params = SamplingParams(temperature=0.0, max_tokens=3)
@@ -130,14 +128,10 @@ def test_hostile_sampling_params_fail_at_add_request_and_leave_the_engine_untouc
     path, hf, adapters = engine_checkpoint
     reference = _serve_bystanders(make_engine(path, **OFFLINE, max_logprobs=8), adapters)
     engine = make_engine(path, **OFFLINE, max_logprobs=8)
-    took = {}
     for what, (params, fragment) in hostile_params().items():  # on an idle engine
-        start = time.perf_counter()
-        with pytest.raises(ValueError, match=fragment):
+        with pytest.raises(ValueError, match=fragment):  # the 5M ids are refused unscanned: test_sampling_params
             engine.add_request("attack", [5, 6], params)
-        took[what] = time.perf_counter() - start
         assert not engine.has_unfinished_requests() and engine.step() == [], what
-    assert took["5 million stop_token_ids"] < 0.5, took  # refused by its length, not scanned
     assert_idle(engine)
 
     attacked = _serve_bystanders(engine, adapters, hostile_params())
