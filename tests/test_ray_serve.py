@@ -241,19 +241,16 @@ def _killed_replica_fails_in_flight_and_survivor_takes_over(http, cluster, loras
             assert streamed.status_code == 200 and streamed.headers["x-lora-runner-replica"] == victim
             lines = streamed.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # generating on the victim now
-            started = time.monotonic()
             in_flight = [pool.submit(http.post, "/v1/completions", json=_long_body(a)) for a in exclusive[victim]]
             time.sleep(1.5)  # routed to the victim (its adapters live only there) and generating
             assert not any(f.done() for f in in_flight)
             ray.kill(_replica_actor(victim), no_restart=True)
             rest = [line for line in lines if line.startswith("data: ")]
-        failed = [f.result(timeout=120) for f in in_flight]
-        elapsed = time.monotonic() - started
+        failed = [f.result(timeout=60) for f in in_flight]  # answered, not left to a client timeout
     assert rest and "[DONE]" not in rest[-1] and '"error"' in rest[-1]
     for response in failed:
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "replica_unavailable"
-    assert elapsed < 60.0  # nothing waits for a dead replica
     served_by = {}
     for name in sorted(loras):
         response = _complete(http, name)

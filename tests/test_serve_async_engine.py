@@ -73,10 +73,21 @@ def test_a_stats_snapshot_is_published_after_every_step(engine):
 
 def test_the_step_thread_sleeps_without_work(engine):
     calls = _count_steps(engine)
+    waits, wait = [], engine._wake.wait
+
+    def recording_wait(timeout=None):
+        waits.append((timeout, len(calls)))
+        return wait(timeout)
+
+    engine._wake.wait = recording_wait
     asyncio.run(_collect(engine, "warm", [5, 6], max_tokens=2))
     settled = len(calls)
-    time.sleep(0.3)
-    assert len(calls) == settled  # no step at all while idle (a busy loop would call it thousands of times)
+    deadline = time.monotonic() + 30
+    while not (waits and waits[-1][1] == settled and engine._wake._waiters) and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the step thread parks (CPython's Condition keeps its waiters in _waiters)
+    # parked in one untimed wait after its last step: only a notify (new work, shutdown) wakes it, so an
+    # idle engine is never stepped (a polling loop would wait with a timeout, or step again)
+    assert waits[-1] == (None, settled) and len(calls) == settled
     asyncio.run(_collect(engine, "again", [5, 6], max_tokens=2))  # and it wakes up for new work
     assert len(calls) > settled
 
