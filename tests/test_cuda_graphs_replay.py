@@ -65,7 +65,7 @@ class Rig:
         greedy = SamplingParams(temperature=0.0)
         for i in range(0, num_requests, 4):  # <= 4 * 24 tokens per step
             part = chunks[i:i + 4]
-            tokens = self.runner.execute(part, [greedy] * len(part), [None] * len(part)).token_ids
+            tokens = self.runner.execute_chunks(part, [greedy] * len(part), [None] * len(part)).token_ids
             for chunk, token in zip(part, tokens):
                 chunk.token_ids = chunk.token_ids + [token]
                 chunk.start, chunk.num_new_tokens = chunk.num_new_tokens, 1

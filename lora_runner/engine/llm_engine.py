@@ -27,7 +27,6 @@ from lora_runner.device import available_host_memory, set_cpu_threads
 from lora_runner.core.fairness import VirtualTokenCounter
 from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.errors import EngineClosedError
-from lora_runner.worker.request_rows import StepUpdate
 from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.worker.memory_profile import profile_kv_cache_budget
 from lora_runner.model import load_model
@@ -37,7 +36,8 @@ from lora_runner.outputs import RequestOutput
 from lora_runner.engine.parallel_sampling import SampleGroup, merge_outputs, sample_ids
 from lora_runner.worker.model_runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
-from lora_runner.core.scheduler import Scheduler, ScheduledRequest
+from lora_runner.core.scheduler import Scheduler
+from lora_runner.core.scheduler_output import SchedulerOutput
 from lora_runner.core.request import Request
 from lora_runner.engine.tokenizer import LazyTokenizer, eos_token_ids
 
@@ -374,9 +374,9 @@ class LLMEngine:
             logger.warning("request %r failed: %s", request.request_id, error)
             outputs.append(self._finish(request, "error", error))
         if sched.scheduled:
-            outputs += self._run(sched.scheduled, slot_of, prompt_slot_of)
+            outputs += self._run(sched, slot_of, prompt_slot_of)
         else:  # the runner's rows of requests that left go now, not at the next step that runs something
-            self.runner.forget(self.scheduler.take_freed())
+            self.runner.forget(sched.left_ids)
         return outputs
 
     def _take_intake(self) -> list[RequestOutput]:
@@ -392,14 +392,18 @@ class LLMEngine:
                 outputs.append(self._finish(request, "abort"))
         return outputs
 
-    def _run(self, scheduled: list[ScheduledRequest], slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
-        # the runner keeps each running request's state in a row: it reads only what changed
-        step = StepUpdate(scheduled, self.scheduler.take_freed(), self.block_manager.table, slot_of, prompt_slot_of)
-        sampling = [s.request for s in scheduled if s.samples]
-        result = self.runner.execute(step, [r.params for r in sampling], [r.generator for r in sampling],
-                                     _penalty_histories(sampling), self._min_tokens_bans(sampling))
+    def _run(self, sched: SchedulerOutput, slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
+        # the runner keeps each running request's state in a row: the output says what changed
+        sampling = [s.request for s in sched.scheduled if s.samples]
+        try:
+            result = self.runner.execute(sched, slot_of, prompt_slot_of, [r.params for r in sampling],
+                                         [r.generator for r in sampling], _penalty_histories(sampling),
+                                         self._min_tokens_bans(sampling))
+        except BaseException:  # re-raised; the rows of requests that left must not outlive a failed step
+            self.runner.forget(sched.left_ids)
+            raise
         return [self._report(request, error)
-                for request, error in self.scheduler.postprocess(scheduled, result, self.output_processor)]
+                for request, error in self.scheduler.postprocess(sched.scheduled, result, self.output_processor)]
 
     def _report(self, request: Request, error: BaseException | None) -> RequestOutput:
         """A sampled request's output after Scheduler.postprocess; a finished one gives its adapters
