@@ -417,8 +417,10 @@ class LLMEngine:
         return self._output(request)
 
     def _min_tokens_bans(self, requests: list[Request]) -> list[list[int] | None] | None:
-        """Per sampled request, the ids it may not sample yet (min_tokens); None when none bans any."""
-        bans = [_banned_before_min_tokens(r, self.eos_token_ids) for r in requests]
+        """Per sampled request, the ids it may not sample yet (min_tokens); None when none bans any.
+        The rule is the output processor's (lora_runner.core.stop_rule): an early EOS or stop token
+        is never generated."""
+        bans = [sorted(self.output_processor.stop_tokens(r).banned) or None for r in requests]
         return bans if any(bans) else None
 
     def _insert_placeholders(self) -> None:
@@ -476,16 +478,6 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary)")
         return token_ids
-
-
-def _banned_before_min_tokens(request: Request, eos_token_ids: frozenset[int]) -> list[int] | None:
-    """The token ids that would end `request` while it is under min_tokens: masked from sampling,
-    as vLLM does, so an early EOS or stop token is never generated; None once it may stop."""
-    params = request.params
-    if request.num_output_tokens >= params.min_tokens:
-        return None
-    ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    return sorted(ids) or None
 
 
 def _penalty_histories(requests: list[Request]) -> list[tuple[list[int], list[int]] | None]:
