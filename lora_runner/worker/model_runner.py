@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, SeqChunk, StepShape
+from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, SeqChunk, BatchShape
 from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
 from lora_runner.worker.request_rows import InputBatch
 from lora_runner.worker.kv_cache import allocate_kv_cache
@@ -107,7 +107,7 @@ class ModelRunner:
         for request_id in request_ids:
             self.input_batch.free(request_id)
 
-    def _forward_and_sample(self, shape: StepShape, params, generators, histories, banned) -> SamplerOutput:
+    def _forward_and_sample(self, shape: BatchShape, params, generators, histories, banned) -> SamplerOutput:
         batch, key = self._upload(shape)
         if key is not None:
             hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
@@ -125,7 +125,7 @@ class ModelRunner:
             return None
         return self.lm_head_lora.context(batch.token_lora_slots[batch.sample_indices])
 
-    def _upload(self, step: StepShape) -> tuple[BatchInputs, DecodeGraphKey | None]:
+    def _upload(self, step: BatchShape) -> tuple[BatchInputs, DecodeGraphKey | None]:
         """The step's device views and its decode graph (None: eager), after one upload: a graphed
         decode step is padded to its graph's size before it."""
         key = self.decode_graphs.key_for(step) if self.decode_graphs is not None else None
