@@ -200,7 +200,8 @@ def test_staged_padded_steps_of_one_size_share_their_views():
         chunks = random_chunks(rng, num_seqs, 4, 6)
         for chunk in chunks:
             chunk.start, chunk.num_new_tokens = len(chunk.token_ids) - 1, 1
-        padded, want = staged.upload(staged.write(chunks), padded_seqs=8), plain.upload(plain.write(chunks), padded_seqs=8)
+        padded = staged.upload(staged.write(chunks), padded_seqs=8)
+        want = plain.upload(plain.write(chunks), padded_seqs=8)
         for name in graph_read:
             assert getattr(padded, name).data_ptr() == getattr(capture, name).data_ptr(), name
             assert torch.equal(getattr(padded, name), getattr(want, name)), name

@@ -40,8 +40,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[Samp
 
 def token_counts(rows: Sequence[int], histories: Sequence[History], vocab: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per history (of batch row rows[i], named in errors): how often each token occurs among its generated tokens, and whether it occurs
-    in its prompt ([P, V] float32 and bool); one host->device copy each."""
+    """Per history (of batch row rows[i], named in errors): how often each token occurs among its
+    generated tokens, and whether it occurs in its prompt ([P, V] float32 and bool); one host->device copy each."""
     tokens, owners, generated = [], [], []  # per token: its id, its row among the histories, 1.0 if generated
     for position, (row, history) in enumerate(zip(rows, histories)):
         for ids, is_generated in zip(history, (0.0, 1.0)):
