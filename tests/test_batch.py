@@ -103,8 +103,8 @@ def attention_metadata(batch):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_pad_decode_padding_writes_no_kv_and_attends_finitely(seed):
-    """pad_decode: real rows as build() wrote them; padding rows (token 0, position 0, LoRA slot -1,
+def test_decode_padding_writes_no_kv_and_attends_finitely(seed):
+    """upload(padded_seqs=): real rows as build() wrote them; padding rows (token 0, position 0, LoRA slot -1,
     KV slot -1, context 1 over block 0) leave the cache as the real rows alone leave it, and attend
     to finite values although every block outside the step (block 0 aside) holds NaN."""
     rng = random.Random(seed)
@@ -121,7 +121,7 @@ def test_pad_decode_padding_writes_no_kv_and_attends_finitely(seed):
     batch = builder.build(chunks)
     real = {name: getattr(batch, name).clone() for name in ("input_ids", "positions", "slot_mapping",
                                                             "token_lora_slots", "seq_lens", "block_tables")}
-    padded = builder.pad_decode(batch, padded_seqs)
+    padded = builder.upload(batch, padded_seqs=padded_seqs)
     pad = slice(num_seqs, padded_seqs)
     assert padded.num_seqs == padded.num_tokens == padded_seqs and padded.max_query_len == 1
     assert padded.max_seq_len == width * block_size and padded.has_lora == batch.has_lora
@@ -200,7 +200,8 @@ def test_staged_padded_steps_of_one_size_share_their_views():
         chunks = random_chunks(rng, num_seqs, 4, 6)
         for chunk in chunks:
             chunk.start, chunk.num_new_tokens = len(chunk.token_ids) - 1, 1
-        padded, want = staged.pad_decode(staged.write(chunks), 8), plain.pad_decode(plain.write(chunks), 8)
+        padded = staged.upload(staged.write(chunks), padded_seqs=8)
+        want = plain.upload(plain.write(chunks), padded_seqs=8)
         for name in graph_read:
             assert getattr(padded, name).data_ptr() == getattr(capture, name).data_ptr(), name
             assert torch.equal(getattr(padded, name), getattr(want, name)), name

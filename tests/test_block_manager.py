@@ -8,12 +8,12 @@ from lora_runner.core.block_manager import BlockManager
 def test_allocate_grows_table_and_counts():
     bm = BlockManager(num_blocks=8, block_size=4)
     assert bm.blocks_needed("a", 5) == 2
-    table = bm.allocate("a", 5)
-    assert len(table) == 2 and bm.num_free_blocks == 6 and bm.num_used_blocks == 2
+    first = bm.allocate("a", 5)  # returns the block ids it appended: the table's diff
+    assert len(first) == 2 and bm.table("a") == first and bm.num_free_blocks == 6 and bm.num_used_blocks == 2
     assert bm.blocks_needed("a", 8) == 0  # the second block has room for tokens 5..7
-    assert bm.allocate("a", 8) == table and len(table) == 2
-    bm.allocate("a", 9)  # token 8 starts a third block
-    assert len(bm.table("a")) == 3 and bm.num_free_blocks == 5
+    assert bm.allocate("a", 8) == [] and bm.table("a") == first
+    third = bm.allocate("a", 9)  # token 8 starts a third block
+    assert len(third) == 1 and bm.table("a") == first + third and bm.num_free_blocks == 5
 
 
 def test_tables_are_disjoint_and_free_returns_all():

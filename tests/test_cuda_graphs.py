@@ -108,7 +108,7 @@ def test_padding_keeps_real_rows_and_writes_padding_rows(seed):
         batch = builder.build(chunks)
         real = {name: getattr(batch, name).clone() for name in BUFFERS}
         key = plan.key_for(batch)
-        padded = builder.pad_decode(batch, key.num_seqs)
+        padded = builder.upload(batch, padded_seqs=key.num_seqs)
         p = key.num_seqs
         assert padded.num_tokens == p and padded.num_seqs == p and padded.max_query_len == 1
         assert padded.max_seq_len == 8 * 4 >= batch.max_seq_len  # the tables' capacity: any context fits
@@ -127,12 +127,12 @@ def test_decode_padding_bounds():
     rng = random.Random(0)
     three = builder.build(decode_chunks(rng, 3, 4, 8))
     with pytest.raises(ValueError, match="cannot pad"):
-        builder.pad_decode(three, 9)
+        builder.upload(three, padded_seqs=9)
     with pytest.raises(ValueError, match="cannot pad"):
-        builder.pad_decode(builder.build(decode_chunks(rng, 5, 4, 8)), 4)
+        builder.upload(builder.build(decode_chunks(rng, 5, 4, 8)), padded_seqs=4)
     prefill = SeqChunk(token_ids=list(range(10)), start=0, num_new_tokens=10, block_table=[40, 41, 42])
     with pytest.raises(ValueError, match="decode-only"):
-        builder.pad_decode(builder.build([prefill]), 8)
+        builder.upload(builder.build([prefill]), padded_seqs=8)
     capture = builder.padding_batch(8, lora_slot=2)  # all padding: the capture batch
     assert np.array_equal(builder.query_start_loc.np, np.arange(9))
     assert capture.has_lora and (capture.token_lora_slots == 2).all() and capture.sample_indices.numel() == 0

@@ -26,6 +26,16 @@ BACKENDS = [("cpu", torch.float32), pytest.param(("cuda", torch.float32), marks=
 TOLERANCE = {("cpu", torch.float32): 2e-5, ("cuda", torch.float32): 1e-4, ("cuda", torch.bfloat16): None}
 
 
+@torch.inference_mode()
+def replay_step(graphs, batch):
+    """The runner's graphed path on a step just built: key_for -> upload padded -> replay; hidden
+    [T, hidden] of its real tokens, or None when the step runs eagerly."""
+    key = graphs.key_for(batch)
+    if key is None:
+        return None
+    return graphs.replay(key, graphs.builder.upload(batch, padded_seqs=key.num_seqs))[:batch.num_tokens]
+
+
 class Rig:
     """A model runner, its adapter manager, and decode graphs captured with one dummy adapter."""
 
@@ -65,7 +75,7 @@ class Rig:
         greedy = SamplingParams(temperature=0.0)
         for i in range(0, num_requests, 4):  # <= 4 * 24 tokens per step
             part = chunks[i:i + 4]
-            tokens = self.runner.execute(part, [greedy] * len(part), [None] * len(part)).token_ids
+            tokens = self.runner.execute_chunks(part, [greedy] * len(part), [None] * len(part)).token_ids
             for chunk, token in zip(part, tokens):
                 chunk.token_ids = chunk.token_ids + [token]
                 chunk.start, chunk.num_new_tokens = chunk.num_new_tokens, 1
@@ -77,7 +87,7 @@ class Rig:
         for captured in graphs._graphs.values():
             captured.hidden.fill_(float("nan"))
         batch = runner.batch_builder.build(chunks)
-        replayed = graphs.run(batch)
+        replayed = replay_step(graphs, batch)
         assert replayed is not None and replayed.shape[0] == len(chunks)
         replayed = replayed.clone()  # [T, hidden]
         assert torch.isfinite(replayed).all()
@@ -144,13 +154,13 @@ def test_eager_fallbacks(rig):
     graphs, builder = rig.graphs, rig.runner.batch_builder
     rng = random.Random(3)
     chunks = rig.decode_step(rng, 5, [-1])
-    assert graphs.run(builder.build(chunks)) is not None
+    assert replay_step(graphs, builder.build(chunks)) is not None
     prefill = SeqChunk(token_ids=[5, 6, 7], start=0, num_new_tokens=3, block_table=[1])
-    assert graphs.run(builder.build([prefill])) is None
-    assert graphs.run(builder.build(chunks + [prefill])) is None
+    assert replay_step(graphs, builder.build([prefill])) is None
+    assert replay_step(graphs, builder.build(chunks + [prefill])) is None
     small = DecodeGraphs(rig.runner.model, rig.runner.forward_contexts, builder, DecodeGraphPlan(4),
                          make_graph=RerunGraph)
-    assert len(small) == 0 and small.run(builder.build(chunks)) is None  # nothing captured
+    assert len(small) == 0 and replay_step(small, builder.build(chunks)) is None  # nothing captured
 
 
 @torch.inference_mode()
@@ -164,7 +174,7 @@ def test_replay_step_does_not_sync(rig):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        assert rig.graphs.run(batch) is not None
+        assert replay_step(rig.graphs, batch) is not None
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

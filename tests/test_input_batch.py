@@ -9,7 +9,8 @@ import torch
 
 from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.core.block_manager import BlockManager
-from lora_runner.worker.request_rows import InputBatch, StepUpdate
+from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.worker.request_rows import InputBatch, RowsOutOfSyncError
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",
           "block_tables", "sample_indices", "token_prompt_slots", "token_prompt_positions")
@@ -44,7 +45,8 @@ class Chunk:
 @dataclass
 class Sim:
     """A tiny scheduler over a real BlockManager: random admissions, chunked prefills, decodes,
-    finishes, preemptions, skipped steps and id reuse; `lie` drops some preemption notices."""
+    finishes, preemptions, skipped steps and id reuse, told to the rows as a SchedulerOutput (new
+    requests in full, continuing ones as block diffs); `lie` drops some preemption notices."""
 
     rng: random.Random
     max_num_seqs: int = 6
@@ -93,25 +95,33 @@ class Sim:
             self.waiting.append(self.new_request())
 
     def schedule(self):
-        rng, chunks = self.rng, []
+        """This step's chunks (in batch order) and the SchedulerOutput that tells the rows about them."""
+        rng, entries = self.rng, []
         for request in self.running:
             if rng.random() < 0.15:
                 continue  # running but not scheduled this step
-            chunks.append(self.chunk_of(request))
+            entries.append((False, *self.chunk_of(request)))
         while self.waiting and len(self.running) < self.max_num_seqs and rng.random() < 0.8:
             request = self.waiting.pop(0)
             self.running.append(request)
-            chunks.append(self.chunk_of(request))
-        rng.shuffle(chunks)  # batch order is the scheduler's, not the rows'
-        return chunks
+            entries.append((True, *self.chunk_of(request)))
+        rng.shuffle(entries)  # batch order is the scheduler's, not the rows'
+        out = SchedulerOutput(finished_ids=self.freed)
+        self.freed = []
+        for is_new, chunk, new_blocks in entries:
+            if is_new:
+                out.add_new(chunk, self.blocks.table(chunk.request.request_id))
+            else:
+                out.add_continuing(chunk, new_blocks)
+        return [chunk for _, chunk, _ in entries], out
 
     def chunk_of(self, request):
         left = len(request.token_ids) - request.num_computed
         num_new = min(left, self.rng.randint(1, self.max_chunk))
         end = request.num_computed + num_new
         assert end <= self.width * self.block_size, "test sizes keep requests inside the table"
-        self.blocks.allocate(request.request_id, end)
-        return Chunk(request, request.num_computed, num_new)
+        new_blocks = self.blocks.allocate(request.request_id, end)
+        return Chunk(request, request.num_computed, num_new), new_blocks
 
     def slots(self, chunks, kind):
         refs = {getattr(c.request, kind) for c in chunks} - {None}
@@ -176,14 +186,15 @@ def run_steps(seed, steps=60, **sim_args):
     num_steps = 0
     for _ in range(steps):
         sim.events()
-        chunks = sim.schedule()
+        chunks, out = sim.schedule()
         if not chunks:
+            for request_id in out.left_ids:  # what ModelRunner.forget does
+                rows.free(request_id)
             continue
         lora_slot_of, prompt_slot_of = sim.slots(chunks, "lora_ref"), sim.slots(chunks, "prompt_adapter_ref")
         poison_free_rows(rows)
         poison_builder(incremental)
-        freed, sim.freed = sim.freed, []
-        step = rows.update(StepUpdate(chunks, freed, sim.blocks.table, lora_slot_of, prompt_slot_of))
+        step = rows.update(out, lora_slot_of, prompt_slot_of)
         got = incremental.upload(incremental.write_rows(rows.token_ids, rows.block_tables, step.rows, step.starts,
                                                         step.lens, step.seqs))
         want = scratch.build(reference_chunks(sim, chunks, lora_slot_of, prompt_slot_of))
@@ -208,34 +219,44 @@ def test_rows_equal_a_rebuild_over_random_adds_continues_finishes_preemptions(se
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_missed_preemption_notices_rewrite_the_row(seed):
-    """A preempted request whose notice never came restarts at 0 (its row says otherwise): the row is
-    written again from the request, and the batch still equals the rebuild."""
-    run_steps(100 + seed, lie=True)
+def test_a_missed_preemption_notice_raises(seed):
+    """A preempted request whose notice never came is sent as new while its row is still held: the
+    rows raise instead of rewriting the row."""
+    with pytest.raises(RowsOutOfSyncError, match="is new to the scheduler but has row"):
+        run_steps(100 + seed, steps=200, lie=True)
 
 
-def test_full_rows_drop_unscheduled_requests():
-    """Rows for 2 sequences, 3 requests running in turn: the unscheduled one's row is dropped and
-    written again when it comes back."""
-    sim = Sim(random.Random(0), max_num_seqs=3)
-    rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=sim.width, block_size=sim.block_size)
-    builder, scratch = builders(sim)
-    requests = [FakeRequest(f"r{i}", [i + 1, i + 2, i + 3]) for i in range(3)]
-    for turn, pair in enumerate([(0, 1), (1, 2), (2, 0), (0, 1)]):
-        chunks = []
-        for i in pair:
-            request = requests[i]
-            sim.blocks.allocate(request.request_id, len(request.token_ids))
-            chunks.append(Chunk(request, request.num_computed, len(request.token_ids) - request.num_computed))
-        step = rows.update(StepUpdate(chunks, (), sim.blocks.table))
-        got = builder.upload(builder.write_rows(rows.token_ids, rows.block_tables, step.rows, step.starts, step.lens,
-                                                step.seqs))
-        assert_same_batch(got, scratch.build(reference_chunks(sim, chunks, {}, {})))
-        rows.commit(step, [100 + turn] * len(chunks))
-        for chunk in chunks:
-            chunk.request.token_ids.append(100 + turn)
-            chunk.request.num_computed = len(chunk.request.token_ids) - 1
-    assert rows.num_rows == 2
+def one_step(rows, *entries, finished=()):
+    """rows.update of one step; entries: (is_new, request, start, num_new_tokens, block ids)."""
+    out = SchedulerOutput(finished_ids=list(finished))
+    for is_new, request, start, num_new, blocks in entries:
+        (out.add_new if is_new else out.add_continuing)(Chunk(request, start, num_new), blocks)
+    return rows.update(out)
+
+
+def test_rows_raise_when_the_output_disagrees_with_them():
+    rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=3, block_size=4)
+    a, b = FakeRequest("a", [1, 2, 3, 4, 5]), FakeRequest("b", [6, 7])
+    rows.commit(one_step(rows, (True, a, 0, 5, [3, 4])), [9])  # a holds 6 tokens, 5 computed, blocks 3 4
+    a.token_ids.append(9)
+    with pytest.raises(RowsOutOfSyncError, match="continues but has no row"):
+        one_step(rows, (False, b, 0, 2, [0]))
+    with pytest.raises(RowsOutOfSyncError, match="continues from token 4 but its row computed 5"):
+        one_step(rows, (False, a, 4, 1, []))
+    with pytest.raises(RowsOutOfSyncError, match="is new to the scheduler but has row"):
+        one_step(rows, (True, a, 0, 6, [3, 4]))
+    c = FakeRequest("c", list(range(1, 10)))
+    with pytest.raises(RowsOutOfSyncError, match="computes up to token 9 but its row holds 9 tokens in 2 blocks"):
+        one_step(rows, (True, c, 0, 9, [0, 1]))  # 9 tokens need 3 blocks of 4
+    rows.free("c")
+    with pytest.raises(RowsOutOfSyncError, match="computes up to token 7 but its row holds 6 tokens"):
+        one_step(rows, (False, a, 5, 2, []))  # the row holds only one token past the computed ones
+    step = one_step(rows, (False, a, 5, 1, []), (True, b, 0, 2, [0]))  # what agrees with the rows runs
+    assert step.starts.tolist() == [5, 0] and step.seqs.sample.tolist() == [True, True]
+    assert rows.block_tables[rows.row_of("a")].tolist() == [3, 4, 0]
+    with pytest.raises(RowsOutOfSyncError, match="all 2 rows are held"):
+        one_step(rows, (True, FakeRequest("d", [1]), 0, 1, [2]))
+    one_step(rows, (True, FakeRequest("d", [1]), 0, 1, [2]), finished=["b"])  # b left first: its row is d's
 
 
 def test_freed_rows_release_their_adapter_keys():
@@ -251,7 +272,7 @@ def test_freed_rows_release_their_adapter_keys():
 def test_commit_refuses_a_token_count_that_does_not_match():
     rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=2, block_size=4)
     request = FakeRequest("x", [1, 2, 3])
-    step = rows.update(StepUpdate([Chunk(request, 0, 3)], (), lambda request_id: [5]))
+    step = one_step(rows, (True, request, 0, 3, [5]))
     with pytest.raises(ValueError, match="sampled tokens"):
         rows.commit(step, [])
     rows.commit(step, [9])
@@ -262,7 +283,7 @@ def test_commit_refuses_a_token_count_that_does_not_match():
 def test_a_request_longer_than_its_table_is_refused():
     rows = InputBatch(max_num_seqs=1, max_blocks_per_seq=1, block_size=4)
     with pytest.raises(ValueError, match="more than its KV blocks"):
-        rows.update(StepUpdate([Chunk(FakeRequest("x", list(range(6))), 0, 4)], (), lambda request_id: [0, 1]))
+        one_step(rows, (True, FakeRequest("x", list(range(6))), 0, 4, [0, 1]))
     assert rows.num_rows == 0
 
 
@@ -280,8 +301,8 @@ def test_engine_rows_mirror_the_running_requests(engine_checkpoint, greedy_oracl
     rows, update = engine.runner.input_batch, engine.runner.input_batch.update
     checked = []
 
-    def checked_update(step):
-        result = update(step)
+    def checked_update(step, lora_slot_of, prompt_slot_of):
+        result = update(step, lora_slot_of, prompt_slot_of)
         running = {r.request_id: r for r in engine.scheduler.running}
         held = {request_id for request_id in rows.request_ids if request_id is not None}
         assert held <= set(running), held - set(running)

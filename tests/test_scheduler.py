@@ -84,7 +84,7 @@ def test_preemption_recomputes_newest_and_requeues_it_first():
     run_step(sched, sched.schedule())  # a: 9 tokens (needs block 3 next), b: 8 tokens
     assert bm.num_free_blocks == 0
     out = sched.schedule()  # a needs a third block: b (newest) is preempted
-    assert out.preempted == [b] and [s.request for s in out.scheduled] == [a]
+    assert out.preempted_ids == ["r1"] and [s.request for s in out.scheduled] == [a]
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and bm.table("b") == []
     assert sched.waiting[0] is b and b.num_preemptions == 1
     run_step(sched, out)
@@ -102,7 +102,7 @@ def test_single_request_preempts_itself_only_when_alone_and_full():
     sched.add(a)
     run_step(sched, sched.schedule())
     out = sched.schedule()
-    assert out.preempted == [a] and out.scheduled == [] and bm.num_free_blocks == 2
+    assert out.preempted_ids == ["r0"] and out.scheduled == [] and bm.num_free_blocks == 2
 
 
 def test_loading_adapter_is_skipped_not_waited_on():
@@ -222,3 +222,61 @@ def test_postprocess_finishes_frees_and_leaves_a_failed_append_to_the_caller():
     assert isinstance(results[1][1], RuntimeError) and not b.is_finished  # the caller finishes it with "error"
     assert results[2][1] is sampler_error and c.token_ids == [1, 2, 3]  # a failed row appends nothing
     assert all(r.num_computed_tokens == 3 for r in (a, b, c))
+
+
+def test_output_says_what_is_new_what_continues_and_what_left():
+    """The runner's rows read only these fields: new requests in full, continuing ones as block
+    diffs, preempted ids at once and finished ids with the next output."""
+    sched, bm = make_scheduler(num_blocks=4, block_size=4, max_tokens=64)
+    a, b = make_request(0, 8, max_tokens=8), make_request(1, 7, max_tokens=1)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [n.request_id for n in out.new_requests] == ["r0", "r1"] and out.continuing == []
+    assert out.new_requests[0].token_ids == tuple(a.token_ids) and out.new_requests[0].num_computed_tokens == 0
+    assert out.new_requests[0].block_ids == tuple(bm.table("r0")) and len(bm.table("r0")) == 2
+    assert out.scheduled_ids == ["r0", "r1"] and out.num_scheduled_tokens == [8, 7]
+    run_step(sched, out)  # b finishes (max_tokens=1): its id comes with the next output
+    assert b.is_finished
+    out = sched.schedule()
+    assert out.finished_ids == ["r1"] and out.new_requests == [] and out.preempted_ids == []
+    assert [(c.request_id, c.num_computed_tokens, c.new_block_ids) for c in out.continuing] == \
+        [("r0", 8, tuple(bm.table("r0")[2:]))]  # token 8 starts a third block: only it is sent
+    run_step(sched, out)
+    out = sched.schedule()
+    assert out.finished_ids == [] and [(c.request_id, c.new_block_ids) for c in out.continuing] == [("r0", ())]
+
+
+def test_a_preempted_request_is_reported_at_once_and_comes_back_in_full():
+    sched, bm = make_scheduler(num_blocks=4, block_size=4, max_tokens=64)
+    a, b = make_request(0, 8, max_tokens=8), make_request(1, 7, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, sched.schedule())  # a: 9 tokens, b: 8 tokens, no block free
+    out = sched.schedule()  # a needs a third block: b is preempted
+    assert out.preempted_ids == ["r1"] and out.scheduled_ids == ["r0"] and out.finished_ids == []
+    assert [(c.request_id, len(c.new_block_ids)) for c in out.continuing] == [("r0", 1)]
+    run_step(sched, out)
+    while not a.is_finished:
+        out = sched.schedule()
+        run_step(sched, out)
+    out = sched.schedule()
+    assert out.finished_ids == ["r0"] and out.continuing == []
+    [resumed] = out.new_requests  # its row was freed: it comes back as new, its generated token too
+    assert (resumed.request_id, resumed.num_computed_tokens, resumed.token_ids) == ("r1", 0, tuple(b.token_ids))
+    assert len(b.token_ids) == 8 and resumed.block_ids == tuple(bm.table("r1"))
+
+
+def test_a_waiting_request_without_kv_blocks_holds_back_those_behind_it():
+    """Admission in line order: when the first waiting request finds too few free KV blocks, a
+    later one that would fit must not jump ahead of it (it would keep the first one starving)."""
+    sched, bm = make_scheduler(num_blocks=4, block_size=4, max_tokens=64)
+    a = make_request(0, 7, max_tokens=8)  # holds 2 of the 4 blocks (8 tokens in its second step)
+    sched.add(a)
+    run_step(sched, sched.schedule())
+    big, small = make_request(1, 12), make_request(2, 3)  # big needs 3 blocks, small 1 (2 are free)
+    sched.add(big)
+    sched.add(small)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [a] and list(sched.waiting) == [big, small]
+    assert bm.num_free_blocks == 2

@@ -59,7 +59,8 @@ class BlockManager:
         return self.blocks_needed(request_id, num_tokens) <= len(self._free)
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow (or create) the table of `request_id` to cover `num_tokens` tokens; returns the table.
+        """Grow (or create) the table of `request_id` to cover `num_tokens` tokens; returns the block
+        ids appended (the scheduler hands them to the runner's rows as the table's diff).
 
         Raises RuntimeError when too few blocks are free (check with can_allocate first).
         """
@@ -67,12 +68,11 @@ class BlockManager:
         if needed > len(self._free):
             raise RuntimeError(f"request {request_id!r} needs {needed} KV blocks, only "
                                f"{len(self._free)} free")
-        table = self._tables.setdefault(request_id, [])
-        for _ in range(needed):
-            block = self._free.popleft()
+        new_blocks = [self._free.popleft() for _ in range(needed)]
+        for block in new_blocks:
             self._refs[block] = 1
-            table.append(block)
-        return table
+        self._tables.setdefault(request_id, []).extend(new_blocks)
+        return new_blocks
 
     def fork(self, source_id: str, request_id: str, num_blocks: int) -> list[int]:
         """Start the table of `request_id` (which must hold no blocks) with the first `num_blocks`

@@ -24,52 +24,20 @@ import bisect
 import logging
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from adapters.errors import AdapterCapacityError
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import POLICIES, FairQueue, FcfsQueue, VirtualTokenCounter, served_tokens, tenant_of
 from lora_runner.core.request import Request, RequestStatus
+from lora_runner.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from lora_runner.engine.output_processor import OutputProcessor
     from lora_runner.sample.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledRequest:
-    """A request's share of one step: `num_new_tokens` tokens from position `start`."""
-
-    request: Request
-    start: int  # == request.num_computed_tokens when scheduled
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """What to run this step, and what left the running set."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # running first, then admitted
-    failed: list[Request] = field(default_factory=list)  # adapter failed to load: finish with error
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the step's flat batch."""
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        """True when there is nothing to run."""
-        return not self.scheduled
 
 
 # adapter ref -> "ready" | "loading" | "failed"
@@ -126,7 +94,7 @@ class Scheduler:
         self._tenants: dict[Request, str] = {}  # unfinished request -> the tenant it joined as
         self._handover: dict[str, Hashable] = {}  # adapter kind -> held ref that gives its slot to a starved one
         self._leaders: dict[Request, Request] = {}  # parallel sample -> sample 0 of its prompt (see add)
-        self._freed: list[str] = []  # ids removed or preempted since take_freed (the runner frees their rows)
+        self._finished_ids: list[str] = []  # ids removed since the previous output (the runner frees their rows)
 
     def add(self, request: Request, leader: Request | None = None) -> None:
         """Queue a new request at the back of the waiting queue.
@@ -148,11 +116,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts; allocates their KV blocks."""
-        out = SchedulerOutput()
+        """Pick this step's requests and token counts; allocates their KV blocks. The output also
+        carries, for the runner, what changed since the previous one (core.scheduler_output)."""
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         out.failed = self._take_failed()
-        if not out.preempted:
+        if not out.preempted_ids:
             self._admit_waiting(out, budget)
         for s in out.scheduled:
             self.fairness.charge(self._tenants[s.request], *served_tokens(s.request, s.num_new_tokens, s.samples))
@@ -168,14 +138,15 @@ class Scheduler:
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             end = request.num_computed_tokens + num_new
+            new_block_ids: list[int] = []
             if self.block_manager.blocks_needed(request.request_id, end):  # most decode steps need none
                 while not self.block_manager.can_allocate(request.request_id, end) and pending:
                     self._preempt(pending.pop(), out)
                 if not self.block_manager.can_allocate(request.request_id, end):
                     self._preempt(request, out)
                     continue
-                self.block_manager.allocate(request.request_id, end)
-            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                new_block_ids = self.block_manager.allocate(request.request_id, end)
+            out.add_continuing(ScheduledRequest(request, request.num_computed_tokens, num_new), new_block_ids)
             kept.append(request)
             budget -= num_new
         self.running = kept
@@ -183,10 +154,9 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request.request_id)
-        self._freed.append(request.request_id)
         request.preempt()
         self.waiting.appendleft(request)
-        out.preempted.append(request)
+        out.preempted_ids.append(request.request_id)
         self.num_preemptions += 1
         logger.info("preempted request %r (KV cache full); it will recompute %d tokens",
                     request.request_id, request.num_tokens)
@@ -254,7 +224,7 @@ class Scheduler:
             self.block_manager.allocate(request.request_id, start + num_new)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival)
-            out.scheduled.append(ScheduledRequest(request, start, num_new))
+            out.add_new(ScheduledRequest(request, start, num_new), self.block_manager.table(request.request_id))
             queue.charge(request, *served_tokens(request, num_new, num_new == request.num_uncomputed_tokens))
             admitted.add(request)
             budget -= num_new
@@ -331,16 +301,10 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
-        self._freed.append(request.request_id)
+        self._finished_ids.append(request.request_id)
         self._leaders.pop(request, None)
         if request in self._tenants:
             self.fairness.leave(self._tenants.pop(request))
-
-    def take_freed(self) -> list[str]:
-        """Ids of the requests removed or preempted since the last call, oldest first (the runner
-        drops their persistent rows: lora_runner.worker.request_rows)."""
-        freed, self._freed = self._freed, []
-        return freed
 
     def postprocess(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
                     processor: OutputProcessor) -> list[tuple[Request, BaseException | None]]:

@@ -12,7 +12,6 @@ adapters as placeholder tokens); pins and load state live in the adapter tiers o
 from __future__ import annotations
 
 import dataclasses
-import contextlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -33,7 +32,6 @@ from lora_runner.engine.stats import EngineStats
 from lora_runner.engine.input_processor import InputProcessor, abort_ids
 from lora_runner.engine.intake import Intake
 from lora_runner.engine.limits import engine_limits, step_sizes
-from lora_runner.worker.request_rows import StepUpdate
 from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.worker.memory_profile import profile_kv_cache_budget
 from lora_runner.model import load_model
@@ -42,7 +40,8 @@ from lora_runner.engine.output_processor import OutputProcessor
 from lora_runner.outputs import RequestOutput
 from lora_runner.worker.model_runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
-from lora_runner.core.scheduler import Scheduler, ScheduledRequest
+from lora_runner.core.scheduler import Scheduler
+from lora_runner.core.scheduler_output import SchedulerOutput
 from lora_runner.core.request import Request
 from lora_runner.engine.tokenizer import LazyTokenizer, eos_token_ids
 
@@ -276,18 +275,6 @@ class LLMEngine:
         self.intake.check_open()
         return self.adapters
 
-    # _step keeps the intake's idle accounting under these three names (Intake.step_began/step_ended,
-    # which lock for themselves: the `with self._work:` around them holds nothing)
-    @property
-    def _work(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    @property
-    def _work_events(self) -> int:
-        return self.intake.step_began()
-
-    _idle_since = property(fset=lambda self, idle_since: self.intake.step_ended(idle_since))
-
     # ----------------------------------------------------------------------------- the step loop
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of requests that progressed or finished.
@@ -321,24 +308,22 @@ class LLMEngine:
         return self.intake.merge_samples(outputs)
 
     def _step(self) -> list[RequestOutput]:
-        with self._work:
-            events_at_start = self._work_events
+        wakes_at_start = self.intake.step_began()
         outputs = self._take_intake()
         self._insert_placeholders()
         with self.adapters.step_lock:  # a pin from another thread must not take a slot this step counted on
             sched = self.scheduler.schedule()
             slot_of, prompt_slot_of = self.adapters.activate(sched.scheduled)
         idle = not (outputs or sched.failed or sched.scheduled)
-        with self._work:
-            self._idle_since = events_at_start if idle else None
+        self.intake.step_ended(wakes_at_start if idle else None)
         for request in sched.failed:
             error = request.error or self.adapters.failure(request)
             logger.warning("request %r failed: %s", request.request_id, error)
             outputs.append(self._finish(request, "error", error))
         if sched.scheduled:
-            outputs += self._run(sched.scheduled, slot_of, prompt_slot_of)
+            outputs += self._run(sched, slot_of, prompt_slot_of)
         else:  # the runner's rows of requests that left go now, not at the next step that runs something
-            self.runner.forget(self.scheduler.take_freed())
+            self.runner.forget(sched.left_ids)
         return outputs
 
     def _take_intake(self) -> list[RequestOutput]:
@@ -349,14 +334,18 @@ class LLMEngine:
         return [self._finish(request, "abort") for request in aborts
                 if not request.is_finished]  # it may have finished since the abort was asked for
 
-    def _run(self, scheduled: list[ScheduledRequest], slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
-        # the runner keeps each running request's state in a row: it reads only what changed
-        step = StepUpdate(scheduled, self.scheduler.take_freed(), self.block_manager.table, slot_of, prompt_slot_of)
-        sampling = [s.request for s in scheduled if s.samples]
-        result = self.runner.execute(step, [r.params for r in sampling], [r.generator for r in sampling],
-                                     _penalty_histories(sampling), self._min_tokens_bans(sampling))
+    def _run(self, sched: SchedulerOutput, slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
+        # the runner keeps each running request's state in a row: the output says what changed
+        sampling = [s.request for s in sched.scheduled if s.samples]
+        try:
+            result = self.runner.execute(sched, slot_of, prompt_slot_of, [r.params for r in sampling],
+                                         [r.generator for r in sampling], _penalty_histories(sampling),
+                                         self._min_tokens_bans(sampling))
+        except BaseException:  # re-raised; the rows of requests that left must not outlive a failed step
+            self.runner.forget(sched.left_ids)
+            raise
         return [self._report(request, error)
-                for request, error in self.scheduler.postprocess(scheduled, result, self.output_processor)]
+                for request, error in self.scheduler.postprocess(sched.scheduled, result, self.output_processor)]
 
     def _report(self, request: Request, error: BaseException | None) -> RequestOutput:
         """A sampled request's output after Scheduler.postprocess; a finished one gives its adapters
@@ -370,8 +359,10 @@ class LLMEngine:
         return self._output(request)
 
     def _min_tokens_bans(self, requests: list[Request]) -> list[list[int] | None] | None:
-        """Per sampled request, the ids it may not sample yet (min_tokens); None when none bans any."""
-        bans = [_banned_before_min_tokens(r, self.eos_token_ids) for r in requests]
+        """Per sampled request, the ids it may not sample yet (min_tokens); None when none bans any.
+        The rule is the output processor's (lora_runner.core.stop_rule): an early EOS or stop token
+        is never generated."""
+        bans = [sorted(self.output_processor.stop_tokens(r).banned) or None for r in requests]
         return bans if any(bans) else None
 
     def _insert_placeholders(self) -> None:
@@ -400,16 +391,6 @@ class LLMEngine:
         completion = self.output_processor.completion(request)
         return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
                              finished=request.is_finished, prompt=request.prompt)
-
-
-def _banned_before_min_tokens(request: Request, eos_token_ids: frozenset[int]) -> list[int] | None:
-    """The token ids that would end `request` while it is under min_tokens: masked from sampling,
-    as vLLM does, so an early EOS or stop token is never generated; None once it may stop."""
-    params = request.params
-    if request.num_output_tokens >= params.min_tokens:
-        return None
-    ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    return sorted(ids) or None
 
 
 def _penalty_histories(requests: list[Request]) -> list[tuple[list[int], list[int]] | None]:

@@ -5,8 +5,8 @@ share (Scheduler.postprocess calls it for every sampled request of a step).
 A request finishes with
 - "stop": an EOS id (unless ignore_eos), one of its stop_token_ids, or one of its stop strings in
   the text (the text is cut there, see lora_runner.engine.detokenizer.OutputText); none of these count
-  before min_tokens tokens were generated. stop_reason is the stop string or the stop token id
-  (None for EOS).
+  before min_tokens tokens were generated (one rule, shared with the sampler's ban:
+  lora_runner.core.stop_rule). stop_reason is the stop string or the stop token id (None for EOS).
 - "length": max_tokens generated, or the sequence reached max_model_len.
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Callable, Collection
 from lora_runner.engine.detokenizer import OutputText
 from lora_runner.outputs import CompletionOutput
 from lora_runner.core.request import Request
+from lora_runner.core.stop_rule import StopTokens, stop_tokens
 
 
 class OutputProcessor:
@@ -38,25 +39,30 @@ class OutputProcessor:
             request.logprobs.append(logprobs)
         text = self.text_of(request)
         params = request.params
-        may_stop = request.num_output_tokens >= params.min_tokens
-        matched = text.add(token_id, match_stop=may_stop)
+        # a stop string may end the request once it holds min_tokens tokens, this one included
+        matched = text.add(token_id, match_stop=self.stop_tokens(request).may_stop)
         if matched is not None:
             request.stop_reason = matched
             return "stop"
-        if may_stop and token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return "stop"
-        if may_stop and token_id in self.eos_token_ids and not params.ignore_eos:
+        # a stop id under the rule it was sampled under (lora_runner.core.stop_rule): the sampling side
+        # banned it then, and a token that reaches here anyway must not end the request early either
+        if stop_tokens(params, request.num_output_tokens - 1, self.eos_token_ids).stops(token_id):
+            request.stop_reason = token_id if token_id in params.stop_token_ids else None
             return "stop"
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
         return None
 
+    def stop_tokens(self, request: Request) -> StopTokens:
+        """The stop rule for the request's next token (lora_runner.core.stop_rule): which ids the
+        sampling side bans while it may not stop yet."""
+        return stop_tokens(request.params, request.num_output_tokens, self.eos_token_ids)
+
     def finish(self, request: Request, reason: str) -> str:
         """The request ends with `reason`: its held-back text joins the output. Returns the reason,
         "stop" when that text completes a stop string (then request.stop_reason is set)."""
         text = self.text_of(request)
-        matched = text.finish(match_stop=request.num_output_tokens >= request.params.min_tokens)
+        matched = text.finish(match_stop=self.stop_tokens(request).may_stop)
         if matched is not None and reason == "length":
             request.stop_reason = matched
             return "stop"

@@ -6,11 +6,10 @@ with probability probs[i]. A seeded request draws its q from its own torch.Gener
 tokens do not depend on what else is batched with it. All rows are computed together and the
 results reach the host in one transfer per step.
 
-Penalties (SamplingParams.presence_penalty, frequency_penalty, repetition_penalty) change the
-logits of the rows that set them before greedy/temperature/top-k/top-p, from per-row token counts
-built on the device with one scatter_add into a [P, vocab] buffer (P = rows with a penalty); a
-step without penalised rows skips all of it, and rows without penalties are never touched. The
-logprobs returned stay the raw model log-probabilities (before penalties, like the other settings).
+Penalties (SamplingParams.presence_penalty, frequency_penalty, repetition_penalty;
+lora_runner.sample.penalties) change the logits of the rows that set them before
+greedy/temperature/top-k/top-p; a step without penalised rows skips all of it. The logprobs
+returned stay the raw model log-probabilities (before penalties, like the other settings).
 
 Faults stay in their row: a row with NaN/inf logits, or whose sampling raises, comes back with an
 error in SamplerOutput.errors (its request fails) while every other row gets its usual token.
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lora_runner.sample.penalties import apply_penalties
 from lora_runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -178,45 +178,11 @@ class Sampler:
         return penalized
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """`logits` [S, V] with each penalised row's presence/frequency/repetition penalties applied
-        (a new tensor; `logits` itself when no row has a penalty)."""
+        """`logits` [S, V] with the penalised rows' penalties applied (lora_runner.sample.penalties)."""
         rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
         if not rows:
             return logits
-        counts, in_prompt = self._token_counts(rows, batch, logits.shape[-1])  # [P, V] each
-        params = [batch.params[i] for i in rows]
-
-        def column(values: list[float]) -> torch.Tensor:  # [P, 1]
-            return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
-
-        repetition = column([p.repetition_penalty for p in params])  # [P, 1]
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [P]
-        picked = logits.index_select(0, index)  # [P, V]
-        seen = in_prompt | (counts > 0)  # [P, V]: repetition covers prompt and generated tokens
-        picked = torch.where(seen, torch.where(picked > 0, picked / repetition, picked * repetition), picked)
-        picked = picked - column([p.frequency_penalty for p in params]) * counts  # [P, V]
-        picked = picked - column([p.presence_penalty for p in params]) * (counts > 0)  # [P, V]
-        return logits.index_copy(0, index, picked)  # [S, V]; the other rows are copied bit for bit
-
-    def _token_counts(self, rows: list[int], batch: SamplingBatch,
-                      vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the rows `rows`: how often each token occurs among their generated tokens, and
-        whether it occurs in their prompt ([P, V] float32 and bool); one host->device copy each."""
-        tokens, owners, generated = [], [], []  # per token: its id, its row among `rows`, 1.0 if generated
-        for position, row in enumerate(rows):
-            for ids, is_generated in zip(batch.history(row), (0.0, 1.0)):
-                if len(ids) and not (0 <= min(ids) and max(ids) < vocab):
-                    raise ValueError(f"row {row}: a token id of its history lies outside the vocabulary [0, {vocab})")
-                tokens.append(torch.as_tensor(ids, dtype=torch.int64))
-                owners.append(torch.full((len(ids),), position, dtype=torch.int64))
-                generated.append(torch.full((len(ids),), is_generated))
-        flat = (torch.cat(owners) * vocab + torch.cat(tokens)).to(self.device)  # [N] index into [P * V]
-        is_generated = torch.cat(generated).to(self.device)  # [N] float32
-        counts = torch.zeros(len(rows) * vocab, dtype=torch.float32, device=self.device)
-        counts.scatter_add_(0, flat, is_generated)
-        in_prompt = torch.zeros(len(rows) * vocab, dtype=torch.float32, device=self.device)
-        in_prompt.scatter_add_(0, flat, 1.0 - is_generated)
-        return counts.view(len(rows), vocab), in_prompt.view(len(rows), vocab) > 0
+        return apply_penalties(logits, rows, [batch.params[i] for i in rows], [batch.history(i) for i in rows])
 
     def _generator_states(self, batch: SamplingBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
         generators = [self.generator, *(g for g in batch.generators if g is not None)]

@@ -33,7 +33,10 @@ from lora_runner.worker.staging import StagedUpload, packed_bytes
 
 @dataclass
 class SeqChunk:
-    """One sequence's part of a step: tokens token_ids[start:start+num_new_tokens]."""
+    """One sequence's part of an explicit batch (BatchBuilder.write: memory profile, tests, the rows'
+    oracle), self-contained: tokens token_ids[start:start+num_new_tokens] with their table and slots.
+    The engine's steps do not use it: the scheduler's ScheduledRequest names a live request and the
+    runner's rows hold the rest (lora_runner.worker.request_rows)."""
 
     token_ids: list[int]  # the sequence's whole token list (prompt + generated); not copied
     start: int  # position of the first new token == tokens already in the KV cache
@@ -86,7 +89,7 @@ class BatchInputs:
 
 
 @dataclass(frozen=True)
-class StepShape:
+class BatchShape:
     """What write() put in the host arrays: the step's sizes, before any upload."""
 
     num_tokens: int  # T
@@ -154,7 +157,7 @@ class BatchBuilder:
         """Flatten `chunks` (in order) into the buffers and return this step's device views."""
         return self.upload(self.write(chunks))
 
-    def write(self, chunks: Sequence[SeqChunk]) -> StepShape:
+    def write(self, chunks: Sequence[SeqChunk]) -> BatchShape:
         """Flatten `chunks` (in order) into the host arrays; returns the step's shape (see upload).
 
         Vectorized over the step: one pass over the chunks gathers their scalars, numpy does the rest.
@@ -184,7 +187,7 @@ class BatchBuilder:
             prompt_slots=np.fromiter((c.prompt_adapter_slot for c in chunks), np.int64, num_seqs)))
 
     def write_rows(self, token_ids: np.ndarray, block_tables: np.ndarray, rows: np.ndarray, starts: np.ndarray,
-                   lens: np.ndarray, seqs: SeqArrays) -> StepShape:
+                   lens: np.ndarray, seqs: SeqArrays) -> BatchShape:
         """write() for sequences kept in persistent rows (lora_runner.worker.request_rows): sequence i of the
         step is row rows[i] of token_ids [R, L] (its tokens) and block_tables [R, max_blocks_per_seq]
         (its table, unused entries 0), computing tokens starts[i]..starts[i]+lens[i]-1. Only gathers:
@@ -216,7 +219,7 @@ class BatchBuilder:
         return token_seq, positions
 
     def _write_rest(self, token_seq: np.ndarray, positions: np.ndarray, lens: np.ndarray, ends: np.ndarray,
-                    seqs: SeqArrays) -> StepShape:
+                    seqs: SeqArrays) -> BatchShape:
         """After input ids, positions and block tables: KV slots, LoRA slots, context lengths,
         sample rows and prompt-adapter rows."""
         num_seqs, num_tokens = lens.shape[0], positions.shape[0]
@@ -227,7 +230,7 @@ class BatchBuilder:
         num_samples = int(seqs.sample.sum())
         self.sample_indices.np[:num_samples] = (self.query_start_loc.np[1:num_seqs + 1] - 1)[seqs.sample]
         num_virtual = self._map_virtual_tokens(positions, lens, seqs)
-        return StepShape(num_tokens=num_tokens, num_seqs=num_seqs, num_samples=num_samples,
+        return BatchShape(num_tokens=num_tokens, num_seqs=num_seqs, num_samples=num_samples,
                          max_query_len=int(lens.max()), max_seq_len=int(ends.max()),
                          has_lora=bool((seqs.lora_slots >= 0).any()), has_prompt_adapter=num_virtual > 0)
 
@@ -243,7 +246,7 @@ class BatchBuilder:
             raise ValueError(f"chunk {i}: {chunk.num_new_tokens} tokens from {chunk.start} do not fit its "
                              f"{len(chunk.token_ids)} tokens / {len(chunk.block_table)} blocks")
 
-    def upload(self, step: StepShape | BatchInputs, padded_seqs: int | None = None) -> BatchInputs:
+    def upload(self, step: BatchShape | BatchInputs, padded_seqs: int | None = None) -> BatchInputs:
         """The device views of the step `step` describes (the last write()), after one host->device copy.
 
         padded_seqs: pad the decode-only step to that many sequences first (for a decode graph).
@@ -280,17 +283,12 @@ class BatchBuilder:
         names = self._UPLOAD_ORDER if with_prompt else self._UPLOAD_ORDER[:-2]
         return [(getattr(self, name), n) for name, n in zip(names, rows)]
 
-    def pad_decode(self, batch: StepShape | BatchInputs, num_seqs: int) -> BatchInputs:
-        """upload(batch, padded_seqs=num_seqs): the decode step `batch` (the last build() or write())
-        padded to `num_seqs` sequences, uploaded again."""
-        return self.upload(batch, padded_seqs=num_seqs)
-
     def padding_batch(self, num_seqs: int, lora_slot: int = -1) -> BatchInputs:
         """A decode step of `num_seqs` padding sequences (as upload pads) that samples no row;
         lora_slot >= 0 puts every token on that adapter. For graph capture."""
         self._write_decode_padding(0, num_seqs)
         self.token_lora_slots.np[:num_seqs] = lora_slot
-        step = StepShape(num_tokens=num_seqs, num_seqs=num_seqs, num_samples=0, max_query_len=1,
+        step = BatchShape(num_tokens=num_seqs, num_seqs=num_seqs, num_samples=0, max_query_len=1,
                          max_seq_len=self.max_blocks_per_seq * self.block_size, has_lora=lora_slot >= 0,
                          has_prompt_adapter=False)
         return self.upload(step)

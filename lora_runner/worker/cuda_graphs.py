@@ -2,8 +2,9 @@
 
 A decode-only step (every sequence adds one token, no soft-prompt placeholder) of B sequences
 replays the graph of key (smallest capture size >= B, whether any token uses an adapter).
-``BatchBuilder.pad_decode`` fills rows B..size-1 of the persistent batch buffers with padding
-sequences (KV slot -1, context length 1 over block 0); the graph's context comes from the runner's
+The runner's per-step path is ``key_for`` -> ``BatchBuilder.upload(step, padded_seqs=key.num_seqs)``
+(which fills rows B..size-1 of the persistent batch buffers with padding sequences: KV slot -1,
+context length 1 over block 0) -> ``replay``; the graph's context comes from the runner's
 ``ForwardContextBuilder``, as an eager step's does. Prefill, mixed steps and steps beyond the
 largest size run eagerly.
 
@@ -38,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, StepShape
+from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, BatchShape
 from lora_runner.model.attention import BACKEND_ENV
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 
@@ -99,7 +100,7 @@ class DecodeGraphPlan:
         """Every key, largest first (the capture order: later, smaller graphs reuse its memory)."""
         return sorted((DecodeGraphKey(s, lora) for s in self.sizes for lora in (True, False)), reverse=True)
 
-    def key_for(self, batch: StepShape | BatchInputs) -> DecodeGraphKey | None:
+    def key_for(self, batch: BatchShape | BatchInputs) -> DecodeGraphKey | None:
         """The graph for `batch`, or None when it must run eagerly (prefill or mixed step, soft-prompt
         placeholders, more sequences than the largest capture size)."""
         decode_only = batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
@@ -232,7 +233,7 @@ class DecodeGraphs:
         ctx = self.contexts.build(batch)
         return lambda: self.model(batch.input_ids, batch.positions, ctx)  # [num_seqs, hidden]
 
-    def key_for(self, step: StepShape | BatchInputs) -> DecodeGraphKey | None:
+    def key_for(self, step: BatchShape | BatchInputs) -> DecodeGraphKey | None:
         """The captured graph for `step`, or None when it must run eagerly."""
         key = self.plan.key_for(step)
         return key if key in self._graphs else None
@@ -251,22 +252,13 @@ class DecodeGraphs:
         return captured.hidden
 
     @torch.inference_mode()
-    def run(self, batch: BatchInputs) -> torch.Tensor | None:
-        """Pad the step `batch` (just built by the builder) and replay its graph: hidden [T, hidden]
-        of its real tokens, valid until the next replay. None when the step must run eagerly."""
-        key = self.key_for(batch)
-        if key is None:
-            return None
-        return self.replay(key, self.builder.pad_decode(batch, key.num_seqs))[:batch.num_tokens]  # [T, hidden]
-
-    @torch.inference_mode()
     def run_eager(self, batch: BatchInputs) -> torch.Tensor:
         """The captured computation of `batch`'s key run eagerly on the same padded inputs (same
         kernels, so it equals replay bit for bit): hidden [T, hidden]. For tests and checks."""
         key = self.plan.key_for(batch)
         if key is None:
             raise ValueError("this step has no decode graph (prefill, mixed, or too large)")
-        padded = self.builder.pad_decode(batch, key.num_seqs)
+        padded = self.builder.upload(batch, padded_seqs=key.num_seqs)
         self.contexts.prepare_lora(padded)
         return self._forward_fn(padded)()[:batch.num_tokens]  # [T, hidden]
 

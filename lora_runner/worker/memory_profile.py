@@ -95,7 +95,7 @@ def profile_memory(runner, steps: dict[str, list[SeqChunk]]) -> MemoryProfile:
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         greedy = SamplingParams(temperature=0.0)
-        runner.execute(chunks, [greedy] * len(chunks), [None] * len(chunks))
+        runner.execute_chunks(chunks, [greedy] * len(chunks), [None] * len(chunks))
         if on_cuda:
             torch.cuda.synchronize(device)
             peaks[name] = torch.cuda.max_memory_allocated(device) - resident

@@ -6,24 +6,26 @@ uses an adapter, ctx.lora is None and the model skips the LoRA path entirely. Li
 is set only in steps with soft-prompt placeholders (prefill of prompt-adapter requests).
 After capture_decode_graphs (CUDA), decode-only steps replay CUDA graphs (lora_runner.worker.cuda_graphs).
 
-The engine's steps come as a StepUpdate: each running request keeps a persistent row
-(lora_runner.worker.request_rows), so a decode step writes only what changed and the flat batch is gathered
-from the rows. Explicit SeqChunk lists (memory profiling, tests) are flattened as given.
+The engine's steps come as the scheduler's SchedulerOutput (execute): each running request keeps a
+persistent row (lora_runner.worker.request_rows) that the output's diffs update, so a decode step writes
+only what changed and the flat batch is gathered from the rows. Explicit SeqChunk lists (memory
+profiling, tests) go through execute_chunks and are flattened as given.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, SeqChunk, StepShape
+from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, SeqChunk, BatchShape
 from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
-from lora_runner.worker.request_rows import InputBatch, StepUpdate
+from lora_runner.worker.request_rows import InputBatch
 from lora_runner.worker.kv_cache import allocate_kv_cache
 from lora_runner.model.vocab_lora import LMHeadLoRA, LMHeadLoRAContext
 from lora_runner.sample.sampler import Sampler, SamplerOutput
+from lora_runner.core.scheduler_output import SchedulerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from punica_kernels import LoRAMeta
@@ -73,34 +75,39 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     @torch.inference_mode()
-    def execute(self, step: StepUpdate | Sequence[SeqChunk], params: Sequence[SamplingParams],
+    def execute(self, sched: SchedulerOutput, lora_slot_of: Mapping[Hashable, int],
+                prompt_slot_of: Mapping[Hashable, int], params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], histories=None, banned=None) -> SamplerOutput:
-        """Forward the step and sample one token for each chunk that reaches its sequence's end.
+        """The engine's path: apply the scheduler's output to the persistent rows, forward the step
+        and sample one token for each sequence that reaches its last token.
 
-        step: the scheduler's step (StepUpdate: the engine's path, through the persistent rows) or
-        explicit chunks (SeqChunk, flattened as given; the rows are not touched).
-        params / generators / histories: one per sampling chunk, in chunk order; histories[i] is the
-        (prompt token ids, generated token ids) the penalties of row i count (None: no row has any);
+        lora_slot_of / prompt_slot_of: adapter ref -> device slot this step.
+        params / generators / histories: one per sampling sequence, in batch order; histories[i] is
+        the (prompt token ids, generated token ids) the penalties of row i count (None: no row has any);
         banned[i] the token ids row i may not sample (None: no row bans any).
         """
-        if isinstance(step, StepUpdate):
-            rows = self.input_batch.update(step)
-            shape = self.batch_builder.write_rows(self.input_batch.token_ids, self.input_batch.block_tables,
-                                                  rows.rows, rows.starts, rows.lens, rows.seqs)
-        else:
-            rows, shape = None, self.batch_builder.write(step)
+        rows = self.input_batch.update(sched, lora_slot_of, prompt_slot_of)
+        shape = self.batch_builder.write_rows(self.input_batch.token_ids, self.input_batch.block_tables,
+                                              rows.rows, rows.starts, rows.lens, rows.seqs)
         result = self._forward_and_sample(shape, params, generators, histories, banned)
-        if rows is not None:  # only after the step ran: a step that raised leaves the rows as they were
-            self.input_batch.commit(rows, result.token_ids)
+        # only after the step ran: a step that raised leaves the computed counts as they were
+        self.input_batch.commit(rows, result.token_ids)
         return result
+
+    @torch.inference_mode()
+    def execute_chunks(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
+                       generators: Sequence[torch.Generator | None], histories=None, banned=None) -> SamplerOutput:
+        """Forward explicit chunks (memory profiling, tests), flattened as given; the persistent rows
+        are not touched. params / generators / histories / banned: as for execute."""
+        return self._forward_and_sample(self.batch_builder.write(chunks), params, generators, histories, banned)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Free the persistent rows of requests that left the running set (a step that runs nothing
-        passes them here; a StepUpdate carries them otherwise)."""
+        passes its SchedulerOutput.left_ids here; execute frees them otherwise)."""
         for request_id in request_ids:
             self.input_batch.free(request_id)
 
-    def _forward_and_sample(self, shape: StepShape, params, generators, histories, banned) -> SamplerOutput:
+    def _forward_and_sample(self, shape: BatchShape, params, generators, histories, banned) -> SamplerOutput:
         batch, key = self._upload(shape)
         if key is not None:
             hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
@@ -118,7 +125,7 @@ class ModelRunner:
             return None
         return self.lm_head_lora.context(batch.token_lora_slots[batch.sample_indices])
 
-    def _upload(self, step: StepShape) -> tuple[BatchInputs, DecodeGraphKey | None]:
+    def _upload(self, step: BatchShape) -> tuple[BatchInputs, DecodeGraphKey | None]:
         """The step's device views and its decode graph (None: eager), after one upload: a graphed
         decode step is padded to its graph's size before it."""
         key = self.decode_graphs.key_for(step) if self.decode_graphs is not None else None

@@ -1,71 +1,46 @@
 """Persistent per-request state in fixed rows (vLLM v1's InputBatch): a step writes only what changed.
 
-Each running request owns one row, from the step it is first scheduled until the engine says it
+Each running request owns one row, from the step it is first scheduled until the scheduler says it
 left the running set (finished, aborted or preempted). A row holds the request's token ids, how
-many of them are computed, its KV block table and an interned key of each of its adapters. Per step:
+many of them are computed, its KV block table and an interned key of each of its adapters. Per step
+the rows read the scheduler's explicit data (lora_runner.core.scheduler_output.SchedulerOutput):
 
-- rows of requests that left are freed (their ids come from the scheduler, ``StepUpdate.freed``);
-- a request seen for the first time gets a row written in full (tokens, table, adapters);
-- a continuing request writes nothing, except the blocks its table gained (found by comparing the
-  blocks the step needs with the row's count, a vector op; only those rows are looked up);
+- rows of requests that left are freed (`finished_ids`, `preempted_ids`);
+- each of `new_requests` gets a row written in full (tokens, computed count, table, adapters);
+- each of `continuing` appends the block ids its table gained, nothing else;
 - after sampling, ``commit`` advances every row's computed count and appends the sampled tokens.
 
 The step's flat batch is then gathered from the rows by ``BatchBuilder.write_rows`` and adapter
 slots come from the step's ref -> slot maps through the interned keys, all with numpy ops.
 
-The rows mirror the scheduler's requests exactly as long as every request that leaves the running
-set is reported (Scheduler.remove and preemption report it). As a safety net, a continuing row
-whose counts disagree with the scheduled chunk (start != computed tokens, or fewer tokens than the
-chunk covers) is written again from its request, and when rows run out, rows of requests not in
-the step are dropped (written again when next scheduled). tests/test_input_batch.py checks the
-rows against a from-scratch rebuild every step.
+The rows trust the scheduler and repair nothing: data that disagree with them (a new request that
+has a row already, a continuing or scheduled one without a row, a computed count that is not the
+row's, a table that does not cover the step's tokens, more rows than there are) is a bug and raises
+RowsOutOfSyncError. tests/test_input_batch.py checks the rows against a from-scratch rebuild every step.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from lora_runner.core.scheduler_output import ContinuingRequestData, NewRequestData, SchedulerOutput
 from lora_runner.worker.batch_builder import SeqArrays
 
 logger = logging.getLogger(__name__)
 
 
-class ScheduledChunk(Protocol):
-    """What the rows read of one scheduled chunk (lora_runner.core.scheduler.ScheduledRequest)."""
-
-    request: Any  # .request_id, .token_ids, .lora_ref, .prompt_adapter_ref, .num_virtual_tokens
-    start: int
-    num_new_tokens: int
-    samples: bool
+class RowsOutOfSyncError(RuntimeError):
+    """The scheduler's output disagrees with the runner's rows (a bug in whoever made the output:
+    the rows do not guess what it meant)."""
 
 
 @dataclass
-class StepUpdate:
-    """One step as the scheduler made it, for the runner's persistent rows.
-
-    scheduled: the step's chunks in batch order (sampled rows in this order too).
-    freed: ids of requests that left the running set since the previous update (finished, aborted,
-        preempted); their rows are freed before the step's requests are placed.
-    table_of: request id -> its current KV block table (BlockManager.table).
-    lora_slot_of / prompt_slot_of: adapter ref -> device slot for this step (refs not in the step
-        may be missing).
-    """
-
-    scheduled: Sequence[ScheduledChunk]
-    freed: Iterable[str] = ()
-    table_of: Callable[[str], Sequence[int]] = lambda request_id: ()
-    lora_slot_of: Mapping[Hashable, int] = field(default_factory=dict)
-    prompt_slot_of: Mapping[Hashable, int] = field(default_factory=dict)
-
-
-@dataclass
-class StepRows:
-    """The step's sequences as rows: what write_rows gathers and commit advances ([B] each)."""
+class ScheduledRows:
+    """The step's sequences as row indices: what write_rows gathers and commit advances ([B] each)."""
 
     rows: np.ndarray  # int64 row of each sequence
     starts: np.ndarray  # int64 first new position
@@ -152,31 +127,32 @@ class InputBatch:
         return self._row_of.get(request_id)
 
     # ------------------------------------------------------------------ per step
-    def update(self, step: StepUpdate) -> StepRows:
-        """Free the rows of step.freed, place the step's requests (new rows written in full,
-        continuing rows only grow their tables) and return the step's rows in batch order."""
-        for request_id in step.freed:
+    def update(self, sched: SchedulerOutput, lora_slot_of: Mapping[Hashable, int] | None = None,
+               prompt_slot_of: Mapping[Hashable, int] | None = None) -> ScheduledRows:
+        """Apply the scheduler's output (free the rows that left, write new rows, grow continuing
+        tables) and return the step's rows in batch order. lora_slot_of / prompt_slot_of: adapter
+        ref -> device slot this step (refs not in the step may be missing).
+        Raises RowsOutOfSyncError when the output disagrees with the rows (see the module docstring)."""
+        for request_id in sched.left_ids:
             self.free(request_id)
-        scheduled = step.scheduled
-        num_seqs = len(scheduled)
-        row_of = self._row_of
-        rows = np.fromiter((row_of.get(s.request.request_id, -1) for s in scheduled), np.int64, num_seqs)  # [B]
-        starts = np.fromiter((s.start for s in scheduled), np.int64, num_seqs)  # [B]
-        lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)  # [B]
-        ends = starts + lens
-        known = rows >= 0
-        safe = np.where(known, rows, 0)
-        stale = known & ((self.num_computed[safe] != starts) | (self.num_tokens[safe] < ends))
-        for i in np.flatnonzero(~known | stale).tolist():  # new requests (and rows to write again)
-            rows[i] = self._place(scheduled[i], step, rows)
-        self._grow_tables(scheduled, step.table_of, rows, ends)
-        seqs = SeqArrays(lora_slots=self._loras.slots(step.lora_slot_of)[self.lora_keys[rows]],
-                         sample=np.fromiter((s.samples for s in scheduled), bool, num_seqs),
+        for new in sched.new_requests:
+            self._place(new)
+        for continuing in sched.continuing:
+            self._extend(continuing)
+        num_seqs = len(sched.scheduled_ids)
+        rows = np.fromiter((self._scheduled_row(request_id) for request_id in sched.scheduled_ids),
+                           np.int64, num_seqs)  # [B]
+        starts = self.num_computed[rows]  # [B] checked against the scheduler's counts above
+        lens = np.asarray(sched.num_scheduled_tokens, np.int64)  # [B]
+        ends = starts + lens  # [B]
+        self._check_cover(sched.scheduled_ids, rows, ends)
+        seqs = SeqArrays(lora_slots=self._loras.slots(lora_slot_of or {})[self.lora_keys[rows]],
+                         sample=ends == self.num_tokens[rows],  # the chunk reaches the row's last token
                          num_virtual=self.num_virtual[rows],
-                         prompt_slots=self._prompts.slots(step.prompt_slot_of)[self.prompt_keys[rows]])
-        return StepRows(rows, starts, lens, seqs)
+                         prompt_slots=self._prompts.slots(prompt_slot_of or {})[self.prompt_keys[rows]])
+        return ScheduledRows(rows, starts, lens, seqs)
 
-    def commit(self, step: StepRows, sampled: Sequence[int]) -> None:
+    def commit(self, step: ScheduledRows, sampled: Sequence[int]) -> None:
         """The step ran: its tokens are computed and `sampled` (one token per sampling sequence,
         in batch order) are appended to their rows."""
         rows = step.rows
@@ -190,7 +166,7 @@ class InputBatch:
 
     # ------------------------------------------------------------------ rows
     def free(self, request_id: str) -> None:
-        """Forget `request_id`'s row (no-op when it has none)."""
+        """Forget `request_id`'s row (no-op when it has none: it left before it was ever scheduled)."""
         row = self._row_of.pop(request_id, None)
         if row is None:
             return
@@ -200,51 +176,64 @@ class InputBatch:
         self.request_ids[row] = self._refs[row] = None
         self._free_rows.append(row)
 
-    def _place(self, chunk: ScheduledChunk, step: StepUpdate, rows: np.ndarray) -> int:
-        """Write `chunk`'s request into a row (its own, when it is written again) and return it."""
-        request = chunk.request
-        self.free(request.request_id)
+    def _place(self, new: NewRequestData) -> None:
+        """Write a new request's row in full."""
+        request_id, token_ids, block_ids = new.request_id, new.token_ids, new.block_ids
+        if request_id in self._row_of:
+            raise RowsOutOfSyncError(f"request {request_id!r} is new to the scheduler but has row "
+                                     f"{self._row_of[request_id]} (was its preemption or finish not reported?)")
         if not self._free_rows:
-            self._drop_unscheduled(step, rows)
-        row = self._free_rows.pop()
-        token_ids = request.token_ids
+            raise RowsOutOfSyncError(f"request {request_id!r} is new but all {self.max_num_seqs} rows are held "
+                                     f"(more running requests than max_num_seqs?)")
         if len(token_ids) >= self.max_tokens:
-            self._free_rows.append(row)
-            raise ValueError(f"request {request.request_id!r} holds {len(token_ids)} tokens, more than its "
+            raise ValueError(f"request {request_id!r} holds {len(token_ids)} tokens, more than its "
                              f"KV blocks can ({self.max_tokens - 1})")
-        self._row_of[request.request_id] = row
-        self.request_ids[row] = request.request_id
+        width = self.block_tables.shape[1]
+        if len(block_ids) > width:
+            raise ValueError(f"request {request_id!r}: {len(block_ids)} KV blocks, at most {width} per sequence")
+        row = self._free_rows.pop()
+        self._row_of[request_id] = row
+        self.request_ids[row] = request_id
         self.token_ids[row, :len(token_ids)] = token_ids
         self.num_tokens[row] = len(token_ids)
-        self.num_computed[row] = chunk.start
+        self.num_computed[row] = new.num_computed_tokens
         self.block_tables[row] = 0
-        self.num_blocks[row] = 0
-        self.num_virtual[row] = request.num_virtual_tokens
-        self._refs[row] = (request.lora_ref, request.prompt_adapter_ref)
-        self.lora_keys[row] = self._loras.acquire(request.lora_ref)
-        self.prompt_keys[row] = self._prompts.acquire(request.prompt_adapter_ref)
+        self.block_tables[row, :len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+        self.num_virtual[row] = new.num_virtual_tokens
+        self._refs[row] = (new.lora_ref, new.prompt_adapter_ref)
+        self.lora_keys[row] = self._loras.acquire(new.lora_ref)
+        self.prompt_keys[row] = self._prompts.acquire(new.prompt_adapter_ref)
+
+    def _extend(self, continuing: ContinuingRequestData) -> None:
+        """Check a continuing request against its row and append the blocks its table gained."""
+        request_id, new_blocks = continuing.request_id, continuing.new_block_ids
+        row = self._row_of.get(request_id)
+        if row is None:
+            raise RowsOutOfSyncError(f"request {request_id!r} continues but has no row (was it sent as new?)")
+        computed = int(self.num_computed[row])
+        if continuing.num_computed_tokens != computed:
+            raise RowsOutOfSyncError(f"request {request_id!r} continues from token {continuing.num_computed_tokens} "
+                                     f"but its row computed {computed}")
+        held, width = int(self.num_blocks[row]), self.block_tables.shape[1]
+        if held + len(new_blocks) > width:
+            raise ValueError(f"request {request_id!r}: {held + len(new_blocks)} KV blocks, at most {width} "
+                             f"per sequence")
+        self.block_tables[row, held:held + len(new_blocks)] = new_blocks
+        self.num_blocks[row] = held + len(new_blocks)
+
+    def _scheduled_row(self, request_id: str) -> int:
+        row = self._row_of.get(request_id)
+        if row is None:
+            raise RowsOutOfSyncError(f"request {request_id!r} is scheduled but is neither new nor continuing")
         return row
 
-    def _drop_unscheduled(self, step: StepUpdate, rows: np.ndarray) -> None:
-        """Out of rows: free those of requests not in this step (written again when next scheduled)."""
-        keep = {self.request_ids[r] for r in rows.tolist() if r >= 0}
-        dropped = [request_id for request_id in self._row_of if request_id not in keep]
-        logger.debug("input batch full: dropping the rows of %d unscheduled requests", len(dropped))
-        for request_id in dropped:
-            self.free(request_id)
-        if not self._free_rows:
-            raise RuntimeError(f"more than {self.max_num_seqs} sequences scheduled in one step")
-
-    def _grow_tables(self, scheduled: Sequence[ScheduledChunk], table_of: Callable[[str], Sequence[int]],
-                     rows: np.ndarray, ends: np.ndarray) -> None:
-        """Append the blocks the step's rows gained; only rows that need more blocks are looked up."""
-        needed = -(-ends // self.block_size)  # [B] blocks covering each sequence after the step
-        for i in np.flatnonzero(needed > self.num_blocks[rows]).tolist():
+    def _check_cover(self, request_ids: Sequence[str], rows: np.ndarray, ends: np.ndarray) -> None:
+        """Every row holds the tokens its chunk computes and blocks that cover them."""
+        bad = (ends > self.num_tokens[rows]) | (self.num_blocks[rows] * self.block_size < ends)  # [B]
+        if bad.any():
+            i = int(bad.argmax())
             row = int(rows[i])
-            table = table_of(scheduled[i].request.request_id)
-            held, width = int(self.num_blocks[row]), self.block_tables.shape[1]
-            if len(table) < needed[i] or len(table) > width:
-                raise ValueError(f"request {scheduled[i].request.request_id!r}: {len(table)} KV blocks for "
-                                 f"{int(ends[i])} tokens (at most {width} per sequence)")
-            self.block_tables[row, held:len(table)] = table[held:]
-            self.num_blocks[row] = len(table)
+            raise RowsOutOfSyncError(
+                f"request {request_ids[i]!r}: the step computes up to token {int(ends[i])} but its row holds "
+                f"{int(self.num_tokens[row])} tokens in {int(self.num_blocks[row])} blocks of {self.block_size}")

@@ -1,0 +1,106 @@
+"""What one schedule() decided, as the engine and the runner read it (vLLM v1's SchedulerOutput).
+
+The engine side reads `scheduled` (live requests: postprocess appends their tokens, the adapter seam
+activates their adapters). The runner's persistent rows read plain data only, and trust it:
+
+- `new_requests`: requests admitted this step, in full (token ids, computed count, every block id,
+  adapter refs, virtual-token count); a request resumed after preemption is new again, since its
+  row was freed when it was preempted;
+- `continuing`: requests that ran before and keep their row, as diffs (computed count, the block ids
+  their table gained this step);
+- `finished_ids` / `preempted_ids`: requests that left the running set since the previous output;
+  their rows are freed before the step's rows are placed;
+- `scheduled_ids` / `num_scheduled_tokens`: every scheduled request's id and token count, in batch
+  order (the order of the flat batch and of the sampled rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from lora_runner.core.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """A live request's share of one step: `num_new_tokens` tokens from position `start`."""
+
+    request: Request
+    start: int  # == request.num_computed_tokens when scheduled
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has no row for: everything its row holds."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt (placeholders first) and any tokens generated before a preemption
+    num_computed_tokens: int  # 0, or the leader's prompt blocks it shares (Scheduler.add)
+    block_ids: tuple[int, ...]  # its whole KV block table after this step's allocation
+    lora_ref: Hashable | None
+    prompt_adapter_ref: Hashable | None
+    num_virtual_tokens: int
+
+
+@dataclass(frozen=True)
+class ContinuingRequestData:
+    """A request whose row the runner holds: what changed since its previous step."""
+
+    request_id: str
+    num_computed_tokens: int  # must equal the row's computed count
+    new_block_ids: tuple[int, ...]  # blocks its table gained this step, appended in order
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step, and what left the running set (see the module docstring)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # running first, then admitted
+    failed: list[Request] = field(default_factory=list)  # adapter failed to load: finish with error
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    continuing: list[ContinuingRequestData] = field(default_factory=list)
+    scheduled_ids: list[str] = field(default_factory=list)  # [B] batch order
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # [B] batch order
+    finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the previous output
+    preempted_ids: list[str] = field(default_factory=list)  # preempted by this schedule()
+
+    def add_new(self, scheduled: ScheduledRequest, block_ids: list[int]) -> None:
+        """Schedule a request admitted this step (sent in full)."""
+        request = scheduled.request
+        self._add(scheduled)
+        self.new_requests.append(NewRequestData(
+            request.request_id, tuple(request.token_ids), scheduled.start, tuple(block_ids), request.lora_ref,
+            request.prompt_adapter_ref, request.num_virtual_tokens))
+
+    def add_continuing(self, scheduled: ScheduledRequest, new_block_ids: list[int]) -> None:
+        """Schedule a request that ran before (sent as a diff)."""
+        self._add(scheduled)
+        self.continuing.append(ContinuingRequestData(scheduled.request.request_id, scheduled.start,
+                                                     tuple(new_block_ids)))
+
+    def _add(self, scheduled: ScheduledRequest) -> None:
+        self.scheduled.append(scheduled)
+        self.scheduled_ids.append(scheduled.request.request_id)
+        self.num_scheduled_tokens.append(scheduled.num_new_tokens)
+
+    @property
+    def left_ids(self) -> list[str]:
+        """Ids whose rows go before this step's are placed: finished, aborted or preempted."""
+        return self.finished_ids + self.preempted_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the step's flat batch."""
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to run."""
+        return not self.scheduled

@@ -1,0 +1,38 @@
+"""The one rule for "may this request stop now, and by which token ids" (min_tokens, EOS, stop ids).
+
+Both sides of a step read it: the sampling side bans a request's stop ids while it may not stop
+yet (so an early EOS or stop token is never generated, as vLLM does), and the output processor
+(lora_runner.engine.output_processor) ends a request on a sampled stop id only when the same rule
+allowed it. A token's rule is the one at the count of tokens generated before it: min_tokens
+tokens come before any EOS or stop id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from lora_runner.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StopTokens:
+    """The ids that end a request and whether they may end it yet."""
+
+    ids: frozenset[int]  # its stop_token_ids and, unless ignore_eos, the model's EOS ids
+    may_stop: bool  # min_tokens generated already: a stop id (or a stop string) may end it
+
+    @property
+    def banned(self) -> frozenset[int]:
+        """The ids the next token may not be: every stop id while the request may not stop yet."""
+        return frozenset() if self.may_stop else self.ids
+
+    def stops(self, token_id: int) -> bool:
+        """True when `token_id` ends the request."""
+        return self.may_stop and token_id in self.ids
+
+
+def stop_tokens(params: SamplingParams, num_generated: int, eos_token_ids: Collection[int]) -> StopTokens:
+    """The stop rule for a request's next token after `num_generated` generated tokens."""
+    ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+    return StopTokens(ids, num_generated >= params.min_tokens)
