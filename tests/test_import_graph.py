@@ -1,4 +1,5 @@
-"""No import cycle among the modules of lora_runner, adapters and punica_kernels.
+"""No import cycle among the modules of lora_runner, adapters and punica_kernels, and lora_runner's
+layers import downward only.
 
 The graph is read from the sources (tests/import_graph.py): function-level imports count, imports
 under ``if TYPE_CHECKING:`` do not. The checker itself is tested on small packages written to tmp_path.
@@ -33,6 +34,39 @@ def test_our_packages_have_no_import_cycle():
     assert "lora_runner.engine.llm_engine" in graph and "adapters.tier" in graph and "punica_kernels.ops" in graph
     cycles = import_cycles(graph)
     assert cycles == [], "import cycles (function-level imports count):\n" + describe(graph, cycles)
+
+
+# lora_runner's layers from the bottom: a module may import its own layer and the layers below it
+LAYERS = [
+    {"device", "sampling_params", "outputs"},  # plain values, no engine state
+    {"core", "model"},  # scheduling state (no tensors); the decoder (no scheduling)
+    {"config", "sample"},  # EngineConfig (reads core's fairness policies); sampling
+    {"worker"},  # the device side of a step
+    {"engine"},  # the step loop and its seams
+    {"entrypoints", "serve", ""},  # LLM, the CLI, the HTTP server, Ray; the package's public names
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The LAYERS index of a lora_runner module (None outside lora_runner)."""
+    parts = module.split(".")
+    if parts[0] != "lora_runner":
+        return None
+    name = parts[1] if len(parts) > 1 else ""
+    for rank, names in enumerate(LAYERS):
+        if name in names:
+            return rank
+    raise AssertionError(f"{module} is in no layer of LAYERS: place lora_runner/{name} in one")
+
+
+def test_lora_runner_layers_import_downward():
+    graph = import_graph(REPO_ROOT, PACKAGES)
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                    if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a))
+    assert upward == [], "imports from a lower layer into a higher one:\n" + "\n".join(upward)
+    below = [m for m in graph if m.startswith(("adapters", "punica_kernels.ops", "punica_kernels.meta"))]
+    into_engine = sorted(f"{a} -> {b}" for a in below for b in graph[a] if b.startswith("lora_runner"))
+    assert into_engine == [], "adapters and the kernels never import the engine:\n" + "\n".join(into_engine)
 
 
 def test_a_cycle_closed_by_a_function_level_import_is_found(tmp_path):
