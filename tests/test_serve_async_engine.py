@@ -7,7 +7,8 @@ import time
 import pytest
 
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from lora_runner.engine.async_llm_engine import AsyncLLMEngine
+from lora_runner.engine.errors import EngineDeadError
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.engine.stats import EngineStats
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
+from lora_runner.engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,6 @@ logger = logging.getLogger(__name__)
 # returns nothing: the thread then blocks in LLMEngine.wait_for_work (woken by a finished load, a new
 # request or an abort); the timeout only bounds how long a shutdown waits to be noticed.
 ADAPTER_WAIT_TIMEOUT_S = 0.25
-
-
-class EngineDeadError(RuntimeError):
-    """The step thread stopped (an exception in step(), or shutdown()); no request can be served."""
 
 
 @dataclass

@@ -8,3 +8,7 @@ from adapters.manager import TierClosedError
 class EngineClosedError(TierClosedError):
     """The engine was closed: add_request, add_lora, add_prompt_adapter, pin/unpin/remove and
     generate raise this (a RuntimeError) before touching any state."""
+
+
+class EngineDeadError(RuntimeError):
+    """The step thread stopped (an exception in step(), or shutdown()); no request can be served."""
