@@ -231,3 +231,22 @@ def test_input_batch_writes_and_frees_the_sampling_row_with_its_token_row():
     assert rows.row_of("c") == 0  # a's row, reused by c: nothing of a's
     assert batch.seeded == [] and batch.has_penalties.tolist() == [False, True] and batch.ban_ids.size == 0
     assert batch.num_logprobs.tolist() == [-1, -1] and batch.top_k.tolist() == [V, V]
+
+
+def test_settings_that_cannot_be_written_fail_their_row_alone_until_the_row_is_reused():
+    broken = SamplingParams(temperature=0.7, presence_penalty=1.0, min_tokens=5)
+    broken.logprobs = "many"  # gets past validation
+    rows = state()
+    rows.add_request(0, LOADED, torch.Generator().manual_seed(3))
+    rows.add_request(0, broken)  # nothing of LOADED's, nor of broken's, is left to sample by
+    rows.add_request(1, SamplingParams(temperature=0.0, logprobs=1))
+    batch = rows.batch(np.array([1, 0]), *tokens({0: [3, 4], 1: [5]}))
+    assert list(batch.errors) == [1] and batch.greedy.tolist() == [True, True] and batch.seeded == []
+    assert batch.ban_ids.size == 0 and batch.histories == {} and batch.num_logprobs.tolist() == [1, -1]
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(2))
+    out = Sampler(V, "cpu")(logits, batch)
+    assert out.errors[0] is None and out.token_ids[0] == int(logits[0].argmax()) == next(iter(out.logprobs[0]))
+    assert isinstance(out.errors[1], ValueError) and out.token_ids[1] == -1 and out.logprobs[1] is None
+    rows.remove_request(0)
+    rows.add_request(0, PLAIN)
+    assert rows.batch(np.array([0]), *tokens({0: [3]})).errors == {}

@@ -11,8 +11,9 @@ lora_runner.sample.penalties) change the logits of the rows that set them before
 greedy/temperature/top-k/top-p; a step without penalised rows skips all of it. The logprobs
 returned stay the raw model log-probabilities (before penalties, like the other settings).
 
-Faults stay in their row: a row with NaN/inf logits, or whose sampling raises, comes back with an
-error in SamplerOutput.errors (its request fails) while every other row gets its usual token.
+Faults stay in their row: a row with NaN/inf logits, whose sampling raises, or whose settings could not
+be written (SamplingBatch.errors), comes back with an error in SamplerOutput.errors (its request
+fails) while every other row gets its usual token.
 """
 
 from __future__ import annotations
@@ -95,12 +96,15 @@ class Sampler:
         logits = logits.float()  # [S, V]
         states = self._generator_states(batch)
         try:
-            return self._sample_together(logits, batch)
+            result = self._sample_together(logits, batch)
         except Exception as error:  # one row broke the batch: find it below
             logger.warning("sampling %d rows together failed (%r): sampling them one at a time",
                            batch.num_rows, error)
-        self._restore_generators(states)
-        return self._sample_one_at_a_time(logits, batch)
+            self._restore_generators(states)
+            result = self._sample_one_at_a_time(logits, batch)
+        for row, error in batch.errors.items():  # settings that could not be written: sampled harmlessly, failed
+            result.token_ids[row], result.logprobs[row], result.errors[row] = -1, None, error
+        return result
 
     def _sample_together(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         finite = torch.isfinite(logits).all(dim=-1)  # [S]

@@ -43,6 +43,7 @@ class SamplingBatch:
     histories: dict[int, History] = field(default_factory=dict)  # row -> its history, for penalised rows
     ban_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [N] row of each banned id
     ban_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [N] token ids it may not sample
+    errors: dict[int, BaseException] = field(default_factory=dict)  # row -> why its settings are unusable
 
     @property
     def num_rows(self) -> int:
@@ -65,7 +66,8 @@ class SamplingBatch:
             self.presence_penalty[one], self.frequency_penalty[one], self.repetition_penalty[one],
             self.has_penalties[one], seeded=[(0, g) for r, g in self.seeded if r == row],
             histories={0: self.histories[row]} if row in self.histories else {},
-            ban_rows=np.zeros(int(banned.sum()), np.int64), ban_ids=self.ban_ids[banned])
+            ban_rows=np.zeros(int(banned.sum()), np.int64), ban_ids=self.ban_ids[banned],
+            errors={0: self.errors[row]} if row in self.errors else {})
 
 
 class SamplingState:
@@ -97,6 +99,8 @@ class SamplingState:
         self.has_generator = np.zeros(rows, bool)  # [R]
         self.generators: list[torch.Generator | None] = [None] * rows
         self.params: list[SamplingParams | None] = [None] * rows  # to re-derive stop ids when the EOS ids change
+        self.errors: list[BaseException | None] = [None] * rows  # why a row's settings could not be written
+        self.has_error = np.zeros(rows, bool)  # [R]
         self._eos_token_ids = frozenset(eos_token_ids)
 
     @property
@@ -121,7 +125,20 @@ class SamplingState:
         generator: the request's own (seeded) generator, None: the sampler's. num_prompt_tokens: its
         prompt's length; prompt_start: where the prompt starts among the row's token ids (after its
         soft-prompt placeholders). Tokens after the prompt are the generated ones.
+        Settings that cannot be written (params broken after validation) do not raise: the row is
+        written as greedy without logprobs, bans or penalties and its request fails alone at its
+        next sampled step (SamplingBatch.errors), as a row whose sampling raises does.
         """
+        try:
+            self._write(row, params, generator, num_prompt_tokens, prompt_start)
+            self.errors[row], self.has_error[row] = None, False
+        except Exception as error:  # this request's settings alone are broken: it fails, the step goes on
+            self._write(row, _HARMLESS, None, num_prompt_tokens, prompt_start)
+            self.params[row] = None
+            self.errors[row], self.has_error[row] = error, True
+
+    def _write(self, row: int, params: SamplingParams, generator: torch.Generator | None, num_prompt_tokens: int,
+               prompt_start: int) -> None:
         greedy = params.greedy
         self.greedy[row] = greedy
         self.temperature[row] = 1.0 if greedy else params.temperature
@@ -141,9 +158,9 @@ class SamplingState:
         self._write_stop_ids(row, params)
 
     def remove_request(self, row: int) -> None:
-        """Row `row` is free: drop its generator and params (the next add_request rewrites the rest)."""
-        self.generators[row] = self.params[row] = None
-        self.has_generator[row] = False
+        """Row `row` is free: drop its generator, params and error (the next add_request rewrites the rest)."""
+        self.generators[row] = self.params[row] = self.errors[row] = None
+        self.has_generator[row] = self.has_error[row] = False
 
     def batch(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray) -> SamplingBatch:
         """The settings of the sampled rows `rows` [S] (batch order), with their min_tokens bans and
@@ -165,10 +182,12 @@ class SamplingState:
     def settings(self, rows: np.ndarray) -> SamplingBatch:
         """The rows' settings alone (no bans, no histories)."""
         random_seeded = np.flatnonzero(self.has_generator[rows] & ~self.greedy[rows])  # [G]
+        errors = {i: self.errors[rows[i]] for i in np.flatnonzero(self.has_error[rows]).tolist()}
         return SamplingBatch(
             self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows], self.num_logprobs[rows],
             self.presence_penalty[rows], self.frequency_penalty[rows], self.repetition_penalty[rows],
-            self.has_penalties[rows], seeded=[(i, self.generators[rows[i]]) for i in random_seeded.tolist()])
+            self.has_penalties[rows], seeded=[(i, self.generators[rows[i]]) for i in random_seeded.tolist()],
+            errors=errors)
 
     def _write_stop_ids(self, row: int, params: SamplingParams) -> None:
         # the ids come from the stop rule the output processor applies; only min_tokens decides when
@@ -178,6 +197,9 @@ class SamplingState:
                                    constant_values=-1)
         self.stop_ids[row] = -1
         self.stop_ids[row, :len(ids)] = ids
+
+
+_HARMLESS = SamplingParams(temperature=0.0, ignore_eos=True)  # what a row whose settings broke is written as
 
 
 def explicit_batch(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
