@@ -250,3 +250,6 @@ def test_settings_that_cannot_be_written_fail_their_row_alone_until_the_row_is_r
     rows.remove_request(0)
     rows.add_request(0, PLAIN)
     assert rows.batch(np.array([0]), *tokens({0: [3]})).errors == {}
+    rows.add_request(0, broken)
+    rows.add_request(0, PLAIN)  # overwritten without a free in between
+    assert rows.batch(np.array([0]), *tokens({0: [3]})).errors == {}
