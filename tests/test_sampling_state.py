@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_support import make_engine, run_to_completion
 from lora_runner.core.scheduler_output import ContinuingRequestData, NewRequestData, SchedulerOutput
 from lora_runner.core.stop_rule import stop_tokens
 from lora_runner.sample.sampler import Sampler
@@ -253,3 +254,20 @@ def test_settings_that_cannot_be_written_fail_their_row_alone_until_the_row_is_r
     rows.add_request(0, broken)
     rows.add_request(0, PLAIN)  # overwritten without a free in between
     assert rows.batch(np.array([0]), *tokens({0: [3]})).errors == {}
+
+
+def test_the_engines_eos_ids_reach_its_rows_running_requests_included(engine_checkpoint):
+    """The engine hands its EOS ids to the runner's rows at start; a change reaches a request that is
+    running already: from its next step the new id is banned under min_tokens."""
+    path, _, _ = engine_checkpoint
+    engine = make_engine(path)
+    assert engine.runner.eos_token_ids == engine.eos_token_ids and engine.eos_token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    reference = run_to_completion(engine, [("ref", [5, 6, 7], params)])["ref"].outputs[0].token_ids
+    engine.add_request("swapped", [5, 6, 7], params)
+    first = engine.step()  # the prefill samples the first token with the model's EOS ids
+    assert first[0].outputs[0].token_ids == reference[:1]
+    engine.eos_token_ids = {reference[1]}
+    done = run_to_completion(engine)
+    generated = done["swapped"].outputs[0].token_ids
+    assert generated[1] != reference[1] and len(generated) == 6
