@@ -27,6 +27,9 @@ class FakeRequest:
     prompt_adapter_ref: object = None
     num_virtual_tokens: int = 0
     num_computed: int = 0
+    params: object = None  # sampling settings: these rows keep none
+    generator: object = None
+    num_prompt_tokens: int = 0
 
 
 @dataclass

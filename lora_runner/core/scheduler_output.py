@@ -4,8 +4,8 @@ The engine side reads `scheduled` (live requests: postprocess appends their toke
 activates their adapters). The runner's persistent rows read plain data only, and trust it:
 
 - `new_requests`: requests admitted this step, in full (token ids, computed count, every block id,
-  adapter refs, virtual-token count); a request resumed after preemption is new again, since its
-  row was freed when it was preempted;
+  adapter refs, virtual-token count, sampling params, generator, prompt length); a request resumed
+  after preemption is new again, since its row was freed when it was preempted;
 - `continuing`: requests that ran before and keep their row, as diffs (computed count, the block ids
   their table gained this step);
 - `finished_ids` / `preempted_ids`: requests that left the running set since the previous output;
@@ -19,7 +19,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import torch
+
 from lora_runner.core.request import Request
+from lora_runner.sampling_params import SamplingParams
 
 
 @dataclass
@@ -47,6 +50,10 @@ class NewRequestData:
     lora_ref: Hashable | None
     prompt_adapter_ref: Hashable | None
     num_virtual_tokens: int
+    # its sampling settings, written into the row once (lora_runner.sample.sampling_state)
+    params: SamplingParams | None = None  # None only where the rows keep no sampling settings (tests)
+    generator: torch.Generator | None = None  # its own (seeded) generator; None: the sampler's
+    num_prompt_tokens: int = 0  # the prompt after the placeholders; the tokens after it are generated
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,8 @@ class SchedulerOutput:
         self._add(scheduled)
         self.new_requests.append(NewRequestData(
             request.request_id, tuple(request.token_ids), scheduled.start, tuple(block_ids), request.lora_ref,
-            request.prompt_adapter_ref, request.num_virtual_tokens))
+            request.prompt_adapter_ref, request.num_virtual_tokens, request.params, request.generator,
+            request.num_prompt_tokens))
 
     def add_continuing(self, scheduled: ScheduledRequest, new_block_ids: list[int]) -> None:
         """Schedule a request that ran before (sent as a diff)."""

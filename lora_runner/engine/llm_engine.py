@@ -107,6 +107,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(lambda ids: self.tokenizer.decode(ids),
                                                 eos_token_ids(self.model_config, self.model_dir),
                                                 self.limits.max_model_len)
+        self.runner.eos_token_ids = self.output_processor.eos_token_ids  # the rows' min_tokens bans
         # encode looked up per call too, for the same reason
         self.inputs = InputProcessor(vocab_size=self.model_config.vocab_size, max_model_len=self.limits.max_model_len,
                                      max_logprobs=cfg.max_logprobs, encode=lambda text: self.tokenizer.encode(text),
@@ -141,12 +142,13 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        """The ids that end a request (unless ignore_eos); settable, read by the output processor."""
+        """The ids that end a request (unless ignore_eos); settable, read by the output processor and
+        banned by the runner's rows until min_tokens (running requests included, from their next step)."""
         return self.output_processor.eos_token_ids
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
-        self.output_processor.eos_token_ids = frozenset(ids)
+        self.output_processor.eos_token_ids = self.runner.eos_token_ids = frozenset(ids)
 
     # ----------------------------------------------------------------------------- intake (any thread)
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -335,12 +337,10 @@ class LLMEngine:
                 if not request.is_finished]  # it may have finished since the abort was asked for
 
     def _run(self, sched: SchedulerOutput, slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
-        # the runner keeps each running request's state in a row: the output says what changed
-        sampling = [s.request for s in sched.scheduled if s.samples]
+        # the runner keeps each running request's state in a row, its sampling settings included:
+        # the output says what changed
         try:
-            result = self.runner.execute(sched, slot_of, prompt_slot_of, [r.params for r in sampling],
-                                         [r.generator for r in sampling], _penalty_histories(sampling),
-                                         self._min_tokens_bans(sampling))
+            result = self.runner.execute(sched, slot_of, prompt_slot_of)
         except BaseException:  # re-raised; the rows of requests that left must not outlive a failed step
             self.runner.forget(sched.left_ids)
             raise
@@ -357,13 +357,6 @@ class LLMEngine:
         if request.is_finished:
             self._release(request)
         return self._output(request)
-
-    def _min_tokens_bans(self, requests: list[Request]) -> list[list[int] | None] | None:
-        """Per sampled request, the ids it may not sample yet (min_tokens); None when none bans any.
-        The rule is the output processor's (lora_runner.core.stop_rule): an early EOS or stop token
-        is never generated."""
-        bans = [sorted(self.output_processor.stop_tokens(r).banned) or None for r in requests]
-        return bans if any(bans) else None
 
     def _insert_placeholders(self) -> None:
         """Soft-prompt placeholders for waiting requests whose prompt adapter is loaded; one whose
@@ -392,8 +385,3 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
                              finished=request.is_finished, prompt=request.prompt)
 
-
-def _penalty_histories(requests: list[Request]) -> list[tuple[list[int], list[int]] | None]:
-    """Per sampled request, the (prompt, generated) token ids its penalties count; None for the
-    requests without penalties (nothing is copied for them)."""
-    return [(r.prompt_token_ids, r.output_token_ids) if r.params.has_penalties else None for r in requests]

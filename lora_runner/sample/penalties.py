@@ -9,32 +9,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
-
-from lora_runner.sampling_params import SamplingParams
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, generated token ids)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
-                    histories: Sequence[History]) -> torch.Tensor:
-    """`logits` [S, V] with rows `rows` (params[i], histories[i] for rows[i]) penalised: a new tensor.
+def apply_penalties(logits: torch.Tensor, rows: np.ndarray, presence: np.ndarray, frequency: np.ndarray,
+                    repetition: np.ndarray, histories: Sequence[History]) -> torch.Tensor:
+    """`logits` [S, V] with rows `rows` [P] penalised (presence[i], frequency[i], repetition[i] [P] float32
+    and histories[i] for rows[i]): a new tensor.
 
     ValueError when a history holds a token id outside the vocabulary.
     """
     device = logits.device
-    counts, in_prompt = token_counts(rows, histories, logits.shape[-1], device)  # [P, V] each
+    counts, in_prompt = token_counts(rows.tolist(), histories, logits.shape[-1], device)  # [P, V] each
 
-    def column(values: list[float]) -> torch.Tensor:  # [P, 1]
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    def column(values: np.ndarray) -> torch.Tensor:  # [P, 1]
+        return torch.from_numpy(np.asarray(values, np.float32)).to(device)[:, None]
 
-    repetition = column([p.repetition_penalty for p in params])  # [P, 1]
-    index = torch.tensor(rows, dtype=torch.int64, device=device)  # [P]
+    index = torch.from_numpy(np.asarray(rows, np.int64)).to(device)  # [P]
     picked = logits.index_select(0, index)  # [P, V]
     seen = in_prompt | (counts > 0)  # [P, V]: repetition covers prompt and generated tokens
+    repetition = column(repetition)  # [P, 1]
     picked = torch.where(seen, torch.where(picked > 0, picked / repetition, picked * repetition), picked)
-    picked = picked - column([p.frequency_penalty for p in params]) * counts  # [P, V]
-    picked = picked - column([p.presence_penalty for p in params]) * (counts > 0)  # [P, V]
+    picked = picked - column(frequency) * counts  # [P, V]
+    picked = picked - column(presence) * (counts > 0)  # [P, V]
     return logits.index_copy(0, index, picked)  # [S, V]; the other rows are copied bit for bit
 
 
@@ -45,9 +45,10 @@ def token_counts(rows: Sequence[int], histories: Sequence[History], vocab: int,
     tokens, owners, generated = [], [], []  # per token: its id, its row among the histories, 1.0 if generated
     for position, (row, history) in enumerate(zip(rows, histories)):
         for ids, is_generated in zip(history, (0.0, 1.0)):
-            if len(ids) and not (0 <= min(ids) and max(ids) < vocab):
+            ids = np.asarray(ids, np.int64)  # lists (explicit batches) or views of a row's token ids
+            if len(ids) and not (0 <= ids.min() and ids.max() < vocab):
                 raise ValueError(f"row {row}: a token id of its history lies outside the vocabulary [0, {vocab})")
-            tokens.append(torch.as_tensor(ids, dtype=torch.int64))
+            tokens.append(torch.from_numpy(ids))
             owners.append(torch.full((len(ids),), position, dtype=torch.int64))
             generated.append(torch.full((len(ids),), is_generated))
     flat = (torch.cat(owners) * vocab + torch.cat(tokens)).to(device)  # [N] index into [P * V]

@@ -11,19 +11,22 @@ lora_runner.sample.penalties) change the logits of the rows that set them before
 greedy/temperature/top-k/top-p; a step without penalised rows skips all of it. The logprobs
 returned stay the raw model log-probabilities (before penalties, like the other settings).
 
-Faults stay in their row: a row with NaN/inf logits, or whose sampling raises, comes back with an
-error in SamplerOutput.errors (its request fails) while every other row gets its usual token.
+Faults stay in their row: a row with NaN/inf logits, whose sampling raises, or whose settings could not
+be written (SamplingBatch.errors), comes back with an error in SamplerOutput.errors (its request
+fails) while every other row gets its usual token.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lora_runner.sample.penalties import apply_penalties
+from lora_runner.sample.sampling_state import History, SamplingBatch, explicit_batch
 from lora_runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,33 +38,8 @@ class NonFiniteLogitsError(FloatingPointError):
 
 
 @dataclass
-class SamplingBatch:
-    """The rows of one step (S rows): each row's settings and its own generator (or None)."""
-
-    params: Sequence[SamplingParams]
-    generators: Sequence[torch.Generator | None]
-    # per row (prompt token ids, generated token ids), read only for rows with penalties; None: none given
-    histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None
-    # per row, token ids it may not sample this step (EOS and stop ids before min_tokens); None: none
-    banned: Sequence[Sequence[int] | None] | None = None
-
-    def history(self, row: int) -> tuple[Sequence[int], Sequence[int]]:
-        """Row `row`'s (prompt, generated) token ids; ValueError when the caller gave none."""
-        entry = self.histories[row] if self.histories is not None else None
-        if entry is None:
-            raise ValueError(f"row {row} has penalties but its prompt/generated token ids were not given")
-        return entry
-
-    def row(self, row: int) -> SamplingBatch:
-        """The one-row batch of row `row`."""
-        histories = None if self.histories is None else [self.histories[row]]
-        banned = None if self.banned is None else [self.banned[row]]
-        return SamplingBatch([self.params[row]], [self.generators[row]], histories, banned)
-
-
-@dataclass
 class _RowSettings:
-    """A SamplingBatch as device tensors."""
+    """A SamplingBatch's sampling settings as device tensors."""
 
     # the four tensors are None when every row is greedy
     temperatures: torch.Tensor | None  # [S] float32, 1.0 for greedy rows (unused there)
@@ -69,7 +47,7 @@ class _RowSettings:
     top_p: torch.Tensor | None  # [S] float32
     greedy: torch.Tensor | None  # [S] bool
     generators: list[tuple[int, torch.Generator]]  # (row, generator) of seeded random rows
-    num_logprobs: list[int | None]  # per row: k, or None for no logprobs
+    num_logprobs: list[int | None]  # [S] k, or None for no logprobs
     all_greedy: bool
     use_top_k: bool
     use_top_p: bool
@@ -105,25 +83,28 @@ class Sampler:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def make_batch(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                   histories: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
-                   banned: Sequence[Sequence[int] | None] | None = None) -> SamplingBatch:
-        """The step's rows; generators[i] is row i's own generator or None; histories[i] is row i's
+                   histories: Sequence[History | None] | None = None,
+                   banned: Sequence[Collection[int] | None] | None = None) -> SamplingBatch:
+        """A batch from explicit per-row lists (memory profile, tests; the engine's rows come from a
+        SamplingState): generators[i] is row i's own generator or None; histories[i] is row i's
         (prompt token ids, generated token ids), needed by rows with penalties; banned[i]: token ids
         row i may not sample (its EOS and stop ids while it is under min_tokens), or None."""
-        return SamplingBatch(list(params), list(generators), None if histories is None else list(histories),
-                             None if banned is None else list(banned))
+        return explicit_batch(params, generators, histories, banned, self.vocab_size)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample from `logits` [S, vocab]; returns host lists (one device->host sync)."""
         logits = logits.float()  # [S, V]
         states = self._generator_states(batch)
         try:
-            return self._sample_together(logits, batch)
+            result = self._sample_together(logits, batch)
         except Exception as error:  # one row broke the batch: find it below
             logger.warning("sampling %d rows together failed (%r): sampling them one at a time",
-                           len(batch.params), error)
-        self._restore_generators(states)
-        return self._sample_one_at_a_time(logits, batch)
+                           batch.num_rows, error)
+            self._restore_generators(states)
+            result = self._sample_one_at_a_time(logits, batch)
+        for row, error in batch.errors.items():  # settings that could not be written: sampled harmlessly, failed
+            result.token_ids[row], result.logprobs[row], result.errors[row] = -1, None, error
+        return result
 
     def _sample_together(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         finite = torch.isfinite(logits).all(dim=-1)  # [S]
@@ -153,7 +134,7 @@ class Sampler:
 
     def _sample_one_at_a_time(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         result = SamplerOutput([], [], [])
-        for row in range(len(batch.params)):
+        for row in range(batch.num_rows):
             try:
                 one = self._sample_together(logits[row:row + 1], batch.row(row))
             except Exception as error:  # this row alone fails: its request gets the error
@@ -167,25 +148,25 @@ class Sampler:
     def _apply_bans(self, penalized: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """`penalized` [S, V] with each row's banned token ids at -inf (a copy when `penalized` is the
         raw logits, which the logprobs read); itself when no row bans anything."""
-        bans = [(row, ids) for row, ids in enumerate(batch.banned or ()) if ids]
-        if not bans:
+        if not batch.ban_rows.size:
             return penalized
         if penalized is raw:
             penalized = penalized.clone()
-        rows = torch.tensor([row for row, ids in bans for _ in ids], device=penalized.device)
-        cols = torch.tensor([t for _, ids in bans for t in ids], device=penalized.device)
+        rows = torch.from_numpy(batch.ban_rows).to(penalized.device)  # [N]
+        cols = torch.from_numpy(batch.ban_ids).to(penalized.device)  # [N]
         penalized[rows, cols] = float("-inf")
         return penalized
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """`logits` [S, V] with the penalised rows' penalties applied (lora_runner.sample.penalties)."""
-        rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
-        if not rows:
+        rows = np.flatnonzero(batch.has_penalties)  # [P]
+        if not rows.size:
             return logits
-        return apply_penalties(logits, rows, [batch.params[i] for i in rows], [batch.history(i) for i in rows])
+        return apply_penalties(logits, rows, batch.presence_penalty[rows], batch.frequency_penalty[rows],
+                               batch.repetition_penalty[rows], [batch.history(i) for i in rows.tolist()])
 
     def _generator_states(self, batch: SamplingBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
-        generators = [self.generator, *(g for g in batch.generators if g is not None)]
+        generators = [self.generator, *(g for _, g in batch.seeded)]
         return [(g, g.get_state()) for g in generators]
 
     @staticmethod
@@ -194,25 +175,21 @@ class Sampler:
             generator.set_state(state)
 
     def _settings(self, batch: SamplingBatch) -> _RowSettings:
-        params, generators = batch.params, batch.generators
-        greedy = [p.greedy for p in params]
-        if all(greedy):  # argmax alone: no per-row tensor is read
-            return _RowSettings(None, None, None, None, [], [p.logprobs for p in params], all_greedy=True,
+        num_logprobs = [None if k < 0 else k for k in batch.num_logprobs.tolist()]
+        if batch.greedy.all():  # argmax alone: no per-row tensor is read
+            return _RowSettings(None, None, None, None, [], num_logprobs, all_greedy=True,
                                 use_top_k=False, use_top_p=False)
-        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
+        random_rows = ~batch.greedy  # [S]
         return _RowSettings(
-            temperatures=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                      dtype=torch.float32, device=self.device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=self.device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=self.device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=self.device),
-            generators=[(i, generators[i]) for i in random_rows if generators[i] is not None],
-            num_logprobs=[p.logprobs for p in params],
-            all_greedy=not random_rows,
-            use_top_k=any(top_k[i] < self.vocab_size for i in random_rows),
-            use_top_p=any(top_p[i] < 1.0 for i in random_rows))
+            temperatures=torch.from_numpy(batch.temperature).to(self.device),
+            top_k=torch.from_numpy(batch.top_k).to(self.device),
+            top_p=torch.from_numpy(batch.top_p).to(self.device),
+            greedy=torch.from_numpy(batch.greedy).to(self.device),
+            generators=batch.seeded,
+            num_logprobs=num_logprobs,
+            all_greedy=False,
+            use_top_k=bool((batch.top_k[random_rows] < self.vocab_size).any()),
+            use_top_p=bool((batch.top_p[random_rows] < 1.0).any()))
 
     def _sample(self, logits: torch.Tensor, batch: _RowSettings) -> torch.Tensor:
         scaled = logits / batch.temperatures[:, None]  # [S, V]

@@ -25,6 +25,7 @@ from lora_runner.worker.request_rows import InputBatch
 from lora_runner.worker.kv_cache import allocate_kv_cache
 from lora_runner.model.vocab_lora import LMHeadLoRA, LMHeadLoRAContext
 from lora_runner.sample.sampler import Sampler, SamplerOutput
+from lora_runner.sample.sampling_state import SamplingBatch, SamplingState
 from lora_runner.core.scheduler_output import SchedulerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
@@ -48,6 +49,8 @@ class ModelRunner:
         max_num_tokens, max_num_seqs, max_blocks_per_seq: largest step (buffer sizes).
         max_loras, max_lora_rank: LoRA slot count and padded rank.
         dtype, device: of the KV cache and buffers. seed: for requests without their own seed.
+
+    ``eos_token_ids`` (settable, empty at first) are the end ids the rows ban until min_tokens.
     """
 
     def __init__(self, model, model_config, lora_slots, *, num_kv_blocks: int, block_size: int,
@@ -62,8 +65,9 @@ class ModelRunner:
         self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                                           max_blocks_per_seq=max_blocks_per_seq, block_size=block_size,
                                           device=device)
+        self.sampling_state = SamplingState(max_num_seqs=max_num_seqs, vocab_size=model_config.vocab_size)
         self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
-                                      block_size=block_size)
+                                      block_size=block_size, sampling=self.sampling_state)
         self.lora_meta = LoRAMeta(max_num_tokens, max_loras, device, max_rank=max_lora_rank,
                                   max_slices=_MAX_LORA_SLICES)
         self.forward_contexts = ForwardContextBuilder(self.kv_cache, self.lora_meta, lora_slots, prompt_slots,
@@ -74,22 +78,29 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, device, seed)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end ids, banned with each request's stop ids until its min_tokens."""
+        return self.sampling_state.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        """New end ids; the rows of running requests ban them from their next step on."""
+        self.sampling_state.eos_token_ids = ids
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, lora_slot_of: Mapping[Hashable, int],
-                prompt_slot_of: Mapping[Hashable, int], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None], histories=None, banned=None) -> SamplerOutput:
+                prompt_slot_of: Mapping[Hashable, int]) -> SamplerOutput:
         """The engine's path: apply the scheduler's output to the persistent rows, forward the step
-        and sample one token for each sequence that reaches its last token.
+        and sample one token for each sequence that reaches its last token, with the settings its
+        row got when it was placed (SchedulerOutput.new_requests carry the params and generator).
 
         lora_slot_of / prompt_slot_of: adapter ref -> device slot this step.
-        params / generators / histories: one per sampling sequence, in batch order; histories[i] is
-        the (prompt token ids, generated token ids) the penalties of row i count (None: no row has any);
-        banned[i] the token ids row i may not sample (None: no row bans any).
         """
         rows = self.input_batch.update(sched, lora_slot_of, prompt_slot_of)
         shape = self.batch_builder.write_rows(self.input_batch.token_ids, self.input_batch.block_tables,
                                               rows.rows, rows.starts, rows.lens, rows.seqs)
-        result = self._forward_and_sample(shape, params, generators, histories, banned)
+        result = self._forward_and_sample(shape, self.input_batch.sampling_batch(rows))
         # only after the step ran: a step that raised leaves the computed counts as they were
         self.input_batch.commit(rows, result.token_ids)
         return result
@@ -98,8 +109,12 @@ class ModelRunner:
     def execute_chunks(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
                        generators: Sequence[torch.Generator | None], histories=None, banned=None) -> SamplerOutput:
         """Forward explicit chunks (memory profiling, tests), flattened as given; the persistent rows
-        are not touched. params / generators / histories / banned: as for execute."""
-        return self._forward_and_sample(self.batch_builder.write(chunks), params, generators, histories, banned)
+        are not touched, so the sampling settings come as explicit lists, one per sampling chunk in
+        order (Sampler.make_batch): params, generators (None: the sampler's), histories (the
+        (prompt, generated) token ids rows with penalties count; None: none given) and banned (ids a
+        row may not sample; None: none)."""
+        return self._forward_and_sample(self.batch_builder.write(chunks),
+                                        self.sampler.make_batch(params, generators, histories, banned))
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Free the persistent rows of requests that left the running set (a step that runs nothing
@@ -107,17 +122,17 @@ class ModelRunner:
         for request_id in request_ids:
             self.input_batch.free(request_id)
 
-    def _forward_and_sample(self, shape: BatchShape, params, generators, histories, banned) -> SamplerOutput:
+    def _forward_and_sample(self, shape: BatchShape, sampling: SamplingBatch) -> SamplerOutput:
         batch, key = self._upload(shape)
         if key is not None:
             hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
-        if not params:
+        if not sampling.num_rows:
             return SamplerOutput([], [])
         rows, lm_head = hidden[batch.sample_indices], self._lm_head_lora(batch)  # [S, hidden]
         logits = self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
-        return self.sampler(logits, self.sampler.make_batch(params, generators, histories, banned))
+        return self.sampler(logits, sampling)
 
     def _lm_head_lora(self, batch: BatchInputs) -> LMHeadLoRAContext | None:
         """The lm_head LoRA over the sampled rows, None when no row can have one (the plain logits)."""

@@ -6,7 +6,9 @@ many of them are computed, its KV block table and an interned key of each of its
 the rows read the scheduler's explicit data (lora_runner.core.scheduler_output.SchedulerOutput):
 
 - rows of requests that left are freed (`finished_ids`, `preempted_ids`);
-- each of `new_requests` gets a row written in full (tokens, computed count, table, adapters);
+- each of `new_requests` gets a row written in full (tokens, computed count, table, adapters, and,
+  when the rows keep them, its sampling settings in the same row of a
+  lora_runner.sample.sampling_state.SamplingState);
 - each of `continuing` appends the block ids its table gained, nothing else;
 - after sampling, ``commit`` advances every row's computed count and appends the sampled tokens.
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lora_runner.core.scheduler_output import ContinuingRequestData, NewRequestData, SchedulerOutput
+from lora_runner.sample.sampling_state import SamplingBatch, SamplingState
 from lora_runner.worker.batch_builder import SeqArrays
 
 logger = logging.getLogger(__name__)
@@ -96,10 +99,14 @@ class InputBatch:
         max_blocks_per_seq: block table width.
         block_size: KV-cache block size; a row holds max_blocks_per_seq * block_size + 1 token ids
             (the KV capacity plus the token sampled after the last position).
+        sampling: the rows' sampling settings (max_num_seqs rows), written and freed with the rows;
+            None: the rows keep none (new requests may then come without params).
     """
 
-    def __init__(self, *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+    def __init__(self, *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 sampling: SamplingState | None = None) -> None:
         self.max_num_seqs = max_num_seqs
+        self.sampling = sampling
         self.block_size = block_size
         self.max_tokens = max_blocks_per_seq * block_size + 1
         self.token_ids = np.zeros((max_num_seqs, self.max_tokens), np.int32)  # [R, L] (vocab ids fit)
@@ -164,6 +171,12 @@ class InputBatch:
         self.token_ids[sampling, at] = sampled
         self.num_tokens[sampling] = at + 1
 
+    def sampling_batch(self, step: ScheduledRows) -> SamplingBatch:
+        """The sampling settings of the step's sampling sequences, in batch order (their min_tokens
+        bans and penalty histories read from the rows' token ids, before commit appends to them)."""
+        assert self.sampling is not None, "these rows keep no sampling settings"
+        return self.sampling.batch(step.rows[step.seqs.sample], self.token_ids, self.num_tokens)
+
     # ------------------------------------------------------------------ rows
     def free(self, request_id: str) -> None:
         """Forget `request_id`'s row (no-op when it has none: it left before it was ever scheduled)."""
@@ -174,6 +187,8 @@ class InputBatch:
         self._loras.release(int(self.lora_keys[row]), lora_ref)
         self._prompts.release(int(self.prompt_keys[row]), prompt_ref)
         self.request_ids[row] = self._refs[row] = None
+        if self.sampling is not None:
+            self.sampling.remove_request(row)
         self._free_rows.append(row)
 
     def _place(self, new: NewRequestData) -> None:
@@ -191,6 +206,8 @@ class InputBatch:
         width = self.block_tables.shape[1]
         if len(block_ids) > width:
             raise ValueError(f"request {request_id!r}: {len(block_ids)} KV blocks, at most {width} per sequence")
+        if self.sampling is not None and new.params is None:
+            raise RowsOutOfSyncError(f"request {request_id!r} is new but comes without its sampling params")
         row = self._free_rows.pop()
         self._row_of[request_id] = row
         self.request_ids[row] = request_id
@@ -204,6 +221,9 @@ class InputBatch:
         self._refs[row] = (new.lora_ref, new.prompt_adapter_ref)
         self.lora_keys[row] = self._loras.acquire(new.lora_ref)
         self.prompt_keys[row] = self._prompts.acquire(new.prompt_adapter_ref)
+        if self.sampling is not None:
+            self.sampling.add_request(row, new.params, new.generator, num_prompt_tokens=new.num_prompt_tokens,
+                                      prompt_start=new.num_virtual_tokens)
 
     def _extend(self, continuing: ContinuingRequestData) -> None:
         """Check a continuing request against its row and append the blocks its table gained."""
