@@ -2,8 +2,8 @@
 
 from lora_runner.config import EngineConfig
 from lora_runner.engine.async_llm_engine import AsyncLLMEngine
-from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.engine.errors import EngineClosedError
+from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.entrypoints.llm import LLM
 from lora_runner.outputs import CompletionOutput, RequestOutput
 from lora_runner.sampling_params import SamplingParams

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lora_runner.device import resolve_device, resolve_dtype
 from lora_runner.core.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
+from lora_runner.device import resolve_device, resolve_dtype
 
 
 def _doc(text: str, **default) -> dict:

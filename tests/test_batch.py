@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.model.attention import paged_attention, write_kv
 from lora_runner.model.forward_context import AttentionMetadata
+from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 
 
 def reference(chunks, block_size, width):

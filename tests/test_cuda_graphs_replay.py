@@ -11,12 +11,12 @@ import torch
 
 from adapters import LoRARequest
 from adapters.manager import AdapterManager
+from lora_runner.model import load_model
+from lora_runner.model.forward_context import ForwardContext
+from lora_runner.sampling_params import SamplingParams
 from lora_runner.worker.batch_builder import SeqChunk
 from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, RerunGraph, resident_dummy_loras
-from lora_runner.model.forward_context import ForwardContext
-from lora_runner.model import load_model
 from lora_runner.worker.model_runner import ModelRunner
-from lora_runner.sampling_params import SamplingParams
 
 MAX_LORAS, MAX_RANK, MAX_NUM_SEQS, BLOCK_SIZE, WIDTH = 4, 16, 32, 4, 8  # WIDTH: blocks per sequence
 FIRST_ADAPTERS = ["r4", "r8-rslora", "r16-patterns", "r8-qv"]  # ranks 4, 8, 16 (down 4), 8

@@ -9,8 +9,8 @@ import torch
 
 from factories import save_tiny_model
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.model import ModelConfig
+from lora_runner.worker.kv_cache import kv_block_bytes
 
 VOCAB = 256
 

@@ -17,8 +17,8 @@ import torch
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import LLM, SamplingParams
-from lora_runner.sample.sampler import NonFiniteLogitsError, Sampler
 from lora_runner.core.request import Request
+from lora_runner.sample.sampler import NonFiniteLogitsError, Sampler
 from tests import factories
 from engine_support import assert_exact, assert_idle, make_engine, run_to_completion
 from test_engine_bad_adapters import OFFLINE

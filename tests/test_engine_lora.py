@@ -9,8 +9,8 @@ import torch
 
 from adapters import AdapterCapacityError, AdapterError, LoRARequest
 from lora_runner import SamplingParams
-from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.model import ModelConfig
+from lora_runner.worker.kv_cache import kv_block_bytes
 
 from engine_support import assert_exact, make_engine, run_to_completion
 

@@ -16,11 +16,11 @@ import pytest
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import SamplingParams
-from lora_runner.core.block_manager import BlockManager
 from lora_runner.config import EngineConfig
+from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import FairQueue, VirtualTokenCounter, served_tokens, tenant_of
-from lora_runner.core.scheduler import Scheduler
 from lora_runner.core.request import Request
+from lora_runner.core.scheduler import Scheduler
 
 from engine_support import make_engine, run_to_completion
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.worker.request_rows import InputBatch, RowsOutOfSyncError
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from factories import build_tiny_model, save_tiny_model
-from lora_runner.model.forward_context import AttentionMetadata, ForwardContext, LoRAContext
 from lora_runner.model import load_model
+from lora_runner.model.forward_context import AttentionMetadata, ForwardContext, LoRAContext
 from lora_runner.worker.kv_cache import allocate_kv_cache
 
 ATOL = 1e-4

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from factories import save_tiny_model, tiny_config, write_hub_cache
-from lora_runner.worker.kv_cache import kv_block_bytes, num_kv_blocks
 from lora_runner.model import (LlamaForCausalLM, ModelConfig, load_model, resolve_device, resolve_dtype,
                                resolve_model_dir)
-from lora_runner.worker.kv_cache import allocate_kv_cache
 from lora_runner.model.loader import weight_files
+from lora_runner.worker.kv_cache import kv_block_bytes, num_kv_blocks
+from lora_runner.worker.kv_cache import allocate_kv_cache
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

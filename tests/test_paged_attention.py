@@ -20,9 +20,9 @@ import torch
 pytest.importorskip("triton")
 
 from lora_runner.model import attention  # noqa: E402
+from lora_runner.model import paged_attention as kernels  # noqa: E402
 from lora_runner.model.attention import paged_attention, write_kv  # noqa: E402
 from lora_runner.model.forward_context import AttentionMetadata  # noqa: E402
-from lora_runner.model import paged_attention as kernels  # noqa: E402
 
 NAN = float("nan")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

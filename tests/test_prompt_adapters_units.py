@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.core.block_manager import BlockManager
-from lora_runner.sampling_params import SamplingParams
-from lora_runner.core.scheduler import Scheduler
 from lora_runner.core.request import PLACEHOLDER_TOKEN_ID, Request
+from lora_runner.core.scheduler import Scheduler
+from lora_runner.sampling_params import SamplingParams
+from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 
 
 def reference_mapping(chunks):

@@ -5,11 +5,11 @@ import random
 import pytest
 
 from lora_runner.core.block_manager import BlockManager
+from lora_runner.core.request import Request, RequestStatus
+from lora_runner.core.scheduler import Scheduler
 from lora_runner.engine.output_processor import OutputProcessor
 from lora_runner.sample.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
-from lora_runner.core.scheduler import Scheduler
-from lora_runner.core.request import Request, RequestStatus
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, max_tokens=32, max_loras=2, states=None,

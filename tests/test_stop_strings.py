@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.engine.output_processor import OutputProcessor
 from lora_runner.core.request import Request
+from lora_runner.engine.output_processor import OutputProcessor
 
 MAX_TOKENS = 12
 

@@ -32,8 +32,8 @@ from contextlib import contextmanager
 
 from adapters.manager import AdapterManager
 from adapters.tier import AdapterRef, AdapterTier, TierClosedError
-from lora_runner.core.scheduler import ScheduledRequest
 from lora_runner.core.request import Request
+from lora_runner.core.scheduler import ScheduledRequest
 from lora_runner.engine.errors import EngineClosedError
 from lora_runner.engine.input_processor import check_prompt_adapter_request
 

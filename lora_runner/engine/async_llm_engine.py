@@ -20,11 +20,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.engine.errors import EngineDeadError
 from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.engine.stats import EngineStats
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
-from lora_runner.engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

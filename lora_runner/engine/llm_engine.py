@@ -22,28 +22,28 @@ import torch
 
 from adapters import AdapterRef, LoRARequest, PromptAdapterRequest
 from adapters.manager import AdapterManager
-from lora_runner.core.block_manager import BlockManager
 from lora_runner.config import EngineConfig
-from lora_runner.worker.cuda_graphs import cuda_graphs_available
-from lora_runner.device import available_host_memory, set_cpu_threads
+from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import VirtualTokenCounter
+from lora_runner.core.request import Request
+from lora_runner.core.scheduler import Scheduler
+from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.device import available_host_memory, set_cpu_threads
 from lora_runner.engine.adapters import EngineAdapters
-from lora_runner.engine.stats import EngineStats
 from lora_runner.engine.input_processor import InputProcessor, abort_ids
 from lora_runner.engine.intake import Intake
 from lora_runner.engine.limits import engine_limits, step_sizes
-from lora_runner.worker.kv_cache import kv_block_bytes
-from lora_runner.worker.memory_profile import profile_kv_cache_budget
+from lora_runner.engine.output_processor import OutputProcessor
+from lora_runner.engine.stats import EngineStats
+from lora_runner.engine.tokenizer import LazyTokenizer, eos_token_ids
 from lora_runner.model import load_model
 from lora_runner.model.layers import lora_base_weights
-from lora_runner.engine.output_processor import OutputProcessor
 from lora_runner.outputs import RequestOutput
-from lora_runner.worker.model_runner import ModelRunner
 from lora_runner.sampling_params import SamplingParams
-from lora_runner.core.scheduler import Scheduler
-from lora_runner.core.scheduler_output import SchedulerOutput
-from lora_runner.core.request import Request
-from lora_runner.engine.tokenizer import LazyTokenizer, eos_token_ids
+from lora_runner.worker.cuda_graphs import cuda_graphs_available
+from lora_runner.worker.kv_cache import kv_block_bytes
+from lora_runner.worker.memory_profile import profile_kv_cache_budget
+from lora_runner.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from lora_runner.engine.detokenizer import OutputText
-from lora_runner.outputs import CompletionOutput
 from lora_runner.core.request import Request
 from lora_runner.core.stop_rule import StopTokens, stop_tokens
+from lora_runner.engine.detokenizer import OutputText
+from lora_runner.outputs import CompletionOutput
 
 
 class OutputProcessor:

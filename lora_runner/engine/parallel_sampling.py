@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lora_runner.outputs import CompletionOutput, RequestOutput
 from lora_runner.core.request import Request
+from lora_runner.outputs import CompletionOutput, RequestOutput
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import punica_kernels
-from lora_runner.model.forward_context import LoRAContext
 from lora_runner.model.config import RopeConfig
+from lora_runner.model.forward_context import LoRAContext
 
 
 class RMSNorm(nn.Module):

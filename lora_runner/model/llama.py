@@ -21,8 +21,8 @@ from torch import nn
 
 from adapters.spec import FUSED_TO_PACKED, PEFT_PARENT, PEFT_TO_PACKED
 from lora_runner.model.attention import paged_attention, token_seq_lens, write_kv
-from lora_runner.model.forward_context import ForwardContext, LoRAContext, PromptAdapterContext
 from lora_runner.model.config import ModelConfig
+from lora_runner.model.forward_context import ForwardContext, LoRAContext, PromptAdapterContext
 from lora_runner.model.layers import LoRALinear, RMSNorm, RotaryEmbedding
 from lora_runner.model.vocab_lora import LMHeadLoRAContext, add_embedding_lora, add_lm_head_lora
 

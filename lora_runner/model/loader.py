@@ -12,8 +12,8 @@ import torch
 
 from lora_runner.device import resolve_device, resolve_dtype
 from lora_runner.model.config import ModelConfig
-from lora_runner.model.gguf import gguf_model_dir, is_gguf_file
 from lora_runner.model.gemma2 import model_class
+from lora_runner.model.gguf import gguf_model_dir, is_gguf_file
 
 logger = logging.getLogger(__name__)
 

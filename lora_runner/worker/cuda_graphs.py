@@ -39,8 +39,8 @@ from typing import Protocol
 
 import torch
 
-from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, BatchShape
 from lora_runner.model.attention import BACKEND_ENV
+from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, BatchShape
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 
 logger = logging.getLogger(__name__)

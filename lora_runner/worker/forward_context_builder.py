@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lora_runner.worker.batch_builder import BatchInputs
 from lora_runner.model.forward_context import AttentionMetadata, ForwardContext, LoRAContext, PromptAdapterContext
+from lora_runner.worker.batch_builder import BatchInputs
 
 
 class ForwardContextBuilder:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_runner.sampling_params import SamplingParams
 from lora_runner.worker.batch_builder import SeqChunk
 from lora_runner.worker.cuda_graphs import resident_dummy_loras
-from lora_runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

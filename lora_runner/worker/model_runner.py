@@ -19,16 +19,16 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, SeqChunk, BatchShape
-from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
-from lora_runner.worker.request_rows import InputBatch
-from lora_runner.worker.kv_cache import allocate_kv_cache
+from lora_runner.core.scheduler_output import SchedulerOutput
 from lora_runner.model.vocab_lora import LMHeadLoRA, LMHeadLoRAContext
 from lora_runner.sample.sampler import Sampler, SamplerOutput
 from lora_runner.sample.sampling_state import SamplingBatch, SamplingState
-from lora_runner.core.scheduler_output import SchedulerOutput
 from lora_runner.sampling_params import SamplingParams
+from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, SeqChunk, BatchShape
+from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
+from lora_runner.worker.kv_cache import allocate_kv_cache
+from lora_runner.worker.request_rows import InputBatch
 from punica_kernels import LoRAMeta
 
 logger = logging.getLogger(__name__)
