@@ -2,11 +2,12 @@
 
 A step is written in two phases. write() flattens the chunks into host arrays allocated once at
 their maximum size (rows [:n] per step) and returns the step's shape; write_rows() does the same
-from the runner's persistent request rows (lora_runner.worker.request_rows) by gathers alone, the engine's
-path. upload() hands the rows to the device. On CPU the device views are the host arrays themselves: nothing is copied. On CUDA,
-upload() packs the step's rows into one pinned staging buffer (two of them alternate) and queues
-one non-blocking copy (lora_runner/worker/staging.py): a step that samples nothing never waits for the
-device, and the host arrays are never a copy's source, so write() never waits either.
+from the runner's persistent request rows (lora_runner.worker.request_rows) by gathers alone, the
+engine's path. upload() hands the rows to the device. On CPU the device views are the host arrays
+themselves: nothing is copied. On CUDA, upload() packs the step's rows into one pinned staging
+buffer (two of them alternate) and queues one non-blocking copy (lora_runner/worker/staging.py): a
+step that samples nothing never waits for the device, and the host arrays are never a copy's
+source, so write() never waits either.
 
 Decode graphs run fixed-size steps: upload(step, padded_seqs=p) first fills rows past a decode
 step with padding sequences, so the one copy carries a whole captured size; padding_batch is such
