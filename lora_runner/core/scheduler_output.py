@@ -39,7 +39,7 @@ class ScheduledRequest:
         return self.start + self.num_new_tokens == self.request.num_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NewRequestData:
     """A request the runner has no row for: everything its row holds."""
 
@@ -56,7 +56,7 @@ class NewRequestData:
     num_prompt_tokens: int = 0  # the prompt after the placeholders; the tokens after it are generated
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ContinuingRequestData:
     """A request whose row the runner holds: what changed since its previous step."""
 

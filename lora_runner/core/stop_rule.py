@@ -10,17 +10,28 @@ tokens come before any EOS or stop id.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
 from lora_runner.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
 class StopTokens:
-    """The ids that end a request and whether they may end it yet."""
+    """The ids that end a request and whether they may end it yet.
 
-    ids: frozenset[int]  # its stop_token_ids and, unless ignore_eos, the model's EOS ids
-    may_stop: bool  # min_tokens generated already: a stop id (or a stop string) may end it
+    A small object made per sampled token on the host step, so it stores what it needs and builds
+    the id set only when asked for it (``ids``, ``banned``); ``stops`` tests membership directly."""
+
+    __slots__ = ("params", "eos_token_ids", "may_stop")
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Collection[int], may_stop: bool) -> None:
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.may_stop = may_stop  # min_tokens generated already: a stop id (or a stop string) may end it
+
+    @property
+    def ids(self) -> frozenset[int]:
+        """Its stop_token_ids and, unless ignore_eos, the model's EOS ids."""
+        eos = frozenset() if self.params.ignore_eos else frozenset(self.eos_token_ids)
+        return frozenset(self.params.stop_token_ids) | eos
 
     @property
     def banned(self) -> frozenset[int]:
@@ -28,11 +39,11 @@ class StopTokens:
         return frozenset() if self.may_stop else self.ids
 
     def stops(self, token_id: int) -> bool:
-        """True when `token_id` ends the request."""
-        return self.may_stop and token_id in self.ids
+        """True when `token_id` ends the request (`token_id in ids` once it may stop)."""
+        return self.may_stop and (token_id in self.params.stop_token_ids
+                                  or (not self.params.ignore_eos and token_id in self.eos_token_ids))
 
 
 def stop_tokens(params: SamplingParams, num_generated: int, eos_token_ids: Collection[int]) -> StopTokens:
     """The stop rule for a request's next token after `num_generated` generated tokens."""
-    ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
-    return StopTokens(ids, num_generated >= params.min_tokens)
+    return StopTokens(params, eos_token_ids, num_generated >= params.min_tokens)
