@@ -114,7 +114,7 @@ class LLMEngine:
                                      prompts_enabled=cfg.max_prompt_adapters > 0)
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self._arrivals = count()
-        self._stats = EngineStats.collect(self.scheduler, self.block_manager, self.adapters.manager.stats, steps=0)
+        self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
 
     def _make_runner(self, num_kv_blocks: int, max_model_len: int | None = None, *,
                      manager: AdapterManager | None = None) -> ModelRunner:
@@ -296,8 +296,7 @@ class LLMEngine:
     def _publish_stats(self) -> None:
         """Swap in this step's EngineStats (one reference: readers on other threads see the whole old
         snapshot or the whole new one)."""
-        self._stats = EngineStats.collect(self.scheduler, self.block_manager, self.adapters.manager.stats,
-                                          steps=self._stats.steps + 1)
+        self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=self._stats.steps + 1)
 
     @property
     def stats(self) -> EngineStats:

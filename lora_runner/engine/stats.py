@@ -19,7 +19,9 @@ class EngineStats:
     running / waiting: requests being prefilled or decoded / queued (loading adapters or no room).
     kv_blocks_used / kv_blocks_total: KV-cache blocks held by requests / in the cache.
     preemptions: running requests preempted (their blocks freed, recomputed later) since start.
-    steps: step() calls since start. adapters: the adapter manager's cumulative counters.
+    steps: step() calls since start. adapters: the adapter manager's cumulative counters, read when
+    the snapshot is handed out (``LLMEngine.stats``: loads also finish between steps, and the step
+    thread need not take the tiers' locks every step for them); None in the step's own part.
     """
 
     running: int
@@ -28,11 +30,11 @@ class EngineStats:
     kv_blocks_total: int
     preemptions: int
     steps: int
-    adapters: AdapterStats
+    adapters: AdapterStats | None = None
 
     @classmethod
-    def collect(cls, scheduler, block_manager, adapters: AdapterStats, steps: int) -> EngineStats:
+    def collect(cls, scheduler, block_manager, steps: int) -> EngineStats:
         """A snapshot of `scheduler` and `block_manager` (call on the step thread, between steps)."""
         return cls(running=len(scheduler.running), waiting=len(scheduler.waiting),
                    kv_blocks_used=block_manager.num_used_blocks, kv_blocks_total=block_manager.num_blocks,
-                   preemptions=scheduler.num_preemptions, steps=steps, adapters=adapters)
+                   preemptions=scheduler.num_preemptions, steps=steps)
