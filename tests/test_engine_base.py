@@ -208,6 +208,30 @@ def test_abort_of_a_finished_request_never_hits_a_new_one_with_its_id(llama_dir)
     assert_all_blocks_free(engine)
 
 
+def test_rows_of_finished_requests_are_freed_even_when_the_step_fails_after_scheduling(llama_dir):
+    """A SchedulerOutput hands the ids that left over once: a step that raises after schedule()
+    (here: making its adapters resident) must still free their rows, or the id is stuck in a row."""
+    path, _ = llama_dir
+    engine = LLMEngine(path, device="cpu", max_num_seqs=2, max_model_len=64)
+    engine.add_request("x", [5, 6, 7], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    engine.add_request("y", [8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.request_id for o in engine.step() if o.finished] == ["x"]
+    activate = engine.adapters.activate
+
+    def failing_activate(scheduled):
+        raise RuntimeError("slot write failed")
+
+    engine.adapters.activate = failing_activate
+    with pytest.raises(RuntimeError, match="slot write failed"):
+        engine.step()
+    engine.adapters.activate = activate
+    assert engine.runner.input_batch.row_of("x") is None
+    engine.add_request("x", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = {o.request_id: o for _ in range(10) for o in engine.step() if o.finished}
+    assert {i: len(o.outputs[0].token_ids) for i, o in outs.items()} == {"x": 3, "y": 6}
+    assert_all_blocks_free(engine)
+
+
 def test_requests_added_from_another_thread_while_stepping(llama_dir, greedy_oracle):
     path, hf = llama_dir
     engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=64)

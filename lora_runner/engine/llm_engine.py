@@ -314,6 +314,9 @@ class LLMEngine:
         self._insert_placeholders()
         with self.adapters.step_lock:  # a pin from another thread must not take a slot this step counted on
             sched = self.scheduler.schedule()
+            # the rows of requests that left go now, whatever happens to the rest of this step (the
+            # output hands their ids over once; InputBatch.update frees them again, a no-op then)
+            self.runner.forget(sched.left_ids)
             slot_of, prompt_slot_of = self.adapters.activate(sched.scheduled)
         idle = not (outputs or sched.failed or sched.scheduled)
         self.intake.step_ended(wakes_at_start if idle else None)
@@ -323,8 +326,6 @@ class LLMEngine:
             outputs.append(self._finish(request, "error", error))
         if sched.scheduled:
             outputs += self._run(sched, slot_of, prompt_slot_of)
-        else:  # the runner's rows of requests that left go now, not at the next step that runs something
-            self.runner.forget(sched.left_ids)
         return outputs
 
     def _take_intake(self) -> list[RequestOutput]:
@@ -338,11 +339,7 @@ class LLMEngine:
     def _run(self, sched: SchedulerOutput, slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
         # the runner keeps each running request's state in a row, its sampling settings included:
         # the output says what changed
-        try:
-            result = self.runner.execute(sched, slot_of, prompt_slot_of)
-        except BaseException:  # re-raised; the rows of requests that left must not outlive a failed step
-            self.runner.forget(sched.left_ids)
-            raise
+        result = self.runner.execute(sched, slot_of, prompt_slot_of)
         return [self._report(request, error)
                 for request, error in self.scheduler.postprocess(sched.scheduled, result, self.output_processor)]
 
