@@ -153,7 +153,7 @@ def test_a_step_that_fails_making_adapters_resident_fails_its_requests_before_th
 BAD_SAMPLING = [dict(repetition_penalty=1e300), dict(repetition_penalty=1e-300), dict(repetition_penalty=math.inf),
                 dict(presence_penalty=1e300), dict(frequency_penalty=math.nan), dict(temperature=math.nan),
                 dict(temperature=math.inf), dict(temperature=1e300), dict(top_p=math.nan), dict(top_k=10**30),
-                dict(max_tokens=10**30), dict(seed=2**70), dict(n=10**6), dict(logprobs=10**9),
+                dict(max_tokens=10**30), dict(seed=2**70), dict(n=10**6), dict(logprobs=2**40),
                 dict(min_tokens=10**30), dict(stop_token_ids=[10**30])]
 
 
