@@ -105,7 +105,14 @@ def test_a_slot_write_that_raises_fails_only_its_adapters_requests(engine_checkp
         write(slot, weights)
 
     monkeypatch.setattr(slots, "write", failing_write)
-    done = run_to_completion(engine, _requests(adapters, victim), per_step=1)
+    rows = engine.runner.input_batch
+
+    def no_row_for_a_failed_request(step, outputs):  # a failed request never reaches the runner's rows
+        for output in outputs:
+            if output.finished and output.outputs[0].finish_reason == "error":
+                assert rows.row_of(output.request_id) is None, output.request_id
+
+    done = run_to_completion(engine, _requests(adapters, victim), per_step=1, on_step=no_row_for_a_failed_request)
     for name in ("victim-0", "victim-1"):
         assert done[name].outputs[0].finish_reason == "error", name
         assert isinstance(done[name].error, AdapterError) and "slot" in str(done[name].error), done[name].error
