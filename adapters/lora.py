@@ -147,7 +147,8 @@ def _check_config(name: str, config: dict, spec: ModelSpec) -> None:
     for field in ("r", "lora_alpha"):
         value = config.get(field)
         if not _is_finite_number(value) or value <= 0:
-            raise InvalidAdapterError(f"adapter {name!r}: {field} must be a positive number (and finite), got {value!r}")
+            raise InvalidAdapterError(f"adapter {name!r}: {field} must be a positive number (and finite), "
+                                      f"got {value!r}")
     base = config.get("base_model_name_or_path")
     if base and spec.model_name and base != spec.model_name:
         logger.warning("adapter %r was trained on base model %r, but the served model is %r", name, base,

@@ -27,7 +27,8 @@ class SamplingParams:
     temperature: in [0, 100] (MAX_TEMPERATURE); below 1e-5 (GREEDY_TEMPERATURE; 0 included) means
     greedy (argmax); otherwise logits are divided by it before sampling. Counts (top_k, max_tokens,
     min_tokens, logprobs) and stop token ids are at most MAX_COUNT (2**31 - 1); every number must be
-    finite, so a tenant's value can never turn the logits into NaN. top_k: keep the k most likely tokens (-1 or None: off).
+    finite, so a tenant's value can never turn the logits into NaN.
+    top_k: keep the k most likely tokens (-1 or None: off).
     top_p: nucleus mass in (0, 1]. seed: per-request seed; the same seed and prompt give the same
     tokens whatever else is batched. max_tokens: most tokens to generate. stop_token_ids: a list of
     at most MAX_STOP_TOKEN_IDS (1024) extra ids that end generation (kept in the output); None at
@@ -38,7 +39,8 @@ class SamplingParams:
     presence_penalty / frequency_penalty: numbers in [-2, 2] (OpenAI's semantics): each token's
     logit drops by presence_penalty if it occurs among this request's generated tokens, plus
     frequency_penalty times how often it does. repetition_penalty: a number in [0.01, 100]
-    (MAX_REPETITION_PENALTY; 1 = off; HF's and vLLM's semantics): a token that occurs in the prompt or the generated tokens has its logit
+    (MAX_REPETITION_PENALTY; 1 = off; HF's and vLLM's semantics):
+    a token that occurs in the prompt or the generated tokens has its logit
     divided by it when positive, multiplied by it otherwise. Logprobs stay the raw model ones.
     n: how many samples of the prompt to generate, 1..MAX_N (16); sample i uses seed + i (mod 2**64,
     when seed is set), so it equals a single request with that seed.
