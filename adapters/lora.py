@@ -51,6 +51,7 @@ from adapters.weights import check_peft_type, read_adapter_config, read_adapter_
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODULES = tuple(PEFT_TO_PACKED)  # q_proj ... down_proj
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # every scaling is applied in float32 (adapters.slots)
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?:(?P<ab>lora_A|lora_B)(?:\.default)?\.weight"
                      r"|(?P<magnitude>lora_magnitude_vector)(?:\.default)?(?:\.weight)?)$")
 _MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<leaf>\w+)$")
@@ -145,8 +146,9 @@ def _check_config(name: str, config: dict, spec: ModelSpec) -> None:
                                   f"module names, got {targets!r}")
     for field in ("r", "lora_alpha"):
         value = config.get(field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise InvalidAdapterError(f"adapter {name!r}: {field} must be a positive number, got {value!r}")
+        if not _is_finite_number(value) or value <= 0:
+            raise InvalidAdapterError(f"adapter {name!r}: {field} must be a positive number (and finite), "
+                                      f"got {value!r}")
     base = config.get("base_model_name_or_path")
     if base and spec.model_name and base != spec.model_name:
         logger.warning("adapter %r was trained on base model %r, but the served model is %r", name, base,
@@ -165,18 +167,41 @@ def _targeted_ranks(name: str, config: dict, spec: ModelSpec, max_lora_rank: int
             raise UnsupportedAdapterError(f"adapter {name!r}: LoRA on {key} (target_modules="
                                           f"{config['target_modules']!r}) is not supported; "
                                           f"supported: {_SUPPORTED_TEXT}")
-        rank, alpha = targets.rank(key, config["r"]), targets.alpha(key, config["lora_alpha"])
+        rank, alpha = targets.rank(key, config["r"]), targets.alpha(key, None)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise InvalidAdapterError(f"adapter {name!r}: rank of {key} must be a positive int, got {rank!r}")
         if rank > max_lora_rank:
             raise AdapterTooLargeError(f"adapter {name!r}: {key} has rank {rank}, over max_lora_rank="
                                        f"{max_lora_rank}")
-        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        targeted[key] = (rank, float(scaling))
+        field = "lora_alpha" if alpha is None else "alpha_pattern"
+        alpha = config["lora_alpha"] if alpha is None else alpha
+        targeted[key] = (rank, _checked_scaling(name, key, field, alpha, rank, bool(config.get("use_rslora"))))
     if not targeted:
         raise InvalidAdapterError(f"adapter {name!r}: target_modules={config['target_modules']!r} matches no "
                                   f"module of this model; supported: {_SUPPORTED_TEXT}")
     return targeted
+
+
+def _is_finite_number(value) -> bool:
+    """A real number (not a bool) that is finite as a float (huge ints and NaN/Infinity are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _checked_scaling(name: str, key: str, field: str, alpha, rank: int, use_rslora: bool) -> float:
+    """alpha / r (alpha / sqrt(r) with rsLoRA), refused unless finite in float32, the dtype of the slot
+    scales the kernels apply it in (adapters.slots): a 1e40 written there would overflow inside the step."""
+    if not _is_finite_number(alpha):
+        raise InvalidAdapterError(f"adapter {name!r}: {field} of {key} must be a finite number, got {alpha!r}")
+    scaling = float(alpha) / (math.sqrt(rank) if use_rslora else rank)
+    if not abs(scaling) <= FLOAT32_MAX:
+        raise InvalidAdapterError(f"adapter {name!r}: {field}={alpha!r} gives {key} a scaling of {scaling:g}, "
+                                  f"which overflows float32 (at most {FLOAT32_MAX:g})")
+    return scaling
 
 
 def _group_keys(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

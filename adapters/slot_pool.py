@@ -12,7 +12,7 @@ Not thread-safe on purpose: the owning ``AdapterTier`` holds its lock around eve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from adapters.errors import AdapterCapacityError
@@ -22,10 +22,12 @@ from adapters.versions import AdapterVersion
 
 @dataclass
 class SlotPlan:
-    """What ``SlotPool.activate`` did: evicted ``victims``, then wrote each new version into its slot."""
+    """What ``SlotPool.activate`` did: evicted ``victims``, then wrote each new version into its slot;
+    ``failed``: the versions whose write raised (their slot is empty again), with the exception."""
 
     victims: list[AdapterVersion]
     writes: list[tuple[AdapterVersion, int]]  # (version, slot)
+    failed: list[tuple[AdapterVersion, Exception]] = field(default_factory=list)
 
 
 class SlotPool:
@@ -56,7 +58,9 @@ class SlotPool:
     def activate(self, needed: list[AdapterVersion], num_pinned: Callable[[], int]) -> SlotPlan:
         """Make every version of ``needed`` (distinct, ready) resident and the most recently used.
 
-        ``num_pinned`` gives the tier's pin count for the error message.
+        ``num_pinned`` gives the tier's pin count for the error message. A write that raises (whatever
+        the adapter holds) leaves its slot empty and that version not resident, in ``plan.failed``;
+        the other versions are written all the same, so one adapter's fault stays its own.
 
         Raises:
             AdapterCapacityError: more versions than slots, or too few slots that can be freed.
@@ -65,11 +69,18 @@ class SlotPool:
         for victim in plan.victims:
             self.evict(victim)
         for version, slot in plan.writes:
-            self.slots.write(slot, version.weights)
+            try:
+                self.slots.write(slot, version.weights)
+            except Exception as exc:  # noqa: BLE001 - this adapter's write failed; the others go on
+                self.slots.clear(slot)  # half written: no token may read it
+                plan.failed.append((version, exc))
+                continue
             version.slot = slot
             self._resident.put(version, slot)
+        failed = {version for version, _ in plan.failed}
         for version in needed:
-            self._resident.touch(version)
+            if version not in failed:
+                self._resident.touch(version)
         return plan
 
     def evict(self, version: AdapterVersion) -> None:

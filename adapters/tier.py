@@ -267,7 +267,10 @@ class AdapterTier:
         """Make every ref resident in a device slot; returns the slot of each ref (same order).
 
         Only slots not needed by ``refs`` and not pinned are evicted (least recently used first),
-        and nothing is evicted unless all of ``refs`` fit.
+        and nothing is evicted unless all of ``refs`` fit. A version whose slot write raises fails as
+        a load failure does (state "failed", an InvalidAdapterError naming the slot write in
+        ``error``; its name falls back to a previous version, if any): its slot is None here, and the
+        engine fails its requests alone.
 
         Raises:
             AdapterCapacityError: more distinct refs than slots, or too many slots pinned.
@@ -281,10 +284,24 @@ class AdapterTier:
             needed = list(dict.fromkeys(versions))  # distinct, in order
             plan = self._slot_pool.activate(needed, self.num_pinned)
             self._counts["slot_evictions"] += len(plan.victims)
-            self._counts["slot_loads"] += len(plan.writes)
+            self._counts["slot_loads"] += len(plan.writes) - len(plan.failed)
+            for version, exc in plan.failed:
+                self._fail_ready(version, exc)
             for version in needed:
                 self._touch_cpu(version)
             return [v.slot for v in versions]
+
+    def _fail_ready(self, version: AdapterVersion, exc: Exception) -> None:
+        """A ready version could not be written into its slot: it fails as a load failure does."""
+        logger.error("%s %r could not be written into a device slot: %r", self.kind, version.ref.name, exc)
+        error = InvalidAdapterError(f"{self.kind} {version.ref.name!r} could not be written into its device slot: "
+                                    f"{exc}")
+        error.__cause__ = exc
+        self._cpu.discard(version)  # frees its CPU tensors (and its slot, already empty)
+        version.weights = None
+        version.state, version.error = FAILED, error
+        self._counts["load_failures"] += 1
+        self._versions.fall_back(version)
 
     def memory_stats(self) -> dict:
         """CPU bytes of cached adapters, device bytes of resident adapters' weights, counts."""

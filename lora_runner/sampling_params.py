@@ -4,7 +4,6 @@ request is added, on a private copy, since a caller may change the fields in bet
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 
 MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids one request may give (each is checked every token)
@@ -13,6 +12,11 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY
 MAX_STOP_STRINGS = 64  # most stop strings one request may give (each is searched every step)
 MAX_STOP_STRING_CHARS = 256  # longest stop string (streamed text is held back by its length - 1)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample by argmax, as in vLLM (no 1/T overflow)
+# repetition_penalty lies in [1/MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY]: a logit of float32's range
+# scaled by it stays finite (1e300 would turn the logits into inf and NaN)
+MAX_REPETITION_PENALTY = 100.0
+MAX_TEMPERATURE = 100.0  # above it every token is (nearly) equally likely: nothing more to ask for
+MAX_COUNT = 2**31 - 1  # most top_k, max_tokens, min_tokens, logprobs and largest stop token id (fits int32)
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
@@ -20,8 +24,11 @@ _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 class SamplingParams:
     """How to pick each generated token of one request.
 
-    temperature: below 1e-5 (GREEDY_TEMPERATURE; 0 included) means greedy (argmax); otherwise logits
-    are divided by it before sampling. top_k: keep the k most likely tokens (-1 or None: off).
+    temperature: in [0, 100] (MAX_TEMPERATURE); below 1e-5 (GREEDY_TEMPERATURE; 0 included) means
+    greedy (argmax); otherwise logits are divided by it before sampling. Counts (top_k, max_tokens,
+    min_tokens, logprobs) and stop token ids are at most MAX_COUNT (2**31 - 1); every number must be
+    finite, so a tenant's value can never turn the logits into NaN.
+    top_k: keep the k most likely tokens (-1 or None: off).
     top_p: nucleus mass in (0, 1]. seed: per-request seed; the same seed and prompt give the same
     tokens whatever else is batched. max_tokens: most tokens to generate. stop_token_ids: a list of
     at most MAX_STOP_TOKEN_IDS (1024) extra ids that end generation (kept in the output); None at
@@ -31,8 +38,9 @@ class SamplingParams:
     temperature/top-k/top-p); the engine caps k at its max_logprobs setting.
     presence_penalty / frequency_penalty: numbers in [-2, 2] (OpenAI's semantics): each token's
     logit drops by presence_penalty if it occurs among this request's generated tokens, plus
-    frequency_penalty times how often it does. repetition_penalty: a number > 0 (1 = off; HF's and
-    vLLM's semantics): a token that occurs in the prompt or the generated tokens has its logit
+    frequency_penalty times how often it does. repetition_penalty: a number in [0.01, 100]
+    (MAX_REPETITION_PENALTY; 1 = off; HF's and vLLM's semantics):
+    a token that occurs in the prompt or the generated tokens has its logit
     divided by it when positive, multiplied by it otherwise. Logprobs stay the raw model ones.
     n: how many samples of the prompt to generate, 1..MAX_N (16); sample i uses seed + i (mod 2**64,
     when seed is set), so it equals a single request with that seed.
@@ -83,18 +91,19 @@ class SamplingParams:
         max_logprobs: the most logprobs a request may ask for (None: no cap). vocab_size: token ids
         (stop_token_ids) must lie in [0, vocab_size), and logprobs may not exceed it (None: no check).
         """
-        _check_real("temperature", self.temperature, "a finite number >= 0 (below 1e-5 = greedy)")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (below 1e-5 = greedy), got {self.temperature}")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 or None (off) or an integer >= 1, got {self.top_k!r}")
+        _check_real("temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}] (below 1e-5 = greedy)")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # False for NaN too
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (below 1e-5 = greedy), "
+                             f"got {self.temperature}")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1) or self.top_k > MAX_COUNT:
+            raise ValueError(f"top_k must be -1 or None (off) or an integer in [1, {MAX_COUNT}], got {self.top_k!r}")
         _check_real("top_p", self.top_p, "a number in (0, 1]")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not (_is_int(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_COUNT}], got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -110,9 +119,10 @@ class SamplingParams:
             _check_real(name, value, "a number in [-2, 2]")
             if not -MAX_PENALTY <= value <= MAX_PENALTY:  # False for NaN too
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        _check_real("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        what = f"a number in [{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off)"
+        _check_real("repetition_penalty", self.repetition_penalty, what)
+        if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:  # False for NaN
+            raise ValueError(f"repetition_penalty must be {what}, got {self.repetition_penalty}")
 
     def sample_params(self, index: int) -> SamplingParams:
         """The params of parallel sample `index` (0..n-1): n=1 and, with a seed, seed + index
@@ -135,8 +145,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids has {len(ids)} entries, more than the limit of {MAX_STOP_TOKEN_IDS}")
-        if any(not _is_int(t) or t < 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {list(ids)!r}")
+        if any(not _is_int(t) or not 0 <= t <= MAX_COUNT for t in ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, {MAX_COUNT}], got {list(ids)!r:.200}")
         if vocab_size is not None and any(t >= vocab_size for t in ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab_size}) (the model's vocabulary), "
                              f"got {max(ids)}")
@@ -144,8 +154,8 @@ class SamplingParams:
     def _validate_logprobs(self, max_logprobs: int | None, vocab_size: int | None) -> None:
         if self.logprobs is None:
             return
-        if not _is_int(self.logprobs) or self.logprobs < 0:
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_COUNT:
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_COUNT}], got {self.logprobs!r}")
         for limit, what in ((max_logprobs, "the engine's max_logprobs"), (vocab_size, "the vocabulary size")):
             if limit is not None and self.logprobs > limit:
                 raise ValueError(f"logprobs={self.logprobs} is over {what} ({limit})")

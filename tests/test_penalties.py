@@ -33,7 +33,7 @@ def test_bad_penalties_name_their_field(field, value):
 
 def test_penalty_bounds_accepted_and_has_penalties():
     for kwargs in ({"presence_penalty": 2}, {"presence_penalty": -2.0}, {"frequency_penalty": 2.0},
-                   {"repetition_penalty": 1e-3}, {"repetition_penalty": 7}):
+                   {"repetition_penalty": 1e-2}, {"repetition_penalty": 7}):
         assert SamplingParams(**kwargs).has_penalties
     assert not SamplingParams().has_penalties
 
@@ -133,8 +133,8 @@ def test_a_row_whose_penalties_fail_errors_alone():
 
 
 def test_overflowing_repetition_penalty_fails_its_row_alone():
-    logits = torch.full((2, V), 1e30)
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1e-20), SamplingParams(temperature=0.0)]
+    logits = torch.full((2, V), 1e37)  # / 0.01 overflows float32
+    params = [SamplingParams(temperature=0.0, repetition_penalty=0.01), SamplingParams(temperature=0.0)]
     sampler = Sampler(V, "cpu")
     out = sampler(logits, sampler.make_batch(params, [None] * 2, [([0], []), None]))
     assert out.errors[0] is not None and out.errors[1] is None

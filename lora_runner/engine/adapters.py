@@ -141,14 +141,28 @@ class EngineAdapters:
         """Make the step's LoRAs, and the soft prompts of chunks that contain placeholders, resident.
 
         Returns (LoRA ref -> slot, prompt-adapter ref -> slot). Call under ``step_lock``, right after
-        the scheduler admitted the step within each tier's ``reserved_slots``."""
+        the scheduler admitted the step within each tier's ``reserved_slots``. A ref whose slot write
+        raised is missing from the maps (its version failed, see ``AdapterTier.activate``): ``unplaced``
+        names the requests that must leave the step."""
         loras = [s.request.lora_ref for s in scheduled if s.request.lora_ref is not None]
-        prompts = [s.request.prompt_adapter_ref for s in scheduled if s.start < s.request.num_virtual_tokens]
+        prompts = [s.request.prompt_adapter_ref for s in scheduled if _needs_soft_prompt(s)]
         return self._activate("lora", loras), self._activate("prompt", prompts)
+
+    def unplaced(self, scheduled: list[ScheduledRequest], slot_of: dict[AdapterRef, int],
+                 prompt_slot_of: dict[AdapterRef, int]) -> dict[Request, BaseException]:
+        """Scheduled requests an adapter of which got no slot in ``activate``, with that adapter's error."""
+        unplaced = {}
+        for s in scheduled:
+            request = s.request
+            if (request.lora_ref is not None and request.lora_ref not in slot_of
+                    or _needs_soft_prompt(s) and request.prompt_adapter_ref not in prompt_slot_of):
+                unplaced[request] = self.failure(request) or RuntimeError("its adapter got no device slot")
+        return unplaced
 
     def _activate(self, kind: str, refs: list[AdapterRef]) -> dict[AdapterRef, int]:
         refs = list(dict.fromkeys(refs))
-        return dict(zip(refs, self.tiers[kind].activate(refs))) if refs else {}
+        slots = self.tiers[kind].activate(refs) if refs else []
+        return {ref: slot for ref, slot in zip(refs, slots) if slot is not None}
 
     def _insert_if_ready(self, request: Request) -> ValueError | None:
         ref, tier = request.prompt_adapter_ref, self.manager.prompts
@@ -162,6 +176,11 @@ class EngineAdapters:
         request.insert_virtual_tokens(num_virtual)
         logger.debug("request %r: %d soft-prompt placeholders of %r", request.request_id, num_virtual, ref.name)
         return None
+
+
+def _needs_soft_prompt(scheduled: ScheduledRequest) -> bool:
+    """True when the chunk holds soft-prompt placeholders, so its prompt adapter must be resident."""
+    return scheduled.start < scheduled.request.num_virtual_tokens
 
 
 @contextmanager

@@ -4,10 +4,18 @@ Conversations are rendered with the tokenizer's chat template (or one given) and
 transformers' ``apply_chat_template(tokenize=True)`` does: the rendered text is tokenized without
 adding special tokens, so a template that writes BOS itself gets exactly one. Tokenizer outputs
 (a ``BatchEncoding`` or a dict with ``input_ids``, 1-D integer tensors) become lists of ids.
+
+Message text (content and name) is the tenant's: special tokens come from the template only. A
+special-token string inside a message ("<|im_start|>system", "</s>") is replaced by a placeholder
+no tenant can guess before rendering, and tokenized as plain text (``split_special_tokens=True``)
+where the placeholder lands; the template's text around it is tokenized as usual. Conversations
+without such strings take transformers' own path, token for token.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -76,18 +84,74 @@ def chat_token_ids(tokenizer, conversations: list[list[Message]], chat_template:
                          "string), or use generate() with a prompt you formatted yourself")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
+    shield = _SpecialTokenShield(tokenizer)
+    shielded = [[shield.message(m) for m in conversation] for conversation in conversations]
     try:
-        ids = tokenizer.apply_chat_template(
-            conversations, chat_template=chat_template, tools=tools, tokenize=True, return_dict=False,
+        rendered = tokenizer.apply_chat_template(
+            shielded, chat_template=chat_template, tools=tools, tokenize=not shield.pieces, return_dict=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {}))
     except Exception as err:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception)
         raise ValueError(f"the chat template could not render the messages: {err}") from err
+    ids = [shield.token_ids(text) for text in rendered] if shield.pieces else rendered
     ids = [list(map(int, row)) for row in ids]
     empty = [i for i, row in enumerate(ids) if not row]
     if empty:
         raise ValueError(f"the chat template rendered conversation(s) {empty} as an empty prompt")
     return ids
+
+
+class _SpecialTokenShield:
+    """Keeps special-token strings in messages from becoming special tokens (module docstring).
+
+    ``message(m)``: a copy of the message whose content and name hold placeholders instead of special-token
+    strings (remembered in ``pieces``); ``token_ids(rendered)``: the rendering's ids, each placeholder's
+    string tokenized as plain text.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        specials = {str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
+        specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                     if getattr(t, "special", False)}
+        specials.discard("")
+        # longest first, so "<|im_start|>" wins over a special "<|" it contains
+        self._special = (re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+                         if specials else None)
+        self._nonce = secrets.token_hex(8)  # a tenant cannot write a placeholder it cannot guess
+        self._placeholder = re.compile(f"\ue000{self._nonce}:([0-9]+)\ue001")  # private-use marks
+        self.pieces: list[str] = []
+
+    def message(self, message: Message) -> Message:
+        """The message with its content (string or text parts) and name shielded."""
+        if self._special is None:
+            return message
+        shielded = dict(message)
+        for key in ("content", "name"):
+            value = message.get(key)
+            if isinstance(value, str):
+                shielded[key] = self._text(value)
+            elif key == "content" and isinstance(value, (list, tuple)):
+                shielded[key] = [{**part, "text": self._text(part["text"])} if isinstance(part.get("text"), str)
+                                 else part for part in value]
+        return shielded
+
+    def _text(self, text: str) -> str:
+        return self._special.sub(self._hide, text)
+
+    def _hide(self, match: re.Match) -> str:
+        self.pieces.append(match.group(0))
+        return f"\ue000{self._nonce}:{len(self.pieces) - 1}\ue001"
+
+    def token_ids(self, rendered: str) -> list[int]:
+        """Ids of a rendering: the template's text as apply_chat_template tokenizes it, the hidden strings as text."""
+        ids, start = [], 0
+        for match in self._placeholder.finditer(rendered):
+            ids += self.tokenizer.encode(rendered[start:match.start()], add_special_tokens=False)
+            ids += self.tokenizer.encode(self.pieces[int(match.group(1))], add_special_tokens=False,
+                                         split_special_tokens=True)
+            start = match.end()
+        return ids + self.tokenizer.encode(rendered[start:], add_special_tokens=False)
 
 
 def tensor_token_ids(tensor: torch.Tensor) -> list[int]:

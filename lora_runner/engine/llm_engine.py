@@ -317,9 +317,10 @@ class LLMEngine:
             # the rows of requests that left go now, whatever happens to the rest of this step (the
             # output hands their ids over once; InputBatch.update frees them again, a no-op then)
             self.runner.forget(sched.left_ids)
-            slot_of, prompt_slot_of = self.adapters.activate(sched.scheduled)
+            slot_of, prompt_slot_of, unplaced = self._activate(sched)
         idle = not (outputs or sched.failed or sched.scheduled)
         self.intake.step_ended(wakes_at_start if idle else None)
+        outputs += self._fail_unplaced(sched, unplaced)
         for request in sched.failed:
             error = request.error or self.adapters.failure(request)
             logger.warning("request %r failed: %s", request.request_id, error)
@@ -327,6 +328,35 @@ class LLMEngine:
         if sched.scheduled:
             outputs += self._run(sched, slot_of, prompt_slot_of)
         return outputs
+
+    def _activate(self, sched: SchedulerOutput) -> tuple[dict, dict, dict[Request, BaseException]]:
+        """The step's adapters made resident: (LoRA slots, prompt slots, requests that must leave the step
+        with their error). An adapter whose slot write raised fails its own requests only; any other
+        failure here fails the whole step's requests, before their rows reach the runner (whose rows
+        would otherwise miss this step's block diffs)."""
+        try:
+            slot_of, prompt_slot_of = self.adapters.activate(sched.scheduled)
+        except Exception as error:  # noqa: BLE001 - the step's requests fail; the step loop goes on
+            logger.exception("making the step's adapters resident failed; failing its %d requests",
+                             len(sched.scheduled))
+            return {}, {}, {s.request: error for s in sched.scheduled}
+        return slot_of, prompt_slot_of, self.adapters.unplaced(sched.scheduled, slot_of, prompt_slot_of)
+
+    def _fail_unplaced(self, sched: SchedulerOutput, unplaced: dict[Request, BaseException]) -> list[RequestOutput]:
+        """Take ``unplaced`` requests out of the step (and their rows out of the runner), finished with their error."""
+        if not unplaced:
+            return []
+        ids = {request.request_id for request in unplaced}
+        kept = [i for i, request_id in enumerate(sched.scheduled_ids) if request_id not in ids]
+        sched.scheduled = [sched.scheduled[i] for i in kept]
+        sched.scheduled_ids = [sched.scheduled_ids[i] for i in kept]
+        sched.num_scheduled_tokens = [sched.num_scheduled_tokens[i] for i in kept]
+        sched.new_requests = [new for new in sched.new_requests if new.request_id not in ids]
+        sched.continuing = [cont for cont in sched.continuing if cont.request_id not in ids]
+        self.runner.forget(ids)
+        for request, error in unplaced.items():
+            logger.warning("request %r failed: %s", request.request_id, error)
+        return [self._finish(request, "error", error) for request in unplaced]
 
     def _take_intake(self) -> list[RequestOutput]:
         """Hand the requests added since the last step to the scheduler; finish those aborted."""

@@ -36,7 +36,9 @@ def chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
     tokenizer = state.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "no_chat_template")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    # name goes to the template (HF templates read message.name); a template that ignores it ignores it
+    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+                    for m in messages]
     try:  # the same rendering and tokenization as LLM.chat
         return chat_token_ids(tokenizer, [conversation])[0]
     except ValueError as exc:

@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN / Infinity (JSON tokens Python's parser accepts) are no number a tenant may send: 400 here;
+    # the ranges of the sampling numbers are SamplingParams' (a ValueError there is a 400 too)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
