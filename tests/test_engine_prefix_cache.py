@@ -183,6 +183,9 @@ def test_llm_generate_cache_salt_and_the_cli_switch(engine_checkpoint):
         assert same.outputs[0].token_ids == salted.outputs[0].token_ids == first.outputs[0].token_ids
         with pytest.raises(ValueError, match="cache_salt"):
             llm.generate([prompt], params, cache_salt=3, use_tqdm=False)
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.engine.add_request("bad-salt", prompt, params, cache_salt=b"x")
+        assert not llm.engine.has_unfinished_requests()
     finally:
         llm.close()
     parser = argparse.ArgumentParser()
