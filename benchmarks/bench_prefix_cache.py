@@ -148,6 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--user-len", type=int, default=24)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--scenarios", default="chat,chat+flood,no-sharing")
+    p.add_argument("--reverse", action="store_true", help="run caching on first (to see order effects)")
     p.add_argument("--out", type=Path, default=Path("results"))
     return p.parse_args(argv)
 
@@ -164,7 +165,7 @@ def main(argv=None) -> list[dict]:
         loras = [LoRARequest(f"tenant-{i}", str(path)) for i, path in enumerate(paths)]
         max_len = args.system_len + args.turns * (args.user_len + args.output_len) + 16
         for scenario in args.scenarios.split(","):
-            for caching in (False, True):
+            for caching in ((True, False) if args.reverse else (False, True)):
                 engine = LLMEngine(str(Path(tmp) / "model"), device="cpu", max_loras=args.tenants,
                                    max_lora_rank=8, max_num_seqs=2 * args.tenants * args.chats,
                                    max_model_len=max_len, max_num_batched_tokens=2048, block_size=16,
