@@ -163,7 +163,8 @@ def test_a_flood_of_distinct_long_prompts_evicts_but_changes_and_fails_no_one(en
             requests.append((f"flood{i}", tokens(30, 100 + i), GREEDY))
             if i % 2:
                 requests.append((f"victim{i}", SYSTEM + [i + 3], GREEDY))
-        requests.append(("whole-cache", tokens(60, 7), GREEDY))  # 16 blocks: only eviction of every cached one frees them
+        # 16 blocks, the whole cache: only evicting every cached block makes room for it
+        requests.append(("whole-cache", tokens(60, 7), GREEDY))
         outputs[caching] = run_to_completion(engine, requests, per_step=1)
         assert_idle(engine)
         if caching:
