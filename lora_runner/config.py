@@ -49,6 +49,11 @@ class EngineConfig:
         "only as blocks are first used) and, on CUDA, by what the start-up memory profile leaves under "
         "gpu_memory_utilization, see lora_runner.worker.memory_profile); the chosen size and why are "
         "logged at INFO", default=None))
+    enable_prefix_caching: bool = field(**_doc(
+        "keep the KV of full prompt blocks after their requests finish and reuse it for later requests "
+        "with the same prefix, LoRA version, prompt-adapter version and cache salt (lora_runner.core."
+        "prefix_cache); cached blocks are evicted, least recently used first, when memory is needed",
+        default=True))
     enforce_eager: bool = field(**_doc("never use CUDA graphs (else decode steps replay graphs on CUDA, see "
                                        "lora_runner.worker.cuda_graphs)", default=False))
     gpu_memory_utilization: float = field(**_doc(

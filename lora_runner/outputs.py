@@ -40,13 +40,19 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step: prompt ids and its (single) completion so far."""
+    """The state of one request after a step: prompt ids and its completions so far.
+
+    num_cached_tokens: prompt tokens whose KV the request did not compute at its first admission
+    (served from the prefix cache, or shared with sample 0 of its prompt when n > 1), as in vLLM;
+    soft-prompt placeholders are not counted.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt: str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def error(self) -> BaseException | None:

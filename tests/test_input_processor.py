@@ -32,10 +32,11 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, request_id, token_ids, params, prompt, lora_request, prompt_adapter_request, tenant):
+    def __call__(self, request_id, token_ids, params, prompt, lora_request, prompt_adapter_request, tenant,
+                 cache_salt=None):
         self.calls.append((request_id, token_ids, params, prompt, lora_request, prompt_adapter_request, tenant))
         return Request(request_id, list(token_ids), params, arrival=len(self.calls), lora_request=lora_request,
-                       prompt_adapter_request=prompt_adapter_request, tenant=tenant)
+                       prompt_adapter_request=prompt_adapter_request, tenant=tenant, cache_salt=cache_salt)
 
 
 def samples(processor, request_id="r", prompt=(5, 6), params=None, lora_request=None, prompt_adapter_request=None,

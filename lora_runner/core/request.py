@@ -53,6 +53,10 @@ class Request:
     num_virtual_tokens: int = 0  # soft-prompt placeholders at the front of token_ids
     output_text: Any = None  # lora_runner.engine.detokenizer.OutputText, made by the OutputProcessor on first use
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+    cache_salt: str | None = None  # separates prefix-cache entries (tenants); part of every block key
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
+    cache_identity: bytes | None = None  # digest of (LoRA version, prompt-adapter version, salt), once hashed
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

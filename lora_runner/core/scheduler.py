@@ -16,6 +16,12 @@ Slot handover ("fair"): when a ready request finds no adapter slot, one held ada
 give its slot up (unpinned, its tenants the most served); requests behind the starved one in line may
 not join that adapter, so the slot frees as its running requests finish and the starved request
 gets it. The choice is kept across steps, so the drained adapter does not flip back and forth.
+
+Prefix caching (BlockManager with enable_caching): an admitted request starts with the longest
+cached chain of its full blocks (keyed by its tokens, LoRA version, prompt-adapter version and cache
+salt: lora_runner.core.prefix_cache) and computes only the rest, preempted requests included;
+postprocess registers every block that filled up. A parallel sample shares its leader's prompt
+blocks (fork) as before.
 """
 
 from __future__ import annotations
@@ -89,6 +95,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: oldest first
         self.num_preemptions = 0  # cumulative, for stats and tests
+        self.prefix_query_tokens = 0  # tokens of admitted requests looked up in the prefix cache (cumulative)
+        self.prefix_hit_tokens = 0  # of those, tokens admission found computed (cached or shared)
         self.policy = policy
         self.fairness = fairness if fairness is not None else VirtualTokenCounter()  # kept under "fcfs" too
         self._tenants: dict[Request, str] = {}  # unfinished request -> the tenant it joined as
@@ -217,11 +225,15 @@ class Scheduler:
             if not self._may_admit(request, kinds, refs, held, starved):
                 continue  # still loading, no slot for one of its adapters, or its slot is handed over
             self._share_leader_prompt(request)
-            start = request.num_computed_tokens  # 0 unless it shares its leader's prompt blocks
-            num_new = min(request.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(request.request_id, start + num_new):
+            # a forked sample starts past 0 already; anyone else starts past its cached prefix, if any
+            prefix = [] if request.num_computed_tokens else self.block_manager.cached_prefix(request)
+            start = request.num_computed_tokens + len(prefix) * self.block_manager.block_size
+            num_new = min(request.num_tokens - start, budget)
+            if not self.block_manager.can_allocate(request.request_id, start + num_new, prefix):
                 break  # in line order: do not let later requests jump the KV queue
-            self.block_manager.allocate(request.request_id, start + num_new)
+            self.block_manager.allocate(request.request_id, start + num_new, prefix)
+            request.num_computed_tokens = start
+            self._count_prefix_hit(request, start)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival)
             out.add_new(ScheduledRequest(request, start, num_new), self.block_manager.table(request.request_id))
@@ -233,6 +245,16 @@ class Scheduler:
                     h.add(ref)
         if admitted:
             self.waiting = deque(r for r in self.waiting if r not in admitted)
+
+    def _count_prefix_hit(self, request: Request, start: int) -> None:
+        """Count a prefix-cache lookup of an admitted request, whose tokens before `start` are computed
+        already (cached or forked); its first admission sets num_cached_tokens (prompt tokens only)."""
+        if not self.block_manager.enable_caching:
+            return
+        self.prefix_query_tokens += request.num_tokens
+        self.prefix_hit_tokens += start
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = max(0, start - request.num_virtual_tokens)
 
     def _prompt_blocks_to_share(self, request: Request) -> int | None:
         """Full blocks of the leader's computed prompt `request` can share now; None while it should
@@ -318,6 +340,7 @@ class Scheduler:
         """
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_computed(s.request)  # its blocks that filled up now answer hits
         sampling = [s.request for s in scheduled if s.samples]
         results = []
         for request, token, logprobs, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors):

@@ -68,6 +68,7 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lora-runner-step", daemon=True)
         self._accepts_tenant = "tenant" in inspect.signature(engine.add_request).parameters
+        self._accepts_cache_salt = "cache_salt" in inspect.signature(engine.add_request).parameters
         self.num_aborted = 0  # requests aborted through abort() (closed or cancelled iterators included)
         if start:
             self.start()
@@ -143,18 +144,19 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        lora_request: LoRARequest | None = None,
                        prompt_adapter_request: PromptAdapterRequest | None = None,
-                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its RequestOutputs, the last one with ``finished`` set.
 
         Raises what ``LLMEngine.add_request`` raises (ValueError, AdapterError) before the first
         output, EngineDeadError when the step thread is gone, or the exception that killed it.
         Closing or cancelling the iterator early aborts the request. tenant: passed on to the
-        engine's fair scheduling when its add_request takes it, else unused.
+        engine's fair scheduling when its add_request takes it, else unused. cache_salt: passed on
+        likewise (the prefix cache's separation of tenants, LLMEngine.add_request).
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._register(request_id, stream)
         try:
-            self._add(request_id, prompt, params, lora_request, prompt_adapter_request, tenant)
+            self._add(request_id, prompt, params, lora_request, prompt_adapter_request, tenant, cache_salt)
         except BaseException:
             self._unregister(request_id, stream)
             raise
@@ -188,10 +190,14 @@ class AsyncLLMEngine:
             self.engine.abort_request(ids)
             self._notify()
 
-    def _add(self, request_id, prompt, params, lora_request, prompt_adapter_request, tenant) -> None:
+    def _add(self, request_id, prompt, params, lora_request, prompt_adapter_request, tenant, cache_salt) -> None:
         if not self.is_running:
             raise EngineDeadError("the engine is not running" + (f": {self._error!r}" if self._error else ""))
         kwargs = {"tenant": tenant} if self._accepts_tenant and tenant is not None else {}
+        if cache_salt is not None:
+            if not self._accepts_cache_salt:  # never drop a salt silently: it separates tenants
+                raise ValueError("this engine's add_request takes no cache_salt")
+            kwargs["cache_salt"] = cache_salt
         self.engine.add_request(request_id, prompt, params, lora_request=lora_request,
                                 prompt_adapter_request=prompt_adapter_request, **kwargs)
         self._notify()

@@ -14,7 +14,7 @@ from lora_runner.engine.parallel_sampling import sample_ids
 from lora_runner.sampling_params import SamplingParams
 
 # new_request(sample id, prompt token ids, the sample's params, prompt, lora_request, prompt_adapter_request,
-# tenant) -> Request: the engine's, which adds what only it knows (arrival order, a seeded generator)
+# tenant, cache_salt) -> Request: the engine's, which adds what only it knows (arrival order, a seeded generator)
 NewRequest = Callable[..., Request]
 
 
@@ -38,7 +38,7 @@ class InputProcessor:
 
     def sample_requests(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                         lora_request: LoRARequest | None, prompt_adapter_request: PromptAdapterRequest | None,
-                        tenant: str | None, new_request: NewRequest) -> list[Request]:
+                        tenant: str | None, new_request: NewRequest, cache_salt: str | None = None) -> list[Request]:
         """Check every argument, then build the request's samples with `new_request`: one Request
         under `request_id`, or params.n of them with ids f"{request_id}[i]" and
         ``params.sample_params(i)`` (lora_runner.engine.parallel_sampling). ValueError naming a bad
@@ -50,10 +50,12 @@ class InputProcessor:
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         if tenant is not None and not isinstance(tenant, str):
             raise ValueError(f"tenant must be a string or None, got {type(tenant).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         check_prompt_adapter_request(prompt_adapter_request, self.prompts_enabled)
         token_ids = self.prompt_token_ids(prompt)
         return [new_request(sample_id, token_ids, params.sample_params(i), prompt, lora_request,
-                            prompt_adapter_request, tenant)
+                            prompt_adapter_request, tenant, cache_salt)
                 for i, sample_id in enumerate(sample_ids(request_id, params.n))]
 
     def checked_params(self, params: SamplingParams | None) -> SamplingParams:

@@ -89,7 +89,8 @@ class LLMEngine:
                                  kv_block_bytes(self.model_config, 1, dtype), free, kv_budget,
                                  available_host_memory() if device.type == "cpu" else None)
         self.adapters = EngineAdapters(manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
-        self.block_manager = BlockManager(self.limits.num_kv_blocks, cfg.block_size)
+        self.block_manager = BlockManager(self.limits.num_kv_blocks, cfg.block_size,
+                                          enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=self.limits.max_num_batched_tokens,
                                    max_loras=cfg.max_loras, adapter_state=manager.loras.state,
@@ -154,13 +155,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None,
                     prompt_adapter_request: PromptAdapterRequest | None = None, *,
-                    tenant: str | None = None) -> None:
+                    tenant: str | None = None, cache_salt: str | None = None) -> None:
         """Queue a request. Its adapters start loading in the background now.
 
         prompt: a string (tokenized with the model dir's tokenizer) or a list of token ids.
         prompt_adapter_request: a soft prompt put in front of the prompt (may be combined with a LoRA).
         tenant: whom fair admission (scheduling_policy="fair") accounts the request to; None: its
         LoRA's name, else its prompt adapter's name, else "" (one tenant for the base model).
+        cache_salt: part of every prefix-cache key of the request (lora_runner.core.prefix_cache):
+        requests with different salts never share cached KV (the server salts by tenant key).
         params: checked again here with the engine's limits (max_logprobs, the vocabulary) and
         copied, so changing the caller's object later does not affect the request.
         Raises ValueError, before touching any state, for a request id that is not a string or is
@@ -173,16 +176,17 @@ class LLMEngine:
         f"{request_id}[i]" are taken too while it runs; abort_request(request_id) aborts them all.
         """
         samples = self.inputs.sample_requests(request_id, prompt, params, lora_request, prompt_adapter_request,
-                                              tenant, self._new_request)
+                                              tenant, self._new_request, cache_salt)
         with self.intake.adding(request_id, samples):  # ids reserved now; queued once the adapters are held
             self._acquire_all(samples)
 
     def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams, prompt, lora_request,
-                     prompt_adapter_request, tenant) -> Request:
+                     prompt_adapter_request, tenant, cache_salt) -> Request:
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
         return Request(request_id, list(token_ids), params, arrival=next(self._arrivals),
                        prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
-                       prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant)
+                       prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant,
+                       cache_salt=cache_salt)
 
     def _acquire_all(self, samples: list[Request]) -> None:
         """Acquire every sample's adapters, all or nothing."""
@@ -409,5 +413,6 @@ class LLMEngine:
         """The request's RequestOutput (its text and the text since its previous output)."""
         completion = self.output_processor.completion(request)
         return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
-                             finished=request.is_finished, prompt=request.prompt)
+                             finished=request.is_finished, prompt=request.prompt,
+                             num_cached_tokens=request.num_cached_tokens)
 

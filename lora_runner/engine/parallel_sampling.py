@@ -52,8 +52,9 @@ class SampleGroup:
         completions = [c if i in self._fresh else dataclasses.replace(c, text_delta="")
                        for i, c in enumerate(self._latest)]
         self._fresh.clear()
+        # the prompt's cached tokens are sample 0's: the others share its prompt blocks
         return RequestOutput(self.request_id, prompt_token_ids, completions, finished=self.finished,
-                             prompt=prompt)
+                             prompt=prompt, num_cached_tokens=self.samples[0].num_cached_tokens)
 
 
 def merge_outputs(outputs: list[RequestOutput], sample_of: dict[str, tuple[SampleGroup, int]]) -> list[RequestOutput]:

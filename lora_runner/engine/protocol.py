@@ -40,8 +40,9 @@ class EngineClient(Protocol):
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                  lora_request: LoRARequest | None = None,
                  prompt_adapter_request: PromptAdapterRequest | None = None,
-                 tenant: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs, the last one finished; closing it early aborts it."""
+                 tenant: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs, the last one finished; closing it early aborts it.
+        cache_salt: requests with different salts never share prefix-cache blocks."""
 
     def abort(self, request_id: str) -> None:
         """Abort one request (unknown ids are ignored)."""

@@ -19,6 +19,9 @@ class EngineStats:
     running / waiting: requests being prefilled or decoded / queued (loading adapters or no room).
     kv_blocks_used / kv_blocks_total: KV-cache blocks held by requests / in the cache.
     preemptions: running requests preempted (their blocks freed, recomputed later) since start.
+    prefix_cache_queries / prefix_cache_hits: prompt tokens of admitted requests looked up in the
+    prefix cache / of those, found computed (cumulative, as vLLM's counters; 0 with caching off).
+    kv_blocks_cached: blocks holding a cached prefix (held by requests or evictable).
     steps: step() calls since start. adapters: the adapter manager's cumulative counters, read when
     the snapshot is handed out (``LLMEngine.stats``: loads also finish between steps, and the step
     thread need not take the tiers' locks every step for them); None in the step's own part.
@@ -30,6 +33,9 @@ class EngineStats:
     kv_blocks_total: int
     preemptions: int
     steps: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_cached: int = 0
     adapters: AdapterStats | None = None
 
     @classmethod
@@ -37,4 +43,6 @@ class EngineStats:
         """A snapshot of `scheduler` and `block_manager` (call on the step thread, between steps)."""
         return cls(running=len(scheduler.running), waiting=len(scheduler.waiting),
                    kv_blocks_used=block_manager.num_used_blocks, kv_blocks_total=block_manager.num_blocks,
-                   preemptions=scheduler.num_preemptions, steps=steps)
+                   preemptions=scheduler.num_preemptions, steps=steps,
+                   prefix_cache_queries=scheduler.prefix_query_tokens, prefix_cache_hits=scheduler.prefix_hit_tokens,
+                   kv_blocks_cached=block_manager.num_cached_blocks)

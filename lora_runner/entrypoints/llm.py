@@ -39,7 +39,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  prompt_adapter_request: PromptAdapterRequest | Sequence[PromptAdapterRequest | None] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, cache_salt: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Run `prompts` to completion, continuously batched; outputs in input order.
 
         prompts: a string, a list of token ids, a 1-D integer tensor, or a list of these; or a
@@ -47,6 +47,8 @@ class LLM:
         whose ``attention_mask`` marks the real tokens). sampling_params,
         lora_request and prompt_adapter_request: one for all prompts or a list aligned with them
         (None = no adapter of that kind); a prompt may use a LoRA and a prompt adapter at once.
+        cache_salt: one for all prompts or one per prompt; prompts with different salts never share
+        prefix-cache blocks (LLMEngine.add_request).
         Every distinct named adapter is loaded and validated before any prompt runs, so a bad
         adapter raises its adapters.AdapterError with nothing lost. ValueError for misaligned lists,
         an argument of the wrong type, one adapter name bound to two paths/revisions in the call,
@@ -59,6 +61,7 @@ class LLM:
         loras = _aligned(lora_request, LoRARequest, len(prompt_list), "lora_request")
         soft_prompts = _aligned(prompt_adapter_request, PromptAdapterRequest, len(prompt_list),
                                 "prompt_adapter_request")
+        salts = _aligned(cache_salt, str, len(prompt_list), "cache_salt")
         for requests, what in ((loras, "lora_request"), (soft_prompts, "prompt_adapter_request")):
             _check_one_source_per_name(requests, what)
         for request in dict.fromkeys(r for r in loras if r is not None):
@@ -67,8 +70,10 @@ class LLM:
             self.engine.add_prompt_adapter(request)
         request_ids = [f"generate-{next(self._ids)}" for _ in prompt_list]
         try:
-            for request_id, prompt, p, lora, soft in zip(request_ids, prompt_list, params, loras, soft_prompts):
-                self.engine.add_request(request_id, prompt, p, lora_request=lora, prompt_adapter_request=soft)
+            for request_id, prompt, p, lora, soft, salt in zip(request_ids, prompt_list, params, loras,
+                                                               soft_prompts, salts):
+                self.engine.add_request(request_id, prompt, p, lora_request=lora, prompt_adapter_request=soft,
+                                        cache_salt=salt)
             return self._run(request_ids, use_tqdm)
         except BaseException:  # re-raised: only makes sure none of this call's requests stays live
             self._abort_and_drain(request_ids)

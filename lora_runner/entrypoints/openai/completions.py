@@ -55,4 +55,4 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     fmt = format_type(state.new_id(id_prefix), body.model)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
-                                include_usage, started)
+                                include_usage, started, cache_salt=body.cache_salt)

@@ -11,6 +11,7 @@ that fails to load) gets a real HTTP status even when streamed.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -97,6 +98,7 @@ class ChoiceRun:
         self.sent = [_Sent() for _ in range(n)]
         self.last_token_at: float | None = None
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0  # the prompt's tokens served from the prefix cache
 
     @property
     def choice_indices(self) -> range:
@@ -108,6 +110,7 @@ class ChoiceRun:
         sample that failed (reported once)."""
         self._record_latency(sum(len(c.token_ids) - sent.tokens for c, sent in zip(output.outputs, self.sent)))
         self.num_output_tokens = sum(len(c.token_ids) for c in output.outputs)
+        self.num_cached_tokens = output.num_cached_tokens
         deltas = [self._advance_sample(sample, completion) for sample, completion in enumerate(output.outputs)]
         return [delta for delta in deltas if delta is not None]
 
@@ -173,13 +176,22 @@ async def _first_output(run: ChoiceRun) -> None:
         raise RuntimeError(f"request {run.request_id} ended without output") from None
 
 
+def engine_cache_salt(state: ServerState, tenant: Tenant, request_salt: str | None) -> str | None:
+    """The engine's cache salt of a request: the tenant's name (unless the server turned tenant salting
+    off) combined with the body's ``cache_salt``, which adds to the tenant's, never replaces it."""
+    parts = [tenant.name if state.config.prefix_cache_tenant_salt else None, request_salt]
+    return None if parts == [None, None] else json.dumps(parts)
+
+
 async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts: list[list[int]],
-                     params: SamplingParams, started: float) -> list[ChoiceRun]:
+                     params: SamplingParams, started: float, request_salt: str | None = None) -> list[ChoiceRun]:
     """Add one engine request per prompt and wait for each one's first output (errors raise)."""
     runs = []
+    salt = engine_cache_salt(state, tenant, request_salt)
     for index, ids in enumerate(prompts):
         request_id = state.new_id("req")
-        gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name)
+        gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name,
+                                    cache_salt=salt)
         runs.append(ChoiceRun(state, index * params.n, request_id, len(ids), gen, started, params.logprobs, params.n))
     results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -246,13 +258,13 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 async def run_generation(state: ServerState, request: Request, tenant: Tenant, target: Target,
                          prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
-                         stream: bool, include_usage: bool, started: float):
-    """Admit, start and answer one generation request (streamed or whole)."""
+                         stream: bool, include_usage: bool, started: float, cache_salt: str | None = None):
+    """Admit, start and answer one generation request (streamed or whole); cache_salt: the body's."""
     release = state.admit(tenant, len(prompts) * params.n)
     try:
         state.metrics.requests.labels(target.model).inc()
         state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
-        runs = await start_runs(state, tenant, target, prompts, params, started)
+        runs = await start_runs(state, tenant, target, prompts, params, started, cache_salt)
     except BaseException:
         release()
         raise
@@ -272,7 +284,8 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
 
 
 def _usage(runs: list[ChoiceRun]) -> Usage:
-    return Usage(sum(r.prompt_len for r in runs), sum(r.num_output_tokens for r in runs))
+    return Usage(sum(r.prompt_len for r in runs), sum(r.num_output_tokens for r in runs),
+                 sum(r.num_cached_tokens for r in runs))
 
 
 async def _collect(runs: list[ChoiceRun], fmt: CompletionFormat) -> dict:

@@ -3,8 +3,9 @@
 Counted by the HTTP layer: requests per served model, prompt and generated tokens, time to first
 token and inter-token latency, runtime adapter loads. Read at scrape time from the stats snapshot
 the engine publishes after each step (EngineClient.get_stats): running and waiting requests, KV
-blocks in use, preemptions, and every field of the adapter manager's cumulative stats (slot loads
-are the slot misses; hits appear when the manager counts them).
+blocks in use and cached, preemptions, prefix-cache queries and hits (tokens), and every field of
+the adapter manager's cumulative stats (slot loads are the slot misses; hits appear when the
+manager counts them).
 """
 
 from __future__ import annotations
@@ -63,12 +64,18 @@ class _EngineCollector:
             "lora_runner_requests_in_flight": ("Requests with an open HTTP generation", self.engine.num_in_flight()),
             "lora_runner_kv_blocks_used": ("KV-cache blocks held by requests", stats.kv_blocks_used),
             "lora_runner_kv_blocks_total": ("KV-cache blocks", stats.kv_blocks_total),
+            "lora_runner_kv_blocks_cached": ("KV-cache blocks holding a cached prefix (in use or evictable)",
+                                             stats.kv_blocks_cached),
             "lora_runner_engine_up": ("1 while the step thread serves requests", int(self.engine.is_running)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("lora_runner_preemptions", "Running requests preempted (blocks freed, "
                                   "recomputed later)", value=stats.preemptions)
+        yield CounterMetricFamily("lora_runner_prefix_cache_queries", "Prompt tokens of admitted requests "
+                                  "looked up in the prefix cache", value=stats.prefix_cache_queries)
+        yield CounterMetricFamily("lora_runner_prefix_cache_hits", "Looked-up tokens found computed in the "
+                                  "prefix cache", value=stats.prefix_cache_hits)
         yield from self._adapter_stats(stats.adapters)
 
     @staticmethod

@@ -46,6 +46,7 @@ class _GenerationBody(_Body):
     include_stop_str_in_output: bool = False  # extension (vLLM)
     min_tokens: int = Field(default=0, ge=0)  # extension (vLLM)
     prompt_adapter: str | None = None  # extension: a registered soft prompt, by name
+    cache_salt: str | None = Field(default=None, min_length=1)  # extension (vLLM): added to the tenant's salt
 
 
 class CompletionRequest(_GenerationBody):

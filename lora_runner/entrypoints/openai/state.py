@@ -29,6 +29,9 @@ class ServerConfig:
     max_n: request size limits (None: the engine's max_model_len; the logprobs limit is the
     engine's max_logprobs). max_pending_requests: generations in flight at once, beyond which
     requests get 503. shutdown_timeout: seconds in-flight requests get to finish on SIGTERM.
+    prefix_cache_tenant_salt: salt every request's prefix-cache keys with its tenant's name, so two
+    tenants never share cached KV (whose hits would show in time to first token); turn off for a
+    single-tenant deployment whose keys should share the cache.
     """
 
     served_model_name: str
@@ -43,6 +46,7 @@ class ServerConfig:
     max_n: int = 16
     max_pending_requests: int = 1024
     shutdown_timeout: float = 10.0
+    prefix_cache_tenant_salt: bool = True
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
