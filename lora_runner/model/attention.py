@@ -209,11 +209,20 @@ def length_groups(query_lens: np.ndarray, seq_lens: np.ndarray,
 
 
 def _host_length_groups(attn: AttentionMetadata) -> list[np.ndarray] | None:
-    """length_groups of `attn` when its lengths live on the host; None (one call) otherwise."""
-    if attn.seq_lens.device.type != "cpu" or attn.query_start_loc.device.type != "cpu":
+    """length_groups of `attn` when its lengths live on the host; None (one call) otherwise.
+
+    Runs in every layer: the common step (similar lengths) costs a few numpy ops and no allocation
+    beyond them; the padded size it checks is the one the single call would use (attn's host ints).
+    """
+    if not (attn.seq_lens.is_cpu and attn.query_start_loc.is_cpu):
         return None
     starts = attn.query_start_loc.numpy().astype(np.int64)  # [B+1]
-    return length_groups(starts[1:] - starts[:-1], attn.seq_lens.numpy().astype(np.int64))
+    query_lens = starts[1:] - starts[:-1]  # [B]
+    seq_lens = attn.seq_lens.numpy().astype(np.int64)  # [B]
+    own = int(query_lens @ seq_lens)
+    if seq_lens.shape[0] * max(attn.max_query_len, 1) * max(attn.max_seq_len, 1) <= MAX_PADDING * own:
+        return None
+    return length_groups(query_lens, seq_lens)
 
 
 def _group_metadata(attn: AttentionMetadata, seqs: np.ndarray) -> tuple[AttentionMetadata, torch.Tensor]:
