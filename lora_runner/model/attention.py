@@ -181,9 +181,10 @@ def length_groups(query_lens: np.ndarray, seq_lens: np.ndarray,
 
     A padded group of n sequences computes n * max(query_lens) * max(seq_lens) scores; its own work
     is sum(query_lens * seq_lens). Returns None when the whole batch is within the bound (one call),
-    else the sequence indices of each group (ascending). Decodes (query length 1) and prefill chunks
-    are grouped apart, each greedily from the longest context down: a short decode beside a long
-    prefill chunk or a long-context decode pays for its own context only.
+    else the sequence indices of each group (ascending; a sequence without new tokens is in none).
+    Decodes (query length 1) and prefill chunks are grouped apart, so no decode is padded to a
+    chunk's query length, each greedily from the longest context down: the step's padded work
+    stays within the bound whatever one long sequence beside short ones is.
     """
     own = query_lens * seq_lens  # [B]
     total = int(own.sum())
