@@ -11,6 +11,14 @@ head through ``enable_gqa`` rather than a per-head copy). There is no per-token 
 Python loop and no host sync, so the same code runs on CPU and GPU and can be captured in a CUDA
 graph when the batch shapes (T, B, max_query_len, max_seq_len) are fixed.
 
+Padding every sequence to the step's longest query and context would make 8 decodes beside one
+2,000-token prefill chunk each compute (and gather) the chunk's whole rectangle (issue 23 item 11).
+So when the lengths are on the host (CPU tensors: reading them costs no sync) the step is split
+into length groups (``length_groups``): decodes apart from prefill chunks, each group padded to at
+most MAX_PADDING times its own query x context scores, one padded call per group. A step of similar
+lengths stays one call. Device tensors keep the single call (graph-safe); on CUDA the Triton
+kernels below already cost each sequence its own length.
+
 Sliding windows (Mistral, Qwen2's windowed layers, Gemma 2's even layers) are one more mask term, so
 contexts longer than the window are exact; blocks that left the window stay allocated (no memory
 saving). Logit soft-capping (Gemma 2: ``cap * tanh(scale * q.k / cap)`` before the mask and softmax)
@@ -31,6 +39,7 @@ import importlib
 import logging
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +50,9 @@ logger = logging.getLogger(__name__)
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 BACKEND_ENV = "LORA_RUNNER_ATTENTION"
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# the torch path pads a group of sequences to its longest query and context at most this many times
+# their own score count (length_groups)
+MAX_PADDING = 2.0
 
 
 @functools.cache
@@ -143,11 +155,100 @@ def _triton_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: A
 
 def _torch_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
                            sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
-    """The gather + scaled_dot_product_attention path (CPU, and the oracle of the Triton kernels)."""
+    """The gather + scaled_dot_product_attention path (CPU, and the oracle of the Triton kernels).
+
+    With host-readable lengths (CPU tensors) the sequences are split into length groups (see
+    length_groups) so no sequence is padded to a much longer one's query or context; each group is
+    one padded call. Device tensors keep the single padded call: reading their lengths would sync.
+    """
+    num_tokens = query.shape[0]
+    if num_tokens == 0 or attn.seq_lens.shape[0] == 0:
+        return query.new_zeros(query.shape)
+    groups = _host_length_groups(attn)
+    if groups is None:
+        return _padded_attention(query, kv_layer, attn, scale, sliding_window, softcap)
+    out = query.new_zeros(query.shape)  # rows of no sequence (graph padding) stay zero
+    for seqs in groups:
+        group_attn, tokens = _group_metadata(attn, seqs)
+        out.index_copy_(0, tokens, _padded_attention(query.index_select(0, tokens), kv_layer, group_attn, scale,
+                                                     sliding_window, softcap))
+    return out
+
+
+def length_groups(query_lens: np.ndarray, seq_lens: np.ndarray,
+                  max_padding: float = MAX_PADDING) -> list[np.ndarray] | None:
+    """Sequences grouped so each group's padded work is at most `max_padding` times its own.
+
+    A padded group of n sequences computes n * max(query_lens) * max(seq_lens) scores; its own work
+    is sum(query_lens * seq_lens). Returns None when the whole batch is within the bound (one call),
+    else the sequence indices of each group (ascending; a sequence without new tokens is in none).
+    Decodes (query length 1) and prefill chunks are grouped apart, so no decode is padded to a
+    chunk's query length, each greedily from the longest context down: the step's padded work
+    stays within the bound whatever one long sequence beside short ones is.
+    """
+    own = query_lens * seq_lens  # [B]
+    total = int(own.sum())
+    if query_lens.shape[0] * int(query_lens.max()) * int(seq_lens.max()) <= max_padding * total:
+        return None
+    groups = []
+    for seqs in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)):
+        seqs = seqs[np.argsort(-seq_lens[seqs], kind="stable")]  # longest context first
+        members, group_own, group_q = [], 0, 0
+        for seq, q, s, work in zip(seqs.tolist(), query_lens[seqs].tolist(), seq_lens[seqs].tolist(),
+                                   own[seqs].tolist()):
+            # the first member has the group's longest context: the padded width is fixed
+            if members and (len(members) + 1) * max(group_q, q) * group_s > max_padding * (group_own + work):
+                groups.append(np.sort(np.array(members)))
+                members = []
+            if not members:
+                group_own, group_q, group_s = 0, 0, s
+            members.append(seq)
+            group_own, group_q = group_own + work, max(group_q, q)
+        if members:
+            groups.append(np.sort(np.array(members)))
+    return groups
+
+
+def _host_length_groups(attn: AttentionMetadata) -> list[np.ndarray] | None:
+    """length_groups of `attn` when its lengths live on the host; None (one call) otherwise.
+
+    Runs in every layer: the common step (similar lengths) costs a few numpy ops and no allocation
+    beyond them; the padded size it checks is the one the single call would use (attn's host ints).
+    """
+    if not (attn.seq_lens.is_cpu and attn.query_start_loc.is_cpu):
+        return None
+    starts = attn.query_start_loc.numpy().astype(np.int64)  # [B+1]
+    query_lens = starts[1:] - starts[:-1]  # [B]
+    seq_lens = attn.seq_lens.numpy().astype(np.int64)  # [B]
+    own = int(query_lens @ seq_lens)
+    if seq_lens.shape[0] * max(attn.max_query_len, 1) * max(attn.max_seq_len, 1) <= MAX_PADDING * own:
+        return None
+    return length_groups(query_lens, seq_lens)
+
+
+def _group_metadata(attn: AttentionMetadata, seqs: np.ndarray) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The metadata of sequences `seqs` (host indices) alone, and their tokens' rows [T_g] of the flat batch."""
+    starts = attn.query_start_loc.numpy().astype(np.int64)  # [B+1]
+    query_lens = starts[seqs + 1] - starts[seqs]  # [G]
+    group_starts = np.concatenate(([0], np.cumsum(query_lens)))  # [G+1]
+    tokens = np.arange(group_starts[-1]) + np.repeat(starts[seqs] - group_starts[:-1], query_lens)  # [T_g]
+    tokens = torch.from_numpy(tokens)
+    seq_index = torch.from_numpy(seqs)
+    seq_lens = attn.seq_lens.index_select(0, seq_index)  # [G]
+    group_attn = AttentionMetadata(
+        slot_mapping=attn.slot_mapping.index_select(0, tokens),
+        query_start_loc=torch.from_numpy(group_starts).to(attn.query_start_loc.dtype),
+        seq_lens=seq_lens, block_tables=attn.block_tables.index_select(0, seq_index),
+        max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
+    return group_attn, tokens
+
+
+def _padded_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
+                      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """All of `attn`'s sequences in one padded batch [B, max_query_len, max_seq_len]: one
+    scaled_dot_product_attention call, no Python loop, no host sync (graph-safe)."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = attn.seq_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
-        return query.new_zeros(query.shape)
     k_ctx, v_ctx, key_valid, keys = _gather_context(kv_layer, attn, query.dtype)
     seq_lens = attn.seq_lens.to(torch.int64)  # [B]
     if attn.max_query_len == 1 and num_tokens == num_seqs:
