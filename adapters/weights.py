@@ -19,9 +19,9 @@ header alone is read and checked (length, JSON, every tensor's dtype, shape and 
 must tile the rest of the file exactly) before any tensor data is read: a header claiming terabytes,
 or a sparse file of zeros, is refused having read a few bytes. Then the file is read whole into
 memory the process owns (one read of the size checked) and parsed from those bytes; nothing stays
-memory-mapped, so a file truncated or rewritten during a load (``cp`` over a served adapter) gives a consistent read or an
-:class:`InvalidAdapterError`, never a SIGBUS. A file that changes while it is read (its size,
-or modification time differ before and after) is refused; replacing a file atomically
+memory-mapped, so a file truncated or rewritten during a load (``cp`` over a served adapter) gives
+a consistent read or an :class:`InvalidAdapterError`, never a SIGBUS. A file that changes while it
+is read (its size, or modification time differ before and after) is refused; replacing a file atomically
 (write a temporary file, then rename it over) is always read consistently, old or new.
 
 ``adapter_config.json`` is capped at :data:`MAX_CONFIG_BYTES` (checked before reading), and its

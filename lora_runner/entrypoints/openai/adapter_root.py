@@ -45,7 +45,8 @@ def runtime_lora_request(root: str | None, tenant: Tenant, name: str, path: str,
     try:
         AdapterDir.confined(base, path).close()
     except PathEscapeError:
-        raise PathNotAllowed("lora_path must stay inside your adapter root (symbolic links are not followed)") from None
+        raise PathNotAllowed("lora_path must stay inside your adapter root (symbolic links are not "
+                             "followed)") from None
     except AdapterNotFoundError:
         if allow_hub and _HUB_ID.match(path):
             return LoRARequest(name, path)
