@@ -46,7 +46,8 @@ from adapters.errors import AdapterTooLargeError, InvalidAdapterError, Unsupport
 from adapters.patterns import PeftTargets
 from adapters.spec import FUSED_TO_PACKED, PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
 from adapters.vocab_lora import VOCAB_MODULES, check_vocab_target, vocab_factor_shapes, vocab_key_parts
-from adapters.weights import check_peft_type, read_adapter_config, read_adapter_tensors
+from adapters.files import AdapterDir
+from adapters.weights import check_peft_type, held_dir, read_adapter_config, read_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -310,17 +311,19 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
     return LoRAWeights(name, rank, {k: tuple(v) for k, v in sorted(modules.items())}, vocab)
 
 
-def load_lora(name: str, local_dir: str, spec: ModelSpec, *, max_lora_rank: int,
+def load_lora(name: str, local_dir: str | AdapterDir, spec: ModelSpec, *, max_lora_rank: int,
               dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
               max_bytes: int | None = None, base_weight: BaseWeight | None = None) -> LoRAWeights:
     """Read and validate the PEFT LoRA in ``local_dir``; the config is checked before the weights are read.
 
-    ``base_weight``: as in :func:`parse_lora` (DoRA only).
+    ``local_dir``: a path, or a directory held open (adapters.files; a tenant's is confined); both
+    files are read beneath the one directory descriptor. ``base_weight``: as in :func:`parse_lora` (DoRA only).
     """
-    config = read_adapter_config(name, local_dir, max_bytes)
-    _check_config(name, config, spec)
-    _check_dora(name, config, _targeted_ranks(name, config, spec, max_lora_rank), base_weight)
-    tensors = read_adapter_tensors(name, local_dir, allow_pickle=allow_pickle, max_bytes=max_bytes)
+    with held_dir(local_dir) as directory:
+        config = read_adapter_config(name, directory, max_bytes)
+        _check_config(name, config, spec)
+        _check_dora(name, config, _targeted_ranks(name, config, spec, max_lora_rank), base_weight)
+        tensors = read_adapter_tensors(name, directory, allow_pickle=allow_pickle, max_bytes=max_bytes)
     return parse_lora(name, config, tensors, spec, max_lora_rank=max_lora_rank, dtype=dtype,
                       base_weight=base_weight)
 

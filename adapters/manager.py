@@ -28,6 +28,8 @@ from adapters.errors import (
     AdapterNotFoundError,
     AdapterTooLargeError,
 )
+from adapters.file_limits import default_max_adapter_bytes
+from adapters.files import AdapterDir
 from adapters.hub import adapter_file_patterns, resolve
 from adapters.lora import dummy_lora, load_lora
 from adapters.prompt import dummy_prompt_adapter, load_prompt_adapter
@@ -68,7 +70,9 @@ class AdapterManager:
         device, dtype: where and in which dtype slots (and the CPU cache) hold weights.
         allow_pickle: also read ``adapter_model.bin`` (with ``torch.load(weights_only=True)``).
         local_files_only: never use the network (None: follow HF_HUB_OFFLINE).
-        max_adapter_bytes: refuse adapter files larger than this (checked before reading).
+        max_adapter_bytes: refuse adapter files larger than this (checked before reading); None: the
+            largest file a valid adapter of ``spec`` at ``max_lora_rank`` can be
+            (:func:`adapters.file_limits.default_max_adapter_bytes`).
         resolver: ``(path, revision, allow_patterns, local_files_only) -> local dir``; default
             :func:`adapters.hub.resolve` (with ``cache_dir``). Tests inject faults through it.
         cache_dir: Hub cache directory for the default resolver.
@@ -97,6 +101,8 @@ class AdapterManager:
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
         self.max_lora_rank, self.max_prompt_adapter_tokens = max_lora_rank, max_prompt_adapter_tokens
         self.allow_pickle, self.local_files_only = allow_pickle, local_files_only
+        if max_adapter_bytes is None:
+            max_adapter_bytes = default_max_adapter_bytes(spec, max_lora_rank, max_prompt_adapter_tokens)
         self.max_adapter_bytes = max_adapter_bytes
         self._resolver = resolver or partial(_default_resolve, cache_dir=cache_dir)
         self._pin_memory = self.device.type == "cuda"
@@ -143,17 +149,31 @@ class AdapterManager:
             raise AdapterNotFoundError(f"adapter {request.name!r}: resolving {request.path!r} failed: "
                                        f"{exc!r}") from exc
 
+    def _open_dir(self, request) -> AdapterDir:
+        """The adapter's directory, held open while it is read: a request with a root is walked beneath
+        it without following links (never the Hub nor the resolver); any other is resolved (local or Hub)."""
+        if request.root is None:
+            opener = partial(AdapterDir.local, self._resolve(request))  # _resolve names the adapter itself
+        else:
+            opener = partial(AdapterDir.confined, request.root, request.relative_path)
+        try:
+            return opener()
+        except AdapterError as exc:
+            raise type(exc)(f"adapter {request.name!r}: {exc}") from exc
+
     def _load_lora(self, request: LoRARequest):
-        weights = load_lora(request.name, self._resolve(request), self.spec, max_lora_rank=self.max_lora_rank,
-                            dtype=self.dtype, allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes,
-                            base_weight=self._base_weight)
+        with self._open_dir(request) as directory:
+            weights = load_lora(request.name, directory, self.spec, max_lora_rank=self.max_lora_rank,
+                                dtype=self.dtype, allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes,
+                                base_weight=self._base_weight)
         return weights.pin_memory() if self._pin_memory else weights
 
     def _load_prompt(self, request: PromptAdapterRequest):
         self._check_prompts_enabled(request.name)
-        weights = load_prompt_adapter(request.name, self._resolve(request), self.spec,
-                                      max_prompt_adapter_tokens=self.max_prompt_adapter_tokens, dtype=self.dtype,
-                                      allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes)
+        with self._open_dir(request) as directory:
+            weights = load_prompt_adapter(request.name, directory, self.spec,
+                                          max_prompt_adapter_tokens=self.max_prompt_adapter_tokens, dtype=self.dtype,
+                                          allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes)
         return weights.pin_memory() if self._pin_memory else weights
 
     def _dummy_lora(self, name: str, rank: int):
@@ -231,7 +251,8 @@ class _LoadPools:
 
     def submit(self, load: Callable, version) -> None:
         """Run ``load(version)`` on the pool matching ``version.request.path`` (local dir or Hub id)."""
-        local = os.path.isdir(os.path.expanduser(version.request.path))
+        request = version.request
+        local = request.root is not None or os.path.isdir(os.path.expanduser(request.path))
         (self._local if local else self._hub).submit(load, version)
 
     def shutdown(self) -> None:

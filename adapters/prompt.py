@@ -15,7 +15,8 @@ import torch
 
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.spec import ModelSpec
-from adapters.weights import check_peft_type, read_adapter_config, read_adapter_tensors
+from adapters.files import AdapterDir
+from adapters.weights import check_peft_type, held_dir, read_adapter_config, read_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +108,15 @@ def parse_prompt_adapter(name: str, config: dict, tensors: dict[str, torch.Tenso
     return PromptWeights(name, out)
 
 
-def load_prompt_adapter(name: str, local_dir: str, spec: ModelSpec, *, max_prompt_adapter_tokens: int,
-                        dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
+def load_prompt_adapter(name: str, local_dir: str | AdapterDir, spec: ModelSpec, *,
+                        max_prompt_adapter_tokens: int, dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
                         max_bytes: int | None = None) -> PromptWeights:
-    """Read and validate the PEFT prompt-tuning adapter in ``local_dir`` (config checked before weights)."""
-    config = read_adapter_config(name, local_dir, max_bytes)
-    _check_config(name, config, spec, max_prompt_adapter_tokens)
-    tensors = read_adapter_tensors(name, local_dir, allow_pickle=allow_pickle, max_bytes=max_bytes)
+    """Read and validate the PEFT prompt-tuning adapter in ``local_dir`` (a path or a held directory,
+    as in adapters.lora.load_lora; config checked before weights)."""
+    with held_dir(local_dir) as directory:
+        config = read_adapter_config(name, directory, max_bytes)
+        _check_config(name, config, spec, max_prompt_adapter_tokens)
+        tensors = read_adapter_tensors(name, directory, allow_pickle=allow_pickle, max_bytes=max_bytes)
     return parse_prompt_adapter(name, config, tensors, spec, max_prompt_adapter_tokens=max_prompt_adapter_tokens,
                                 dtype=dtype)
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+from adapters.files import PathEscapeError, confined_parts
 
 
 @dataclass(frozen=True)
@@ -10,6 +13,9 @@ class _AdapterRequest:
     name: str  # identifies the adapter; same name + other path/revision = replacement
     path: str  # local directory or Hugging Face Hub repo id
     revision: str | None = None  # branch, tag or commit (Hub only)
+    # a directory the adapter must stay beneath (a tenant's runtime load): path is then root joined
+    # with a plain relative path, walked from root without following symlinks (adapters.files), never the Hub
+    root: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -18,6 +24,18 @@ class _AdapterRequest:
             raise ValueError(f"adapter {self.name!r}: path must be a non-empty string, got {self.path!r}")
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             raise ValueError(f"adapter {self.name!r}: revision must be a non-empty string or None")
+        if self.root is not None:
+            if not isinstance(self.root, str) or not self.root:
+                raise ValueError(f"adapter {self.name!r}: root must be a non-empty string or None")
+            try:
+                confined_parts(self.relative_path)
+            except PathEscapeError as exc:
+                raise ValueError(f"adapter {self.name!r}: path must lie beneath root: {exc}") from None
+
+    @property
+    def relative_path(self) -> str:
+        """path relative to root (lexically: nothing on disk is resolved); path itself without a root."""
+        return self.path if self.root is None else os.path.relpath(self.path, self.root)
 
     @property
     def source(self) -> tuple[str, str | None]:

@@ -64,8 +64,9 @@ class EngineConfig:
                                       "weights_only=True)", default=False))
     local_files_only: bool | None = field(**_doc("never use the network for the model and adapters (None: "
                                                  "follow HF_HUB_OFFLINE)", default=None))
-    max_adapter_bytes: int | None = field(**_doc("refuse adapter files larger than this (None: no limit)",
-                                                 default=None))
+    max_adapter_bytes: int | None = field(**_doc(
+        "refuse adapter files larger than this, checked before reading (None: the largest file a valid "
+        "adapter of this model at max_lora_rank can be, in float32: adapters.file_limits)", default=None))
     max_logprobs: int = field(**_doc(
         "the most logprobs (SamplingParams.logprobs) one request may ask for (as in vLLM); a request over "
         "it is refused with ValueError at add_request", default=20))

@@ -14,7 +14,8 @@ from lora_runner.entrypoints.openai.tenants import load_tenant_keys
 
 SUPER = "super-key-000000"
 KEYS = {  # key -> tenant entry
-    "key-tenant-a-0000": {"name": "a", "adapters": ["r4", "a-runtime"], "base": True, "admin": True},
+    "key-tenant-a-0000": {"name": "a", "adapters": ["r4", "a-runtime"], "base": True, "admin": True,
+                          "adapter_root": "."},  # a loads from the whole root
     "key-tenant-b-0000": {"name": "b", "adapters": ["r8-qv", "b-runtime"], "admin": True},
     "key-tenant-c-0000": {"name": "c", "adapters": ["r4"], "base": True, "max_concurrent_requests": 1},
 }

@@ -48,6 +48,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--allow-runtime-lora-updating", action="store_true")
     add("--adapter-root", default=None, metavar="DIR", help="runtime loads only from inside this directory")
     add("--allow-hub-adapters", action="store_true", help="runtime loads may name Hub repo ids")
+    add("--max-concurrent-loads", type=int, default=4, help="runtime adapter loads at once (more: 503)")
+    add("--max-loads-per-tenant", type=int, default=1, help="runtime adapter loads at once per key (more: 429)")
+    add("--adapter-load-timeout", type=float, default=60.0, metavar="SECONDS",
+        help="a runtime load not done by then answers 504 (and is undone if it succeeds later)")
     add("--served-model-name", default=None)
     add("--max-body-bytes", type=int, default=1 << 20)
     add("--max-prompt-tokens", type=int, default=None)
@@ -83,7 +87,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         adapter_root=args.adapter_root, allow_hub_adapters=args.allow_hub_adapters,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_limit=args.max_tokens_limit, max_pending_requests=args.max_pending_requests,
-                        shutdown_timeout=args.shutdown_timeout,
+                        shutdown_timeout=args.shutdown_timeout, max_concurrent_loads=args.max_concurrent_loads,
+                        max_loads_per_tenant=args.max_loads_per_tenant,
+                        adapter_load_timeout=args.adapter_load_timeout,
                         prefix_cache_tenant_salt=args.prefix_cache_tenant_salt)
 
 

@@ -1,9 +1,13 @@
-"""Confine runtime adapter loads to one directory tree (--adapter-root).
+"""Confine runtime adapter loads to the caller's own directory tree under --adapter-root.
 
-A client's ``lora_path`` must be relative; it is joined to the root and resolved with every
-symlink followed (os.path.realpath), and must still lie inside the resolved root
-(os.path.commonpath). Hub repo ids are allowed only when the server was started with
---allow-hub-adapters, and only for names that are not a directory under the root.
+Each tenant loads from its own sub-root (``Tenant.adapter_root``, from the keys file; by default the
+tenant's name; ``--api-key`` keys and a keyless server use the whole root). A client's ``lora_path``
+must be a plain relative path (no ``..``, ``.``, ``~`` or absolute path: decided on the string, so the
+answer says nothing about what exists outside the sub-root). The folder is then opened component by
+component beneath the sub-root without following any symlink (adapters.files.AdapterDir.confined),
+at this check and again at every read, so a symlink or a folder swapped for one is refused, never
+followed. Hub repo ids are allowed only when the server was started with --allow-hub-adapters,
+and only for names that are not a folder under the sub-root.
 """
 
 from __future__ import annotations
@@ -11,26 +15,40 @@ from __future__ import annotations
 import os
 import re
 
+from adapters import AdapterNotFoundError, LoRARequest
+from adapters.files import AdapterDir, PathEscapeError, confined_parts
+from lora_runner.entrypoints.openai.tenants import Tenant
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class PathNotAllowed(Exception):
-    """The path is outside the adapter root (or runtime loading has no root)."""
+    """The path is outside the caller's adapter root (or runtime loading has no root)."""
 
 
-def resolve_adapter_path(root: str | None, path: str, allow_hub: bool = False) -> str:
-    """The local directory (or Hub repo id) to load for a client's `path`; PathNotAllowed otherwise."""
+def tenant_root(root: str, tenant: Tenant) -> str:
+    """The directory `tenant` loads from: its sub-root of the server's adapter root."""
+    return os.path.join(root, tenant.adapter_root) if tenant.adapter_root else root
+
+
+def runtime_lora_request(root: str | None, tenant: Tenant, name: str, path: str,
+                         allow_hub: bool = False) -> LoRARequest:
+    """The request loading `path` for `tenant` (confined to its root, or a Hub repo id); PathNotAllowed
+    otherwise. Opens directories (never files): run it off the event loop."""
     if not root:
         raise PathNotAllowed("runtime adapter loading needs --adapter-root")
-    if os.path.isabs(path) or path.startswith("~") or "\x00" in path:
-        raise PathNotAllowed("lora_path must be relative to the adapter root")
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(os.path.join(real_root, path))
-    inside = real != real_root and os.path.commonpath([real_root, real]) == real_root
-    if inside and os.path.isdir(real):
-        return real
-    if allow_hub and _HUB_ID.match(path) and ".." not in path:
-        return path
-    if inside:
-        return real  # missing inside the root: the engine answers "not found" (422)
-    raise PathNotAllowed("lora_path must stay inside the adapter root")
+    try:
+        parts = confined_parts(path)
+    except PathEscapeError:
+        raise PathNotAllowed("lora_path must be a relative path inside your adapter root") from None
+    base = tenant_root(root, tenant)
+    try:
+        AdapterDir.confined(base, path).close()
+    except PathEscapeError:
+        raise PathNotAllowed("lora_path must stay inside your adapter root (symbolic links are not "
+                             "followed)") from None
+    except AdapterNotFoundError:
+        if allow_hub and _HUB_ID.match(path):
+            return LoRARequest(name, path)
+        # missing inside the root: the engine answers "not found" (422), naming only `path`
+    return LoRARequest(name, os.path.join(base, *parts), root=base)

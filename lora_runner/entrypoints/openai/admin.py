@@ -1,22 +1,25 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes and bodies).
 
 Only with --allow-runtime-lora-updating, only for admin keys, only for adapter names the key may
-use, and only for paths inside --adapter-root: anything else is a 403 decided before any file is
-read. A load that fails answers 422 with the adapter's error.
+use, and only for paths inside the key's own folder of --adapter-root (adapter_root): anything else
+is a 403 decided before any file is read. A load runs on the server's LoadExecutor (its own threads,
+a per-tenant cap, a deadline), never in the threadpool other routes share; one that fails answers
+422 with the adapter's error, naming paths only relative to the caller's root.
 """
 
 from __future__ import annotations
 
 import logging
-
-from starlette.concurrency import run_in_threadpool
+from functools import partial
 
 from adapters import LoRARequest, UnknownAdapterError
-from lora_runner.entrypoints.openai.adapter_root import PathNotAllowed, resolve_adapter_path
+from lora_runner.entrypoints.openai.adapter_root import PathNotAllowed, runtime_lora_request
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from, model_not_found
 from lora_runner.entrypoints.openai.protocol import LoadLoRARequest, UnloadLoRARequest
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
+
+_ANYONE = Tenant("registry-lookup", None)  # sees every registered name
 
 logger = logging.getLogger(__name__)
 
@@ -32,21 +35,39 @@ def _check_allowed(state: ServerState, tenant: Tenant, name: str) -> None:
 
 
 async def load_lora_adapter(state: ServerState, tenant: Tenant, body: LoadLoRARequest) -> str:
-    """Load, validate and serve an adapter from inside the adapter root."""
+    """Load, validate and serve an adapter from inside the caller's adapter root."""
     _check_allowed(state, tenant, body.lora_name)
-    try:
-        path = resolve_adapter_path(state.config.adapter_root, body.lora_path, state.config.allow_hub_adapters)
-    except PathNotAllowed as exc:
-        raise APIError(403, str(exc), "forbidden") from None
     if body.lora_name == state.registry.base_name or state.registry.get(body.lora_name, tenant) is not None:
         raise APIError(400, f"an adapter named {body.lora_name!r} is already loaded", "invalid_value")
     try:
-        await run_in_threadpool(state.add_lora, LoRARequest(body.lora_name, path))
+        request = await state.loads.run(tenant.name, partial(_load_in_engine, state, tenant, body),
+                                        abandon=partial(_undo_abandoned, state))
+    except PathNotAllowed as exc:
+        raise APIError(403, str(exc), "forbidden") from None
     except Exception as exc:  # noqa: BLE001 - mapped to its status (422 for an adapter that fails)
         state.metrics.runtime_loads.labels("failed").inc()
         raise api_error_from(exc) from exc
+    state.registry.add(request)
+    logger.info("serving LoRA %r from %s", request.name, request.path)
     state.metrics.runtime_loads.labels("loaded").inc()
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+
+def _load_in_engine(state: ServerState, tenant: Tenant, body: LoadLoRARequest) -> LoRARequest:
+    """On a load thread: the confined request (PathNotAllowed), loaded and validated in the engine."""
+    request = runtime_lora_request(state.config.adapter_root, tenant, body.lora_name, body.lora_path,
+                                   state.config.allow_hub_adapters)
+    state.engine.add_lora(request)
+    return request
+
+
+def _undo_abandoned(state: ServerState, request: LoRARequest) -> None:
+    """A load that succeeded after its client got 504: forget it, unless the name is served by now."""
+    if state.registry.get(request.name, _ANYONE) is None:
+        try:
+            state.engine.remove_lora(request.name)
+        except UnknownAdapterError:
+            logger.debug("abandoned LoRA %r was not in the engine's cache", request.name)
 
 
 async def unload_lora_adapter(state: ServerState, tenant: Tenant, body: UnloadLoRARequest) -> str:

@@ -34,8 +34,9 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def authenticate(request: Request) -> Tenant:
-    """The caller's tenant; 401 without a valid key."""
+async def authenticate(request: Request) -> Tenant:
+    """The caller's tenant; 401 without a valid key. Async: it runs on the event loop, never waiting
+    for a thread of the shared threadpool (which blocking work elsewhere could hold)."""
     return require_tenant(_state(request).keys, request.headers.get("authorization"))
 
 

@@ -21,7 +21,8 @@ RETRY_AFTER_S = 1  # what a client told "no capacity" should wait before trying 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          422: "adapter_load_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+          422: "adapter_load_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
+          504: "timeout_error"}
 
 
 class APIError(Exception):

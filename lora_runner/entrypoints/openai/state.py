@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.engine.protocol import EngineClient
 from lora_runner.entrypoints.openai.errors import APIError
+from lora_runner.entrypoints.openai.load_executor import LoadExecutor
 from lora_runner.entrypoints.openai.metrics import ServerMetrics
 from lora_runner.entrypoints.openai.registry import AdapterRegistry
 from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
@@ -32,6 +33,9 @@ class ServerConfig:
     prefix_cache_tenant_salt: salt every request's prefix-cache keys with its tenant's name, so two
     tenants never share cached KV (whose hits would show in time to first token); turn off for a
     single-tenant deployment whose keys should share the cache.
+    max_concurrent_loads / max_loads_per_tenant / adapter_load_timeout: runtime adapter loads at
+    once in all (503 beyond) and per tenant (429 beyond), and the seconds a load's caller waits
+    (504 after; see load_executor).
     """
 
     served_model_name: str
@@ -47,11 +51,15 @@ class ServerConfig:
     max_pending_requests: int = 1024
     shutdown_timeout: float = 10.0
     prefix_cache_tenant_salt: bool = True
+    max_concurrent_loads: int = 4
+    max_loads_per_tenant: int = 1
+    adapter_load_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
-        for name in ("max_body_bytes", "max_n", "max_pending_requests"):
+        for name in ("max_body_bytes", "max_n", "max_pending_requests", "max_concurrent_loads",
+                     "max_loads_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_tokens_limit"):
@@ -59,6 +67,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if not self.adapter_load_timeout > 0:
+            raise ValueError(f"adapter_load_timeout must be > 0, got {self.adapter_load_timeout}")
 
 
 class ServerState:
@@ -69,6 +79,8 @@ class ServerState:
         self.engine, self.config, self.keys = engine, config, keys
         self.registry = AdapterRegistry(config.served_model_name)
         self.metrics = ServerMetrics(engine)
+        self.loads = LoadExecutor(config.max_concurrent_loads, config.max_loads_per_tenant,
+                                  config.adapter_load_timeout)
         self.max_model_len = engine.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)

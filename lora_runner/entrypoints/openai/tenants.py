@@ -8,32 +8,40 @@ A tenant-keys file (JSON or YAML) maps each key to a tenant::
       base: true            # may use the base model (default false)
       admin: false          # may load/unload its own adapters at run time (default false)
       max_concurrent_requests: 8   # optional: more in flight at once is a 429
+      adapter_root: acme    # runtime loads come from this folder of --adapter-root (default: the
+                            # tenant's name; "." shares the whole root)
 
-Keys given with ``--api-key`` are tenants that may use everything and are admins. Keys are
+Keys given with ``--api-key`` are tenants that may use everything and are admins, and load from the
+whole adapter root. Keys are
 compared in constant time (hmac.compare_digest) against every configured key.
 """
 
 from __future__ import annotations
 
 import hmac
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from adapters.files import PathEscapeError, confined_parts
+
 ALL_ADAPTERS = "*"
 
 
 @dataclass(frozen=True)
 class Tenant:
-    """What one key may do. adapters: allowed adapter names (None: all)."""
+    """What one key may do. adapters: allowed adapter names (None: all). adapter_root: the folder of
+    --adapter-root its runtime loads come from, relative ("": the whole root)."""
 
     name: str
     adapters: frozenset[str] | None = None
     base: bool = True
     admin: bool = False
     max_concurrent_requests: int | None = None
+    adapter_root: str = ""
 
     def may_use(self, adapter_name: str) -> bool:
         """True when this tenant may list, use, load or unload the adapter `adapter_name`."""
@@ -51,6 +59,7 @@ class _TenantEntry(BaseModel):
     base: bool = False
     admin: bool = False
     max_concurrent_requests: int | None = Field(default=None, ge=1)
+    adapter_root: str | None = None
 
 
 def load_tenant_keys(path: str | Path) -> dict[str, Tenant]:
@@ -70,9 +79,21 @@ def load_tenant_keys(path: str | Path) -> dict[str, Tenant]:
         except ValidationError as exc:
             raise ValueError(f"tenant keys file {path}: entry {index} ({parsed_name(entry)}): {exc}") from exc
         adapters = None if ALL_ADAPTERS in parsed.adapters else frozenset(parsed.adapters)
-        tenants[key] = Tenant(parsed.name or f"tenant-{index}", adapters, parsed.base, parsed.admin,
-                              parsed.max_concurrent_requests)
+        name = parsed.name or f"tenant-{index}"
+        tenants[key] = Tenant(name, adapters, parsed.base, parsed.admin, parsed.max_concurrent_requests,
+                              _sub_root(path, index, name, parsed.adapter_root))
     return tenants
+
+
+def _sub_root(path, index: int, name: str, adapter_root: str | None) -> str:
+    """The entry's adapter sub-root: its own (default: its name) as plain relative parts; "." is the whole root."""
+    if adapter_root == ".":
+        return ""
+    try:
+        return os.path.join(*confined_parts(name if adapter_root is None else adapter_root))
+    except PathEscapeError as exc:
+        raise ValueError(f"tenant keys file {path}: entry {index} ({name}): adapter_root: {exc} (set adapter_root "
+                         "to a folder name, or '.' for the whole root)") from None
 
 
 def parsed_name(entry) -> str:
