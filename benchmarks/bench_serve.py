@@ -8,6 +8,9 @@ and the table shows output tok/s, TTFT and ITL p50/p99 of both and the HTTP laye
 With --replicas N (N > 1, needs the `ray` extra) the same workload also runs through
 `lora-runner serve --num-replicas N` (Ray Serve, adapter-affinity routing): its tok/s, TTFT/ITL and
 the adapter loads per replica (from its /metrics) join the table.
+One more workload gives every tenant (adapter) its own system prompt of --shared-prefix-len tokens
+(0: none) at the first rate; it also runs through a second server started with
+--no-enable-prefix-caching, and its TTFT without the prefix cache and the gain join the table.
 
     python benchmarks/bench_serve.py --quick       # CPU, tiny random model, about 2 minutes
     python benchmarks/bench_serve.py               # GPU, ~100M-parameter random model
@@ -47,6 +50,9 @@ COLUMNS = [("workload", "workload", ""), ("rate", "req/s", ".0f"),
 RAY_COLUMNS = [("ray_tokens_per_s", "Ray tok/s", ".1f"), ("ray_ttft_p50_s", "Ray TTFT p50", ".3f"),
                ("ray_ttft_p99_s", "Ray TTFT p99", ".3f"), ("ray_itl_p50_s", "Ray ITL p50", ".4f"),
                ("ray_itl_p99_s", "Ray ITL p99", ".4f"), ("ray_loads_per_replica", "Ray loads/replica", "")]
+PREFIX_COLUMNS = [("nocache_ttft_p50_s", "HTTP TTFT p50 no cache", ".3f"),
+                  ("nocache_tokens_per_s", "HTTP tok/s no cache", ".1f"),
+                  ("prefix_cache_ttft_gain", "TTFT no cache/cache", ".2f")]
 
 
 def _summary(prefix: str, tokens: int, seconds: float, ttfts: list[float], itls: list[float]) -> dict:
@@ -158,6 +164,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=str(REPO / "results"))
     parser.add_argument("--replicas", type=int, default=1, help="> 1: also run through Ray Serve with N replicas")
+    parser.add_argument("--shared-prefix-len", type=int, default=None,
+                        help="system prompt tokens per tenant in the shared-prefix workload (0: skip it; "
+                             "default 256 with --quick, else 512)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for name in ("httpx", "httpx2", "openai"):
@@ -169,8 +178,11 @@ def main() -> None:
     num_requests = args.num_requests or (32 if args.quick else 256)
     rates = args.rates or ([4.0, 16.0] if args.quick else [4.0, 16.0, 64.0])
     shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    if args.shared_prefix_len is None:
+        args.shared_prefix_len = 256 if args.quick else 512
     rows = run_grid(shape, num_requests, args, rates)
-    print(markdown_table(rows, COLUMNS + (RAY_COLUMNS if args.replicas > 1 else [])))
+    print(markdown_table(rows, COLUMNS + (RAY_COLUMNS if args.replicas > 1 else [])
+                         + (PREFIX_COLUMNS if args.shared_prefix_len else [])))
     save(rows, args, shape)
 
 
@@ -181,6 +193,10 @@ def run_grid(shape: ModelShape, num_requests: int, args, rates: list[float]) -> 
     specs = [WorkloadSpec(num_requests=num_requests, num_adapters=args.num_adapters, popularity=p, arrival="poisson",
                           rate=rate, max_loras=args.max_loras, prompt_len=(8, 48), output_len=(16, 48))
              for p in args.popularities for rate in rates]
+    if args.shared_prefix_len:
+        specs.append(WorkloadSpec(num_requests=num_requests, num_adapters=args.num_adapters, popularity="uniform",
+                                  arrival="poisson", rate=rates[0], max_loras=args.max_loras, prompt_len=(8, 48),
+                                  output_len=(16, 48), shared_prefix_len=args.shared_prefix_len))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = save_random_model(Path(tmp) / "model", shape, initializer_range=0.2)
@@ -193,6 +209,7 @@ def run_grid(shape: ModelShape, num_requests: int, args, rates: list[float]) -> 
         finally:
             process.terminate()
             process.wait(60)
+        nocache = run_without_prefix_cache(str(Path(tmp) / "model"), adapters, args, specs, shape, names, threads)
         ray = run_ray(str(Path(tmp) / "model"), adapters, args, specs, shape, names) if args.replicas > 1 else None
         engine = LLMEngine(str(Path(tmp) / "model"), max_loras=args.max_loras, max_lora_rank=16, device=args.device)
         try:
@@ -203,10 +220,29 @@ def run_grid(shape: ModelShape, num_requests: int, args, rates: list[float]) -> 
                        **run_engine(engine, make_workload(spec, shape.vocab_size), adapters)}
                 row["throughput_ratio"] = row["http_tokens_per_s"] / row["engine_tokens_per_s"]
                 row["ttft_ratio"] = row["http_ttft_p50_s"] / row["engine_ttft_p50_s"]
+                if spec.shared_prefix_len:
+                    row.update(nocache.pop(0))
+                    row["prefix_cache_ttft_gain"] = row["nocache_ttft_p50_s"] / row["http_ttft_p50_s"]
                 rows.append(row)
         finally:
             engine.close()
     return rows
+
+
+def run_without_prefix_cache(model_dir: str, adapters: list[Path], args, specs, shape: ModelShape,
+                             names: list[str], threads: int | None) -> list[dict]:
+    """The shared-prefix workloads through a server started with --no-enable-prefix-caching."""
+    shared = [s for s in specs if s.shared_prefix_len]
+    if not shared:
+        return []
+    process, base_url = start_server(model_dir, adapters, args.max_loras, args.device, threads,
+                                     ("--no-enable-prefix-caching",))
+    try:
+        return [asyncio.run(_run_http(base_url, make_workload(s, shape.vocab_size), names, prefix="nocache"))
+                for s in shared]
+    finally:
+        process.terminate()
+        process.wait(60)
 
 
 def run_ray(model_dir: str, adapters: list[Path], args, specs, shape: ModelShape, names: list[str]) -> list[dict]:

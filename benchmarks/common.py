@@ -41,14 +41,17 @@ class WorkloadSpec:
     prompt_len: tuple[int, int] = (16, 64)  # inclusive range
     output_len: tuple[int, int] = (8, 32)  # inclusive range
     seed: int = 0
+    shared_prefix_len: int = 0  # > 0: each adapter's (tenant's) prompts start with its own fixed system prompt
 
     def __post_init__(self) -> None:
         if self.popularity not in POPULARITIES:
             raise ValueError(f"popularity must be one of {POPULARITIES}, got {self.popularity!r}")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"arrival must be one of {ARRIVALS}, got {self.arrival!r}")
-        if self.num_requests < 1 or self.num_adapters < 0 or self.max_loras < 1 or self.rate <= 0:
-            raise ValueError("num_requests, max_loras and rate must be positive, num_adapters >= 0")
+        if self.num_requests < 1 or self.num_adapters < 0 or self.max_loras < 1 or self.rate <= 0 or \
+                self.shared_prefix_len < 0:
+            raise ValueError("num_requests, max_loras and rate must be positive, num_adapters and "
+                             "shared_prefix_len >= 0")
         for lo, hi in (self.prompt_len, self.output_len):
             if not 1 <= lo <= hi:
                 raise ValueError(f"length range must satisfy 1 <= lo <= hi, got {(lo, hi)}")
@@ -56,9 +59,10 @@ class WorkloadSpec:
     @property
     def name(self) -> str:
         """Short label used in tables, e.g. 'batch n=8 distinct'."""
+        shared = f" shared={self.shared_prefix_len}" if self.shared_prefix_len else ""
         if self.num_adapters == 0:
-            return f"{self.arrival} base"
-        return f"{self.arrival} n={self.num_adapters} {self.popularity}"
+            return f"{self.arrival} base{shared}"
+        return f"{self.arrival} n={self.num_adapters} {self.popularity}{shared}"
 
 
 @dataclass(frozen=True)
@@ -98,9 +102,14 @@ def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[BenchRequest]:
         arrivals = np.zeros(n)
     adapters = (adapter_choices(n, spec.num_adapters, spec.popularity, rng)
                 if spec.num_adapters else [None] * n)
+    # one system prompt per tenant (adapter; the base model is one more tenant), drawn from its own seed so
+    # that the rest of the workload does not change with shared_prefix_len
+    system = {a: np.random.default_rng([spec.seed, -1 if a is None else a]).integers(
+        FIRST_ORDINARY_TOKEN, vocab_size, size=spec.shared_prefix_len) for a in set(adapters)}
     requests = []
     for i in range(n):
         prompt = rng.integers(FIRST_ORDINARY_TOKEN, vocab_size, size=int(prompt_lens[i]))
+        prompt = np.concatenate([system[adapters[i]], prompt])  # [shared_prefix_len + prompt_len]
         requests.append(BenchRequest(f"req-{i}", tuple(int(t) for t in prompt), int(output_lens[i]),
                                      adapters[i], float(arrivals[i])))
     return requests
