@@ -54,6 +54,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-tokens-limit", type=int, default=None)
     add("--max-pending-requests", type=int, default=1024)
     add("--shutdown-timeout", type=float, default=10.0)
+    add("--stream-send-timeout", type=float, default=30.0,
+        help="seconds a streamed chunk may wait for its client to read it; then the request is aborted")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_ray_arguments(parser.add_argument_group("Ray Serve (with --num-replicas > 1; needs lora-runner[ray])"))
 
@@ -81,7 +83,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         adapter_root=args.adapter_root, allow_hub_adapters=args.allow_hub_adapters,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_limit=args.max_tokens_limit, max_pending_requests=args.max_pending_requests,
-                        shutdown_timeout=args.shutdown_timeout)
+                        shutdown_timeout=args.shutdown_timeout, stream_send_timeout=args.stream_send_timeout)
 
 
 def startup_adapters(args: argparse.Namespace) -> StartupAdapters:

@@ -29,6 +29,9 @@ class ServerConfig:
     max_n: request size limits (None: the engine's max_model_len; the logprobs limit is the
     engine's max_logprobs). max_pending_requests: generations in flight at once, beyond which
     requests get 503. shutdown_timeout: seconds in-flight requests get to finish on SIGTERM.
+    stream_send_timeout: seconds one chunk of a streamed response may wait for its client to take
+    it; past that the client is taken to have stopped reading: its requests are aborted and the
+    connection closed.
     """
 
     served_model_name: str
@@ -43,6 +46,7 @@ class ServerConfig:
     max_n: int = 16
     max_pending_requests: int = 1024
     shutdown_timeout: float = 10.0
+    stream_send_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -55,6 +59,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if not self.stream_send_timeout > 0:  # NaN refused too
+            raise ValueError(f"stream_send_timeout must be a number of seconds > 0, got {self.stream_send_timeout}")
 
 
 class ServerState:
