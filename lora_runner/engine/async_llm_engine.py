@@ -227,6 +227,7 @@ class AsyncLLMEngine:
         are merged into one (params.output_kind says whether each holds everything so far or only
         what is new); a request with over max_pending_output_bytes unread is aborted.
         """
+        params = SamplingParams() if params is None else params
         cumulative = params.output_kind is not RequestOutputKind.DELTA
         stream = _OutputCollector(asyncio.get_running_loop(), cumulative, self.max_pending_output_bytes,
                                   partial(self._overflowed, request_id))

@@ -24,11 +24,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from, error_body, model_not_found
 from lora_runner.entrypoints.openai.formatting import DONE_EVENT, CompletionFormat, Delta, TokenLogprob, Usage, sse
+from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
 from lora_runner.outputs import RequestOutput
@@ -238,39 +239,19 @@ async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Reques
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class SendTimeoutError(TimeoutError):
-    """A streamed response's client did not take a chunk within the send timeout (it stopped reading)."""
-
-
-def send_with_timeout(send: Callable, timeout: float) -> Callable:
-    """`send` (an ASGI send), raising SendTimeoutError when one message is not taken within `timeout` s
-    (the server's write buffer stays full while the client does not read)."""
-    async def timed_send(message: dict) -> None:
-        try:
-            await asyncio.wait_for(send(message), timeout)
-        except asyncio.TimeoutError:
-            raise SendTimeoutError(f"the client took no data for {timeout} s") from None
-
-    return timed_send
-
-
-class _ClosingStreamingResponse(StreamingResponse):
+class _ClosingStreamingResponse(TimedStreamingResponse):
     """Runs `cleanup` however the response ends: a client that went away, one that was gone before
     the body started (then the body iterator never ran, so its own cleanup cannot), or one that
-    stopped reading: a send that does not complete within `send_timeout` s ends the response (the
-    connection is closed)."""
+    stopped reading (a send waited over the send timeout)."""
 
     def __init__(self, content, cleanup: Callable, send_timeout: float, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self._cleanup, self._send_timeout = cleanup, send_timeout
+        super().__init__(content, send_timeout, **kwargs)
+        self._cleanup = cleanup
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send_with_timeout(send, self._send_timeout))
-        except SendTimeoutError as exc:  # the response started: all that is left is to drop the connection
-            logger.warning("aborting a streamed response: %s", exc)
+            await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
             await self._cleanup()
 
 
