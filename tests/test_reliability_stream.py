@@ -28,6 +28,17 @@ def _params(**overrides) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
+def _offline(model_dir: str, prompt: str, params: SamplingParams) -> RequestOutput:
+    """The oracle: LLM.generate (the engine's cumulative outputs, no merging anywhere)."""
+    from lora_runner import LLM
+
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=512)
+    try:
+        return llm.generate([prompt], params, use_tqdm=False)[0]
+    finally:
+        llm.close()
+
+
 @pytest.fixture
 def engine_factory(engine_checkpoint):
     made = []
@@ -77,7 +88,7 @@ async def _stalled(engine: AsyncLLMEngine, prompt, params: SamplingParams, reque
     return first, rest
 
 
-def test_a_consumer_that_does_not_read_gets_one_merged_output_equal_to_a_readers(engine_factory):
+def test_a_consumer_that_does_not_read_gets_one_merged_output_equal_to_a_readers(engine_factory, engine_checkpoint):
     """Many steps run while the consumer reads nothing: one pending output, the reader's content exactly."""
     engine = engine_factory()
     steps = _count_steps(engine)
@@ -92,24 +103,28 @@ def test_a_consumer_that_does_not_read_gets_one_merged_output_equal_to_a_readers
     read, first, rest = asyncio.run(main())
     assert len(steps) >= 20  # the stalled consumer's request ran many steps unread
     assert len(rest) == 1 and rest[0].finished  # at most one pending output: the merged one
-    assert _summary(rest[0]) == _summary(read[-1])
+    assert _summary(rest[0]) == _summary(read[-1]) == _summary(_offline(engine_checkpoint[0], prompt, _params()))
     assert all(c.finish_reason == "length" and len(c.token_ids) == 40 for c in rest[0].outputs)
     for sample, completion in enumerate(rest[0].outputs):  # the deltas still concatenate to the text
         assert first.outputs[sample].text_delta + completion.text_delta == completion.text
 
 
-def test_delta_outputs_concatenate_to_the_cumulative_ones(engine_factory):
+def test_delta_outputs_concatenate_to_the_cumulative_ones(engine_factory, engine_checkpoint):
     """output_kind=DELTA (read or not) carries only what is new; joined, it is the cumulative output."""
     engine = engine_factory()
     prompt = "a red dog and a blue cat"
+    stop = ["the"]  # two of the four samples stop early: later merged outputs carry them unchanged
 
     async def main():
-        cumulative = [o async for o in engine.generate(prompt, _params(), "cumulative")]
-        deltas = [o async for o in engine.generate(prompt, _params(output_kind=RequestOutputKind.DELTA), "delta")]
-        first, rest = await _stalled(engine, prompt, _params(output_kind=RequestOutputKind.DELTA), "stalled")
+        cumulative = [o async for o in engine.generate(prompt, _params(stop=stop), "cumulative")]
+        delta = _params(stop=stop, output_kind=RequestOutputKind.DELTA)
+        deltas = [o async for o in engine.generate(prompt, delta, "delta")]
+        first, rest = await _stalled(engine, prompt, delta, "stalled")
         return cumulative[-1], deltas, [first, *rest]
 
     final, deltas, stalled = asyncio.run(main())
+    assert {c.finish_reason for c in final.outputs} == {"stop", "length"}
+    assert _summary(final) == _summary(_offline(engine_checkpoint[0], prompt, _params(stop=stop)))
     assert len(deltas) > 10 and len(stalled) == 2
     for outputs in (deltas, stalled):
         joined = outputs[0]
