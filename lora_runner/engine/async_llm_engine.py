@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 ADAPTER_WAIT_TIMEOUT_S = 0.25
 # Unread output one request may pile up (RequestOutput.approx_nbytes) before it is aborted: a consumer
 # that reads keeps next to nothing pending; one that stalls (a client that stopped reading) must not
-# hold its whole generation. 16 MiB is ~7,000 tokens with 20 logprobs each.
-MAX_PENDING_OUTPUT_BYTES = 16 << 20
+# hold its whole generation without bound. 64 MiB is ~35,000 tokens with 20 logprobs each (n=16 x 500
+# tokens x 20 logprobs is ~15 MiB): a backstop, the server's send timeout acts first.
+MAX_PENDING_OUTPUT_BYTES = 64 << 20
 
 
 class _OutputCollector:
