@@ -5,10 +5,11 @@ condition variable otherwise (``generate`` and ``abort`` wake it). Each step's R
 (deltas: the engine runs every request with output_kind DELTA) go to the request's collector, which
 holds at most one output, merged from every step its consumer has not read yet, and wakes the
 asyncio loop of the request's ``generate`` call with ``loop.call_soon_threadsafe``. A consumer that
-falls over ``max_pending_output_bytes`` behind has its request aborted. A ``generate`` iterator that is cancelled or closed early (a
-client that disconnected) aborts its request, so the engine frees its KV blocks and adapter
-references at the next step. An exception raised by ``step()`` is logged, delivered to every
-waiting iterator and leaves the engine dead: later calls raise :class:`EngineDeadError`.
+falls over ``max_pending_output_bytes`` behind has its request aborted. A ``generate`` iterator
+that is cancelled or closed early (a client that disconnected) aborts its request, so the engine
+frees its KV blocks and adapter references at the next step. An exception raised by ``step()`` is
+logged, delivered to every waiting iterator and leaves the engine dead: later calls raise
+:class:`EngineDeadError`.
 """
 
 from __future__ import annotations

@@ -273,7 +273,8 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
             release()
 
         return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup), cleanup,
-                                         state.config.stream_send_timeout, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                         state.config.stream_send_timeout, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
     try:
         body = await _cancel_on_disconnect(request, _collect(runs, fmt))
     finally:
