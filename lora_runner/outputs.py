@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+# What one generated token costs in memory, roughly (measured with tracemalloc on CPython 3.x): its
+# id in a list, and its logprobs dict (a dict of k + 1 int -> float entries). Used to bound what a
+# slow consumer's pending output may hold (AsyncLLMEngine's max_pending_output_bytes), not for accounting.
+TOKEN_NBYTES = 36
+LOGPROBS_DICT_NBYTES = 232
+LOGPROB_ENTRY_NBYTES = 76
 
 
 @dataclass
@@ -37,6 +44,35 @@ class CompletionOutput:
         """True once a finish_reason is set."""
         return self.finish_reason is not None
 
+    def add(self, later: CompletionOutput, aggregate: bool) -> None:
+        """Fold this sequence's `later` output into this one, in place (vLLM's RequestOutput.add).
+
+        aggregate=True: `later` is a delta (output_kind DELTA): its tokens, logprobs and text are
+        appended. aggregate=False: `later` is cumulative and replaces them. Either way the text
+        deltas concatenate and the finish state is `later`'s."""
+        if aggregate:
+            self.token_ids.extend(later.token_ids)
+            if later.logprobs is not None:
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs.extend(later.logprobs)
+            self.text += later.text
+        else:
+            self.token_ids, self.text, self.logprobs = later.token_ids, later.text, later.logprobs
+        self.text_delta += later.text_delta
+        self.finish_reason, self.error, self.stop_reason = later.finish_reason, later.error, later.stop_reason
+
+    def copy(self) -> CompletionOutput:
+        """A copy with its own token and logprob lists (the dicts inside are shared: nobody changes them)."""
+        logprobs = None if self.logprobs is None else list(self.logprobs)
+        return replace(self, token_ids=list(self.token_ids), logprobs=logprobs)
+
+    def approx_nbytes(self) -> int:
+        """Roughly the memory its tokens, logprobs and text hold (see TOKEN_NBYTES)."""
+        logprobs = self.logprobs or ()
+        return (TOKEN_NBYTES * len(self.token_ids) + LOGPROBS_DICT_NBYTES * len(logprobs)
+                + LOGPROB_ENTRY_NBYTES * sum(len(table) for table in logprobs) + len(self.text) + len(self.text_delta))
+
 
 @dataclass
 class RequestOutput:
@@ -58,3 +94,32 @@ class RequestOutput:
     def error(self) -> BaseException | None:
         """The exception that failed this request (finish_reason "error"), else None."""
         return self.outputs[0].error if self.outputs else None
+
+    def add(self, later: RequestOutput, aggregate: bool) -> None:
+        """Fold the request's `later` output into this one, in place: each completion by its index
+        (CompletionOutput.add), the finished flag and cached-token count `later`'s. aggregate: `later` is a delta."""
+        by_index = {completion.index: completion for completion in self.outputs}
+        for completion in later.outputs:
+            mine = by_index.get(completion.index)
+            if mine is None:
+                self.outputs.append(completion.copy())
+            else:
+                mine.add(completion, aggregate)
+        self.outputs.sort(key=lambda completion: completion.index)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+
+    def copy(self) -> RequestOutput:
+        """A copy whose completions have their own lists (what ``add`` may extend)."""
+        return replace(self, outputs=[completion.copy() for completion in self.outputs])
+
+    def approx_nbytes(self) -> int:
+        """Roughly the memory its completions hold (CompletionOutput.approx_nbytes)."""
+        return sum(completion.approx_nbytes() for completion in self.outputs)
+
+    @staticmethod
+    def approx_token_nbytes(logprobs: int | None) -> int:
+        """Roughly what one generated token with `logprobs` top entries adds to an output."""
+        if logprobs is None:
+            return TOKEN_NBYTES
+        return TOKEN_NBYTES + LOGPROBS_DICT_NBYTES + LOGPROB_ENTRY_NBYTES * (logprobs + 1)

@@ -4,6 +4,8 @@ request is added, on a private copy, since a caller may change the fields in bet
 from __future__ import annotations
 
 import copy
+import enum
+import math
 from dataclasses import dataclass, field
 
 MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids one request may give (each is checked every token)
@@ -18,6 +20,15 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_TEMPERATURE = 100.0  # above it every token is (nearly) equally likely: nothing more to ask for
 MAX_COUNT = 2**31 - 1  # most top_k, max_tokens, min_tokens, logprobs and largest stop token id (fits int32)
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names). CUMULATIVE: everything generated
+    so far (token ids, text, logprobs). DELTA: only what is new since the request's previous output
+    (``RequestOutput.add`` joins deltas back into the cumulative form)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
 
 
 @dataclass
@@ -51,6 +62,8 @@ class SamplingParams:
     min_tokens: no EOS, stop token or stop string ends the request before this many tokens (at most
     max_tokens): until then the EOS ids (unless ignore_eos) and stop_token_ids are masked from
     sampling (as in vLLM) and stop strings are not searched.
+    output_kind: RequestOutputKind.CUMULATIVE (each output holds everything so far) or DELTA (each
+    holds only what is new since the previous one).
 
     Raises ValueError naming the field for a wrong type or an out-of-range value (``bool`` is not
     an integer). ``LLMEngine.add_request`` checks a copy again with the engine's limits (see
@@ -75,6 +88,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    # CUMULATIVE (the whole output so far in every RequestOutput) or DELTA (only the new part)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.top_k is None:
@@ -108,6 +123,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._validate_penalties()
         self._validate_stop_token_ids(vocab_size)
         self._validate_logprobs(max_logprobs, vocab_size)

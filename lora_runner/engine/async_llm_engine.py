@@ -1,12 +1,15 @@
 """AsyncLLMEngine: an LLMEngine stepped by one background thread, consumed from asyncio.
 
 The step thread loops on ``LLMEngine.step()`` while requests are unfinished and sleeps on a
-condition variable otherwise (``generate`` and ``abort`` wake it). Each step's RequestOutputs are
-routed to the asyncio loop of the request's ``generate`` call with ``loop.call_soon_threadsafe``
-into that request's ``asyncio.Queue``. A ``generate`` iterator that is cancelled or closed early (a
-client that disconnected) aborts its request, so the engine frees its KV blocks and adapter
-references at the next step. An exception raised by ``step()`` is logged, delivered to every
-waiting iterator and leaves the engine dead: later calls raise :class:`EngineDeadError`.
+condition variable otherwise (``generate`` and ``abort`` wake it). Each step's RequestOutputs
+(deltas: the engine runs every request with output_kind DELTA) go to the request's collector, which
+holds at most one output, merged from every step its consumer has not read yet, and wakes the
+asyncio loop of the request's ``generate`` call with ``loop.call_soon_threadsafe``. A consumer that
+falls over ``max_pending_output_bytes`` behind has its request aborted. A ``generate`` iterator
+that is cancelled or closed early (a client that disconnected) aborts its request, so the engine
+frees its KV blocks and adapter references at the next step. An exception raised by ``step()`` is
+logged, delivered to every waiting iterator and leaves the engine dead: later calls raise
+:class:`EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -16,15 +19,15 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.engine.errors import EngineDeadError
 from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.engine.stats import EngineStats
 from lora_runner.outputs import RequestOutput
-from lora_runner.sampling_params import SamplingParams
+from lora_runner.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -32,19 +35,86 @@ logger = logging.getLogger(__name__)
 # returns nothing: the thread then blocks in LLMEngine.wait_for_work (woken by a finished load, a new
 # request or an abort); the timeout only bounds how long a shutdown waits to be noticed.
 ADAPTER_WAIT_TIMEOUT_S = 0.25
+# Unread output one request may pile up (RequestOutput.approx_nbytes) before it is aborted: a consumer
+# that reads keeps next to nothing pending; one that stalls (a client that stopped reading) must not
+# hold its whole generation without bound. 64 MiB is ~35,000 tokens with 20 logprobs each (n=16 x 500
+# tokens x 20 logprobs is ~15 MiB): a backstop, the server's send timeout acts first.
+MAX_PENDING_OUTPUT_BYTES = 64 << 20
 
 
-@dataclass
-class _Stream:
-    """Where one request's outputs go: a queue owned by an asyncio loop."""
+class _OutputCollector:
+    """Where one request's outputs wait for its consumer: at most one, merged (vLLM v1's
+    RequestOutputCollector).
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    The step thread puts each step's output, a delta (the engine runs the request with output_kind
+    DELTA); when the consumer has not taken the previous one yet, the new delta is folded into it,
+    so a consumer that does not read holds one output, never one per step. Past `max_bytes`
+    (RequestOutput.approx_nbytes) of unread output, `on_overflow` is called once (the engine aborts
+    the request). The consumer's ``get`` returns the merged delta, or for a CUMULATIVE request the
+    output so far, built on the consumer's side: the step thread never copies a whole output.
+    """
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Hand `item` to the request's loop (callable from any thread)."""
+    def __init__(self, loop: asyncio.AbstractEventLoop, cumulative: bool, max_bytes: int,
+                 on_overflow: Callable[[], None]) -> None:
+        self.loop, self.cumulative, self.max_bytes, self.on_overflow = loop, cumulative, max_bytes, on_overflow
+        self._lock = threading.Lock()  # the step thread puts, the loop's thread gets
+        self._pending: RequestOutput | None = None
+        self._owned = False  # _pending is this collector's copy (so merging into it touches no engine object)
+        self._nbytes = 0  # approx_nbytes of what _pending holds
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()  # set (on the loop) after a put into an empty collector
+        self._total: RequestOutput | None = None  # a CUMULATIVE request's output so far (consumer side)
+        self.overflowed = False
+
+    def put(self, output: RequestOutput) -> None:
+        """Hand one step's (delta) output to the consumer (from any thread)."""
+        with self._lock:
+            wake = self._pending is None
+            if wake:
+                self._pending, self._owned = output, False
+            else:
+                if not self._owned:
+                    self._pending, self._owned = self._pending.copy(), True
+                self._pending.add(output, aggregate=True)
+            self._nbytes += output.approx_nbytes()
+            overflow = self._nbytes > self.max_bytes and not output.finished and not self.overflowed
+            self.overflowed = self.overflowed or overflow
+        if wake:
+            self._wake()
+        if overflow:
+            self.on_overflow()
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with `exc`, raised once the pending output was taken (from any thread)."""
+        with self._lock:
+            self._error = exc
+        self._wake()
+
+    async def get(self) -> RequestOutput:
+        """The next output (merged from every step since the last get); raises the stream's error."""
+        while True:
+            with self._lock:
+                output, self._pending, self._nbytes = self._pending, None, 0
+                error = self._error
+                self._ready.clear()  # on the loop's thread: a set() scheduled by a later put runs after it
+            if output is not None:
+                return self._cumulative(output) if self.cumulative else output
+            if error is not None:
+                raise error
+            await self._ready.wait()
+
+    def _cumulative(self, delta: RequestOutput) -> RequestOutput:
+        if self._total is None:
+            self._total = delta.copy()
+        else:
+            for completion in self._total.outputs:
+                completion.text_delta = ""  # the text since the previous output handed out
+            self._total.add(delta, aggregate=True)
+        return self._total.copy()  # the consumer may keep it; _total goes on growing
+
+    def _wake(self) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._ready.set)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             logger.debug("dropped an output for a closed event loop")
 
@@ -58,12 +128,18 @@ class AsyncLLMEngine:
     Args:
         engine: the engine to drive; this object owns it from now on (``shutdown`` closes it).
         start: start the step thread now (else call ``start()``).
+        max_pending_output_bytes: unread output one request may hold (see _OutputCollector); past it
+            the request is aborted (its outputs end with finish_reason "abort").
     """
 
-    def __init__(self, engine: LLMEngine, start: bool = True) -> None:
+    def __init__(self, engine: LLMEngine, start: bool = True,
+                 max_pending_output_bytes: int = MAX_PENDING_OUTPUT_BYTES) -> None:
+        if max_pending_output_bytes < 1:
+            raise ValueError(f"max_pending_output_bytes must be >= 1, got {max_pending_output_bytes}")
         self.engine = engine
+        self.max_pending_output_bytes = max_pending_output_bytes
         self._wake = threading.Condition()
-        self._streams: dict[str, _Stream] = {}  # guarded by _wake
+        self._streams: dict[str, _OutputCollector] = {}  # guarded by _wake
         self._stopping = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lora-runner-step", daemon=True)
@@ -151,28 +227,40 @@ class AsyncLLMEngine:
         output, EngineDeadError when the step thread is gone, or the exception that killed it.
         Closing or cancelling the iterator early aborts the request. tenant: passed on to the
         engine's fair scheduling when its add_request takes it, else unused. cache_salt: passed on
-        likewise (the prefix cache's separation of tenants, LLMEngine.add_request).
+        likewise (the prefix cache's separation of tenants, LLMEngine.add_request). Outputs not read yet
+        are merged into one (params.output_kind says whether each holds everything so far or only
+        what is new); a request with over max_pending_output_bytes unread is aborted.
         """
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        params = SamplingParams() if params is None else params
+        cumulative = params.output_kind is not RequestOutputKind.DELTA
+        stream = _OutputCollector(asyncio.get_running_loop(), cumulative, self.max_pending_output_bytes,
+                                  partial(self._overflowed, request_id))
         self._register(request_id, stream)
         try:
-            self._add(request_id, prompt, params, lora_request, prompt_adapter_request, tenant, cache_salt)
+            self._add(request_id, prompt, _as_delta(params), lora_request, prompt_adapter_request, tenant,
+                      cache_salt)
         except BaseException:
             self._unregister(request_id, stream)
             raise
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
+                try:
+                    item = await stream.get()
+                except Exception:
                     finished = True  # the engine is dead or shut down: nothing left to abort
-                    raise item
+                    raise
                 finished = item.finished
                 yield item
         finally:
             self._unregister(request_id, stream)
             if not finished:
                 self.abort(request_id)
+
+    def _overflowed(self, request_id: str) -> None:
+        logger.warning("request %r: over %d bytes of output unread by its consumer; aborting it",
+                       request_id, self.max_pending_output_bytes)
+        self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored); its iterator ends without output."""
@@ -202,13 +290,13 @@ class AsyncLLMEngine:
                                 prompt_adapter_request=prompt_adapter_request, **kwargs)
         self._notify()
 
-    def _register(self, request_id: str, stream: _Stream) -> None:
+    def _register(self, request_id: str, stream: _OutputCollector) -> None:
         with self._wake:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
 
-    def _unregister(self, request_id: str, stream: _Stream) -> None:
+    def _unregister(self, request_id: str, stream: _OutputCollector) -> None:
         with self._wake:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
@@ -254,7 +342,7 @@ class AsyncLLMEngine:
             self._error = exc
             streams = list(self._streams.values())
         for stream in streams:
-            stream.put(exc)
+            stream.fail(exc)
 
     # ----------------------------------------------------------------------------- shutdown
     def num_in_flight(self) -> int:
@@ -291,4 +379,14 @@ class AsyncLLMEngine:
         with self._wake:
             streams = list(self._streams.values())
         for stream in streams:
-            stream.put(exc)
+            stream.fail(exc)
+
+
+def _as_delta(params: SamplingParams) -> SamplingParams:
+    """The request's params as the engine runs them: DELTA outputs (the collector rebuilds the
+    cumulative form for a CUMULATIVE caller), so no step copies a whole output."""
+    if params.output_kind is RequestOutputKind.DELTA:
+        return params
+    internal = params.clone()
+    internal.output_kind = RequestOutputKind.DELTA
+    return internal

@@ -8,6 +8,10 @@ A request finishes with
   before min_tokens tokens were generated (one rule, shared with the sampler's ban:
   lora_runner.core.stop_rule). stop_reason is the stop string or the stop token id (None for EOS).
 - "length": max_tokens generated, or the sequence reached max_model_len.
+
+Each output is cumulative (everything so far) or, with SamplingParams.output_kind DELTA, only what
+is new since the request's previous output: then a step costs what it adds, not what the request
+holds (the async engine asks for deltas and merges those its consumer has not read yet).
 """
 
 from __future__ import annotations
@@ -18,6 +22,15 @@ from lora_runner.core.request import Request
 from lora_runner.core.stop_rule import StopTokens, stop_tokens
 from lora_runner.engine.detokenizer import OutputText
 from lora_runner.outputs import CompletionOutput
+from lora_runner.sampling_params import RequestOutputKind
+
+
+class ReportedText(OutputText):
+    """A request's OutputText and how many of its output tokens its outputs reported so far."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_reported_tokens = 0
 
 
 class OutputProcessor:
@@ -68,19 +81,28 @@ class OutputProcessor:
             return "stop"
         return reason
 
-    def text_of(self, request: Request) -> OutputText:
+    def text_of(self, request: Request) -> ReportedText:
         """The request's OutputText, made on first use."""
         if request.output_text is None:
             params = request.params
-            request.output_text = OutputText(self.decode, params.stop, params.include_stop_str_in_output,
+            request.output_text = ReportedText(self.decode, params.stop, params.include_stop_str_in_output,
                                              params.stop_text_holdback)
         return request.output_text
 
     def completion(self, request: Request) -> CompletionOutput:
-        """The request's CompletionOutput now: full text so far and the text not reported before."""
+        """The request's CompletionOutput now: everything so far (text_delta: the text not reported
+        before) or, for output_kind DELTA, only the tokens, logprobs and text not reported before."""
         text = self.text_of(request)
         delta = text.take_delta()
-        return CompletionOutput(index=0, token_ids=request.output_token_ids, text=text.reportable,
-                                text_delta=delta, finish_reason=request.finish_reason,
-                                logprobs=list(request.logprobs) if request.logprobs is not None else None,
-                                error=request.error, stop_reason=request.stop_reason)
+        if request.params.output_kind is RequestOutputKind.DELTA:
+            start = text.num_reported_tokens  # copies only the new tail, never the output so far
+            token_ids = request.token_ids[request.num_tokens - request.num_output_tokens + start:]
+            logprobs = request.logprobs[start:] if request.logprobs is not None else None
+            text.num_reported_tokens += len(token_ids)
+            reported = delta
+        else:
+            token_ids, reported = request.output_token_ids, text.reportable
+            logprobs = list(request.logprobs) if request.logprobs is not None else None
+        return CompletionOutput(index=0, token_ids=token_ids, text=reported, text_delta=delta,
+                                finish_reason=request.finish_reason, logprobs=logprobs, error=request.error,
+                                stop_reason=request.stop_reason)

@@ -14,6 +14,7 @@ import dataclasses
 
 from lora_runner.core.request import Request
 from lora_runner.outputs import CompletionOutput, RequestOutput
+from lora_runner.sampling_params import RequestOutputKind
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -48,13 +49,21 @@ class SampleGroup:
     def output(self) -> RequestOutput:
         """The caller's RequestOutput: every sample's latest completion, in index order."""
         prompt_token_ids, prompt = self._prompt
-        # a sample that made no progress this step gained no text: never repeat its last delta
-        completions = [c if i in self._fresh else dataclasses.replace(c, text_delta="")
-                       for i, c in enumerate(self._latest)]
+        # a sample that made no progress this step gained nothing: never repeat its last delta
+        delta = self.samples[0].params.output_kind is RequestOutputKind.DELTA
+        completions = [c if i in self._fresh else _unchanged(c, delta) for i, c in enumerate(self._latest)]
         self._fresh.clear()
         # the prompt's cached tokens are sample 0's: the others share its prompt blocks
         return RequestOutput(self.request_id, prompt_token_ids, completions, finished=self.finished,
                              prompt=prompt, num_cached_tokens=self.samples[0].num_cached_tokens)
+
+
+def _unchanged(completion: CompletionOutput, delta: bool) -> CompletionOutput:
+    """A sample's output in a step it made no progress in: its state, nothing new."""
+    if not delta:
+        return dataclasses.replace(completion, text_delta="")
+    logprobs = None if completion.logprobs is None else []
+    return dataclasses.replace(completion, token_ids=[], text="", text_delta="", logprobs=logprobs)
 
 
 def merge_outputs(outputs: list[RequestOutput], sample_of: dict[str, tuple[SampleGroup, int]]) -> list[RequestOutput]:

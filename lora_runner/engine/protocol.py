@@ -42,7 +42,11 @@ class EngineClient(Protocol):
                  prompt_adapter_request: PromptAdapterRequest | None = None,
                  tenant: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs, the last one finished; closing it early aborts it.
-        cache_salt: requests with different salts never share prefix-cache blocks."""
+        cache_salt: requests with different salts never share prefix-cache blocks.
+
+        Outputs the caller has not read yet are merged into one (each holds everything so far, or
+        with ``params.output_kind`` DELTA only what is new); a caller that falls too far behind has
+        its request aborted."""
 
     def abort(self, request_id: str) -> None:
         """Abort one request (unknown ids are ignored)."""

@@ -60,6 +60,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--shutdown-timeout", type=float, default=10.0)
     add("--prefix-cache-tenant-salt", action=argparse.BooleanOptionalAction, default=True,
         help="salt prefix-cache keys by tenant, so tenants never share cached KV (--no-...: single tenant)")
+    add("--stream-send-timeout", type=float, default=30.0,
+        help="seconds a streamed chunk may wait for its client to read it; then the request is aborted")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_ray_arguments(parser.add_argument_group("Ray Serve (with --num-replicas > 1; needs lora-runner[ray])"))
 
@@ -90,7 +92,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout=args.shutdown_timeout, max_concurrent_loads=args.max_concurrent_loads,
                         max_loads_per_tenant=args.max_loads_per_tenant,
                         adapter_load_timeout=args.adapter_load_timeout,
-                        prefix_cache_tenant_salt=args.prefix_cache_tenant_salt)
+                        prefix_cache_tenant_salt=args.prefix_cache_tenant_salt,
+                        stream_send_timeout=args.stream_send_timeout)
 
 
 def startup_adapters(args: argparse.Namespace) -> StartupAdapters:

@@ -6,11 +6,18 @@ run's engine request has n samples (sharing the prompt's prefill): prompt p's sa
 choices p * n .. p * n + n - 1, each with its own Delta. Every run's first
 output is awaited before the response starts, so a request that fails at once (bad prompt, adapter
 that fails to load) gets a real HTTP status even when streamed.
+
+The engine hands the runs DELTA outputs (only what is new; those not read yet are merged into one),
+and nothing between the engine and the socket queues without bound: a streamed response whose
+client stops reading waits at most ServerConfig.stream_send_timeout for a send, then its requests
+are aborted (their sequence slots and KV blocks freed) and the connection is closed; a client that
+disconnects is aborted at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -18,15 +25,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from, error_body, model_not_found
 from lora_runner.entrypoints.openai.formatting import DONE_EVENT, CompletionFormat, Delta, TokenLogprob, Usage, sse
+from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
 from lora_runner.outputs import RequestOutput
-from lora_runner.sampling_params import SamplingParams
+from lora_runner.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +114,11 @@ class ChoiceRun:
         return range(self.index, self.index + len(self.sent))
 
     def advance(self, output: RequestOutput) -> list[Delta]:
-        """Each sample's delta since the last call (samples without news left out); APIError for a
-        sample that failed (reported once)."""
-        self._record_latency(sum(len(c.token_ids) - sent.tokens for c, sent in zip(output.outputs, self.sent)))
-        self.num_output_tokens = sum(len(c.token_ids) for c in output.outputs)
+        """Each sample's delta in `output` (a DELTA output: what is new since the last call; samples
+        without news left out); APIError for a sample that failed (reported once)."""
+        num_new = sum(len(c.token_ids) for c in output.outputs)  # a finished sample's later deltas are empty
+        self._record_latency(num_new)
+        self.num_output_tokens += num_new
         self.num_cached_tokens = output.num_cached_tokens
         deltas = [self._advance_sample(sample, completion) for sample, completion in enumerate(output.outputs)]
         return [delta for delta in deltas if delta is not None]
@@ -118,28 +127,27 @@ class ChoiceRun:
         sent = self.sent[sample]
         if sent.done:
             return None
+        new_ids = completion.token_ids
+        sent.tokens += len(new_ids)
         if completion.finish_reason == "error":
             sent.done = True
-            self._finished("error", len(completion.token_ids))
+            self._finished("error", sent.tokens)
             raise api_error_from(completion.error or RuntimeError("the request failed"))
-        new_ids = completion.token_ids[sent.tokens:]
         text = completion.text_delta  # the engine's incremental text: whole characters, stop strings cut
-        logprobs = self._logprobs(completion, sent.tokens, len(new_ids))
-        sent.tokens += len(new_ids)
+        logprobs = self._logprobs(completion)
         if completion.finished:
             sent.done = True
-            self._finished(completion.finish_reason, len(completion.token_ids))
+            self._finished(completion.finish_reason, sent.tokens)
         if not text and not new_ids and not completion.finished:
             return None
         return Delta(self.index + sample, text, logprobs, completion.finish_reason, completion.stop_reason)
 
-    def _logprobs(self, completion, start: int, num_new: int) -> list[TokenLogprob] | None:
+    def _logprobs(self, completion) -> list[TokenLogprob] | None:
         if completion.logprobs is None:
             return None
         k = self.logprobs_k or 0
-        ids = completion.token_ids[start:start + num_new]
-        entries = completion.logprobs[start:start + num_new]
-        return [_token_logprob(self.state, token, table, k) for token, table in zip(ids, entries)]
+        return [_token_logprob(self.state, token, table, k)
+                for token, table in zip(completion.token_ids, completion.logprobs)]
 
     def _record_latency(self, num_new: int) -> None:
         if num_new == 0:
@@ -188,6 +196,7 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
     """Add one engine request per prompt and wait for each one's first output (errors raise)."""
     runs = []
     salt = engine_cache_salt(state, tenant, request_salt)
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)  # the runs read deltas
     for index, ids in enumerate(prompts):
         request_id = state.new_id("req")
         gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name,
@@ -213,8 +222,10 @@ async def close_runs(runs: list[ChoiceRun]) -> None:
 
 
 async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, RequestOutput | BaseException]]:
-    """(run, output) for every output after each run's first, in arrival order."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """(run, output) for every output after each run's first, in arrival order. At most one item
+    per run waits here: a consumer that is slow (a client that does not read) leaves the outputs in
+    the engine's collectors, which merge them."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(runs))
 
     async def pump(run: ChoiceRun) -> None:
         try:
@@ -240,19 +251,19 @@ async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Reques
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class _ClosingStreamingResponse(StreamingResponse):
-    """Runs `cleanup` however the response ends: a client that went away, or one that was gone
-    before the body started (then the body iterator never ran, so its own cleanup cannot)."""
+class _ClosingStreamingResponse(TimedStreamingResponse):
+    """Runs `cleanup` however the response ends: a client that went away, one that was gone before
+    the body started (then the body iterator never ran, so its own cleanup cannot), or one that
+    stopped reading (a send waited over the send timeout)."""
 
-    def __init__(self, content, cleanup: Callable, **kwargs) -> None:
-        super().__init__(content, **kwargs)
+    def __init__(self, content, cleanup: Callable, send_timeout: float, **kwargs) -> None:
+        super().__init__(content, send_timeout, **kwargs)
         self._cleanup = cleanup
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
             await self._cleanup()
 
 
@@ -274,7 +285,8 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
             release()
 
         return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup), cleanup,
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                         state.config.stream_send_timeout, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
     try:
         body = await _cancel_on_disconnect(request, _collect(runs, fmt))
     finally:

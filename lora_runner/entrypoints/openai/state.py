@@ -36,6 +36,9 @@ class ServerConfig:
     max_concurrent_loads / max_loads_per_tenant / adapter_load_timeout: runtime adapter loads at
     once in all (503 beyond) and per tenant (429 beyond), and the seconds a load's caller waits
     (504 after; see load_executor).
+    stream_send_timeout: seconds one chunk of a streamed response may wait for its client to take
+    it; past that the client is taken to have stopped reading: its requests are aborted and the
+    connection closed.
     """
 
     served_model_name: str
@@ -54,6 +57,7 @@ class ServerConfig:
     max_concurrent_loads: int = 4
     max_loads_per_tenant: int = 1
     adapter_load_timeout: float = 60.0
+    stream_send_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -69,6 +73,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if not self.adapter_load_timeout > 0:
             raise ValueError(f"adapter_load_timeout must be > 0, got {self.adapter_load_timeout}")
+        if not self.stream_send_timeout > 0:  # NaN refused too
+            raise ValueError(f"stream_send_timeout must be a number of seconds > 0, got {self.stream_send_timeout}")
 
 
 class ServerState:

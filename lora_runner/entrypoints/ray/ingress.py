@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import RayActorError, RayError
@@ -29,6 +29,7 @@ from lora_runner.entrypoints.openai.app import require_tenant
 from lora_runner.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from lora_runner.entrypoints.openai.formatting import sse
 from lora_runner.entrypoints.openai.registry import AdapterRegistry
+from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
 from lora_runner.entrypoints.openai.state import ServerConfig
 from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
 from lora_runner.entrypoints.ray.metrics import render_metrics
@@ -59,6 +60,7 @@ class Ingress:
         self.engine, self.request_timeout = engine, request_timeout
         self.keys = KeyRing.from_options(list(server_config.api_keys), server_config.tenant_keys)
         self.max_body_bytes = server_config.max_body_bytes
+        self.send_timeout = server_config.stream_send_timeout  # a client that stops reading is given up
         self.registry = AdapterRegistry(server_config.served_model_name)
         for adapter in (*adapters.loras, *adapters.prompt_adapters):
             self.registry.add(adapter)
@@ -109,7 +111,10 @@ class Ingress:
         headers = {k: v for k, v in head["headers"] if k.lower() in _FORWARDED_HEADERS}
         headers[REPLICA_HEADER] = head["replica"]
         if "text/event-stream" in headers.get("content-type", ""):
-            return StreamingResponse(self._relay(stream), status_code=head["status"], headers=headers)
+            # a stalled client: past the send timeout the relay closes, which cancels the replica's
+            # stream, whose app sees a disconnect and aborts the requests (Ray buffers what it already sent)
+            return TimedStreamingResponse(self._relay(stream), self.send_timeout, status_code=head["status"],
+                                          headers=headers)
         try:
             content = b"".join([chunk async for chunk in _bounded(stream, self.request_timeout)])
         except BaseException as exc:
