@@ -246,9 +246,9 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 async def run_generation(state: ServerState, request: Request, tenant: Tenant, target: Target,
                          prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
-                         stream: bool, include_usage: bool, started: float):
-    """Admit, start and answer one generation request (streamed or whole)."""
-    release = state.admit(tenant, len(prompts) * params.n)
+                         stream: bool, include_usage: bool, started: float, release: Callable[[], None]):
+    """Start and answer one generation request (streamed or whole) on the seats the caller took
+    (ServerState.admit); `release` (idempotent) gives them back however the request ends."""
     try:
         state.metrics.requests.labels(target.model).inc()
         state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))

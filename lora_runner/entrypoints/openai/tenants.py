@@ -9,7 +9,8 @@ A tenant-keys file (JSON or YAML) maps each key to a tenant::
       admin: false          # may load/unload its own adapters at run time (default false)
       max_concurrent_requests: 8   # optional: more in flight at once is a 429
 
-Keys given with ``--api-key`` are tenants that may use everything and are admins. Keys are
+Keys given with ``--api-key`` are the operator's: they may use everything, are admins and alone may
+read ``/metrics`` (which names every tenant's adapters). Keys are
 compared in constant time (hmac.compare_digest) against every configured key.
 """
 
@@ -27,13 +28,15 @@ ALL_ADAPTERS = "*"
 
 @dataclass(frozen=True)
 class Tenant:
-    """What one key may do. adapters: allowed adapter names (None: all)."""
+    """What one key may do. adapters: allowed adapter names (None: all). operator: may read the
+    server's metrics (the --api-key keys, and every caller of a server without keys)."""
 
     name: str
     adapters: frozenset[str] | None = None
     base: bool = True
     admin: bool = False
     max_concurrent_requests: int | None = None
+    operator: bool = False
 
     def may_use(self, adapter_name: str) -> bool:
         """True when this tenant may list, use, load or unload the adapter `adapter_name`."""
@@ -41,7 +44,7 @@ class Tenant:
 
 
 # Without any key configured, every caller is this tenant (the server binds 127.0.0.1 by default).
-ANONYMOUS = Tenant("anonymous", None, base=True, admin=True)
+ANONYMOUS = Tenant("anonymous", None, base=True, admin=True, operator=True)
 
 
 class _TenantEntry(BaseModel):
@@ -89,7 +92,7 @@ class KeyRing:
     @classmethod
     def from_options(cls, api_keys: list[str], tenant_file: str | None) -> KeyRing:
         """--api-key keys (full access, admin) plus the --tenant-keys file's tenants."""
-        tenants = {key: Tenant(f"api-key-{i}", None, base=True, admin=True) for i, key in enumerate(api_keys)}
+        tenants = {key: Tenant(f"api-key-{i}", None, base=True, admin=True, operator=True) for i, key in enumerate(api_keys)}
         if tenant_file:
             file_tenants = load_tenant_keys(tenant_file)
             clash = set(file_tenants) & set(tenants)
@@ -97,6 +100,11 @@ class KeyRing:
                 raise ValueError("a key is given both with --api-key and in --tenant-keys")
             tenants.update(file_tenants)
         return cls(tenants)
+
+    @property
+    def num_tenants(self) -> int:
+        """How many distinct tenants the keys name (0 without keys)."""
+        return len({tenant.name for _, tenant in self._keys})
 
     @property
     def enabled(self) -> bool:
