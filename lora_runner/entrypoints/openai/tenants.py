@@ -92,7 +92,8 @@ class KeyRing:
     @classmethod
     def from_options(cls, api_keys: list[str], tenant_file: str | None) -> KeyRing:
         """--api-key keys (full access, admin) plus the --tenant-keys file's tenants."""
-        tenants = {key: Tenant(f"api-key-{i}", None, base=True, admin=True, operator=True) for i, key in enumerate(api_keys)}
+        tenants = {key: Tenant(f"api-key-{i}", None, base=True, admin=True, operator=True)
+                   for i, key in enumerate(api_keys)}
         if tenant_file:
             file_tenants = load_tenant_keys(tenant_file)
             clash = set(file_tenants) & set(tenants)
