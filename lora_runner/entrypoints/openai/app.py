@@ -24,6 +24,7 @@ from lora_runner.entrypoints.openai.authentication import (
     require_operator,
     require_tenant,
 )
+from lora_runner.entrypoints.openai.bodies import parse_body
 from lora_runner.entrypoints.openai.body_limit import BodyLimitMiddleware
 from lora_runner.entrypoints.openai.errors import install_error_handlers
 from lora_runner.entrypoints.openai.protocol import (
@@ -83,11 +84,13 @@ def _add_routes(app: FastAPI) -> None:
         return JSONResponse(list_models(_state(request), tenant))
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request, tenant: Tenant = Depends(authenticate)):
+    async def create_completion(request: Request, tenant: Tenant = Depends(authenticate)):
+        body = await parse_body(_state(request), request, CompletionRequest)  # off the loop, counts first
         return await completions.create_completion(_state(request), tenant, body, request)
 
     @app.post("/v1/chat/completions")
-    async def create_chat(body: ChatCompletionRequest, request: Request, tenant: Tenant = Depends(authenticate)):
+    async def create_chat(request: Request, tenant: Tenant = Depends(authenticate)):
+        body = await parse_body(_state(request), request, ChatCompletionRequest)
         return await completions.create_chat_completion(_state(request), tenant, body, request)
 
     @app.post("/v1/load_lora_adapter")
