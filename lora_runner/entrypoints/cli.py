@@ -18,6 +18,7 @@ from lora_runner.entrypoints.engine_args import add_engine_arguments
 from lora_runner.entrypoints.engine_args import engine_config as engine_config_of
 from lora_runner.entrypoints.launch import StartupAdapters, build_state
 from lora_runner.entrypoints.openai.app import build_app
+from lora_runner.entrypoints.openai.connections import ConnectionLimits
 from lora_runner.entrypoints.openai.shutdown import GracefulServer
 from lora_runner.entrypoints.openai.state import ServerConfig
 from lora_runner.entrypoints.ray.config import RayConfig, check_ray_serving
@@ -56,7 +57,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-body-bytes", type=int, default=1 << 20)
     add("--max-prompt-tokens", type=int, default=None)
     add("--max-tokens-limit", type=int, default=None)
-    add("--max-pending-requests", type=int, default=1024)
+    add("--max-pending-requests", type=int, default=1024, help="sequences (prompts x n) in flight; 503 beyond")
+    add("--max-tenant-share", type=float, default=0.5,
+        help="fraction of --max-pending-requests one tenant may hold when keys name several tenants (429)")
+    add("--max-prompts-per-request", type=int, default=256, help="prompts in one completion request (400)")
+    add("--max-chat-messages", type=int, default=1024, help="messages in one chat request (400)")
+    add("--prompt-threads", type=int, default=2, help="threads that tokenize and render chat templates")
+    add("--max-connections", type=int, default=ConnectionLimits.max_connections,
+        help="open connections; past it the oldest without a request in progress is closed")
+    add("--header-timeout", type=float, default=ConnectionLimits.header_timeout,
+        help="seconds a connection has to send a request's headers")
+    add("--max-header-bytes", type=int, default=ConnectionLimits.max_header_bytes)
     add("--shutdown-timeout", type=float, default=10.0)
     add("--prefix-cache-tenant-salt", action=argparse.BooleanOptionalAction, default=True,
         help="salt prefix-cache keys by tenant, so tenants never share cached KV (--no-...: single tenant)")
@@ -89,8 +100,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         adapter_root=args.adapter_root, allow_hub_adapters=args.allow_hub_adapters,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_limit=args.max_tokens_limit, max_pending_requests=args.max_pending_requests,
-                        shutdown_timeout=args.shutdown_timeout, max_concurrent_loads=args.max_concurrent_loads,
-                        max_loads_per_tenant=args.max_loads_per_tenant,
+                        max_tenant_share=args.max_tenant_share, max_prompts_per_request=args.max_prompts_per_request,
+                        max_chat_messages=args.max_chat_messages, prompt_threads=args.prompt_threads,
+                        max_connections=args.max_connections, header_timeout=args.header_timeout,
+                        max_header_bytes=args.max_header_bytes, shutdown_timeout=args.shutdown_timeout,
+                        max_concurrent_loads=args.max_concurrent_loads, max_loads_per_tenant=args.max_loads_per_tenant,
                         adapter_load_timeout=args.adapter_load_timeout,
                         prefix_cache_tenant_salt=args.prefix_cache_tenant_salt,
                         stream_send_timeout=args.stream_send_timeout)
@@ -126,7 +140,8 @@ def serve(args: argparse.Namespace) -> None:
         return
     state = build_state(engine, server, adapters)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))
+                            timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)),
+                            **server.connection_limits.uvicorn_settings())
     GracefulServer(config, state).run()
 
 

@@ -1,6 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes over one EngineClient (an AsyncLLMEngine).
 
-Every route but /health needs ``Authorization: Bearer KEY`` when keys are configured (401). On
+Every route but /health needs ``Authorization: Bearer KEY`` when keys are configured (401, decided
+from the headers before the body is read: authentication.KeyCheckMiddleware); /metrics needs an
+operator key (403 for a tenant's). No response shows an absolute server path (redact). On
 shutdown (uvicorn's lifespan, after it stopped accepting and let in-flight requests finish or
 cancelled them) the engine is shut down: what is still in flight is aborted, the engine closed.
 """
@@ -16,16 +18,26 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from lora_runner.entrypoints.openai import admin, completions
+from lora_runner.entrypoints.openai.authentication import (
+    TENANT_SCOPE_KEY,
+    KeyCheckMiddleware,
+    require_operator,
+    require_tenant,
+)
+from lora_runner.entrypoints.openai.bodies import parse_body
 from lora_runner.entrypoints.openai.body_limit import BodyLimitMiddleware
-from lora_runner.entrypoints.openai.errors import APIError, install_error_handlers
+from lora_runner.entrypoints.openai.errors import install_error_handlers
 from lora_runner.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRARequest,
     UnloadLoRARequest,
 )
+from lora_runner.entrypoints.openai.redact import public_path
 from lora_runner.entrypoints.openai.state import ServerState
-from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
+from lora_runner.entrypoints.openai.tenants import Tenant
+
+__all__ = ["build_app", "list_models", "require_tenant"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +47,11 @@ def _state(request: Request) -> ServerState:
 
 
 async def authenticate(request: Request) -> Tenant:
-    """The caller's tenant; 401 without a valid key. Async: it runs on the event loop, never waiting
-    for a thread of the shared threadpool (which blocking work elsewhere could hold)."""
-    return require_tenant(_state(request).keys, request.headers.get("authorization"))
-
-
-def require_tenant(keys: KeyRing, authorization: str | None) -> Tenant:
-    """The tenant of an Authorization header; 401 without a valid key (also used by the Ray Serve ingress)."""
-    tenant = keys.authenticate(authorization)
-    if tenant is None:
-        raise APIError(401, "missing or invalid API key (Authorization: Bearer KEY)", "invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
-    return tenant
+    """The caller's tenant, as KeyCheckMiddleware found it; 401 without a valid key. Async, so it
+    never waits for a thread of the shared pool that adapter loads run in."""
+    tenant = request.scope.get(TENANT_SCOPE_KEY)
+    return tenant if tenant is not None else require_tenant(_state(request).keys,
+                                                            request.headers.get("authorization"))
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -57,11 +62,13 @@ def build_app(state: ServerState) -> FastAPI:
         yield
         logger.info("shutting down: aborting what is still in flight and closing the engine")
         await run_in_threadpool(state.engine.shutdown, state.config.shutdown_timeout)
+        state.close()
 
     app = FastAPI(title="lora-runner", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(KeyCheckMiddleware, keys=state.keys)  # added last: runs first, before the body is read
     _add_routes(app)
     return app
 
@@ -77,11 +84,13 @@ def _add_routes(app: FastAPI) -> None:
         return JSONResponse(list_models(_state(request), tenant))
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request, tenant: Tenant = Depends(authenticate)):
+    async def create_completion(request: Request, tenant: Tenant = Depends(authenticate)):
+        body = await parse_body(_state(request), request, CompletionRequest)  # off the loop, counts first
         return await completions.create_completion(_state(request), tenant, body, request)
 
     @app.post("/v1/chat/completions")
-    async def create_chat(body: ChatCompletionRequest, request: Request, tenant: Tenant = Depends(authenticate)):
+    async def create_chat(request: Request, tenant: Tenant = Depends(authenticate)):
+        body = await parse_body(_state(request), request, ChatCompletionRequest)
         return await completions.create_chat_completion(_state(request), tenant, body, request)
 
     @app.post("/v1/load_lora_adapter")
@@ -94,18 +103,21 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        require_operator(tenant)
         return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def list_models(state: ServerState, tenant: Tenant) -> dict:
-    """OpenAI's model list: the base model (when the tenant may use it) and the tenant's adapters."""
+    """OpenAI's model list: the base model (when the tenant may use it) and the tenant's adapters.
+    An admin sees each adapter's path relative to the adapter root (public_path), never a server path."""
     base = state.registry.base_name
     entries = []
     if tenant.base:
-        entries.append(_model_card(base, root=state.engine.model_name if tenant.admin else base, parent=None))
+        entries.append(_model_card(base, root=base, parent=None))
     for adapter in state.registry.visible(tenant):
-        entries.append(_model_card(adapter.name, root=adapter.request.path if tenant.admin else adapter.name,
-                                   parent=base, created=adapter.created, kind=adapter.kind))
+        root = public_path(adapter.request.path, state.config.adapter_root, adapter.name) if tenant.admin \
+            else adapter.name
+        entries.append(_model_card(adapter.name, root=root, parent=base, created=adapter.created, kind=adapter.kind))
     return {"object": "list", "data": entries}
 
 

@@ -1,4 +1,9 @@
-"""POST /v1/completions and POST /v1/chat/completions."""
+"""POST /v1/completions and POST /v1/chat/completions.
+
+The order is the cost order: checks that need no work (fields, model, counts) first, then the
+tenant's seats are taken (prompts x n, so a tenant over its share is refused before any work), then
+the prompts are tokenized off the event loop, then lengths are checked and the generation runs.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from fastapi import Request
 
 from lora_runner.entrypoints.openai.formatting import ChatFormat, CompletionFormat
 from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation
-from lora_runner.entrypoints.openai.prompts import chat_prompt, completion_prompts
+from lora_runner.entrypoints.openai.prompts import chat_prompt, check_chat, completion_prompt_list, encode_prompts
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from lora_runner.entrypoints.openai.sampling import check_supported, requested_logprobs, sampling_params
 from lora_runner.entrypoints.openai.state import ServerState
@@ -21,21 +26,33 @@ async def create_completion(state: ServerState, tenant: Tenant, body: Completion
     """A text completion of one or several prompts."""
     started = time.monotonic()
     logprobs, target = _checked(state, tenant, body)
-    prompts = completion_prompts(state, body.prompt)
-    max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-    return await _generate(state, tenant, body, request, target, prompts, max_tokens, logprobs, started,
-                           CompletionFormat, "cmpl")
+    listed = completion_prompt_list(state, body.prompt)
+    release = state.admit(tenant, len(listed) * body.n)
+    try:
+        prompts = await state.off_loop(encode_prompts, state, listed)
+        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        return await _generate(state, tenant, body, request, target, prompts, max_tokens, logprobs, started,
+                               CompletionFormat, "cmpl", release)
+    except BaseException:
+        release()
+        raise
 
 
 async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatCompletionRequest, request: Request):
     """A chat completion through the tokenizer's chat template."""
     started = time.monotonic()
     logprobs, target = _checked(state, tenant, body)
-    prompt = chat_prompt(state, body.messages)
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(
-        state.max_tokens_limit, state.max_model_len - len(prompt)))
-    return await _generate(state, tenant, body, request, target, [prompt], max_tokens, logprobs, started,
-                           ChatFormat, "chatcmpl")
+    check_chat(state, body.messages)
+    release = state.admit(tenant, body.n)
+    try:
+        prompt = await state.off_loop(chat_prompt, state, body.messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(
+            state.max_tokens_limit, state.max_model_len - len(prompt)))
+        return await _generate(state, tenant, body, request, target, [prompt], max_tokens, logprobs, started,
+                               ChatFormat, "chatcmpl", release)
+    except BaseException:
+        release()
+        raise
 
 
 def _checked(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatCompletionRequest):
@@ -48,11 +65,12 @@ def _checked(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatC
 
 async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatCompletionRequest,
                     request: Request, target, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
-                    started: float, format_type, id_prefix: str):
-    """Length checks (400), the engine's SamplingParams, then the generation in `format_type`'s shape."""
+                    started: float, format_type, id_prefix: str, release):
+    """Length checks (400), the engine's SamplingParams, then the generation in `format_type`'s shape
+    (on the seats `release` gives back)."""
     check_lengths(state, prompts, max_tokens)
     params = sampling_params(body, max_tokens, logprobs)
     fmt = format_type(state.new_id(id_prefix), body.model)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
-                                include_usage, started, cache_salt=body.cache_salt)
+                                include_usage, started, release, cache_salt=body.cache_salt)

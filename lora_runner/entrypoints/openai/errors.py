@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters import AdapterCapacityError, AdapterError, UnknownAdapterError
+from lora_runner.entrypoints.openai.redact import redact_paths
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,9 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
-    """The OpenAI error object for a status."""
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "code": code}}
+    """The OpenAI error object for a status (absolute server paths in `message` cut to their last part)."""
+    kind = _TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": redact_paths(message), "type": kind, "code": code}}
 
 
 def model_not_found(name: str) -> APIError:

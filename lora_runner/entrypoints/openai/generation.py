@@ -269,9 +269,11 @@ class _ClosingStreamingResponse(TimedStreamingResponse):
 
 async def run_generation(state: ServerState, request: Request, tenant: Tenant, target: Target,
                          prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
-                         stream: bool, include_usage: bool, started: float, cache_salt: str | None = None):
-    """Admit, start and answer one generation request (streamed or whole); cache_salt: the body's."""
-    release = state.admit(tenant, len(prompts) * params.n)
+                         stream: bool, include_usage: bool, started: float, release: Callable[[], None],
+                         cache_salt: str | None = None):
+    """Start and answer one generation request (streamed or whole) on the seats the caller took
+    (ServerState.admit); `release` (idempotent) gives them back however the request ends. cache_salt:
+    the body's (combined with the tenant's, engine_cache_salt)."""
     try:
         state.metrics.requests.labels(target.model).inc()
         state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))

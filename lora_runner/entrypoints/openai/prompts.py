@@ -1,4 +1,9 @@
-"""Prompts to token ids: completion prompts (text or ids, one or many) and chat messages."""
+"""Prompts to token ids: completion prompts (text or ids, one or many) and chat messages.
+
+Counts are checked first, on the event loop and before any work (400): the number of prompts, of
+chat messages, and the length of each token-id prompt. Tokenizing and rendering chat templates is
+work a tenant controls (a 1 MiB body), so the routes run it off the loop (ServerState.off_loop).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,9 @@ from lora_runner.entrypoints.openai.protocol import ChatMessage
 from lora_runner.entrypoints.openai.state import ServerState
 
 
-def completion_prompts(state: ServerState, prompt) -> list[list[int]]:
-    """Token ids of each prompt: a string, a list of ids, a list of strings or of id lists."""
+def completion_prompt_list(state: ServerState, prompt) -> list[str | list[int]]:
+    """Each prompt of a completion request (a string, a list of ids, a list of strings or of id
+    lists), counted and length-checked before any tokenization (400)."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -18,6 +24,19 @@ def completion_prompts(state: ServerState, prompt) -> list[list[int]]:
         prompts = list(prompt)
     if not prompts:
         raise APIError(400, "prompt must not be empty", "invalid_value")
+    limit = state.config.max_prompts_per_request
+    if len(prompts) > limit:
+        raise APIError(400, f"{len(prompts)} prompts in one request, more than the limit of {limit} "
+                       "(--max-prompts-per-request)", "too_many_prompts")
+    for ids in prompts:
+        if not isinstance(ids, str) and len(ids) > state.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(ids)} tokens, more than the limit of "
+                           f"{state.max_prompt_tokens}", "prompt_too_long")
+    return prompts
+
+
+def encode_prompts(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of each prompt (text is tokenized: run it off the event loop)."""
     return [_encode(state, p) if isinstance(p, str) else list(p) for p in prompts]
 
 
@@ -31,15 +50,24 @@ def _encode(state: ServerState, text: str) -> list[int]:
     return ids
 
 
-def chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template (400 when there is none)."""
+def check_chat(state: ServerState, messages: list[ChatMessage]) -> None:
+    """400 before any rendering: too many messages, or a model without a chat template."""
+    limit = state.config.max_chat_messages
+    if len(messages) > limit:
+        raise APIError(400, f"{len(messages)} messages, more than the limit of {limit} (--max-chat-messages)",
+                       "too_many_messages")
     tokenizer = state.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "no_chat_template")
+
+
+def chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+    """Token ids of the conversation through the tokenizer's chat template (run it off the event
+    loop, after check_chat)."""
     # name goes to the template (HF templates read message.name); a template that ignores it ignores it
     conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
                     for m in messages]
     try:  # the same rendering and tokenization as LLM.chat
-        return chat_token_ids(tokenizer, [conversation])[0]
+        return chat_token_ids(state.tokenizer, [conversation])[0]
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from exc

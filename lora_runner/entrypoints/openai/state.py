@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.engine.protocol import EngineClient
+from lora_runner.entrypoints.openai.connections import ConnectionLimits
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.load_executor import LoadExecutor
 from lora_runner.entrypoints.openai.metrics import ServerMetrics
@@ -28,8 +32,13 @@ class ServerConfig:
     authentication). allow_runtime_lora_updating / adapter_root / allow_hub_adapters: the
     load/unload routes (see adapter_root). max_body_bytes, max_prompt_tokens, max_tokens_limit,
     max_n: request size limits (None: the engine's max_model_len; the logprobs limit is the
-    engine's max_logprobs). max_pending_requests: generations in flight at once, beyond which
-    requests get 503. shutdown_timeout: seconds in-flight requests get to finish on SIGTERM.
+    engine's max_logprobs). max_prompts_per_request / max_chat_messages: counts checked before any
+    tokenization (400). max_pending_requests: sequences (prompts x n) in flight at once, beyond
+    which requests get 503. max_tenant_share: the fraction of those one tenant may hold when the
+    keys name several tenants (429 over it). prompt_threads: the bounded pool that tokenizes and
+    renders chat templates off the event loop. max_connections / header_timeout /
+    max_header_bytes: the connection limits (lora_runner.entrypoints.openai.connections).
+    shutdown_timeout: seconds in-flight requests get to finish on SIGTERM.
     prefix_cache_tenant_salt: salt every request's prefix-cache keys with its tenant's name, so two
     tenants never share cached KV (whose hits would show in time to first token); turn off for a
     single-tenant deployment whose keys should share the cache.
@@ -51,7 +60,14 @@ class ServerConfig:
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
     max_n: int = 16
+    max_prompts_per_request: int = 256
+    max_chat_messages: int = 1024
     max_pending_requests: int = 1024
+    max_tenant_share: float = 0.5
+    prompt_threads: int = 2
+    max_connections: int = ConnectionLimits.max_connections
+    header_timeout: float = ConnectionLimits.header_timeout
+    max_header_bytes: int = ConnectionLimits.max_header_bytes
     shutdown_timeout: float = 10.0
     prefix_cache_tenant_salt: bool = True
     max_concurrent_loads: int = 4
@@ -62,8 +78,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
-        for name in ("max_body_bytes", "max_n", "max_pending_requests", "max_concurrent_loads",
-                     "max_loads_per_tenant"):
+        for name in ("max_body_bytes", "max_n", "max_pending_requests", "max_prompts_per_request",
+                     "max_chat_messages", "prompt_threads", "max_concurrent_loads", "max_loads_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_prompt_tokens", "max_tokens_limit"):
@@ -75,6 +91,14 @@ class ServerConfig:
             raise ValueError(f"adapter_load_timeout must be > 0, got {self.adapter_load_timeout}")
         if not self.stream_send_timeout > 0:  # NaN refused too
             raise ValueError(f"stream_send_timeout must be a number of seconds > 0, got {self.stream_send_timeout}")
+        if not 0 < self.max_tenant_share <= 1:
+            raise ValueError(f"max_tenant_share must be in (0, 1], got {self.max_tenant_share}")
+        self.connection_limits  # noqa: B018 - validates the connection limits (ValueError)
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        """The limits uvicorn's connections are served with."""
+        return ConnectionLimits(self.max_connections, self.header_timeout, self.max_header_bytes)
 
 
 class ServerState:
@@ -94,6 +118,10 @@ class ServerState:
         self.draining = False  # set on shutdown: new generations get 503
         self._in_flight = 0
         self._in_flight_per_tenant: Counter[str] = Counter()
+        # one tenant's share of the seats; a server with a single tenant gives it every seat
+        share = math.floor(config.max_tenant_share * config.max_pending_requests)
+        self.tenant_seats = max(1, share) if keys.num_tenants > 1 else None
+        self._prompt_pool = ThreadPoolExecutor(config.prompt_threads, thread_name_prefix="lora-runner-prompts")
 
     @property
     def tokenizer(self):
@@ -122,16 +150,31 @@ class ServerState:
         self.registry.add(request)
         logger.info("serving prompt adapter %r from %s", request.name, request.path)
 
+    async def off_loop(self, fn: Callable, *args):
+        """``fn(*args)`` on the bounded prompt pool (tokenizing, rendering a chat template), so one
+        tenant's big body does not stall the event loop that serves every other tenant's streams."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, fn, *args)
+
+    def close(self) -> None:
+        """Stop the prompt pool (after the engine shut down)."""
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
+
     def admit(self, tenant: Tenant, count: int) -> Callable[[], None]:
-        """Take `count` generation slots; returns the (idempotent) release. 503 when the server is
-        full or the engine is down, 429 over the tenant's max_concurrent_requests."""
+        """Take `count` generation seats (sequences: prompts x n); returns the (idempotent) release.
+        503 when the engine is down, 429 over the tenant's max_concurrent_requests or its share of
+        the seats, 503 when the server is full."""
         if not self.engine.is_running or self.draining:
             raise APIError(503, "the engine is not serving requests (shutting down?)", "engine_unavailable")
+        held = self._in_flight_per_tenant[tenant.name]
+        limit = tenant.max_concurrent_requests
+        if limit is not None and held + count > limit:
+            raise APIError(429, f"more than {limit} concurrent requests for this key", "rate_limit_exceeded")
+        if self.tenant_seats is not None and held + count > self.tenant_seats:
+            raise APIError(429, f"this key holds {held} sequences and asks for {count} more; one key may hold "
+                           f"{self.tenant_seats} of the server's {self.config.max_pending_requests} (prompts x n, "
+                           "--max-tenant-share); retry when some finish", "tenant_share_exceeded")
         if self._in_flight + count > self.config.max_pending_requests:
             raise APIError(503, "the server is at capacity; retry later", "server_busy")
-        limit = tenant.max_concurrent_requests
-        if limit is not None and self._in_flight_per_tenant[tenant.name] + count > limit:
-            raise APIError(429, f"more than {limit} concurrent requests for this key", "rate_limit_exceeded")
         self._in_flight += count
         self._in_flight_per_tenant[tenant.name] += count
         released = False

@@ -11,8 +11,8 @@ A tenant-keys file (JSON or YAML) maps each key to a tenant::
       adapter_root: acme    # runtime loads come from this folder of --adapter-root (default: the
                             # tenant's name; "." shares the whole root)
 
-Keys given with ``--api-key`` are tenants that may use everything and are admins, and load from the
-whole adapter root. Keys are
+Keys given with ``--api-key`` are the operator's: they may use everything, are admins, load from the
+whole adapter root and alone may read ``/metrics`` (which names every tenant's adapters). Keys are
 compared in constant time (hmac.compare_digest) against every configured key.
 """
 
@@ -34,7 +34,8 @@ ALL_ADAPTERS = "*"
 @dataclass(frozen=True)
 class Tenant:
     """What one key may do. adapters: allowed adapter names (None: all). adapter_root: the folder of
-    --adapter-root its runtime loads come from, relative ("": the whole root)."""
+    --adapter-root its runtime loads come from, relative ("": the whole root). operator: may read the
+    server's metrics (the --api-key keys, and every caller of a server without keys)."""
 
     name: str
     adapters: frozenset[str] | None = None
@@ -42,6 +43,7 @@ class Tenant:
     admin: bool = False
     max_concurrent_requests: int | None = None
     adapter_root: str = ""
+    operator: bool = False
 
     def may_use(self, adapter_name: str) -> bool:
         """True when this tenant may list, use, load or unload the adapter `adapter_name`."""
@@ -49,7 +51,7 @@ class Tenant:
 
 
 # Without any key configured, every caller is this tenant (the server binds 127.0.0.1 by default).
-ANONYMOUS = Tenant("anonymous", None, base=True, admin=True)
+ANONYMOUS = Tenant("anonymous", None, base=True, admin=True, operator=True)
 
 
 class _TenantEntry(BaseModel):
@@ -110,7 +112,8 @@ class KeyRing:
     @classmethod
     def from_options(cls, api_keys: list[str], tenant_file: str | None) -> KeyRing:
         """--api-key keys (full access, admin) plus the --tenant-keys file's tenants."""
-        tenants = {key: Tenant(f"api-key-{i}", None, base=True, admin=True) for i, key in enumerate(api_keys)}
+        tenants = {key: Tenant(f"api-key-{i}", None, base=True, admin=True, operator=True)
+                   for i, key in enumerate(api_keys)}
         if tenant_file:
             file_tenants = load_tenant_keys(tenant_file)
             clash = set(file_tenants) & set(tenants)
@@ -118,6 +121,11 @@ class KeyRing:
                 raise ValueError("a key is given both with --api-key and in --tenant-keys")
             tenants.update(file_tenants)
         return cls(tenants)
+
+    @property
+    def num_tenants(self) -> int:
+        """How many distinct tenants the keys name (0 without keys)."""
+        return len({tenant.name for _, tenant in self._keys})
 
     @property
     def enabled(self) -> bool:

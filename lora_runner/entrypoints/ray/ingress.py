@@ -3,7 +3,7 @@
 The ``LoRAIngress`` deployment authenticates, reads ``model``, forwards the request to an engine
 replica (lora_runner.entrypoints.ray.replica) with ``multiplexed_model_id`` set to the LoRA's name,
 streams the answer back, adds the ``x-lora-runner-replica`` header, maps a replica that died or
-timed out to its status, and serves ``/metrics`` summed over replicas (ray.metrics). Replicas
+timed out to its status, and serves ``/metrics`` summed over replicas (ray.metrics) to operator keys. Replicas
 report their cumulative adapter-load counts with every answer, and the ingress keeps the latest
 report per replica: counts of a replica that died stay in the sums (they are counters).
 """
@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from lora_runner.entrypoints.launch import StartupAdapters
-from lora_runner.entrypoints.openai.app import require_tenant
+from lora_runner.entrypoints.openai.authentication import require_operator, require_tenant
 from lora_runner.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from lora_runner.entrypoints.openai.formatting import sse
 from lora_runner.entrypoints.openai.registry import AdapterRegistry
@@ -68,8 +68,8 @@ class Ingress:
         self.reports: dict[str, dict] = {}  # replica -> its latest report
 
     def metrics(self, request: Request) -> Response:
-        """/metrics: summed over replicas."""
-        self._tenant(request)
+        """/metrics: summed over replicas; for operator keys only (it names every tenant's adapters)."""
+        require_operator(self._tenant(request))
         return Response(render_metrics(self.requests, self.reports), media_type=CONTENT_TYPE_LATEST)
 
     def _tenant(self, request: Request) -> Tenant:
