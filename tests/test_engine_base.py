@@ -209,8 +209,9 @@ def test_abort_of_a_finished_request_never_hits_a_new_one_with_its_id(llama_dir)
 
 
 def test_rows_of_finished_requests_are_freed_even_when_the_step_fails_after_scheduling(llama_dir):
-    """A SchedulerOutput hands the ids that left over once: a step that raises after schedule()
-    (here: making its adapters resident) must still free their rows, or the id is stuck in a row."""
+    """A SchedulerOutput hands the ids that left over once: a step that fails after schedule()
+    (here: making its adapters resident) must still free their rows, or the id is stuck in a row.
+    The failure fails that step's requests (y) only; the engine serves the next ones."""
     path, _ = llama_dir
     engine = LLMEngine(path, device="cpu", max_num_seqs=2, max_model_len=64)
     engine.add_request("x", [5, 6, 7], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -222,13 +223,14 @@ def test_rows_of_finished_requests_are_freed_even_when_the_step_fails_after_sche
         raise RuntimeError("slot write failed")
 
     engine.adapters.activate = failing_activate
-    with pytest.raises(RuntimeError, match="slot write failed"):
-        engine.step()
+    failed = {o.request_id: o.outputs[0].finish_reason for o in engine.step() if o.finished}
     engine.adapters.activate = activate
+    assert failed == {"y": "error"}
     assert engine.runner.input_batch.row_of("x") is None
+    assert engine.runner.input_batch.row_of("y") is None
     engine.add_request("x", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     outs = {o.request_id: o for _ in range(10) for o in engine.step() if o.finished}
-    assert {i: len(o.outputs[0].token_ids) for i, o in outs.items()} == {"x": 3, "y": 6}
+    assert {i: len(o.outputs[0].token_ids) for i, o in outs.items()} == {"x": 3}
     assert_all_blocks_free(engine)
 
 
