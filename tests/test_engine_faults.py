@@ -7,6 +7,7 @@ a per-repo script of faults (an exception, a partial download, a stall until a g
 answering from a Hub cache laid out on disk.
 """
 
+import os
 import shutil
 import threading
 import time
@@ -15,7 +16,7 @@ from collections import Counter
 import huggingface_hub
 import pytest
 
-import adapters.weights as adapter_files
+import adapters.files as adapter_files
 from adapters import AdapterNotFoundError, InvalidAdapterError, LoRARequest, UnknownAdapterError
 from lora_runner import SamplingParams
 from tests import factories
@@ -105,15 +106,21 @@ def test_hub_and_disk_failures_fail_only_affected_requests_and_a_retry_succeeds(
                    "org/partial": [lambda: str(partial)],
                    "org/buggy": [RuntimeError("resolver bug")]}
     hub.gates["org/flaky"] = gate = threading.Event()  # fails only once the others are well under way
-    real_open, disk = open, {"failures": 0}
+    disk = {"failures": 0}
 
-    def flaky_disk(filename, *args, **kwargs):  # the first read of the r8-rslora file is an I/O error
-        if "r8-rslora" in str(filename) and disk["failures"] == 0:
-            disk["failures"] += 1
-            raise OSError(5, "Input/output error")
-        return real_open(filename, *args, **kwargs)
+    class FlakyOs:  # adapters.files' os: the first file opened in the r8-rslora folder is an I/O error
+        def __getattr__(self, attr):
+            return getattr(os, attr)
 
-    monkeypatch.setattr(adapter_files, "open", flaky_disk, raising=False)  # the adapter file reader's open
+        @staticmethod
+        def open(name, flags, *args, dir_fd=None, **kwargs):
+            folder = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else str(name)
+            if "r8-rslora" in folder and not flags & os.O_DIRECTORY and disk["failures"] == 0:
+                disk["failures"] += 1
+                raise OSError(5, "Input/output error")
+            return os.open(name, flags, *args, dir_fd=dir_fd, **kwargs)
+
+    monkeypatch.setattr(adapter_files, "os", FlakyOs())  # the adapter file reader's opens
     engine = make_engine(path, local_files_only=True)
     good = {"base": ([5, 6, 7], None, hf), "local": ([8, 9], LoRARequest("r4", adapters["r4"][0]), adapters["r4"][1])}
     affected = {"flaky-1": ([10, 11], "flaky", "org/flaky", AdapterNotFoundError, "Connection reset by peer"),

@@ -36,10 +36,10 @@ def served(engine_checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp("door")
     model = model_with_chat_template(model_dir, work / "model")
     root = work / "root"
-    root.mkdir()
-    shutil.copytree(adapters["r16-patterns"][0], root / "a-dir")
-    (root / "bad-dir").mkdir()
-    (root / "bad-dir" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 0}')
+    (root / "a").mkdir(parents=True)  # tenant a's own folder of the root (its keys entry's default)
+    shutil.copytree(adapters["r16-patterns"][0], root / "a" / "a-dir")
+    (root / "a" / "bad-dir").mkdir()
+    (root / "a" / "bad-dir" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 0}')
     keys_file = work / "keys.yaml"
     keys_file.write_text(yaml.safe_dump(KEYS))
     paths = {name: path for name, (path, _) in adapters.items()}

@@ -10,13 +10,15 @@ from serve_support import serve_args, start_server
 
 KEYS = {"key-tenant-a-0000": {"name": "a", "base": True}, "key-tenant-b-0000": {"name": "b", "base": True}}
 A, B = list(KEYS)
+OPERATOR = "operator-key-0000"  # /metrics is the operator's
 PROMPT = [5 + i for i in range(40)]  # 40 tokens: 2 blocks of 16 may be cached
 
 
 def _served(engine_checkpoint, tmp_path, extra):
     keys_file = tmp_path / "keys.yaml"
     keys_file.write_text(yaml.safe_dump(KEYS))
-    return start_server(serve_args(engine_checkpoint[0], {}, extra=["--tenant-keys", str(keys_file), *extra]))
+    return start_server(serve_args(engine_checkpoint[0], {}, extra=["--tenant-keys", str(keys_file), "--api-key", OPERATOR,
+                                                                      *extra]))
 
 
 def _cached(server, key, **extra_body):
@@ -42,7 +44,7 @@ def test_tenants_never_share_blocks_and_the_body_salt_adds_to_the_tenants(served
     assert _cached(server, A, cache_salt="conversation-1") == (0, text)
     assert _cached(server, A, cache_salt="conversation-1") == (32, text)
     assert _cached(server, B, cache_salt="conversation-1")[0] == 0  # never replaces the tenant salt
-    metrics = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {A}"}).text
+    metrics = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {OPERATOR}"}).text
     hits = next(line for line in metrics.splitlines() if line.startswith("lora_runner_prefix_cache_hits_total"))
     queries = next(line for line in metrics.splitlines() if line.startswith("lora_runner_prefix_cache_queries_total"))
     assert float(hits.split()[-1]) == 64 and float(queries.split()[-1]) == 6 * 40

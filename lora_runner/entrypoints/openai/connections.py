@@ -122,3 +122,6 @@ class _HeaderDeadline:
             logger.warning("%d connections open: closing the oldest one without a request in progress",
                            len(self.connections))
             oldest._close()
+            # uvicorn forgets a connection in connection_lost, a loop iteration later; forget it now, or the
+            # newcomer's request could still find the server over limit_concurrency and get a 503
+            self.connections.discard(oldest)
