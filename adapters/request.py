@@ -18,6 +18,9 @@ class _AdapterRequest:
     root: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.path, int) and not isinstance(self.path, bool) and isinstance(self.revision, str) \
+                and self.root is None:
+            self._from_vllm_positional()
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"adapter name must be a non-empty string, got {self.name!r}")
         if not isinstance(self.path, str) or not self.path:
@@ -31,6 +34,25 @@ class _AdapterRequest:
                 confined_parts(self.relative_path)
             except PathEscapeError as exc:
                 raise ValueError(f"adapter {self.name!r}: path must lie beneath root: {exc}") from None
+
+    def _from_vllm_positional(self) -> None:
+        """vLLM's positional form ``LoRARequest(lora_name, lora_int_id, lora_path)``: the int id is checked
+        (vLLM requires it >= 1) and not kept; adapters are identified by name here."""
+        if self.path < 1:
+            raise ValueError(f"adapter {self.name!r}: the integer id of LoRARequest(name, int_id, path) must be "
+                             f">= 1, got {self.path}")
+        object.__setattr__(self, "path", self.revision)
+        object.__setattr__(self, "revision", None)
+
+    @property
+    def lora_name(self) -> str:
+        """vLLM's spelling of ``name``."""
+        return self.name
+
+    @property
+    def lora_path(self) -> str:
+        """vLLM's spelling of ``path``."""
+        return self.path
 
     @property
     def relative_path(self) -> str:

@@ -1,5 +1,6 @@
 """lora_runner: serve many LoRA fine-tunes of one Llama-family base model in one batch."""
 
+from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.config import EngineConfig
 from lora_runner.engine.async_llm_engine import AsyncLLMEngine
 from lora_runner.engine.errors import EngineClosedError
@@ -9,4 +10,4 @@ from lora_runner.outputs import CompletionOutput, RequestOutput
 from lora_runner.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "EngineClosedError"]
+           "EngineConfig", "EngineClosedError", "LoRARequest", "PromptAdapterRequest"]

@@ -7,6 +7,7 @@ those go to launch.build_state (one process) or to the Ray Serve application (ra
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -27,12 +28,32 @@ logger = logging.getLogger(__name__)
 
 
 def adapter_spec(text: str) -> tuple[str, str, str | None]:
-    """NAME=PATH[@REVISION] -> (name, path, revision)."""
+    """NAME=PATH[@REVISION], or vLLM's JSON form '{"name": ..., "path": ..., "base_model_name": ...}'
+    -> (name, path, revision). base_model_name is accepted and not used: an adapter's parent in the
+    model list is always the served base model."""
+    if text.lstrip().startswith("{"):
+        return _json_adapter_spec(text)
     name, sep, rest = text.partition("=")
     if not sep or not name or not rest:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH[@REVISION], got {text!r}")
     path, _, revision = rest.partition("@")
     return name, path, revision or None
+
+
+def _json_adapter_spec(text: str) -> tuple[str, str, str | None]:
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--lora-modules JSON: {exc}") from None
+    unknown = set(spec) - {"name", "path", "base_model_name", "revision"} if isinstance(spec, dict) else set()
+    if not isinstance(spec, dict) or unknown:
+        raise argparse.ArgumentTypeError(f"--lora-modules JSON must be an object with name, path and optionally "
+                                         f"base_model_name / revision, got {text!r}")
+    name, path, revision = spec.get("name"), spec.get("path"), spec.get("revision")
+    if not (isinstance(name, str) and name and isinstance(path, str) and path) or not (
+            revision is None or isinstance(revision, str) and revision):
+        raise argparse.ArgumentTypeError(f"--lora-modules JSON needs non-empty string name and path, got {text!r}")
+    return name, path, revision
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +63,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = server.add_argument
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
-    add("--lora-modules", nargs="+", type=adapter_spec, default=[], metavar="NAME=PATH[@REVISION]")
+    add("--lora-modules", nargs="+", type=adapter_spec, default=[], metavar="NAME=PATH[@REVISION]",
+        help='adapters served from the start; also vLLM\'s JSON form \'{"name": ..., "path": ...}\'')
+    add("--enable-lora", action="store_true",
+        help="accepted for vLLM compatibility: LoRA is always enabled (size it with --max-loras, --max-lora-rank)")
     add("--prompt-adapters", nargs="+", type=adapter_spec, default=[], metavar="NAME=PATH")
     add("--api-key", action="append", default=[], help="a key with full access (repeatable)")
     add("--tenant-keys", default=None, metavar="FILE", help="JSON or YAML: key -> {adapters, base, admin}")

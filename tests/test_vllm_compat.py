@@ -1,0 +1,51 @@
+"""vLLM's spellings that users bring along (issue 24, "vLLM's habits"): LoRARequest(name, int_id, path),
+`from lora_runner import LoRARequest`, `serve --enable-lora`, and --lora-modules in vLLM's JSON form."""
+
+import argparse
+
+import pytest
+
+import adapters
+import lora_runner
+from lora_runner import LoRARequest, PromptAdapterRequest
+from lora_runner.entrypoints.cli import add_serve_arguments, startup_adapters
+
+
+def test_the_adapter_requests_are_exported_from_the_package():
+    assert lora_runner.LoRARequest is adapters.LoRARequest
+    assert lora_runner.PromptAdapterRequest is adapters.PromptAdapterRequest
+
+
+def test_vllm_positional_lora_request_is_the_same_request():
+    assert LoRARequest("sql", 1, "/adapters/sql") == LoRARequest("sql", "/adapters/sql")
+    request = LoRARequest("sql", 7, "org/sql-lora")
+    assert (request.lora_name, request.lora_path, request.revision) == ("sql", "org/sql-lora", None)
+    assert LoRARequest("sql", "org/sql-lora", "v2").revision == "v2"  # our own positional form is unchanged
+    with pytest.raises(ValueError, match="must be >= 1"):
+        LoRARequest("sql", 0, "/adapters/sql")
+    with pytest.raises(ValueError, match="path must be a non-empty string"):
+        LoRARequest("sql", True, "/adapters/sql")  # a bool is not an id
+    with pytest.raises(ValueError, match="path must be a non-empty string"):
+        PromptAdapterRequest("soft", 3, None)
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(["model-dir", *argv])
+
+
+def test_serve_takes_enable_lora_and_json_lora_modules():
+    args = _parse(["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/a/sql", "base_model_name": "m"}',
+                   "chat=/a/chat@v1"])
+    assert args.enable_lora is True
+    assert startup_adapters(args).loras == (LoRARequest("sql", "/a/sql"), LoRARequest("chat", "/a/chat", "v1"))
+
+
+@pytest.mark.parametrize("spec", ['{"name": "sql"}', '{"name": "sql", "path": "/a", "extra": 1}',
+                                  '{"name": 1, "path": "/a"}', '{"name": "sql", "path": "/a"', '["sql", "/a"]'])
+def test_bad_json_lora_modules_are_a_usage_error(spec, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(["--lora-modules", spec])
+    assert exit_info.value.code == 2
+    assert "--lora-modules" in capsys.readouterr().err
