@@ -93,6 +93,24 @@ def test_streamed_text_never_shows_what_a_stop_string_cuts(engine, engine_checkp
     assert output.token_ids == tokens[:6] and output.stop_reason == stop
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_ids_text_is_in_the_output_only_when_asked(engine, engine_checkpoint, greedy_oracle, include):
+    """vLLM: the text of the stop token id that ended a request is left out of `text` and of the stream
+    unless include_stop_str_in_output (its id stays in token_ids)."""
+    _, hf, _ = engine_checkpoint
+    prompt = [40, 41, 42]
+    tokens = greedy_oracle(hf, prompt, MAX_TOKENS)[0]
+    stop_id = tokens[4]  # an ordinary word: its text is not empty
+    end = tokens.index(stop_id) + 1
+    assert engine.tokenizer.decode(tokens[end - 1:end]).strip()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop_token_ids=[stop_id],
+                            include_stop_str_in_output=include)
+    output, deltas = run(engine, {"r": (prompt, params)})["r"]
+    want = engine.tokenizer.decode(tokens[:end] if include else tokens[:end - 1])
+    assert output.token_ids == tokens[:end] and output.stop_reason == stop_id
+    assert output.text == want == "".join(deltas)
+
+
 @torch.inference_mode()
 def _masked_greedy(model, prompt, max_tokens, banned, min_tokens, stops):
     """Greedy by repeated full forwards; `banned` ids masked while under min_tokens, as vLLM does;

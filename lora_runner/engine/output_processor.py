@@ -3,8 +3,9 @@ finished. This is the one definition of "finished" that the engine, LLM, the ser
 share (Scheduler.postprocess calls it for every sampled request of a step).
 
 A request finishes with
-- "stop": an EOS id (unless ignore_eos), one of its stop_token_ids, or one of its stop strings in
-  the text (the text is cut there, see lora_runner.engine.detokenizer.OutputText); none of these count
+- "stop": an EOS id (unless ignore_eos), one of its stop_token_ids (whose text is left out of the
+  output unless include_stop_str_in_output, as vLLM), or one of its stop strings in the text (the
+  text is cut there, see lora_runner.engine.detokenizer.OutputText); none of these count
   before min_tokens tokens were generated (one rule, shared with the sampler's ban:
   lora_runner.core.stop_rule). stop_reason is the stop string or the stop token id (None for EOS).
 - "length": max_tokens generated, or the sequence reached max_model_len.
@@ -52,15 +53,19 @@ class OutputProcessor:
             request.logprobs.append(logprobs)
         text = self.text_of(request)
         params = request.params
+        # a stop id under the rule it was sampled under (lora_runner.core.stop_rule): the sampling side
+        # banned it then, and a token that reaches here anyway must not end the request early either.
+        # Checked before stop strings, as vLLM does; its text is part of the output only with
+        # include_stop_str_in_output (an EOS decodes to nothing either way: special tokens are skipped)
+        if stop_tokens(params, request.num_output_tokens - 1, self.eos_token_ids).stops(token_id):
+            if params.include_stop_str_in_output:
+                text.add(token_id, match_stop=False)
+            request.stop_reason = token_id if token_id in params.stop_token_ids else None
+            return "stop"
         # a stop string may end the request once it holds min_tokens tokens, this one included
         matched = text.add(token_id, match_stop=self.stop_tokens(request).may_stop)
         if matched is not None:
             request.stop_reason = matched
-            return "stop"
-        # a stop id under the rule it was sampled under (lora_runner.core.stop_rule): the sampling side
-        # banned it then, and a token that reaches here anyway must not end the request early either
-        if stop_tokens(params, request.num_output_tokens - 1, self.eos_token_ids).stops(token_id):
-            request.stop_reason = token_id if token_id in params.stop_token_ids else None
             return "stop"
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
