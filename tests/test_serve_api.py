@@ -151,6 +151,24 @@ def test_stream_ends_with_done_event(served):
     assert all(line.startswith("data: ") for line in events)
 
 
+@pytest.mark.parametrize("k", [0, 1])
+def test_completion_logprobs_hold_the_sampled_token_and_offsets_run_over_the_choice(client, k):
+    """As OpenAI and vLLM: top_logprobs holds the top k and the sampled token (k + 1 entries when it is
+    not among them; logprobs=0: the sampled token alone); streamed text_offset runs over the whole choice."""
+    kwargs = dict(model="r4", prompt=PROMPTS[0], max_tokens=12, temperature=1.5, seed=3, logprobs=k)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    for token, logprob, top in zip(whole.tokens, whole.token_logprobs, whole.top_logprobs):
+        assert top[token] == pytest.approx(logprob)
+        best = max(top.values())
+        assert len(top) == (1 if k == 0 else 1 + (logprob < best - 1e-6)), (token, top)
+    assert k == 0 or any(len(top) == 2 for top in whole.top_logprobs)  # the hot sampling left the top 1
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    assert [t for chunk in streamed for t in chunk.tokens] == whole.tokens
+    assert [o for chunk in streamed for o in chunk.text_offset] == whole.text_offset
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i]) for i in range(len(whole.tokens))]
+
+
 def test_chat_goes_through_the_chat_template(served, client, tokenizer):
     _, _, model, loras, _ = served
     messages = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "yes"},

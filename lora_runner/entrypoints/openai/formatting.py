@@ -61,6 +61,8 @@ class CompletionFormat:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
     role_chunk: bool = False  # chat opens each choice with a role-only chunk; completions do not
+    # per choice index: the text_offset of its next token (streamed offsets run over the whole choice)
+    _text_offsets: dict[int, int] = field(default_factory=dict, repr=False)
 
     def _head(self) -> dict:
         return {"id": self.response_id, "object": "text_completion", "created": self.created, "model": self.model}
@@ -77,9 +79,10 @@ class CompletionFormat:
         """The whole (non-streamed) response: each delta holds a choice's full text."""
         return {**self._head(), "choices": [self._choice(d) for d in deltas], "usage": usage.as_dict()}
 
-    @staticmethod
-    def _choice(delta: Delta) -> dict:
-        return {"index": delta.index, "text": delta.text, "logprobs": _completion_logprobs(delta.logprobs),
+    def _choice(self, delta: Delta) -> dict:
+        start = self._text_offsets.get(delta.index, 0)
+        logprobs, self._text_offsets[delta.index] = _completion_logprobs(delta.logprobs, start)
+        return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 
@@ -113,15 +116,19 @@ class ChatFormat(CompletionFormat):
                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 
-def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+def _completion_logprobs(logprobs: list[TokenLogprob] | None, offset: int = 0) -> tuple[dict | None, int]:
+    """(the legacy completions logprobs object, the text_offset after its last token). As OpenAI and
+    vLLM: each token's top_logprobs holds the top k and the sampled token (k + 1 entries when it is
+    not among them; with logprobs=0 the sampled token alone); text_offset counts from `offset`."""
     if logprobs is None:
-        return None
-    offsets, offset = [], 0
+        return None, offset
+    offsets = []
     for entry in logprobs:
         offsets.append(offset)
         offset += len(entry.token)
+    top = [{**dict(e.top), e.token: e.logprob} for e in logprobs]
     return {"tokens": [e.token for e in logprobs], "token_logprobs": [e.logprob for e in logprobs],
-            "top_logprobs": [dict(e.top) for e in logprobs], "text_offset": offsets}
+            "top_logprobs": top, "text_offset": offsets}, offset
 
 
 def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
