@@ -103,3 +103,30 @@ def test_nothing_below_the_cli_imports_it(path):
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert "lora_runner.entrypoints.cli" not in imported
+
+
+def test_every_serve_option_has_a_one_line_description_and_help_shows_defaults(capsys):
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_arguments(parser)
+    undescribed = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert undescribed == []
+    from lora_runner.serve import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "(default: 8000)" in out and "(default: 1048576)" in out  # --port, --max-body-bytes
+
+
+def test_without_the_serve_extra_the_entry_points_say_what_to_install():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['uvicorn'] = None\n"  # as if `pip install lora-runner` without [serve]
+            "from lora_runner.serve import console_main, main\n"
+            "sys.exit(10 * console_main(['serve', '--help']) + main(['--help']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 22, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and all("pip install 'lora-runner[serve]'" in line for line in lines), done.stderr
+    assert "Traceback" not in done.stderr

@@ -61,26 +61,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser.add_argument_group("engine (EngineConfig)"))
     server = parser.add_argument_group("server")
     add = server.add_argument
-    add("--host", default="127.0.0.1")
-    add("--port", type=int, default=8000)
+    add("--host", default="127.0.0.1", help="address to bind")
+    add("--port", type=int, default=8000, help="port to bind")
     add("--lora-modules", nargs="+", type=adapter_spec, default=[], metavar="NAME=PATH[@REVISION]",
         help='adapters served from the start; also vLLM\'s JSON form \'{"name": ..., "path": ...}\'')
     add("--enable-lora", action="store_true",
         help="accepted for vLLM compatibility: LoRA is always enabled (size it with --max-loras, --max-lora-rank)")
-    add("--prompt-adapters", nargs="+", type=adapter_spec, default=[], metavar="NAME=PATH")
+    add("--prompt-adapters", nargs="+", type=adapter_spec, default=[], metavar="NAME=PATH",
+        help="prompt-tuning adapters (soft prompts) served from the start")
     add("--api-key", action="append", default=[], help="a key with full access (repeatable)")
     add("--tenant-keys", default=None, metavar="FILE", help="JSON or YAML: key -> {adapters, base, admin}")
-    add("--allow-runtime-lora-updating", action="store_true")
+    add("--allow-runtime-lora-updating", action="store_true",
+        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --adapter-root)")
     add("--adapter-root", default=None, metavar="DIR", help="runtime loads only from inside this directory")
     add("--allow-hub-adapters", action="store_true", help="runtime loads may name Hub repo ids")
     add("--max-concurrent-loads", type=int, default=4, help="runtime adapter loads at once (more: 503)")
     add("--max-loads-per-tenant", type=int, default=1, help="runtime adapter loads at once per key (more: 429)")
     add("--adapter-load-timeout", type=float, default=60.0, metavar="SECONDS",
         help="a runtime load not done by then answers 504 (and is undone if it succeeds later)")
-    add("--served-model-name", default=None)
-    add("--max-body-bytes", type=int, default=1 << 20)
-    add("--max-prompt-tokens", type=int, default=None)
-    add("--max-tokens-limit", type=int, default=None)
+    add("--served-model-name", default=None, help="the base model's name in requests (default: the model path)")
+    add("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    add("--max-prompt-tokens", type=int, default=None, help="longest prompt in tokens (default: max_model_len)")
+    add("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask for "
+        "(default: max_model_len)")
     add("--max-pending-requests", type=int, default=1024, help="sequences (prompts x n) in flight; 503 beyond")
     add("--max-tenant-share", type=float, default=0.5,
         help="fraction of --max-pending-requests one tenant may hold when keys name several tenants (429)")
@@ -91,13 +94,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="open connections; past it the oldest without a request in progress is closed")
     add("--header-timeout", type=float, default=ConnectionLimits.header_timeout,
         help="seconds a connection has to send a request's headers")
-    add("--max-header-bytes", type=int, default=ConnectionLimits.max_header_bytes)
-    add("--shutdown-timeout", type=float, default=10.0)
+    add("--max-header-bytes", type=int, default=ConnectionLimits.max_header_bytes,
+        help="request header bytes a connection may send (closed beyond)")
+    add("--shutdown-timeout", type=float, default=10.0,
+        help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
     add("--prefix-cache-tenant-salt", action=argparse.BooleanOptionalAction, default=True,
         help="salt prefix-cache keys by tenant, so tenants never share cached KV (--no-...: single tenant)")
     add("--stream-send-timeout", type=float, default=30.0,
         help="seconds a streamed chunk may wait for its client to read it; then the request is aborted")
-    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+        help="log level of the server and the engine")
     add_ray_arguments(parser.add_argument_group("Ray Serve (with --num-replicas > 1; needs lora-runner[ray])"))
 
 
@@ -173,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     """``lora-runner serve MODEL [options]``."""
     parser = argparse.ArgumentParser(prog="lora-runner")
     commands = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(commands.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    add_serve_arguments(commands.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                            formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     return run(parser.parse_args(argv), parser)
 
 
