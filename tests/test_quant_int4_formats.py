@@ -170,7 +170,8 @@ def test_awq_undoes_the_interleave_of_one_known_word():
 
 def test_awq_reads_autoawq_quant_config_spelling():
     fmt = awq.parse_config({"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"})
-    assert fmt.group_size == 64
+    assert fmt.group_size == 64 and fmt.modules_to_not_convert == ()
+    assert awq.parse_config(_awq_config(modules_to_not_convert=["visual"])).modules_to_not_convert == ("visual",)
 
 
 # ---- compressed-tensors W4A16
@@ -218,6 +219,7 @@ REFUSED_CONFIGS = [
     (gptq, _gptq_config(checkpoint_format="marlin"), "checkpoint_format"),
     (gptq, _gptq_config(is_marlin_format=True), "is_marlin_format"),
     (gptq, _gptq_config(lm_head=True), "lm_head"),
+    (gptq, _gptq_config(pack_dtype="int16"), "pack_dtype"),
     (gptq, _gptq_config(dynamic={"-:.*down_proj": {}}), "dynamic"),
     (gptq, _gptq_config(quant_method="awq"), "quant_method"),
     (awq, _awq_config(bits=3), "bits"),

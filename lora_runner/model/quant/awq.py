@@ -63,7 +63,8 @@ def parse_config(qcfg: dict) -> AWQFormat:
     backend = _field(qcfg, ("backend",), "autoawq")
     if backend != "autoawq":
         raise ValueError(f"awq quantization_config field 'backend' must be 'autoawq', got {backend!r}")
-    return AWQFormat(group_size=group_size)
+    return AWQFormat(group_size=group_size,
+                     modules_to_not_convert=tuple(_field(qcfg, ("modules_to_not_convert",), ())))
 
 
 def _unpack_interleaved(words: torch.Tensor) -> torch.Tensor:
@@ -93,6 +94,7 @@ class AWQFormat:
     layer's Int4Weight."""
 
     group_size: int
+    modules_to_not_convert: tuple[str, ...] = ()  # module names the checkpoint keeps in full precision
     suffixes: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
     optional_suffixes: ClassVar[tuple[str, ...]] = ()
 

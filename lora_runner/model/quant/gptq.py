@@ -43,7 +43,8 @@ def parse_config(qcfg: dict) -> GPTQFormat:
     """A GPTQ ``quantization_config`` -> its GPTQFormat; ValueError naming the field for anything not
     implemented: bits other than 4, a group size not in SUPPORTED_GROUP_SIZES (-1, per-channel,
     included), ``sym: false``, a checkpoint_format other than gptq / gptq_v2 (Marlin repacks),
-    a quantized lm_head, per-module ``dynamic`` overrides, missing bits or group_size."""
+    words other than int32 (``pack_dtype``), a quantized lm_head, per-module ``dynamic`` overrides,
+    missing bits or group_size."""
     method = _field(qcfg, "quant_method", "gptq")
     if method != "gptq":
         raise ValueError(f"gptq quantization_config field 'quant_method' must be 'gptq', got {method!r}")
@@ -65,6 +66,9 @@ def parse_config(qcfg: dict) -> GPTQFormat:
                          f"{tuple(ZERO_OFFSETS)}, got {checkpoint_format!r}")
     if _field(qcfg, "is_marlin_format", False):
         raise ValueError("gptq quantization_config field 'is_marlin_format': Marlin-repacked GPTQ is not supported")
+    pack_dtype = _field(qcfg, "pack_dtype", "int32")  # GPTQModel may pack into int16 / int8 words
+    if pack_dtype != "int32":
+        raise ValueError(f"gptq quantization_config field 'pack_dtype' must be 'int32', got {pack_dtype!r}")
     if _field(qcfg, "lm_head", False):
         raise ValueError("gptq quantization_config field 'lm_head': a quantized lm_head is not supported")
     if _field(qcfg, "dynamic", None):
