@@ -262,7 +262,6 @@ ERRORS = [  # (body changes to a valid completion, status, code)
     ({"temperature": -1}, 400, "invalid_request"),
     ({"top_k": 0}, 400, "invalid_value"),  # SamplingParams' ValueError
     ({"max_tokens": "8"}, 400, "invalid_request"),  # strict types
-    ({"unknown_field": 1}, 400, "invalid_request"),
     ({"model": None}, 400, "invalid_request"),
 ]
 
@@ -415,3 +414,33 @@ def test_penalties_equal_llm_generate(served, client, tokenizer):
     finally:
         llm.close()
     assert token_ids(tokenizer, response.choices[0].logprobs.tokens) == expected != plain
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header(served, client):
+    """As vLLM: fields the server does not know are ignored (logged, named in X-Ignored-Fields), not a 400;
+    the answer is the one without them. The header is bounded however many there are."""
+    body = {"model": "r4", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    plain = _post(served, "/v1/completions", body)
+    extra = _post(served, "/v1/completions", {**body, "guided_decoding_backend": "x", "priority": 1})
+    assert plain.status_code == extra.status_code == 200 and "x-ignored-fields" not in plain.headers
+    assert extra.headers["x-ignored-fields"] == "guided_decoding_backend, priority"
+    assert extra.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    chat = _post(served, "/v1/chat/completions", {"model": "r4", "max_tokens": 2, "temperature": 0,
+                                                  "messages": [{"role": "user", "content": "hi", "weight": 1}]})
+    assert chat.status_code == 200 and chat.headers.get("x-ignored-fields") == "messages[0].weight"
+    many = _post(served, "/v1/completions", {**body, **{f"f{i}": i for i in range(1000)}})
+    assert many.status_code == 200 and many.headers["x-ignored-fields"].endswith(", and 984 more")
+
+
+def test_strict_request_fields_refuse_unknown_fields():
+    from fastapi.exceptions import RequestValidationError
+
+    from lora_runner.entrypoints.openai.bodies import parse_raw_body
+    from lora_runner.entrypoints.openai.protocol import CompletionRequest
+    from lora_runner.entrypoints.openai.state import ServerConfig
+
+    raw = json.dumps({"model": "base", "prompt": "hi", "priority": 1}).encode()
+    body, ignored = parse_raw_body(ServerConfig(served_model_name="base"), raw, CompletionRequest)
+    assert ignored == ["priority"] and body.prompt == "hi"
+    with pytest.raises(RequestValidationError):
+        parse_raw_body(ServerConfig(served_model_name="base", strict_request_fields=True), raw, CompletionRequest)

@@ -102,6 +102,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="salt prefix-cache keys by tenant, so tenants never share cached KV (--no-...: single tenant)")
     add("--stream-send-timeout", type=float, default=30.0,
         help="seconds a streamed chunk may wait for its client to read it; then the request is aborted")
+    add("--strict-request-fields", action="store_true",
+        help="unknown fields in a generation request are a 400 (default: ignored, logged, named in X-Ignored-Fields)")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="log level of the server and the engine")
     add_ray_arguments(parser.add_argument_group("Ray Serve (with --num-replicas > 1; needs lora-runner[ray])"))
@@ -137,7 +139,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         max_concurrent_loads=args.max_concurrent_loads, max_loads_per_tenant=args.max_loads_per_tenant,
                         adapter_load_timeout=args.adapter_load_timeout,
                         prefix_cache_tenant_salt=args.prefix_cache_tenant_salt,
-                        stream_send_timeout=args.stream_send_timeout)
+                        stream_send_timeout=args.stream_send_timeout,
+                        strict_request_fields=args.strict_request_fields)
 
 
 def startup_adapters(args: argparse.Namespace) -> StartupAdapters:

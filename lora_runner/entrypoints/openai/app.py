@@ -27,6 +27,7 @@ from lora_runner.entrypoints.openai.authentication import (
 from lora_runner.entrypoints.openai.bodies import parse_body
 from lora_runner.entrypoints.openai.body_limit import BodyLimitMiddleware
 from lora_runner.entrypoints.openai.errors import install_error_handlers
+from lora_runner.entrypoints.openai.ignored_fields import IgnoredFieldsHeaderMiddleware
 from lora_runner.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,6 +68,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="lora-runner", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(IgnoredFieldsHeaderMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
     app.add_middleware(KeyCheckMiddleware, keys=state.keys)  # added last: runs first, before the body is read
     _add_routes(app)

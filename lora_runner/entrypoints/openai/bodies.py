@@ -4,37 +4,52 @@ FastAPI would parse and validate a route's body model on the event loop: a 1 MiB
 prompts costs seconds of pydantic work there (every union member tried on every item) while every
 other tenant's stream waits. Here the JSON is decoded on the prompt pool, the number of prompts or
 messages is checked on the decoded value (400, before any validation), and only then is the body
-model validated, still on the pool.
+model validated, still on the pool. Fields the model does not know are dropped and reported
+(ignored_fields), unless the server was started with --strict-request-fields.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from lora_runner.entrypoints.openai.errors import APIError
+from lora_runner.entrypoints.openai.ignored_fields import SCOPE_KEY, report, strip_unknown
+from lora_runner.entrypoints.openai.protocol import ChatMessage
 from lora_runner.entrypoints.openai.state import ServerConfig, ServerState
+
+logger = logging.getLogger(__name__)
 
 
 async def parse_body(state: ServerState, request: Request, model: type[BaseModel]) -> BaseModel:
     """The request's body as `model` (400 for bad JSON, too many prompts or messages, invalid fields)."""
     raw = await request.body()
-    return await state.off_loop(parse_raw_body, state.config, raw, model)
+    body, ignored = await state.off_loop(parse_raw_body, state.config, raw, model)
+    if ignored:
+        logger.warning("%s: ignored request fields the server does not know: %s", request.url.path, report(ignored))
+        request.scope[SCOPE_KEY] = ignored  # IgnoredFieldsHeaderMiddleware puts them in a header
+    return body
 
 
-def parse_raw_body(config: ServerConfig, raw: bytes, model: type[BaseModel]) -> BaseModel:
-    """Decode, count, validate (run it off the event loop)."""
+def parse_raw_body(config: ServerConfig, raw: bytes, model: type[BaseModel]) -> tuple[BaseModel, list[str]]:
+    """Decode, count, drop unknown fields (unless strict), validate (run it off the event loop).
+    Returns the body and the names of the fields dropped."""
     try:
         decoded = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise APIError(400, f"the body is not valid JSON: {exc}", "invalid_request") from None
+    ignored: list[str] = []
     if isinstance(decoded, dict):
         check_counts(config, decoded)
+        if not config.strict_request_fields:
+            decoded, ignored = strip_unknown(decoded, model, {"messages": ChatMessage} if "messages" in
+                                             model.model_fields else {})
     try:
-        return model.model_validate(decoded)
+        return model.model_validate(decoded), ignored
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
 

@@ -45,6 +45,8 @@ class ServerConfig:
     max_concurrent_loads / max_loads_per_tenant / adapter_load_timeout: runtime adapter loads at
     once in all (503 beyond) and per tenant (429 beyond), and the seconds a load's caller waits
     (504 after; see load_executor).
+    strict_request_fields: a generation request with a field the server does not know is a 400
+    (default: the field is ignored, logged and named in the X-Ignored-Fields header, as vLLM ignores it).
     stream_send_timeout: seconds one chunk of a streamed response may wait for its client to take
     it; past that the client is taken to have stopped reading: its requests are aborted and the
     connection closed.
@@ -74,6 +76,7 @@ class ServerConfig:
     max_loads_per_tenant: int = 1
     adapter_load_timeout: float = 60.0
     stream_send_timeout: float = 30.0
+    strict_request_fields: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
