@@ -444,3 +444,15 @@ def test_strict_request_fields_refuse_unknown_fields():
     assert ignored == ["priority"] and body.prompt == "hi"
     with pytest.raises(RequestValidationError):
         parse_raw_body(ServerConfig(served_model_name="base", strict_request_fields=True), raw, CompletionRequest)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    kwargs = dict(model="r4", prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True)
+    chunks = list(client.completions.create(**kwargs, stream_options={"include_usage": True,
+                                                                      "continuous_usage_stats": True}))
+    with_choices = [c for c in chunks if c.choices]
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in with_choices)
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens == 6
+    plain = list(client.completions.create(**kwargs, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens == 6

@@ -72,5 +72,7 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     params = sampling_params(body, max_tokens, logprobs)
     fmt = format_type(state.new_id(id_prefix), body.model)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
-                                include_usage, started, release, cache_salt=body.cache_salt)
+                                include_usage, started, release, cache_salt=body.cache_salt,
+                                continuous_usage=continuous_usage)

@@ -67,9 +67,11 @@ class CompletionFormat:
     def _head(self) -> dict:
         return {"id": self.response_id, "object": "text_completion", "created": self.created, "model": self.model}
 
-    def chunk(self, delta: Delta, include_usage: bool) -> dict:
-        """A stream chunk for one choice's delta."""
-        return {**self._head(), "choices": [self._choice(delta)], **({"usage": None} if include_usage else {})}
+    def chunk(self, delta: Delta, include_usage: bool, usage: Usage | None = None) -> dict:
+        """A stream chunk for one choice's delta; with include_usage its "usage" is `usage` (the usage so
+        far, stream_options.continuous_usage_stats) or null."""
+        usage_field = {"usage": usage.as_dict() if usage is not None else None} if include_usage else {}
+        return {**self._head(), "choices": [self._choice(delta)], **usage_field}
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The last chunk with stream_options.include_usage."""

@@ -270,10 +270,11 @@ class _ClosingStreamingResponse(TimedStreamingResponse):
 async def run_generation(state: ServerState, request: Request, tenant: Tenant, target: Target,
                          prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
                          stream: bool, include_usage: bool, started: float, release: Callable[[], None],
-                         cache_salt: str | None = None):
+                         cache_salt: str | None = None, continuous_usage: bool = False):
     """Start and answer one generation request (streamed or whole) on the seats the caller took
     (ServerState.admit); `release` (idempotent) gives them back however the request ends. cache_salt:
-    the body's (combined with the tenant's, engine_cache_salt)."""
+    the body's (combined with the tenant's, engine_cache_salt). continuous_usage: every streamed chunk
+    carries the usage so far (stream_options.continuous_usage_stats)."""
     try:
         state.metrics.requests.labels(target.model).inc()
         state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
@@ -286,7 +287,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
             await close_runs(runs)
             release()
 
-        return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup), cleanup,
+        return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup, continuous_usage), cleanup,
                                          state.config.stream_send_timeout, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
     try:
@@ -322,7 +323,10 @@ def _join(total: Delta, delta: Delta | None) -> Delta:
 
 
 async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: bool,
-                  cleanup: Callable) -> AsyncIterator[str]:
+                  cleanup: Callable, continuous_usage: bool = False) -> AsyncIterator[str]:
+    def chunk(delta: Delta) -> str:
+        return sse(fmt.chunk(delta, include_usage, _usage(runs) if continuous_usage else None))
+
     rest = merged(runs)
     try:
         for run in runs:
@@ -330,7 +334,7 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
                 for choice in run.choice_indices:
                     yield sse(fmt.opening_chunk(choice, include_usage))
             for delta in run.advance_first:
-                yield sse(fmt.chunk(delta, include_usage))
+                yield chunk(delta)
         async for run, item in rest:
             try:
                 if isinstance(item, BaseException):
@@ -340,7 +344,7 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
                 yield sse(error_body(err.status, err.message, err.code))
                 continue
             for delta in deltas:
-                yield sse(fmt.chunk(delta, include_usage))
+                yield chunk(delta)
         if include_usage:
             yield sse(fmt.usage_chunk(_usage(runs)))
         yield DONE_EVENT

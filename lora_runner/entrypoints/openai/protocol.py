@@ -18,9 +18,11 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices;
+    ``continuous_usage_stats`` (vLLM, with include_usage) puts the usage so far in every chunk too."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _GenerationBody(_Body):
