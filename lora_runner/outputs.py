@@ -44,6 +44,14 @@ class CompletionOutput:
         """True once a finish_reason is set."""
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the chosen tokens' logprobs (vLLM's field); None without logprobs, as in vLLM v1.
+        For a DELTA output, the sum over the tokens it holds."""
+        if self.logprobs is None:
+            return None
+        return sum(table[token] for token, table in zip(self.token_ids, self.logprobs))
+
     def add(self, later: CompletionOutput, aggregate: bool) -> None:
         """Fold this sequence's `later` output into this one, in place (vLLM's RequestOutput.add).
 

@@ -49,3 +49,21 @@ def test_bad_json_lora_modules_are_a_usage_error(spec, capsys):
         _parse(["--lora-modules", spec])
     assert exit_info.value.code == 2
     assert "--lora-modules" in capsys.readouterr().err
+
+
+def test_cumulative_logprob_is_the_sum_of_the_chosen_tokens_logprobs(engine_checkpoint, greedy_oracle):
+    from lora_runner import LLM, SamplingParams
+    from lora_runner.outputs import CompletionOutput
+
+    assert CompletionOutput(0, [3, 5], logprobs=[{3: -0.5, 1: -0.1}, {5: -0.25}]).cumulative_logprob == -0.75
+    assert CompletionOutput(0, [3, 5]).cumulative_logprob is None  # no logprobs asked: None, as vLLM v1
+    path, hf, _ = engine_checkpoint
+    llm = LLM(path, device="cpu", max_model_len=64)
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.close()
+    tokens, logprobs = greedy_oracle(hf, [5, 6, 7], 6)
+    assert out.token_ids == tokens
+    assert out.cumulative_logprob == pytest.approx(float(sum(logprobs)), abs=1e-4)
