@@ -40,7 +40,8 @@ class SamplingParams:
     min_tokens, logprobs) and stop token ids are at most MAX_COUNT (2**31 - 1); every number must be
     finite, so a tenant's value can never turn the logits into NaN.
     top_k: keep the k most likely tokens (-1 or None: off).
-    top_p: nucleus mass in (0, 1]. seed: per-request seed; the same seed and prompt give the same
+    top_p: nucleus mass in (0, 1]. min_p: in [0, 1]; tokens less likely than min_p times the most
+    likely one (after temperature) are not sampled (0: off), as vLLM. seed: per-request seed; the same seed and prompt give the same
     tokens whatever else is batched. max_tokens: most tokens to generate. stop_token_ids: a list of
     at most MAX_STOP_TOKEN_IDS (1024) extra ids that end generation (kept in the output); None at
     construction means none. ignore_eos: keep going past the model's EOS ids. logprobs: k >= 0 to
@@ -74,6 +75,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int | None = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
@@ -115,6 +117,9 @@ class SamplingParams:
         _check_real("top_p", self.top_p, "a number in (0, 1]")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_real("min_p", self.min_p, "a number in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (_is_int(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:

@@ -48,6 +48,27 @@ def test_greedy_and_random_rows_in_one_batch_keep_their_own_settings():
     assert set(tokens[1::2]) == set(range(V))
 
 
+def test_min_p_drops_the_tokens_less_likely_than_min_p_times_the_top_one():
+    """vLLM's min_p, after temperature: with min_p 0.3 only tokens with p >= 0.3 * p_max are sampled,
+    in proportion to their own probability; rows without min_p in the same batch keep every token."""
+    probs = torch.tensor([0.40, 0.20, 0.13, 0.11, 0.08, 0.05, 0.02, 0.01], dtype=torch.float64)
+    logits = probs.log().float()
+    n = 12000
+    params = [SamplingParams(temperature=1.0, min_p=0.3 if i % 2 == 0 else 0.0) for i in range(n)]
+    tokens = torch.tensor(sample(Sampler(V, "cpu", seed=3), logits.expand(n, V).clone(), params).token_ids)
+    kept = probs >= 0.3 * probs.max()  # tokens 0, 1, 2 (0.13 >= 0.12)
+    freq = torch.bincount(tokens[0::2], minlength=V).double() / (n // 2)
+    assert set(tokens[0::2].tolist()) == set(kept.nonzero().flatten().tolist())
+    torch.testing.assert_close(freq, torch.where(kept, probs, 0.0) / probs[kept].sum(), atol=0.02, rtol=0)
+    assert set(tokens[1::2].tolist()) == set(range(V))  # the same batch's rows without min_p
+
+
+@pytest.mark.parametrize("min_p", [-0.1, 1.5, float("nan"), "0.1"])
+def test_min_p_outside_0_1_is_refused(min_p):
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=min_p)
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, 3, 1.0), (1.5, -1, 0.6),
                                                        (1.0, 4, 0.8)])
 def test_sampled_frequencies_match_distribution(temperature, top_k, top_p):

@@ -261,6 +261,7 @@ ERRORS = [  # (body changes to a valid completion, status, code)
     ({"prompt": ""}, 400, "invalid_value"),
     ({"temperature": -1}, 400, "invalid_request"),
     ({"top_k": 0}, 400, "invalid_value"),  # SamplingParams' ValueError
+    ({"min_p": 1.5}, 400, "invalid_request"),
     ({"max_tokens": "8"}, 400, "invalid_request"),  # strict types
     ({"model": None}, 400, "invalid_request"),
 ]

@@ -51,6 +51,7 @@ class _RowSettings:
     all_greedy: bool
     use_top_k: bool
     use_top_p: bool
+    min_p: torch.Tensor | None = None  # [S] float32, set when some random row uses min_p
 
 
 @dataclass
@@ -180,6 +181,7 @@ class Sampler:
             return _RowSettings(None, None, None, None, [], num_logprobs, all_greedy=True,
                                 use_top_k=False, use_top_p=False)
         random_rows = ~batch.greedy  # [S]
+        use_min_p = batch.min_p is not None and bool((batch.min_p[random_rows] > 0).any())
         return _RowSettings(
             temperatures=torch.from_numpy(batch.temperature).to(self.device),
             top_k=torch.from_numpy(batch.top_k).to(self.device),
@@ -189,10 +191,15 @@ class Sampler:
             num_logprobs=num_logprobs,
             all_greedy=False,
             use_top_k=bool((batch.top_k[random_rows] < self.vocab_size).any()),
-            use_top_p=bool((batch.top_p[random_rows] < 1.0).any()))
+            use_top_p=bool((batch.top_p[random_rows] < 1.0).any()),
+            min_p=torch.from_numpy(batch.min_p).to(self.device) if use_min_p else None)
 
     def _sample(self, logits: torch.Tensor, batch: _RowSettings) -> torch.Tensor:
         scaled = logits / batch.temperatures[:, None]  # [S, V]
+        if batch.min_p is not None:  # as vLLM: after temperature, before top-k / top-p
+            probs = torch.softmax(scaled, dim=-1)  # [S, V]
+            too_unlikely = probs < batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [S, V]
+            scaled = scaled.masked_fill(too_unlikely, float("-inf"))
         if batch.use_top_k or batch.use_top_p:
             scaled = self._mask_top_k_top_p(scaled, batch)
         probs = torch.softmax(scaled, dim=-1)  # [S, V]

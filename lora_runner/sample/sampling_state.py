@@ -44,6 +44,7 @@ class SamplingBatch:
     ban_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [N] row of each banned id
     ban_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [N] token ids it may not sample
     errors: dict[int, BaseException] = field(default_factory=dict)  # row -> why its settings are unusable
+    min_p: np.ndarray | None = None  # [S] float32; None: 0 (off) for every row
 
     @property
     def num_rows(self) -> int:
@@ -67,7 +68,8 @@ class SamplingBatch:
             self.has_penalties[one], seeded=[(0, g) for r, g in self.seeded if r == row],
             histories={0: self.histories[row]} if row in self.histories else {},
             ban_rows=np.zeros(int(banned.sum()), np.int64), ban_ids=self.ban_ids[banned],
-            errors={0: self.errors[row]} if row in self.errors else {})
+            errors={0: self.errors[row]} if row in self.errors else {},
+            min_p=None if self.min_p is None else self.min_p[one])
 
 
 class SamplingState:
@@ -86,6 +88,7 @@ class SamplingState:
         self.temperature = np.ones(rows, np.float32)  # [R]
         self.top_k = np.full(rows, vocab_size, np.int64)  # [R]
         self.top_p = np.ones(rows, np.float32)  # [R]
+        self.min_p = np.zeros(rows, np.float32)  # [R]
         self.greedy = np.ones(rows, bool)  # [R]
         self.num_logprobs = np.full(rows, -1, np.int64)  # [R]
         self.presence_penalty = np.zeros(rows, np.float32)  # [R]
@@ -144,6 +147,7 @@ class SamplingState:
         self.temperature[row] = 1.0 if greedy else params.temperature
         self.top_k[row] = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
         self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
@@ -187,7 +191,7 @@ class SamplingState:
             self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows], self.num_logprobs[rows],
             self.presence_penalty[rows], self.frequency_penalty[rows], self.repetition_penalty[rows],
             self.has_penalties[rows], seeded=[(i, self.generators[rows[i]]) for i in random_seeded.tolist()],
-            errors=errors)
+            errors=errors, min_p=self.min_p[rows])
 
     def _write_stop_ids(self, row: int, params: SamplingParams) -> None:
         # the ids come from the stop rule the output processor applies; only min_tokens decides when

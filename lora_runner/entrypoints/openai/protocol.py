@@ -33,6 +33,7 @@ class _GenerationBody(_Body):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = None  # extension (vLLM): -1 or None = off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension (vLLM): 0 or None = off
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

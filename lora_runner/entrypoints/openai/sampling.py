@@ -53,6 +53,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
             seed=body.seed, n=body.n, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
