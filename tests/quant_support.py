@@ -37,7 +37,8 @@ def save_ct_fp8(path, strategy: str = "channel", seed: int = 0, activations: boo
                 continue
             weight = module.weight  # [N, K]
             dims = dict(dim=1, keepdim=True) if strategy == "channel" else {}
-            scale, zero = calculate_qparams(weight.amin(**dims), weight.amax(**dims), module.quantization_scheme.weights)
+            args = module.quantization_scheme.weights
+            scale, zero = calculate_qparams(weight.amin(**dims), weight.amax(**dims), args)
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))

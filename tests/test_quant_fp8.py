@@ -109,9 +109,11 @@ def _float64_twin(hf, model):
     twin = copy.deepcopy(hf).double()
     with torch.no_grad():
         for ours, theirs in zip(model.layers, twin.model.layers):
-            pairs = [(ours.self_attn.qkv, [theirs.self_attn.q_proj, theirs.self_attn.k_proj, theirs.self_attn.v_proj]),
-                     (ours.self_attn.o, [theirs.self_attn.o_proj]),
-                     (ours.mlp.gate_up, [theirs.mlp.gate_proj, theirs.mlp.up_proj]), (ours.mlp.down, [theirs.mlp.down_proj])]
+            attn = theirs.self_attn
+            pairs = [(ours.self_attn.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]),
+                     (ours.self_attn.o, [attn.o_proj]),
+                     (ours.mlp.gate_up, [theirs.mlp.gate_proj, theirs.mlp.up_proj]),
+                     (ours.mlp.down, [theirs.mlp.down_proj])]
             for linear, modules in pairs:
                 rows = (linear.weight.double() * linear.weight_scale.double()[:, None]).split(linear.slice_sizes)
                 for module, weight in zip(modules, rows):
