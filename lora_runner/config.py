@@ -9,6 +9,7 @@ import torch
 
 from lora_runner.core.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
 from lora_runner.device import resolve_device, resolve_dtype
+from lora_runner.model.quant.config import ONLINE_METHODS as QUANTIZATION_OPTIONS
 
 
 def _doc(text: str, **default) -> dict:
@@ -26,6 +27,10 @@ class EngineConfig:
 
     model: str = field(**_doc("base model: a local directory or a Hugging Face Hub repo id"))
     revision: str | None = field(**_doc("the model's Hub branch, tag or commit", default=None))
+    quantization: str | None = field(**_doc(
+        'quantize a bf16/fp16/fp32 checkpoint at load: "fp8" (per-output-channel FP8 weights, as vLLM\'s online '
+        'FP8) or None; checkpoints that are already quantized (compressed-tensors, GPTQ, AWQ) are detected from '
+        'their config.json without it', default=None))
     max_loras: int = field(**_doc("LoRA device slots (distinct LoRAs per step)", default=4))
     max_lora_rank: int = field(**_doc("largest LoRA rank accepted", default=16))
     max_cpu_loras: int | None = field(**_doc("LoRAs kept in CPU memory (None: max(16, max_loras))", default=None))
@@ -107,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         for name in ("fairness_prefill_weight", "fairness_decode_weight"):
             check_weight(name, getattr(self, name))
+        if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATION_OPTIONS}, got {self.quantization!r}")
         self.torch_device()  # validates device
         self.torch_dtype()  # validates dtype
 

@@ -73,7 +73,8 @@ class LLMEngine:
         if device.type == "cpu" or cfg.cpu_threads is not None:
             set_cpu_threads(cfg.cpu_threads)
         self.model, self.model_config, self.model_dir = load_model(
-            cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only)
+            cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only,
+            quantization=cfg.quantization)
         manager = AdapterManager(
             self.model_config.spec(), max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
             max_cpu_loras=cfg.cpu_loras, max_prompt_adapters=cfg.max_prompt_adapters,

@@ -18,6 +18,7 @@ from adapters import ModelSpec
 from lora_runner.model.families import (
     HIDDEN_ACTS, MODEL_TYPES, SUPPORTED_ARCHITECTURES, family_options, rope_type_alias,
 )
+from lora_runner.model.quant.config import QuantConfig, parse_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     name_or_path: str | None = None
+    quantization: QuantConfig | None = None  # quantized decoder linears (config.json or quantization="fp8")
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -116,6 +118,9 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")
+        if self.quantization is not None:
+            spec = self.spec()
+            self.quantization.check_in_features({p: spec.in_features(p) for p in ("qkv", "o", "gate_up", "down")})
 
     @property
     def attn_scale(self) -> float:
@@ -141,8 +146,10 @@ class ModelConfig:
                          vocab_size=self.vocab_size, fused_projections=self.fused_projections)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, name_or_path: str | None = None) -> ModelConfig:
-        """Parse ``<model_dir>/config.json``; FileNotFoundError names the file when it is missing."""
+    def from_dir(cls, model_dir: str | Path, name_or_path: str | None = None,
+                 quantization: str | None = None) -> ModelConfig:
+        """Parse ``<model_dir>/config.json``; FileNotFoundError names the file when it is missing.
+        quantization: the engine's option (None or "fp8", see :meth:`from_dict`)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model dir {str(model_dir)!r}")
@@ -150,11 +157,14 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from err
-        return cls.from_dict(raw, name_or_path=name_or_path or str(model_dir))
+        return cls.from_dict(raw, name_or_path=name_or_path or str(model_dir), quantization=quantization)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], name_or_path: str | None = None) -> ModelConfig:
-        """Build from a parsed transformers config dict (ValueError for anything unsupported)."""
+    def from_dict(cls, raw: dict[str, Any], name_or_path: str | None = None,
+                  quantization: str | None = None) -> ModelConfig:
+        """Build from a parsed transformers config dict (ValueError for anything unsupported, a
+        ``quantization_config`` this code does not implement included: lora_runner.model.quant.config).
+        quantization "fp8": quantize a float checkpoint's decoder linears to FP8 at load."""
         architecture = _architecture(raw)
         num_layers = _require(raw, "num_hidden_layers")
         num_heads = _require(raw, "num_attention_heads")
@@ -177,6 +187,7 @@ class ModelConfig:
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=raw.get("pad_token_id"),
             name_or_path=name_or_path or raw.get("_name_or_path") or None,
+            quantization=parse_quantization(raw, quantization),
             **family_options(architecture, raw),
         )
 

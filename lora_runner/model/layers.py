@@ -15,6 +15,7 @@ from torch import nn
 import punica_kernels
 from lora_runner.model.config import RopeConfig
 from lora_runner.model.forward_context import LoRAContext
+from lora_runner.model.quant.linear import UNQUANTIZED, LinearMethod
 
 
 class RMSNorm(nn.Module):
@@ -178,14 +179,19 @@ class LoRALinear(nn.Module):
     "gate_up"); `slice_sizes` are their output widths, in the order the LoRA slots store them. The
     slots' scales ride along: LoRA scaling per slice, and DoRA's column scale, which multiplies the
     output of that slot's tokens but not the bias (as PEFT).
+
+    The base matmul x @ W.T (+ b) is the `method`'s (unquantized, FP8 or W4A16: lora_runner.model.quant.
+    linear), which also holds the weight's tensors; the LoRA delta and DoRA's scales are the same for all.
     """
 
     def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, layer: int, packed: str,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, method: LinearMethod = UNQUANTIZED):
         super().__init__()
         out_features = sum(slice_sizes)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)  # [N, K]
+        self.method = method  # holds and multiplies by the base weight (lora_runner.model.quant.linear)
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype, self.device = dtype, torch.device(device)
+        method.create_weights(self, in_features, out_features, dtype, device)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)  # [N]
         self.slice_sizes = tuple(slice_sizes)
@@ -193,13 +199,17 @@ class LoRALinear(nn.Module):
         self.packed = packed
 
     def forward(self, x: torch.Tensor, lora: LoRAContext | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, N]
+        y = self.method.apply(self, x, self.bias)  # [T, N]
         if lora is not None:
             lora_a, lora_b = lora.slots.weights(self.layer, self.packed)
             slice_scales, column_scales = lora.slots.scales(self.layer, self.packed)
             punica_kernels.add_lora(y, x, lora_a, lora_b, lora.meta, self.slice_sizes, slice_scales=slice_scales,
                                     column_scales=column_scales, bias=self.bias)
         return y
+
+    def base_weight(self) -> torch.Tensor:
+        """The base weight W [N, K] in the model dtype (dequantized, a new tensor, for a quantized layer)."""
+        return self.method.dequantize(self)
 
     def slice_offsets(self) -> tuple[int, ...]:
         """Row offset of each slice within the packed weight."""
@@ -208,6 +218,18 @@ class LoRALinear(nn.Module):
 
 def lora_base_weights(model: nn.Module):
     """(layer, packed) -> the base weight [N, K] of the model's LoRA-aware linear there (DoRA's norms
-    are computed from it when an adapter loads; see adapters.dora)."""
-    weights = {(m.layer, m.packed): m.weight for m in model.modules() if isinstance(m, LoRALinear)}
-    return lambda layer, packed: weights[layer, packed]
+    are computed from it when an adapter loads; see adapters.dora).
+
+    A quantized layer's weight is dequantized when asked (the model keeps only the quantized one); the
+    last one is kept, so the slices of one packed weight (q, k, v) dequantize it once per adapter load."""
+    modules = {(m.layer, m.packed): m for m in model.modules() if isinstance(m, LoRALinear)}
+    last: dict[tuple[int, str], torch.Tensor] = {}
+
+    def base_weight(layer: int, packed: str) -> torch.Tensor:
+        key = (layer, packed)
+        if key not in last:
+            last.clear()
+            last[key] = modules[key].base_weight()  # [N, K]
+        return last[key]
+
+    return base_weight

@@ -24,11 +24,13 @@ from lora_runner.model.attention import paged_attention, token_seq_lens, write_k
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.forward_context import ForwardContext, LoRAContext, PromptAdapterContext
 from lora_runner.model.layers import LoRALinear, RMSNorm, RotaryEmbedding
+from lora_runner.model.quant.linear import linear_method
 from lora_runner.model.vocab_lora import LMHeadLoRAContext, add_embedding_lora, add_lm_head_lora
 
 logger = logging.getLogger(__name__)
 
-_LAYER_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)")
+# the tensors of one linear: weight and bias, or a quantized one's (weight_scale, qweight, scales, ...)
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(\w+)")
 _IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints saved
 _NORM_KEY = re.compile(r"layers\.\d+\.((input|post_attention|pre_feedforward|post_feedforward)_layernorm"
                        r"|self_attn\.[qk]_norm)\.weight")
@@ -46,10 +48,11 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        spec = config.spec()
+        spec, method = config.spec(), linear_method(config.quantization)
         self.qkv = LoRALinear(spec.in_features("qkv"), spec.slice_sizes("qkv"), config.qkv_bias, layer, "qkv",
-                              dtype, device)
-        self.o = LoRALinear(spec.in_features("o"), spec.slice_sizes("o"), config.o_bias, layer, "o", dtype, device)
+                              dtype, device, method)
+        self.o = LoRALinear(spec.in_features("o"), spec.slice_sizes("o"), config.o_bias, layer, "o", dtype, device,
+                            method)
         if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
             self.q_norm = make_norm(config, self.head_dim, dtype, device)
             self.k_norm = make_norm(config, self.head_dim, dtype, device)
@@ -82,11 +85,11 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
         super().__init__()
-        spec = config.spec()
+        spec, method = config.spec(), linear_method(config.quantization)
         self.gate_up = LoRALinear(spec.in_features("gate_up"), spec.slice_sizes("gate_up"), config.mlp_bias, layer,
-                                  "gate_up", dtype, device)
+                                  "gate_up", dtype, device, method)
         self.down = LoRALinear(spec.in_features("down"), spec.slice_sizes("down"), config.mlp_bias, layer, "down",
-                               dtype, device)
+                               dtype, device, method)
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -186,12 +189,27 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy transformers-named tensors into the packed parameters; ValueError on missing/misshapen ones."""
+        """Copy transformers-named tensors into the packed parameters; a quantized linear's tensors
+        (``q_proj.weight`` + ``weight_scale``, ``qweight`` / ``scales`` / ..., see lora_runner.model.quant)
+        are collected per slice and converted by its method once the slices are all there.
+        ValueError on missing, misshapen or unexpectedly quantized tensors."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[tuple[str, int]] = set()
         ignored: list[str] = []
+        pending: dict[str, dict[int | None, tuple[str, dict[str, torch.Tensor]]]] = {}  # module -> slices
         for name, tensor in weights:
             target = self._map_name(name)
+            module = self._quantized_module(target)
+            if module is not None:
+                path, suffix = target[0].rsplit(".", 1)
+                if suffix not in (*module.method.suffixes, *module.method.optional_suffixes):
+                    ignored.append(name)
+                    continue
+                prefix = name[:-len(suffix) - 1]
+                pending.setdefault(path, {}).setdefault(target[1], (prefix, {}))[1][suffix] = tensor
+                if self._slices_complete(module, pending[path], optional=True):
+                    loaded |= self._load_quantized(path, pending.pop(path))
+                continue
             if target is None or target[0] not in params:
                 ignored.append(name)
                 continue
@@ -203,8 +221,16 @@ class LlamaForCausalLM(nn.Module):
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dst.shape)} (config.json does not match the weights)")
+            if not tensor.is_floating_point() or tensor.element_size() == 1:
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}: a quantized weight, but config.json "
+                                 "has no quantization_config saying how to read it")
             dst.copy_(tensor)
             loaded |= self._weight_keys(param_name, index)
+        for path, slices in pending.items():  # slices still waiting for optional tensors (g_idx), or short of some
+            if self._slices_complete(self.get_submodule(path), slices, optional=False):
+                loaded |= self._load_quantized(path, slices)
+            else:
+                self._raise_if_partial(path, slices)
         missing = sorted(self._required_weights() - loaded)
         if missing:
             shown = ", ".join(f"{p}[slice {i}]" if i >= 0 else p for p, i in missing[:8])
@@ -213,6 +239,49 @@ class LlamaForCausalLM(nn.Module):
         if unexpected:
             logger.warning("ignored %d checkpoint tensor(s) the model has no place for: %s", len(unexpected),
                            ", ".join(unexpected[:8]))
+
+    def _quantized_module(self, target: tuple[str, int | None] | None) -> LoRALinear | None:
+        """The quantized linear a mapped checkpoint tensor (not its bias) belongs to, else None."""
+        if target is None or "." not in target[0]:
+            return None
+        path, suffix = target[0].rsplit(".", 1)
+        try:
+            module = self.get_submodule(path)
+        except AttributeError:
+            return None
+        if not isinstance(module, LoRALinear) or not module.method.quantized or suffix == "bias":
+            return None
+        return module
+
+    @staticmethod
+    def _slices_complete(module: LoRALinear, slices: dict, optional: bool) -> bool:
+        """Every slice of the module (or the one fused tensor) is there with its required (and, if
+        `optional`, its optional) tensors."""
+        wanted = set(module.method.suffixes) | (set(module.method.optional_suffixes) if optional else set())
+        indices = [None] if None in slices else list(range(len(module.slice_sizes)))
+        return all(i in slices and wanted <= set(slices[i][1]) for i in indices)
+
+    def _raise_if_partial(self, path: str, slices: dict) -> None:
+        """ValueError naming the first tensor a present slice lacks (a slice absent altogether is
+        reported with the other missing weights)."""
+        module = self.get_submodule(path)
+        for prefix, tensors in slices.values():
+            lacking = [s for s in module.method.suffixes if s not in tensors]
+            if lacking:
+                raise ValueError(f"checkpoint lacks {prefix}.{lacking[0]} (quantization_config needs "
+                                 f"{', '.join(module.method.suffixes)} for every quantized linear)")
+
+    def _load_quantized(self, path: str, slices: dict) -> set[tuple[str, int]]:
+        """Convert one quantized linear's slices into its tensors; the (parameter, slice) keys it fills."""
+        module = self.get_submodule(path)
+        self._raise_if_partial(path, slices)
+        if None in slices:
+            prefix, tensors = slices[None]
+            parts = [(prefix, tensors, module.out_features)]
+        else:
+            parts = [(*slices[i], size) for i, size in enumerate(module.slice_sizes)]
+        module.method.load(module, parts)
+        return self._weight_keys(f"{path}.weight", None)
 
     def _map_name(self, name: str) -> tuple[str, int | None] | None:
         """transformers tensor name -> (our parameter name, slice index within a packed weight or None)."""
@@ -256,4 +325,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head" and self.config.tie_word_embeddings:
                 continue
             required |= self._weight_keys(name, None)
+        for name, module in self.named_modules():
+            if isinstance(module, LoRALinear) and module.method.quantized:  # its weight is buffers, not a parameter
+                required |= self._weight_keys(f"{name}.weight", None)
         return required

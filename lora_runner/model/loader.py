@@ -101,8 +101,14 @@ def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
 
 
 def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu", local_files_only: bool | None = None):
+               device: torch.device | str = "cpu", local_files_only: bool | None = None,
+               quantization: str | None = None):
     """Build the decoder for `model` (local dir or Hub repo id) with its weights loaded.
+
+    A checkpoint's ``quantization_config`` (compressed-tensors FP8 / W4A16, GPTQ, AWQ) or
+    ``quantization="fp8"`` (a float checkpoint quantized at load) keeps the decoder linears quantized
+    (lora_runner.model.quant); anything this code does not implement is refused before any weight is
+    allocated.
 
     Returns (LlamaForCausalLM or a subclass, ModelConfig, model_dir). Raises FileNotFoundError for a missing
     dir/repo/config/weights and ValueError for an unsupported architecture or option.
@@ -110,9 +116,11 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     model_dir = resolve_model_dir(model, revision=revision, local_files_only=local_files_only)
-    config = ModelConfig.from_dir(model_dir, name_or_path=model)
+    config = ModelConfig.from_dir(model_dir, name_or_path=model, quantization=quantization)
     weight_files(model_dir)  # fail on missing weights before allocating the model
     net = model_class(config)(config, dtype=dtype, device=device)
     net.load_weights(iter_weights(model_dir))
-    logger.info("loaded %s (%s, %d layers) as %s on %s", model, config.architecture, config.num_layers, dtype, device)
+    quant = config.quantization
+    logger.info("loaded %s (%s, %d layers) as %s on %s%s", model, config.architecture, config.num_layers, dtype, device,
+                f", {quant.kind} linears ({quant.source})" if quant else "")
     return net.eval(), config, model_dir
