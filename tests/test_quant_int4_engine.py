@@ -1,0 +1,44 @@
+"""4-bit checkpoints end to end: GPTQ (v1 layout, symmetric) and AWQ (GEMM layout, zero points) directories
+written in each format's documented layout (tests/test_quant_int4_formats.write_int4_checkpoint) load through
+the engine's loader and serve the base model and a PEFT LoRA in one batch, against transformers holding the
+dequantized weights in float64."""
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+from adapters import LoRARequest
+from lora_runner import SamplingParams
+
+from engine_support import assert_exact, make_engine, run_to_completion
+from factories import save_lora, save_tiny_model
+from quant_support import greedy
+from test_quant_int4_formats import write_int4_checkpoint
+
+
+@pytest.mark.parametrize("quant_method", ["gptq", "awq"])
+def test_a_4bit_checkpoint_serves_base_and_lora_against_its_dequantized_twin(tmp_path, quant_method):
+    from peft import PeftModel
+
+    hf = save_tiny_model(tmp_path / "float", "llama", seed=3)
+    dequantized = write_int4_checkpoint(hf, tmp_path / "model", quant_method, group_size=32)
+    for item in (tmp_path / "float").iterdir():  # the tokenizer files
+        if item.name not in ("config.json", "model.safetensors"):
+            shutil.copy(item, tmp_path / "model" / item.name)
+    oracle = copy.deepcopy(hf).double().eval()
+    for module, weight in dequantized.items():
+        oracle.get_submodule(module).weight.data.copy_(weight.double())
+    save_lora(hf, tmp_path / "lora", seed=7, scale=0.15)
+    oracle_lora = PeftModel.from_pretrained(copy.deepcopy(oracle), str(tmp_path / "lora")).double().eval()
+
+    engine = make_engine(str(tmp_path / "model"))
+    qkv = engine.model.layers[0].self_attn.qkv
+    assert qkv.qweight.dtype == torch.int32 and not hasattr(qkv, "weight")  # it stays 4-bit in memory
+    assert (qkv.zeros is None) == (quant_method == "gptq")
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
+    done = run_to_completion(engine, [("base", [5, 6, 7], params),
+                                      ("lora", [8, 9, 10, 11], params, LoRARequest("l", str(tmp_path / "lora")))])
+    assert_exact(done["base"], oracle, [5, 6, 7], greedy, 5, tolerance=1e-3)
+    assert_exact(done["lora"], oracle_lora, [8, 9, 10, 11], greedy, 5, tolerance=1e-3)
