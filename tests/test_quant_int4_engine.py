@@ -42,3 +42,24 @@ def test_a_4bit_checkpoint_serves_base_and_lora_against_its_dequantized_twin(tmp
                                       ("lora", [8, 9, 10, 11], params, LoRARequest("l", str(tmp_path / "lora")))])
     assert_exact(done["base"], oracle, [5, 6, 7], greedy, 5, tolerance=1e-3)
     assert_exact(done["lora"], oracle_lora, [8, 9, 10, 11], greedy, 5, tolerance=1e-3)
+
+
+def test_a_compressed_tensors_w4a16_checkpoint_serves_against_the_librarys_decompression(tmp_path):
+    """A W4A16 (pack-quantized, symmetric, group 32) checkpoint made by compressed-tensors itself; the oracle
+    is the library's own decompression in transformers, with a PEFT LoRA in the same batch."""
+    from peft import PeftModel
+
+    from quant_support import ct_w4a16_decompressed, save_ct_w4a16
+
+    save_ct_w4a16(tmp_path / "model", group_size=32, seed=5)
+    oracle = ct_w4a16_decompressed(tmp_path / "model").double()
+    save_lora(save_tiny_model(tmp_path / "float", "llama", seed=5), tmp_path / "lora", seed=8, scale=0.15)
+    oracle_lora = PeftModel.from_pretrained(copy.deepcopy(oracle), str(tmp_path / "lora")).double().eval()
+    engine = make_engine(str(tmp_path / "model"))
+    gate_up = engine.model.layers[0].mlp.gate_up
+    assert gate_up.qweight.dtype == torch.int32 and gate_up.zeros is None and not hasattr(gate_up, "weight")
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
+    done = run_to_completion(engine, [("base", [5, 6, 7], params),
+                                      ("lora", [8, 9, 10, 11], params, LoRARequest("l", str(tmp_path / "lora")))])
+    assert_exact(done["base"], oracle, [5, 6, 7], greedy, 5, tolerance=1e-3)
+    assert_exact(done["lora"], oracle_lora, [8, 9, 10, 11], greedy, 5, tolerance=1e-3)
