@@ -112,7 +112,9 @@ def test_a_slot_write_that_raises_fails_only_its_adapters_requests(engine_checkp
             if output.finished and output.outputs[0].finish_reason == "error":
                 assert rows.row_of(output.request_id) is None, output.request_id
 
-    done = run_to_completion(engine, _requests(adapters, victim), per_step=1, on_step=no_row_for_a_failed_request)
+    # all added at once: both victims wait on the same load, so one write fails them both (added a step apart, a
+    # fast load could fail the first before the second arrives, which then retries the name, as after a load failure)
+    done = run_to_completion(engine, _requests(adapters, victim), on_step=no_row_for_a_failed_request)
     for name in ("victim-0", "victim-1"):
         assert done[name].outputs[0].finish_reason == "error", name
         assert isinstance(done[name].error, AdapterError) and "slot" in str(done[name].error), done[name].error
