@@ -41,7 +41,8 @@ class SamplingParams:
     finite, so a tenant's value can never turn the logits into NaN.
     top_k: keep the k most likely tokens (-1 or None: off).
     top_p: nucleus mass in (0, 1]. min_p: in [0, 1]; tokens less likely than min_p times the most
-    likely one (after temperature) are not sampled (0: off), as vLLM. seed: per-request seed; the same seed and prompt give the same
+    likely one (after temperature) are not sampled (0: off), as vLLM. seed: per-request seed; the same
+    seed and prompt give the same
     tokens whatever else is batched. max_tokens: most tokens to generate. stop_token_ids: a list of
     at most MAX_STOP_TOKEN_IDS (1024) extra ids that end generation (kept in the output); None at
     construction means none. ignore_eos: keep going past the model's EOS ids. logprobs: k >= 0 to
@@ -63,6 +64,8 @@ class SamplingParams:
     min_tokens: no EOS, stop token or stop string ends the request before this many tokens (at most
     max_tokens): until then the EOS ids (unless ignore_eos) and stop_token_ids are masked from
     sampling (as in vLLM) and stop strings are not searched.
+    truncate_prompt_tokens: keep only the prompt's last k tokens (k >= 1; -1: max_model_len; None: the
+    whole prompt, which must fit), as vLLM.
     output_kind: RequestOutputKind.CUMULATIVE (each output holds everything so far) or DELTA (each
     holds only what is new since the previous one).
 
@@ -90,6 +93,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    truncate_prompt_tokens: int | None = None
     # CUMULATIVE (the whole output so far in every RequestOutput) or DELTA (only the new part)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -195,6 +199,11 @@ class SamplingParams:
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be True or False, "
                              f"got {self.include_stop_str_in_output!r}")
+        if self.truncate_prompt_tokens is not None and not (
+                _is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens == -1
+                                                          or 1 <= self.truncate_prompt_tokens <= MAX_COUNT)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len), an integer in [1, {MAX_COUNT}] "
+                             f"or None, got {self.truncate_prompt_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")

@@ -457,3 +457,11 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens == 6
     plain = list(client.completions.create(**kwargs, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens == 6
+
+
+def test_truncate_prompt_tokens_cuts_the_prompt_before_the_length_checks(served):
+    body = {"model": "base", "prompt": "cat " * 600, "max_tokens": 2, "temperature": 0}
+    assert _post(served, "/v1/completions", body).status_code == 400  # prompt_too_long
+    cut = _post(served, "/v1/completions", {**body, "truncate_prompt_tokens": 5})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 5
+    assert _post(served, "/v1/completions", {**body, "truncate_prompt_tokens": 0}).status_code == 400

@@ -67,3 +67,26 @@ def test_cumulative_logprob_is_the_sum_of_the_chosen_tokens_logprobs(engine_chec
     tokens, logprobs = greedy_oracle(hf, [5, 6, 7], 6)
     assert out.token_ids == tokens
     assert out.cumulative_logprob == pytest.approx(float(sum(logprobs)), abs=1e-4)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k_prompt_tokens(engine_checkpoint):
+    from lora_runner import LLM, SamplingParams
+
+    path, _, _ = engine_checkpoint
+    llm = LLM(path, device="cpu", max_model_len=32)
+    try:
+        long_prompt = [5 + i % 40 for i in range(50)]  # over max_model_len: refused unless truncated
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate([long_prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+        greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+        cut, whole = llm.generate([long_prompt, long_prompt[-10:]],
+                                  [SamplingParams(**greedy, truncate_prompt_tokens=10), SamplingParams(**greedy)],
+                                  use_tqdm=False)
+        assert cut.prompt_token_ids == long_prompt[-10:] and cut.outputs[0].token_ids == whole.outputs[0].token_ids
+        every = llm.generate([long_prompt], SamplingParams(**greedy, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+        assert every.prompt_token_ids == long_prompt[-32:]
+    finally:
+        llm.close()
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -53,7 +53,7 @@ class InputProcessor:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         check_prompt_adapter_request(prompt_adapter_request, self.prompts_enabled)
-        token_ids = self.prompt_token_ids(prompt)
+        token_ids = self.prompt_token_ids(prompt, params.truncate_prompt_tokens)
         return [new_request(sample_id, token_ids, params.sample_params(i), prompt, lora_request,
                             prompt_adapter_request, tenant, cache_salt)
                 for i, sample_id in enumerate(sample_ids(request_id, params.n))]
@@ -69,8 +69,9 @@ class InputProcessor:
         params.validate(max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
         return params
 
-    def prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids: a string is encoded; ValueError for another type, an empty
+    def prompt_token_ids(self, prompt: str | list[int], truncate: int | None = None) -> list[int]:
+        """The prompt's token ids: a string is encoded, then only the last `truncate` kept (-1:
+        max_model_len; SamplingParams.truncate_prompt_tokens); ValueError for another type, an empty
         prompt, one over max_model_len, or ids outside the vocabulary."""
         if isinstance(prompt, str):
             token_ids = self.encode(prompt)
@@ -78,6 +79,8 @@ class InputProcessor:
             token_ids = list(prompt)
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if truncate is not None:
+            token_ids = token_ids[-(self.max_model_len if truncate == -1 else truncate):]
         if not token_ids:
             raise ValueError("prompt is empty")
         if len(token_ids) > self.max_model_len:

@@ -67,7 +67,10 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
                     request: Request, target, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
                     started: float, format_type, id_prefix: str, release):
     """Length checks (400), the engine's SamplingParams, then the generation in `format_type`'s shape
-    (on the seats `release` gives back)."""
+    (on the seats `release` gives back). truncate_prompt_tokens (vLLM) cuts each prompt first."""
+    keep = body.truncate_prompt_tokens
+    if keep is not None and keep != 0:  # 0 is refused by SamplingParams below
+        prompts = [ids[-(state.max_model_len if keep == -1 else keep):] for ids in prompts]
     check_lengths(state, prompts, max_tokens)
     params = sampling_params(body, max_tokens, logprobs)
     fmt = format_type(state.new_id(id_prefix), body.model)

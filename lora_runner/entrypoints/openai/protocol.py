@@ -48,6 +48,7 @@ class _GenerationBody(_Body):
     stop_token_ids: list[int] | None = None  # extension (vLLM)
     include_stop_str_in_output: bool = False  # extension (vLLM)
     min_tokens: int = Field(default=0, ge=0)  # extension (vLLM)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # extension (vLLM): keep the last k
     prompt_adapter: str | None = None  # extension: a registered soft prompt, by name
     cache_salt: str | None = Field(default=None, min_length=1)  # extension (vLLM): added to the tenant's salt
 

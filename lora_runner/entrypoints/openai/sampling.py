@@ -58,6 +58,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            stop=body.stop, include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens)
+            stop=body.stop, include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens,
+            truncate_prompt_tokens=body.truncate_prompt_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from exc
