@@ -8,9 +8,9 @@ One kernel for every case (zero points, act-order, bias are constexpr variants):
 * Grid (cdiv(T, BLOCK_M), cdiv(N, BLOCK_N)); each program walks K in BLOCK_K steps, fp32 accumulator.
 * Each step loads BLOCK_K / 8 words per weight row once and unpacks them with shifts (no repeated
   word loads); int64 row offsets, integer offsets everywhere (no tensor of pointers).
-* Without g_idx and with BLOCK_K dividing G, a step lies in one group: the integer values (q - z), exact
-  in fp16/bf16, go through tl.dot and the group's scale multiplies the fp32 partial. Otherwise (act-order)
-  each column is dequantized with its own group's scale and zero before the dot.
+* Without g_idx and with BLOCK_K dividing G, a step lies in one group: one scale and zero per weight row.
+  Otherwise (act-order) each column gathers its own group's scale and zero. The tile is dequantized in
+  fp32, rounded to x's dtype (as a dequantized weight would be) and multiplied with tl.dot.
 * g_idx values outside [0, K/G) are clamped (never an out-of-bounds read); the loader checks them.
 
 CPU tensors run under the Triton interpreter (no bf16 there), as punica_kernels.triton_ops.
@@ -27,33 +27,46 @@ import triton.language as tl
 from .triton_ops import kernel_for
 
 PACK = 8  # 4-bit values per int32 word
-SYMMETRIC_ZERO = 8
+SYMMETRIC_ZERO = tl.constexpr(8)  # a global a kernel reads must be a constexpr
 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Block sizes and warps of one launch; chosen from the number of tokens only (graph-stable)."""
+    """Block sizes, warps and pipeline stages of one launch; chosen from T and the dtype only (graph-stable)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
+    num_stages: int = 3
 
 
-# decode: narrow output blocks so a 4096-wide layer still has >= 128 programs; prefill: square-ish tiles
+# (largest T, config); None: any T. Half inputs: narrow output blocks for decode so a 4096-wide layer
+# still has >= 128 programs, square-ish tiles for prefill. fp32 (tf32x3 dots, 3 passes) gets smaller
+# tiles: the half ones spill registers there (tests/test_kernels_compile.py).
 TILE_CONFIGS = ((16, TileConfig(16, 32, 128, 4)), (64, TileConfig(32, 64, 64, 4)),
-                (None, TileConfig(64, 128, 64, 8)))  # (largest T, config); None: any T
+                (None, TileConfig(64, 128, 64, 8)))
+FP32_TILE_CONFIGS = ((16, TileConfig(16, 32, 32, 4)), (64, TileConfig(32, 32, 32, 4)),
+                     (None, TileConfig(32, 64, 32, 4)))
+# zero points or act-order (more loads per step) spill registers with the wider half tiles on sm_90
+EXTRA_LOAD_TILE_CONFIGS = ((16, TileConfig(16, 32, 128, 4)), (64, TileConfig(32, 32, 64, 4)),
+                           (None, TileConfig(64, 64, 64, 8)))
 
 
-def tile_config(num_tokens: int) -> TileConfig:
-    """The tile configuration for a batch of ``num_tokens`` rows."""
-    for max_tokens, config in TILE_CONFIGS:
+def tile_config(num_tokens: int, dtype: torch.dtype = torch.float16, extra_loads: bool = False) -> TileConfig:
+    """The tile configuration for a batch of ``num_tokens`` rows of ``dtype`` (``extra_loads``: the
+    weight has zero points or act-order)."""
+    configs = (FP32_TILE_CONFIGS if dtype == torch.float32 else EXTRA_LOAD_TILE_CONFIGS if extra_loads
+               else TILE_CONFIGS)
+    for max_tokens, config in configs:
         if max_tokens is None or num_tokens <= max_tokens:
             return config
-    raise AssertionError("TILE_CONFIGS must end with a catch-all entry")
+    raise AssertionError("the tile configs must end with a catch-all entry")
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+# the scale/zero row strides are K/G (7 for Qwen2's 896, 86 for Llama's 11008): specializing their
+# 16-divisibility would double the compiled variants for loads of a few bytes per row
+@triton.jit(do_not_specialize=["num_tokens", "stride_sn", "stride_zn"])
 def _w4a16_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, y_ptr,
     num_tokens, out_features, in_features,
@@ -73,8 +86,8 @@ def _w4a16_kernel(
     num_groups = in_features // GROUP_SIZE
     shifts = tl.arange(0, 8) * 4  # [8] nibble i of a word is bits 4i..4i+3
     offs_w = tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] words of one step
-    # one group per step: scale the integer-valued partial product after the dot
-    SCALE_AFTER_DOT: tl.constexpr = (not HAS_G_IDX) and (GROUP_SIZE % BLOCK_K == 0)
+    # one group per step: one scale (and zero) per weight row, not a gather per element
+    ONE_GROUP_PER_STEP: tl.constexpr = (not HAS_G_IDX) and (GROUP_SIZE % BLOCK_K == 0)
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
@@ -87,16 +100,15 @@ def _w4a16_kernel(
                         mask=n_mask[:, None] & (words_k < num_words)[None, :], other=0)  # [BLOCK_N, BLOCK_K/8]
         nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K/8, 8]
         q = tl.reshape(nibbles, (BLOCK_N, BLOCK_K))  # [BLOCK_N, BLOCK_K] int32 in 0..15
-        if SCALE_AFTER_DOT:
+        if ONE_GROUP_PER_STEP:
             group = k0 // GROUP_SIZE
-            scale = tl.load(scales_ptr + s_rows + group * stride_sg, mask=n_mask, other=0.0).to(tl.float32)
+            scale = tl.load(scales_ptr + s_rows + group * stride_sg, mask=n_mask, other=0.0)
+            scale = scale.to(tl.float32)[:, None]  # [BLOCK_N, 1]
             if HAS_ZEROS:
-                zero = tl.load(zeros_ptr + z_rows + group * stride_zg, mask=n_mask, other=0).to(tl.int32)
+                zero = tl.load(zeros_ptr + z_rows + group * stride_zg, mask=n_mask, other=0)
+                zero = zero.to(tl.int32)[:, None]  # [BLOCK_N, 1]
             else:
-                zero = tl.full((BLOCK_N,), SYMMETRIC_ZERO, tl.int32)
-            w = (q - zero[:, None]).to(x_tile.dtype)  # [BLOCK_N, BLOCK_K] integers -15..15: exact
-            partial = tl.dot(x_tile, tl.trans(w), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-            acc += partial * scale[None, :]
+                zero = SYMMETRIC_ZERO
         else:
             if HAS_G_IDX:
                 groups = tl.load(g_idx_ptr + offs_k, mask=k_mask, other=0)
@@ -110,9 +122,9 @@ def _w4a16_kernel(
                 zero = tl.load(zeros_ptr + z_rows[:, None] + groups[None, :].to(tl.int64) * stride_zg,
                                mask=nk_mask, other=0).to(tl.int32)  # [BLOCK_N, BLOCK_K]
             else:
-                zero = tl.full((BLOCK_N, BLOCK_K), SYMMETRIC_ZERO, tl.int32)
-            w = ((q - zero).to(tl.float32) * scale).to(x_tile.dtype)  # [BLOCK_N, BLOCK_K]
-            acc = tl.dot(x_tile, tl.trans(w), acc, input_precision=DOT_PRECISION)
+                zero = SYMMETRIC_ZERO
+        w = ((q - zero).to(tl.float32) * scale).to(x_tile.dtype)  # [BLOCK_N, BLOCK_K] dequantized
+        acc = tl.dot(x_tile, tl.trans(w), acc, input_precision=DOT_PRECISION)
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -135,7 +147,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     out_features = qweight.shape[0]
     if num_tokens == 0 or out_features == 0:
         return out
-    config = tile_config(num_tokens)
+    config = tile_config(num_tokens, x.dtype, zeros is not None or g_idx is not None)
     grid = (triton.cdiv(num_tokens, config.block_m), triton.cdiv(out_features, config.block_n))
     # unused pointers get a tensor that is surely there (never read: the constexpr branch is compiled out)
     zeros_arg = zeros if zeros is not None else qweight
@@ -147,6 +159,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         *x.stride(), *qweight.stride(), *scales.stride(), *stride_z, *out.stride(),
         GROUP_SIZE=group_size, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
+        DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
