@@ -46,8 +46,7 @@ class TileConfig:
 # tiles: the half ones spill registers there (tests/test_kernels_compile.py).
 TILE_CONFIGS = ((16, TileConfig(16, 32, 128, 4)), (64, TileConfig(32, 64, 64, 4)),
                 (None, TileConfig(64, 128, 64, 8)))
-FP32_TILE_CONFIGS = ((16, TileConfig(16, 32, 32, 4)), (64, TileConfig(32, 32, 32, 4)),
-                     (None, TileConfig(32, 64, 32, 4)))
+FP32_TILE_CONFIGS = ((16, TileConfig(16, 32, 32, 4)), (None, TileConfig(32, 32, 32, 4)))
 # zero points or act-order (more loads per step) spill registers with the wider half tiles on sm_90
 EXTRA_LOAD_TILE_CONFIGS = ((16, TileConfig(16, 32, 128, 4)), (64, TileConfig(32, 32, 64, 4)),
                            (None, TileConfig(64, 64, 64, 8)))
