@@ -277,7 +277,8 @@ def quant_table(results: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for row in results.get("quant_gemm", []):
         lines.append(f"| {row['n']}x{row['k']} | {row['num_tokens']} | {row['dense_us']:.1f} | "
-                     f"{row['w4a16_us']:.1f} | {row['w4a16_speedup']:.2f} | {row['fp8_us']:.1f} | {row['fp8_speedup']:.2f} | "
+                     f"{row['w4a16_us']:.1f} | {row['w4a16_speedup']:.2f} | {row['fp8_us']:.1f} | "
+                     f"{row['fp8_speedup']:.2f} | "
                      f"{row['fp8_scaled_mm']} |")
     return lines
 
