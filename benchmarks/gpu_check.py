@@ -11,6 +11,8 @@ Sections (each in its own try/except: a failure is recorded and the next section
           at batch 32/128 x context 1k/4k (GQA 32/8, head_dim 128, bf16), eager and replaying one CUDA graph
           captured once per batch size (contexts change in place), GB/s of K/V + q + out against HBM_GBPS;
           one chunked-prefill point. With --cpu-smoke only when named in --sections (the interpreter).
+  quant   W4A16 (punica_kernels.w4a16_matmul, symmetric group 128) and FP8 (fp8_linear: _scaled_mm, per-token
+          activation scales) GEMMs vs bf16 F.linear at T = 1/32/128 for 4096x4096 and 14336x4096 (N x K) layers.
   engine  decode tokens/s of LLMEngine for 32 and 128 requests: base only vs 8 and 32 distinct rank-16
           adapters, eager (enforce_eager=True) vs decode CUDA graphs, on a random Llama-shaped model
           (hidden 4096, 8 layers, MLP 11008, GQA 32/8 heads, vocab 32000: 1.7B parameters, bf16) that the
@@ -73,6 +75,8 @@ class Sizes:
     output_len: int
     max_model_len: int
     attention: dict  # batches, contexts, heads, kv_heads, head_dim, block_size, prefill (chunks, chunk_len)
+    quant_shapes: tuple[tuple[int, int], ...] = ((4096, 4096), (14336, 4096))  # (N, K) of the quant GEMMs
+    quant_tokens: tuple[int, ...] = (1, 32, 128)
 
 
 GPU = Sizes("cuda", torch.bfloat16, ("tests",), 240, 4096, (1, 16, 64, 256, 1024), (16, 64), (1, 8, 32),
@@ -86,7 +90,7 @@ CPU_SMOKE = Sizes("cpu", torch.float32, ("tests/test_cuda_graphs_replay.py",), 1
                        num_key_value_heads=2, vocab_size=512),
                   (4, 8), (0, 2, 4), (4, 12), 4, 64,
                   dict(batches=(2,), contexts=(16, 64), heads=4, kv_heads=2, head_dim=64, block_size=16,
-                       prefill=(2, 16)))
+                       prefill=(2, 16)), quant_shapes=((128, 256),), quant_tokens=(1, 4))
 
 
 def gpu_test_files(path: Path) -> list[Path]:
@@ -231,6 +235,51 @@ def attention_table(results: dict) -> list[str]:
         rate = f"{row['gbps']:.0f} ({row['hbm_fraction']:.0%})" if "gbps" in row else f"{row['tflops']:.1f} TFLOP/s"
         lines.append(f"| {row['kind']} | {row['batch']} | {row['context']} | {row['triton_us']:.1f} | {graph} | "
                      f"{row['torch_us']:.1f} | {rate} | {row['speedup_vs_torch']:.2f} | {row['max_abs_diff']:.2g} |")
+    return lines
+
+
+def run_quant_gemm(sizes: Sizes, results: dict, deadline: float) -> None:
+    """W4A16 (symmetric, group 128) and FP8 (per-channel weight, per-token activations) GEMMs vs F.linear in
+    sizes.dtype for each (N, K) layer and T: microseconds and speedup over the dense layer."""
+    import bench_kernels
+    import torch.nn.functional as F
+
+    from punica_kernels import fp8, fp8_linear, w4a16_matmul
+
+    device, gen = torch.device(sizes.device), torch.Generator().manual_seed(0)
+    rows = results.setdefault("quant_gemm", [])
+    min_seconds = 0.05 if device.type == "cuda" else 0.0
+    for out_features, in_features in sizes.quant_shapes:
+        dense = torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5  # [N, K]
+        words = torch.randint(-2 ** 31, 2 ** 31, (out_features, in_features // 8), generator=gen, dtype=torch.int64)
+        qweight = words.to(torch.int32).to(device)  # [N, K/8] random nibbles
+        scales = torch.full((out_features, in_features // 128), 0.01, dtype=sizes.dtype, device=device)
+        channel_scale = dense.abs().amax(1) / fp8.FP8_MAX  # [N]
+        weight_fp8 = (dense / channel_scale[:, None]).to(fp8.FP8_DTYPE).to(device)
+        channel_scale, dense = channel_scale.to(device), dense.to(device, sizes.dtype)
+        for num_tokens in sizes.quant_tokens:
+            if time.time() > deadline:
+                raise TimeoutError(f"quant GEMM benchmark stopped at {out_features}x{in_features}: out of time")
+            x = torch.randn(num_tokens, in_features, generator=gen).to(device, sizes.dtype)  # [T, K]
+            out = torch.empty(num_tokens, out_features, dtype=sizes.dtype, device=device)
+            dense_us = bench_kernels.time_us(lambda: F.linear(x, dense), device, min_seconds)
+            w4_us = bench_kernels.time_us(lambda: w4a16_matmul(x, qweight, scales, None, None, 128, out=out),
+                                          device, min_seconds)
+            fp8_us = bench_kernels.time_us(lambda: fp8_linear(x, weight_fp8, channel_scale), device, min_seconds)
+            rows.append(dict(n=out_features, k=in_features, num_tokens=num_tokens, dense_us=dense_us, w4a16_us=w4_us,
+                             fp8_us=fp8_us, w4a16_speedup=dense_us / w4_us, fp8_speedup=dense_us / fp8_us,
+                             fp8_scaled_mm=fp8.uses_scaled_mm(x, weight_fp8)))
+            logger.info("quant GEMM: %s", rows[-1])
+
+
+def quant_table(results: dict) -> list[str]:
+    lines = ["| N x K | T | dense us | W4A16 us | x dense | FP8 us | x dense | FP8 via _scaled_mm |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in results.get("quant_gemm", []):
+        lines.append(f"| {row['n']}x{row['k']} | {row['num_tokens']} | {row['dense_us']:.1f} | "
+                     f"{row['w4a16_us']:.1f} | {row['w4a16_speedup']:.2f} | {row['fp8_us']:.1f} | "
+                     f"{row['fp8_speedup']:.2f} | "
+                     f"{row['fp8_scaled_mm']} |")
     return lines
 
 
@@ -395,8 +444,9 @@ def main(argv: list[str] | None = None) -> dict:
     sections = {"tests": lambda: run_tests(sizes, results),
                 "kernels": lambda: run_kernels(sizes, results, start + 0.7 * args.budget_s),
                 "attention": lambda: run_attention(sizes, results, start + 0.8 * args.budget_s),
+                "quant": lambda: run_quant_gemm(sizes, results, start + 0.8 * args.budget_s),
                 "engine": lambda: run_engine(sizes, results, start + args.budget_s)}
-    default_sections = "tests,kernels,engine" if args.cpu_smoke else "tests,kernels,attention,engine"
+    default_sections = "tests,kernels,engine" if args.cpu_smoke else "tests,kernels,attention,quant,engine"
     for name in (args.sections or default_sections).split(","):
         begin = time.time()
         try:
@@ -437,7 +487,8 @@ def report(results: dict) -> None:
     lines += [f"| {name} | {s['status']} | {s['seconds']} |" for name, s in results["sections"].items()]
     if "tests" in results:
         lines += ["", f"gpu tests: {results['tests']['counts']}"]
-    lines += ["", *kernel_table(results), "", *attention_table(results), "", *engine_table(results)]
+    lines += ["", *kernel_table(results), "", *attention_table(results), "", *quant_table(results), "",
+              *engine_table(results)]
     for mode, setup in results.get("engine_setup", {}).items():
         lines.append(f"{mode} engine start-up: {setup['seconds']:.1f} s, {setup['num_kv_blocks']} KV blocks, "
                      f"{setup['num_graphs']} decode graphs")

@@ -13,12 +13,18 @@ add_lora(y, x, lora_a, lora_b, meta, slice_sizes, slice_scales=None, column_scal
 embedding LoRA (punica_kernels.embedding), expanded by ``lora_expand``. Backends: Triton SGMV kernels (CUDA, or
 the interpreter on CPU tensors) and a vectorized torch path (CPU serving path and oracle);
 ``triton_available()`` says whether the Triton one imported.
+
+Quantized base layers: ``w4a16_matmul`` (punica_kernels.w4a16: a 4-bit weight in the Int4Weight layout,
+dequantized inside a Triton GEMM on CUDA, a torch path elsewhere) and ``fp8_linear`` (punica_kernels.fp8:
+float8_e4m3fn weights with per-channel scales, torch._scaled_mm on sm_89+, dequantize-and-matmul elsewhere).
 """
 
 from .embedding import embedding_shrink
+from .fp8 import fp8_linear
 from .meta import LoRAMeta
 from .ops import (BACKENDS, BackendUnavailableError, add_lora, lora_expand, lora_shrink,
                   triton_available, triton_import_error)
+from .w4a16 import w4a16_matmul
 
 __all__ = ["LoRAMeta", "add_lora", "lora_shrink", "lora_expand", "embedding_shrink", "BackendUnavailableError",
-           "BACKENDS", "triton_available", "triton_import_error"]
+           "BACKENDS", "triton_available", "triton_import_error", "w4a16_matmul", "fp8_linear"]

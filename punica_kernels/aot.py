@@ -38,7 +38,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from adapters.spec import PACKED_MODULES, ModelSpec
 
-from . import embedding_triton, triton_ops
+from . import embedding_triton, triton_ops, w4a16_triton
 from .meta import LoRAMeta
 from .scales import Scales
 
@@ -303,7 +303,7 @@ def _sgmv_operands(spec: ModelSpec, packed: str, dtype: torch.dtype, rank: int, 
 
 def all_drivers() -> list[Driver]:
     """Every Triton launcher of the engine. A new kernel is covered by adding its drivers here."""
-    return sgmv_drivers() + paged_attention_drivers() + vocab_lora_drivers()
+    return sgmv_drivers() + paged_attention_drivers() + vocab_lora_drivers() + w4a16_drivers()
 
 
 def vocab_lora_drivers() -> list[Driver]:
@@ -340,6 +340,38 @@ def _lm_head_operands(spec: ModelSpec, dtype: torch.dtype, rank: int, max_rows: 
     lora_a = torch.empty(MAX_LORAS, 1, rank, spec.hidden_size, dtype=dtype)  # [L, 1, R, hidden]
     lora_b = torch.empty(MAX_LORAS, spec.vocab_size, rank, dtype=dtype)  # [L, V, R]
     return x, y, lora_a, lora_b
+
+
+W4A16_GROUP_SIZE = 128  # the group size of every 4-bit format the loader takes (GPTQ, AWQ, compressed-tensors)
+W4A16_FORMATS = {"symmetric": (False, False), "zeros": (True, False), "act-order": (False, True),
+                 "zeros+act-order": (True, True)}  # (zero points, g_idx): every variant the layout allows
+
+
+def w4a16_drivers() -> list[Driver]:
+    """One driver per model: the W4A16 GEMM of every packed base layer (qkv, o, gate_up, down; Qwen2's
+    qkv with its bias) in each dtype and 4-bit format, over every decode batch size and a few prefills."""
+    return [Driver(f"w4a16 {name}", functools.partial(_drive_w4a16, name)) for name in MODELS]
+
+
+def _drive_w4a16(model: str) -> None:
+    spec = MODELS[model]
+    token_counts = [*DECODE_TOKENS, *PREFILL_TOKENS]
+    max_tokens = max(token_counts)
+    for packed in PACKED_MODULES:
+        out_features, in_features = sum(spec.slice_sizes(packed)), spec.in_features(packed)
+        groups = in_features // W4A16_GROUP_SIZE
+        for dtype in DTYPES:
+            x = torch.empty(max_tokens, in_features, dtype=dtype)  # [T_max, K]
+            out = torch.empty(max_tokens, out_features, dtype=dtype)  # [T_max, N]
+            qweight = torch.empty(out_features, in_features // 8, dtype=torch.int32)  # [N, K/8]
+            scales = torch.empty(out_features, groups, dtype=dtype)  # [N, K/G]
+            bias = torch.empty(out_features, dtype=dtype) if packed in BIASED_MODULES.get(model, ()) else None
+            for has_zeros, has_g_idx in W4A16_FORMATS.values():
+                zeros = torch.empty(out_features, groups, dtype=torch.uint8) if has_zeros else None  # [N, K/G]
+                g_idx = torch.empty(in_features, dtype=torch.int32) if has_g_idx else None  # [K]
+                for num_tokens in token_counts:
+                    w4a16_triton.w4a16_matmul(x[:num_tokens], qweight, scales, zeros, g_idx, W4A16_GROUP_SIZE,
+                                              bias, out[:num_tokens])
 
 
 ATTENTION_BLOCK_SIZES = (16, 32)

@@ -13,6 +13,9 @@ in one scatter-add into the rows of tokens that have a slot (slot -1 rows are ne
 measured on CPU, see ``PADDED_ELEMENTS_PER_SLOT``). The token layout is built once per
 ``LoRAMeta.prepare`` and shared by every layer. Reading the segment bounds needs the host, so on
 an accelerator this path syncs once per prepare and is not graph-safe (the Triton path is).
+
+The W4A16 GEMM's torch path (:func:`w4a16_matmul`) is here too: the CPU serving path (the layer's
+weight dequantized on the fly, only for the call) and, in float64, an oracle of the Triton kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .meta import LoRAMeta
 from .scales import NO_SCALES, Scales
@@ -284,3 +288,29 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         _expand_segmented(inter_rows, lora_b, layout, slice_sizes, delta)
     _update_rows(y, layout, delta, scales)
     return y
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     g_idx: torch.Tensor | None, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in ``dtype`` of a 4-bit weight (punica_kernels.w4a16_matmul's layout), computed in
+    float32 (float64 when asked); g_idx values outside [0, K/G) are clamped, as in the kernel."""
+    compute = compute_dtype(dtype)
+    out_features, in_features = qweight.shape[0], qweight.shape[1] * 8
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)  # [8]
+    q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(out_features, in_features).to(compute)  # [N, K]
+    if g_idx is None:
+        groups = torch.arange(in_features, device=qweight.device) // group_size  # [K]
+    else:
+        groups = g_idx.long().clamp(0, in_features // group_size - 1)  # [K]
+    zero = zeros.to(compute)[:, groups] if zeros is not None else 8.0  # [N, K] or the symmetric 8
+    return ((q - zero) * scales.to(compute)[:, groups]).to(dtype)
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 g_idx: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                 out: torch.Tensor) -> torch.Tensor:
+    """Semantics as :func:`punica_kernels.w4a16_matmul`: out = x @ W.T + bias, W dequantized in x's
+    dtype for this call only (the weight stays packed); float64 x gives the float64 oracle."""
+    weight = w4a16_dequantize(qweight, scales, zeros, g_idx, group_size, x.dtype)  # [N, K]
+    out.copy_(F.linear(x, weight, bias))
+    return out

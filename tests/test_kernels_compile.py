@@ -176,3 +176,22 @@ def test_drivers_reach_the_embedding_gather_in_every_rank_and_dtype(configs):
     reached = {(c.named_constexprs()["RANK"], c.dtypes()) for c in configs.values()
                if c.name == "_embedding_shrink_kernel"}
     assert reached == {(rank, dtypes) for rank in aot.LORA_RANKS for dtypes in ("bf16,fp32", "fp16,fp32", "fp32")}
+
+
+def test_drivers_reach_every_w4a16_format_tile_and_dtype(configs):
+    """The W4A16 GEMM (punica_kernels.w4a16_triton) in each dtype, 4-bit format (zero points, act-order)
+    and tile config its launcher picks, with and without the bias (Qwen2's qkv)."""
+    from punica_kernels import w4a16_triton
+
+    reached = {(c.dtypes().split(",")[0], c.named_constexprs()["HAS_ZEROS"], c.named_constexprs()["HAS_G_IDX"],
+                c.named_constexprs()["BLOCK_M"], c.named_constexprs()["BLOCK_N"], c.named_constexprs()["BLOCK_K"],
+                c.named_constexprs()["HAS_BIAS"]) for c in configs.values() if c.name == "_w4a16_kernel"}
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    expected = set()
+    for dtype in aot.DTYPES:
+        for zeros, act_order in aot.W4A16_FORMATS.values():
+            for num_tokens in (1, 64, 8192):
+                tile = w4a16_triton.tile_config(num_tokens, dtype, zeros or act_order)
+                expected |= {(names[dtype], zeros, act_order, tile.block_m, tile.block_n, tile.block_k, bias)
+                             for bias in (False, True)}
+    assert reached == expected

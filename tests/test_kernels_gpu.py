@@ -1,13 +1,15 @@
-"""GPU only (skipped without CUDA): compiled Triton kernels in bf16/fp16/fp32 against the float64
-oracle, no host sync in the hot path, and replay of a CUDA graph captured with a single adapter."""
+"""GPU only (skipped without CUDA): compiled Triton kernels (SGMV, W4A16) and fp8_linear in bf16/fp16/fp32
+against the float64 oracle, no host sync in the hot path, and replay of a CUDA graph captured with a single adapter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from punica_kernels import LoRAMeta, add_lora
+from punica_kernels import LoRAMeta, add_lora, fp8, fp8_linear, w4a16_matmul
+from test_kernels_fp8 import float64_reference, make_fp8_weight
 from test_kernels_reference import POPULARITY, float64_add_lora, make_case, token_slots_for
+from test_kernels_w4a16 import FORMATS, make_weight, oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -79,3 +81,35 @@ def test_cuda_graph_captured_with_one_adapter_replays_any_mix(num_tokens):
         expected = float64_add_lora(y0, x, case.lora_a, case.lora_b, meta, case.slice_sizes)
         torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2)
         assert torch.equal(y[slots < 0], y0[slots < 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 17, 300])
+@pytest.mark.parametrize("fmt", ["symmetric", "zeros", "act-order", "zeros+act-order"])
+def test_compiled_w4a16_matmul(num_tokens, fmt, dtype):
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight = make_weight(328, 1024, 128, *FORMATS[fmt], dtype, gen)
+    x, bias = torch.randn(num_tokens, 1024, generator=gen).to(dtype), torch.randn(328, generator=gen).to(dtype)
+    expected = oracle(x, weight, bias)
+    cuda = [t.cuda() if t is not None else None for t in (x, weight.qweight, weight.scales, weight.zeros,
+                                                          weight.g_idx, bias)]
+    out = torch.full((num_tokens, 328), float("nan"), dtype=dtype, device="cuda")
+    w4a16_matmul(*cuda[:5], weight.group_size, cuda[5], out=out)  # auto -> triton
+    tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 33, 256])
+def test_fp8_linear_on_cuda(num_tokens, dtype):
+    """_scaled_mm with per-token FP8 activations on sm_89+ (the dequantized product elsewhere), within
+    FP8 activation rounding of the float64 product of the dequantized weight."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight, weight_scale = make_fp8_weight(512, 1024, gen)
+    x, bias = torch.randn(num_tokens, 1024, generator=gen).to(dtype), torch.randn(512, generator=gen).to(dtype)
+    expected = float64_reference(x, weight, weight_scale, bias)
+    y = fp8_linear(x.cuda(), weight.cuda(), weight_scale.cuda(), bias.cuda())
+    assert y.dtype == dtype and y.shape == (num_tokens, 512)
+    assert fp8.uses_scaled_mm(x.cuda(), weight.cuda()) == (torch.cuda.get_device_capability() >= (8, 9))
+    scale = expected.abs().max()
+    assert (y.double().cpu() - expected).abs().max() < 0.05 * scale
