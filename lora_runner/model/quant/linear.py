@@ -3,8 +3,8 @@ and multiplies by it: unquantized, FP8 (lora_runner.model.quant.fp8) or W4A16 (i
 
 A method is stateless; the tensors live on the layer (``create_weights`` registers them, ``load`` fills
 them from the checkpoint tensors of each packed slice, ``apply`` computes x @ W.T + b, ``dequantize``
-gives W [N, K] for DoRA's norms). On CUDA the kernels of punica_kernels run when they exist
-(``fp8_linear``, ``w4a16_matmul``); elsewhere, and on CPU, each layer is dequantized on the fly: the
+gives W [N, K] for DoRA's norms). On CUDA the kernels of punica_kernels run (``fp8_linear``:
+torch._scaled_mm on sm_89+; ``w4a16_matmul``: Triton); elsewhere, and on CPU, each layer is dequantized on the fly: the
 weights stay quantized in memory.
 """
 
@@ -72,7 +72,7 @@ class Fp8Linear:
             layer.weight_scale[offset:offset + size].copy_(scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda and self.form.dynamic_activations and hasattr(punica_kernels, "fp8_linear"):
+        if x.is_cuda and self.form.dynamic_activations:
             return punica_kernels.fp8_linear(x, layer.weight, layer.weight_scale, bias)  # [T, N]
         return F.linear(x, fp8.dequantize(layer.weight, layer.weight_scale, x.dtype), bias)  # [T, N]
 
@@ -123,7 +123,7 @@ class Int4Linear:
         return Int4Weight(layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.group_size)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda and hasattr(punica_kernels, "w4a16_matmul"):  # qkernel's Triton GEMM once merged
+        if x.is_cuda:  # the Triton GEMM, dequantizing in the kernel
             return punica_kernels.w4a16_matmul(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx,
                                                layer.group_size, bias)  # [T, N]
         return F.linear(x, self.weight(layer).dequantize(x.dtype), bias)  # [T, N]
