@@ -63,3 +63,37 @@ def test_a_compressed_tensors_w4a16_checkpoint_serves_against_the_librarys_decom
                                       ("lora", [8, 9, 10, 11], params, LoRARequest("l", str(tmp_path / "lora")))])
     assert_exact(done["base"], oracle, [5, 6, 7], greedy, 5, tolerance=1e-3)
     assert_exact(done["lora"], oracle_lora, [8, 9, 10, 11], greedy, 5, tolerance=1e-3)
+
+
+def test_vocab_lora_and_a_soft_prompt_on_a_4bit_base(tmp_path):
+    """Embedding / lm_head LoRA and a prompt adapter (with and without a LoRA) over a GPTQ base, in one batch,
+    against PEFT on the dequantized twin: the quantized base changes nothing about the adapters' paths."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from adapters import PromptAdapterRequest
+    from factories import save_prompt_adapter
+    from test_prompt_adapters import SoftPromptOnLoRA
+
+    hf = save_tiny_model(tmp_path / "float", "llama", seed=4)
+    dequantized = write_int4_checkpoint(hf, tmp_path / "model", "gptq", group_size=32)
+    for item in (tmp_path / "float").iterdir():
+        if item.name not in ("config.json", "model.safetensors"):
+            shutil.copy(item, tmp_path / "model" / item.name)
+    oracle = copy.deepcopy(hf).eval()
+    for module, weight in dequantized.items():
+        oracle.get_submodule(module).weight.data.copy_(weight)
+    save_lora(hf, tmp_path / "vocab", seed=23, r=8, scale=0.2,
+              target_modules=["embed_tokens", "lm_head", "q_proj", "v_proj", "down_proj"])
+    save_prompt_adapter(hf, tmp_path / "soft", num_virtual_tokens=3, seed=5)
+    soft = load_file(str(tmp_path / "soft" / "adapter_model.safetensors"))["prompt_embeddings"]
+    oracles = {"vocab": PeftModel.from_pretrained(copy.deepcopy(oracle), str(tmp_path / "vocab")).eval(),
+               "soft+vocab": SoftPromptOnLoRA(oracle, str(tmp_path / "vocab"), soft)}
+    engine = make_engine(str(tmp_path / "model"), max_prompt_adapters=1, max_prompt_adapter_tokens=4)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+    vocab, pa = LoRARequest("vocab", str(tmp_path / "vocab")), PromptAdapterRequest("soft", str(tmp_path / "soft"))
+    done = run_to_completion(engine, [("vocab", [5, 6, 7], params, vocab),
+                                      ("soft+vocab", [8, 9, 10], params, vocab, pa), ("base", [11, 12], params)])
+    assert_exact(done["vocab"], oracles["vocab"], [5, 6, 7], greedy, 4, tolerance=1e-3)
+    assert_exact(done["soft+vocab"], oracles["soft+vocab"], [8, 9, 10], greedy, 4, tolerance=1e-3)
+    assert_exact(done["base"], oracle, [11, 12], greedy, 4, tolerance=1e-3)
