@@ -46,7 +46,9 @@ def engine_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def greedy_oracle():
-    """oracle(model, prompt_ids, max_tokens) -> (tokens, logprobs of the chosen tokens), cached."""
+    """oracle(model, prompt_ids, max_tokens) -> (tokens, logprobs of the chosen tokens), cached. The cache
+    holds each model it answered for: keyed by id(model), a freed model's id could otherwise be reused by a
+    later model, which would then get the freed one's answers."""
     cache = {}
 
     @torch.inference_mode()
@@ -60,7 +62,7 @@ def greedy_oracle():
                 tokens.append(token)
                 logprobs.append(float(torch.log_softmax(logits, -1)[token]))
                 ids.append(token)
-            cache[key] = (tokens, logprobs)
-        return cache[key]
+            cache[key] = (model, (tokens, logprobs))  # the model is kept alive: its id stays its own
+        return cache[key][1]
 
     return oracle
