@@ -49,20 +49,14 @@ def greedy_oracle():
     """oracle(model, prompt_ids, max_tokens) -> (tokens, logprobs of the chosen tokens), cached. The cache
     holds each model it answered for: keyed by id(model), a freed model's id could otherwise be reused by a
     later model, which would then get the freed one's answers."""
+    from engine_support import greedy_decode
+
     cache = {}
 
-    @torch.inference_mode()
     def oracle(model, prompt_ids, max_tokens):
         key = (id(model), tuple(prompt_ids), max_tokens)
         if key not in cache:
-            ids, tokens, logprobs = list(prompt_ids), [], []
-            for _ in range(max_tokens):
-                logits = model(torch.tensor([ids])).logits[0, -1].double()  # [V]
-                token = int(logits.argmax())
-                tokens.append(token)
-                logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-                ids.append(token)
-            cache[key] = (model, (tokens, logprobs))  # the model is kept alive: its id stays its own
-        return cache[key][1]
+            cache[key] = (model, greedy_decode(model, prompt_ids, max_tokens))  # the model kept alive: its id
+        return cache[key][1]                                                  # stays its own
 
     return oracle

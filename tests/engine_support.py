@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+import torch
+
 from lora_runner import LLMEngine, RequestOutput
 
 # A small engine on the tiny checkpoints: 4 rows, 2 adapter slots, blocks of 4 tokens.
@@ -78,6 +80,20 @@ def step_until(engine: LLMEngine, done: dict[str, RequestOutput], predicate: Cal
         assert time.monotonic() < deadline, "the condition never came true"
         done.update({o.request_id: o for o in engine.step() if o.finished})
     return done
+
+
+@torch.inference_mode()
+def greedy_decode(model, prompt_ids, max_tokens: int) -> tuple[list[int], list[float]]:
+    """(tokens, logprobs of the chosen tokens) of greedy decoding by full forwards of a transformers model,
+    in float64 logits: the oracle assert_exact compares with (conftest's greedy_oracle caches it)."""
+    ids, tokens, logprobs = list(prompt_ids), [], []
+    for _ in range(max_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].double()  # [V]
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        ids.append(token)
+    return tokens, logprobs
 
 
 def assert_exact(output: RequestOutput, model, prompt: list[int], oracle, max_tokens: int = 5, *,

@@ -14,9 +14,9 @@ from lora_runner import SamplingParams
 from lora_runner.model import load_model
 from lora_runner.model.quant.fp8 import FP8_DTYPE, FP8_MAX
 
-from engine_support import assert_exact, make_engine, run_to_completion
+from engine_support import assert_exact, greedy_decode, make_engine, run_to_completion
 from factories import save_lora, save_tiny_model
-from quant_support import ct_decompressed, edit_config, greedy, save_ct_fp8, weight_bytes
+from quant_support import ct_decompressed, edit_config, save_ct_fp8, weight_bytes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
 TOLERANCE = 1e-3
@@ -82,7 +82,7 @@ def test_per_tensor_scales_stay_per_slice_in_the_packed_qkv(tmp_path):
     requests = [(f"b{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:3])]
     done = run_to_completion(engine, requests)
     for request_id, prompt, _ in requests:
-        assert_exact(done[request_id], oracle, prompt, greedy, 5, tolerance=TOLERANCE)
+        assert_exact(done[request_id], oracle, prompt, greedy_decode, 5, tolerance=TOLERANCE)
 
 
 def test_fp8_tensors_without_quantization_config_are_refused(tmp_path):
@@ -135,8 +135,8 @@ def test_online_fp8_equals_float64_reference_of_its_weights(tmp_path, record_pro
     twin_lora = PeftModel.from_pretrained(copy.deepcopy(twin), str(tmp_path / "lora")).double().eval()  # wraps in place
     requests = [("base", PROMPTS[0], GREEDY), ("lora", PROMPTS[1], GREEDY, LoRARequest("l", str(tmp_path / "lora")))]
     done = run_to_completion(engine, requests)
-    assert_exact(done["base"], twin, PROMPTS[0], greedy, 5, tolerance=TOLERANCE)
-    assert_exact(done["lora"], twin_lora, PROMPTS[1], greedy, 5, tolerance=TOLERANCE)
+    assert_exact(done["base"], twin, PROMPTS[0], greedy_decode, 5, tolerance=TOLERANCE)
+    assert_exact(done["lora"], twin_lora, PROMPTS[1], greedy_decode, 5, tolerance=TOLERANCE)
     # reported, not asserted: how far FP8 moves the logprobs of the unquantized model's tokens
     with torch.inference_mode():
         ids = torch.tensor([PROMPTS[3]])

@@ -16,9 +16,9 @@ from lora_runner.model import ModelConfig, load_model
 from lora_runner.model import loader
 from lora_runner.model.quant.int4_layout import SYMMETRIC_ZERO, Int4Weight, pack_int4
 
-from engine_support import assert_exact, make_engine, run_to_completion
+from engine_support import assert_exact, greedy_decode, make_engine, run_to_completion
 from factories import save_lora, save_tiny_model, tiny_config
-from quant_support import greedy, weight_bytes
+from quant_support import weight_bytes
 
 FP8_GROUP = {"targets": ["Linear"], "format": "float-quantized",
              "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
@@ -185,8 +185,8 @@ def test_int4_checkpoint_loads_through_its_format_and_serves_with_lora(tmp_path,
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
     requests = [("base", [5, 6, 7], params), ("lora", [8, 9, 10, 11], params, LoRARequest("l", str(tmp_path / "lora")))]
     done = run_to_completion(engine, requests)
-    assert_exact(done["base"], oracle, [5, 6, 7], greedy, 5, tolerance=1e-3)
-    assert_exact(done["lora"], oracle_lora, [8, 9, 10, 11], greedy, 5, tolerance=1e-3)
+    assert_exact(done["base"], oracle, [5, 6, 7], greedy_decode, 5, tolerance=1e-3)
+    assert_exact(done["lora"], oracle_lora, [8, 9, 10, 11], greedy_decode, 5, tolerance=1e-3)
 
 
 def test_int4_slices_with_different_act_order_cannot_be_packed(tmp_path, stub_gptq):
