@@ -8,6 +8,7 @@ from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.entrypoints.llm import LLM
 from lora_runner.outputs import CompletionOutput, RequestOutput
 from lora_runner.sampling_params import SamplingParams
+from lora_runner.structured_outputs_params import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "EngineClosedError", "LoRARequest", "PromptAdapterRequest"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "EngineConfig", "EngineClosedError", "LoRARequest", "PromptAdapterRequest"]

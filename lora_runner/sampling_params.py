@@ -8,6 +8,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from lora_runner.structured_outputs_params import StructuredOutputsParams
+
 MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids one request may give (each is checked every token)
 MAX_N = 16  # most parallel samples (SamplingParams.n) of one prompt
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY], as in OpenAI's API
@@ -66,6 +68,8 @@ class SamplingParams:
     sampling (as in vLLM) and stop strings are not searched.
     truncate_prompt_tokens: keep only the prompt's last k tokens (k >= 1; -1: max_model_len; None: the
     whole prompt, which must fit), as vLLM.
+    structured_outputs: a StructuredOutputsParams (json schema, json_object, regex, choice or grammar) the
+    output must satisfy, as vLLM; None: unconstrained.
     output_kind: RequestOutputKind.CUMULATIVE (each output holds everything so far) or DELTA (each
     holds only what is new since the previous one).
 
@@ -94,6 +98,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     truncate_prompt_tokens: int | None = None
+    # the constraint the output must satisfy (lora_runner.structured_outputs_params); None: unconstrained
+    structured_outputs: StructuredOutputsParams | None = None
     # CUMULATIVE (the whole output so far in every RequestOutput) or DELTA (only the new part)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -132,6 +138,11 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams or None, "
+                                 f"got {type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._validate_penalties()

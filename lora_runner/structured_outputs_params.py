@@ -1,0 +1,92 @@
+"""StructuredOutputsParams: the constraint a request's output must satisfy (vLLM's names and fields).
+
+Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON
+object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (an EBNF / GBNF grammar) is set.
+This module only checks the shape of the request; the grammar engine that compiles and enforces the
+constraint lives in lora_runner.sample.
+"""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+
+MAX_CONSTRAINT_CHARS = 64 * 1024  # longest schema / regex / grammar text one request may send
+MAX_CHOICES = 1024  # most alternatives of a `choice` constraint
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint of a request (``SamplingParams.structured_outputs``).
+
+    json: a JSON schema (dict or JSON text). json_object: True for "any JSON object". regex: a
+    regular expression the whole output matches. choice: the output is exactly one of these
+    strings. grammar: an EBNF grammar (GBNF dialect, as llama.cpp and xgrammar read it).
+
+    Raises ValueError when none or more than one kind is set, or a value has the wrong type or size.
+    """
+
+    json: str | dict | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        """Check that exactly one kind is set and its value is well formed; ValueError otherwise."""
+        set_kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {set_kinds or 'none'}")
+        if self.json_object not in (None, False, True):
+            raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else None
+            if text is None:
+                if not isinstance(self.json, dict):
+                    raise ValueError(f"structured_outputs.json must be a JSON schema (dict or JSON text), "
+                                     f"got {type(self.json).__name__}")
+                try:
+                    text = _json.dumps(self.json)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"structured_outputs.json is not JSON-serializable: {exc}") from None
+            _check_text("json", text)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+                _check_text(name, value)
+        if self.choice is not None:
+            choice = self.choice
+            if not isinstance(choice, list) or not 0 < len(choice) <= MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice must be a list of 1..{MAX_CHOICES} strings")
+            if not all(isinstance(c, str) for c in choice):
+                raise ValueError("structured_outputs.choice must hold strings only")
+            _check_text("choice", "".join(choice))
+
+    def json_schema_text(self) -> str | None:
+        """The JSON schema as text (None unless ``json`` is set)."""
+        if self.json is None:
+            return None
+        return self.json if isinstance(self.json, str) else _json.dumps(self.json)
+
+
+def _check_text(name: str, text: str) -> None:
+    if not text:
+        raise ValueError(f"structured_outputs.{name} must not be empty")
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"structured_outputs.{name} has {len(text)} characters, more than the limit of "
+                         f"{MAX_CONSTRAINT_CHARS}")
