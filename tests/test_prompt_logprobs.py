@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_support import assert_idle, make_engine, run_to_completion
-from factories import save_prompt_adapter
+from factories import save_lora, save_prompt_adapter
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import SamplingParams
@@ -49,11 +49,20 @@ def soft(engine_checkpoint, tmp_path_factory):
     return str(path), save_prompt_adapter(hf, path, num_virtual_tokens=NUM_VIRTUAL, seed=7)
 
 
+@pytest.fixture(scope="module")
+def head(engine_checkpoint, tmp_path_factory):
+    """(dir, PeftModel) of a LoRA on lm_head (and q_proj): the prompt positions' logits need it too."""
+    _, hf, _ = engine_checkpoint
+    path = tmp_path_factory.mktemp("head") / "lora"
+    return str(path), save_lora(hf, path, seed=8, r=8, lora_alpha=16, target_modules=["lm_head", "q_proj"])
+
+
 @pytest.mark.parametrize("k", [0, 3])
-def test_prompt_logprobs_match_peft_for_base_lora_and_soft_prompt(engine_checkpoint, soft, k):
+def test_prompt_logprobs_match_peft_for_base_lora_and_soft_prompt(engine_checkpoint, soft, head, k):
     path, hf, adapters = engine_checkpoint
     lora_dir, lora_model = adapters["r4"]
     soft_dir, soft_model = soft
+    head_dir, head_model = head
     engine = make_engine(path, max_num_batched_tokens=CHUNK, max_prompt_adapters=1, max_prompt_adapter_tokens=8,
                          poison=["kv_cache", "prompt_slots"])
     long, short = _prompt(21, seed=1), _prompt(6, seed=2)
@@ -61,10 +70,12 @@ def test_prompt_logprobs_match_peft_for_base_lora_and_soft_prompt(engine_checkpo
     plain = SamplingParams(temperature=0.0, max_tokens=2)
     requests = [("base", long, asks), ("lora", long, asks, LoRARequest("r4", lora_dir)),
                 ("soft", short, asks, None, PromptAdapterRequest("soft", soft_dir)),
+                ("head", long, asks, LoRARequest("head", head_dir)),
                 ("bystander", short, plain, LoRARequest("r4", lora_dir))]
     done = run_to_completion(engine, requests)
     assert_prompt_logprobs(done["base"].prompt_logprobs, long, peft_prompt_logprobs(hf, long), k)
     assert_prompt_logprobs(done["lora"].prompt_logprobs, long, peft_prompt_logprobs(lora_model, long), k)
+    assert_prompt_logprobs(done["head"].prompt_logprobs, long, peft_prompt_logprobs(head_model, long), k)
     assert_prompt_logprobs(done["soft"].prompt_logprobs, short, peft_prompt_logprobs(soft_model, short, NUM_VIRTUAL),
                            k)
     assert done["bystander"].prompt_logprobs is None
