@@ -137,3 +137,19 @@ def test_prompt_positions_are_scored_in_bounded_pieces():
     for target, piece_entry, whole_entry in zip(targets.tolist(), pieces.entries, whole.entries):
         assert target in whole_entry and len(whole_entry) in (2, 3)  # the top 2 and the prompt token
         assert piece_entry == pytest.approx(whole_entry)
+
+
+def test_prompt_logprobs_survive_preemption(engine_checkpoint):
+    """12 blocks of 4 tokens cannot hold four requests of up to 30 tokens: some are preempted, mid-prompt
+    or after it, and compute their prompt again; their prompt logprobs are still one entry per token."""
+    path, hf, _ = engine_checkpoint
+    engine = make_engine(path, max_num_batched_tokens=CHUNK, kv_cache_memory_bytes=12 * 2048, max_model_len=40,
+                         enable_prefix_caching=True)
+    assert engine.block_manager.num_blocks == 12
+    prompts = [_prompt(length, seed=10 + length) for length in (17, 13, 20, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=2)
+    done = run_to_completion(engine, [(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)], per_step=2)
+    assert engine.scheduler.num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        assert_prompt_logprobs(done[f"p{i}"].prompt_logprobs, prompt, peft_prompt_logprobs(hf, prompt), 2)
+    engine.close()

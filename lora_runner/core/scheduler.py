@@ -21,8 +21,8 @@ Prefix caching (BlockManager with enable_caching): an admitted request starts wi
 cached chain of its full blocks (keyed by its tokens, LoRA version, prompt-adapter version and cache
 salt: lora_runner.core.prefix_cache) and computes only the rest, preempted requests included;
 postprocess registers every block that filled up. A request that asks for prompt logprobs starts with
-no cached prefix, so every prompt position is computed (its blocks are registered all the same). A parallel sample shares its leader's prompt
-blocks (fork) as before.
+no cached prefix, so every prompt position is computed (its blocks are registered all the same). A
+parallel sample shares its leader's prompt blocks (fork) as before.
 """
 
 from __future__ import annotations
