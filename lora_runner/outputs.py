@@ -89,6 +89,10 @@ class RequestOutput:
     num_cached_tokens: prompt tokens whose KV the request did not compute at its first admission
     (served from the prefix cache, or shared with sample 0 of its prompt when n > 1), as in vLLM;
     soft-prompt placeholders are not counted.
+    prompt_logprobs: with SamplingParams.prompt_logprobs set, one entry per prompt token (vLLM's shape):
+    None for the first, then a dict token_id -> logprob of the top k plus the actual prompt token
+    (log_softmax of the float32 logits at the position before it); None otherwise. Complete in every
+    output of the request (no prompt token is generated after its first output).
     """
 
     request_id: str
@@ -97,6 +101,7 @@ class RequestOutput:
     finished: bool = False
     prompt: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def error(self) -> BaseException | None:
@@ -116,6 +121,8 @@ class RequestOutput:
         self.outputs.sort(key=lambda completion: completion.index)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
 
     def copy(self) -> RequestOutput:
         """A copy whose completions have their own lists (what ``add`` may extend)."""

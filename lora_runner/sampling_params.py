@@ -68,6 +68,13 @@ class SamplingParams:
     sampling (as in vLLM) and stop strings are not searched.
     truncate_prompt_tokens: keep only the prompt's last k tokens (k >= 1; -1: max_model_len; None: the
     whole prompt, which must fit), as vLLM.
+    prompt_logprobs: k >= 0 to return, per prompt position after the first, a dict token_id -> logprob
+    of the k most likely tokens there plus the actual prompt token (vLLM's RequestOutput.prompt_logprobs,
+    whose first entry is None); capped by max_logprobs like logprobs. Every prompt position is computed
+    for it: the prefix cache does not serve such a request's prompt.
+    skip_special_tokens: leave special tokens (EOS, chat markers) out of the output text (vLLM's default
+    True). spaces_between_special_tokens: with skip_special_tokens=False, put a space between a special
+    token and the text next to it, as vLLM (default True).
     structured_outputs: a StructuredOutputsParams (json schema, json_object, regex, choice or grammar) the
     output must satisfy, as vLLM; None: unconstrained.
     output_kind: RequestOutputKind.CUMULATIVE (each output holds everything so far) or DELTA (each
@@ -98,6 +105,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     truncate_prompt_tokens: int | None = None
+    # prompt logprobs (lora_runner.sample.prompt_logprobs) and the output text's special tokens (detokenizer)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # the constraint the output must satisfy (lora_runner.structured_outputs_params); None: unconstrained
     structured_outputs: StructuredOutputsParams | None = None
     # CUMULATIVE (the whole output so far in every RequestOutput) or DELTA (only the new part)
@@ -166,6 +177,8 @@ class SamplingParams:
         (wrapped into [0, 2**64) past the top), so each sample equals a single request with it."""
         params = self.clone()
         params.n = 1
+        if index:  # sample 0's prompt logprobs are the request's: the others share its prompt
+            params.prompt_logprobs = None
         if self.seed is not None and index:
             seed = self.seed + index
             params.seed = seed - 2**64 if seed >= 2**64 else seed
@@ -189,13 +202,18 @@ class SamplingParams:
                              f"got {max(ids)}")
 
     def _validate_logprobs(self, max_logprobs: int | None, vocab_size: int | None) -> None:
-        if self.logprobs is None:
-            return
-        if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_COUNT:
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_COUNT}], got {self.logprobs!r}")
-        for limit, what in ((max_logprobs, "the engine's max_logprobs"), (vocab_size, "the vocabulary size")):
-            if limit is not None and self.logprobs > limit:
-                raise ValueError(f"logprobs={self.logprobs} is over {what} ({limit})")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _is_int(value) or not 0 <= value <= MAX_COUNT:
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_COUNT}], got {value!r}")
+            for limit, what in ((max_logprobs, "the engine's max_logprobs"), (vocab_size, "the vocabulary size")):
+                if limit is not None and value > limit:
+                    raise ValueError(f"{name}={value} is over {what} ({limit})")
 
     def _validate_stop_strings(self) -> None:
         stop = self.stop

@@ -248,11 +248,11 @@ ERRORS = [  # (body changes to a valid completion, status, code)
     ({"stop": ["x" * 257]}, 400, "invalid_value"),
     ({"min_tokens": 5}, 400, "invalid_value"),  # over max_tokens
     ({"logit_bias": {"5": 1.0}}, 400, "unsupported_parameter"),
-    ({"echo": True}, 400, "unsupported_parameter"),
     ({"best_of": 3}, 400, "unsupported_parameter"),
     ({"stream_options": {"include_usage": True}}, 400, "invalid_value"),
     ({"logprobs": 21}, 400, "invalid_value"),
-    ({"max_tokens": 0}, 400, "invalid_request"),
+    ({"max_tokens": 0}, 400, "invalid_value"),  # only with echo (tests/test_prompt_logprobs_http.py)
+    ({"max_tokens": -1}, 400, "invalid_request"),
     ({"max_tokens": 10_000}, 400, "invalid_value"),
     ({"max_tokens": 509}, 400, "context_length_exceeded"),
     ({"prompt": "cat " * 600}, 400, "prompt_too_long"),

@@ -57,10 +57,19 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     cache_identity: bytes | None = None  # digest of (LoRA version, prompt-adapter version, salt), once hashed
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per scored prompt token
+    prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.logprobs = [] if self.params.logprobs is not None else None
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while some prompt token's logprobs are still to be computed (every prompt position must
+        then run through the model: the prefix cache does not serve it)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

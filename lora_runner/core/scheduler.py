@@ -20,8 +20,9 @@ gets it. The choice is kept across steps, so the drained adapter does not flip b
 Prefix caching (BlockManager with enable_caching): an admitted request starts with the longest
 cached chain of its full blocks (keyed by its tokens, LoRA version, prompt-adapter version and cache
 salt: lora_runner.core.prefix_cache) and computes only the rest, preempted requests included;
-postprocess registers every block that filled up. A parallel sample shares its leader's prompt
-blocks (fork) as before.
+postprocess registers every block that filled up. A request that asks for prompt logprobs starts with
+no cached prefix, so every prompt position is computed (its blocks are registered all the same). A
+parallel sample shares its leader's prompt blocks (fork) as before.
 """
 
 from __future__ import annotations
@@ -226,7 +227,9 @@ class Scheduler:
                 continue  # still loading, no slot for one of its adapters, or its slot is handed over
             self._share_leader_prompt(request)
             # a forked sample starts past 0 already; anyone else starts past its cached prefix, if any
-            prefix = [] if request.num_computed_tokens else self.block_manager.cached_prefix(request)
+            # ... unless it asks for prompt logprobs: then every prompt position runs (its blocks still register)
+            prefix = ([] if request.num_computed_tokens or request.wants_prompt_logprobs
+                      else self.block_manager.cached_prefix(request))
             start = request.num_computed_tokens + len(prefix) * self.block_manager.block_size
             num_new = min(request.num_tokens - start, budget)
             if not self.block_manager.can_allocate(request.request_id, start + num_new, prefix):
@@ -341,6 +344,10 @@ class Scheduler:
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_computed(s.request)  # its blocks that filled up now answer hits
+        if sampled.prompt_logprobs:  # the chunks' prompt positions, sampled or not
+            by_id = {s.request.request_id: s.request for s in scheduled}
+            for request_id, chunk in sampled.prompt_logprobs.items():
+                processor.append_prompt_logprobs(by_id[request_id], chunk)
         sampling = [s.request for s in scheduled if s.samples]
         results = []
         for request, token, logprobs, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors):

@@ -106,7 +106,7 @@ class LLMEngine:
             self.runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
         self.tokenizer = LazyTokenizer(self.model_dir)
         # decode looked up per call, so a tokenizer swapped on the engine (tests) is the one used
-        self.output_processor = OutputProcessor(lambda ids: self.tokenizer.decode(ids),
+        self.output_processor = OutputProcessor(lambda ids, **options: self.tokenizer.decode(ids, **options),
                                                 eos_token_ids(self.model_config, self.model_dir),
                                                 self.limits.max_model_len)
         self.runner.eos_token_ids = self.output_processor.eos_token_ids  # the rows' min_tokens bans
@@ -415,5 +415,5 @@ class LLMEngine:
         completion = self.output_processor.completion(request)
         return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
                              finished=request.is_finished, prompt=request.prompt,
-                             num_cached_tokens=request.num_cached_tokens)
+                             num_cached_tokens=request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs)
 

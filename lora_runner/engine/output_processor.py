@@ -17,12 +17,14 @@ holds (the async engine asks for deltas and merges those its consumer has not re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
 
 from lora_runner.core.request import Request
 from lora_runner.core.stop_rule import StopTokens, stop_tokens
 from lora_runner.engine.detokenizer import OutputText
 from lora_runner.outputs import CompletionOutput
+from lora_runner.sample.prompt_logprobs import PromptLogprobsChunk
 from lora_runner.sampling_params import RequestOutputKind
 
 
@@ -36,7 +38,9 @@ class ReportedText(OutputText):
 
 class OutputProcessor:
     """Appends tokens and checks stops. decode: output ids -> text without special tokens (None: no
-    text); eos_token_ids: the model's end ids; max_model_len: the longest sequence (prompt + output)."""
+    text); a request with SamplingParams.skip_special_tokens=False or spaces_between_special_tokens=False
+    has its text decoded by ``decode(ids, skip_special_tokens=..., spaces_between_special_tokens=...)``.
+    eos_token_ids: the model's end ids; max_model_len: the longest sequence (prompt + output)."""
 
     def __init__(self, decode: Callable[[list[int]], str] | None, eos_token_ids: Collection[int],
                  max_model_len: int) -> None:
@@ -71,6 +75,17 @@ class OutputProcessor:
             return "length"
         return None
 
+    @staticmethod
+    def append_prompt_logprobs(request: Request, chunk: PromptLogprobsChunk) -> None:
+        """Add a step's prompt logprobs to the request's; entries it holds already (a preempted request
+        computes its prompt again) are kept."""
+        held = request.prompt_logprobs
+        if held is None:
+            return
+        assert chunk.first <= len(held), \
+            f"request {request.request_id!r}: prompt logprobs from token {chunk.first}, it holds {len(held)}"
+        held.extend(chunk.entries[len(held) - chunk.first:])
+
     def stop_tokens(self, request: Request) -> StopTokens:
         """The stop rule for the request's next token (lora_runner.core.stop_rule): which ids the
         sampling side bans while it may not stop yet."""
@@ -90,7 +105,11 @@ class OutputProcessor:
         """The request's OutputText, made on first use."""
         if request.output_text is None:
             params = request.params
-            request.output_text = ReportedText(self.decode, params.stop, params.include_stop_str_in_output,
+            decode = self.decode
+            if decode is not None and not (params.skip_special_tokens and params.spaces_between_special_tokens):
+                decode = functools.partial(decode, skip_special_tokens=params.skip_special_tokens,
+                                           spaces_between_special_tokens=params.spaces_between_special_tokens)
+            request.output_text = ReportedText(decode, params.stop, params.include_stop_str_in_output,
                                              params.stop_text_holdback)
         return request.output_text
 

@@ -53,9 +53,10 @@ class SampleGroup:
         delta = self.samples[0].params.output_kind is RequestOutputKind.DELTA
         completions = [c if i in self._fresh else _unchanged(c, delta) for i, c in enumerate(self._latest)]
         self._fresh.clear()
-        # the prompt's cached tokens are sample 0's: the others share its prompt blocks
+        # the prompt's cached tokens and prompt logprobs are sample 0's: the others share its prompt blocks
         return RequestOutput(self.request_id, prompt_token_ids, completions, finished=self.finished,
-                             prompt=prompt, num_cached_tokens=self.samples[0].num_cached_tokens)
+                             prompt=prompt, num_cached_tokens=self.samples[0].num_cached_tokens,
+                             prompt_logprobs=self.samples[0].prompt_logprobs)
 
 
 def _unchanged(completion: CompletionOutput, delta: bool) -> CompletionOutput:

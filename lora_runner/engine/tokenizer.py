@@ -58,14 +58,40 @@ class LazyTokenizer:
                              "pass the prompt as a list of token ids")
         return list(tokenizer.encode(text))
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Text of `token_ids` without special tokens ("" without a tokenizer)."""
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """Text of `token_ids` ("" without a tokenizer): without special tokens, or with them
+        (skip_special_tokens=False), then separated from the text around them by a space unless
+        spaces_between_special_tokens=False (vLLM's semantics, whatever the tokenizer's own decode does).
+        """
         tokenizer = self.get()
         if tokenizer is None:
             return ""
-        if self._backend_decode is not None:
-            return self._backend_decode(token_ids, skip_special_tokens=True)
-        return tokenizer.decode(token_ids, skip_special_tokens=True)
+        if skip_special_tokens:
+            if self._backend_decode is not None:
+                return self._backend_decode(token_ids, skip_special_tokens=True)
+            return tokenizer.decode(token_ids, skip_special_tokens=True)
+        return decode_with_special_tokens(tokenizer, token_ids, spaces_between_special_tokens)
+
+
+def decode_with_special_tokens(tokenizer, token_ids: list[int], spaces_between: bool) -> str:
+    """``token_ids`` decoded with their special (and added) tokens: each such token is a piece of its
+    own, each run of ordinary tokens between them is decoded as one piece; the pieces are joined by a
+    space when ``spaces_between`` (HF's slow tokenizers and vLLM do so), else directly."""
+    added = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    pieces: list[str] = []
+    run: list[int] = []
+    for token in token_ids:
+        if token in added:
+            if run:
+                pieces.append(tokenizer.decode(run, skip_special_tokens=False))
+                run = []
+            pieces.append(tokenizer.convert_ids_to_tokens(token))
+        else:
+            run.append(token)
+    if run:
+        pieces.append(tokenizer.decode(run, skip_special_tokens=False))
+    return (" " if spaces_between else "").join(pieces)
 
 
 def _backend_decode(tokenizer):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from lora_runner.sample.penalties import apply_penalties
+from lora_runner.sample.prompt_logprobs import PromptLogprobsChunk
 from lora_runner.sample.sampling_state import History, SamplingBatch, explicit_batch
 from lora_runner.sampling_params import SamplingParams
 
@@ -62,6 +63,8 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     errors: list[BaseException | None] = field(default_factory=list)  # [] on construction = none failed
+    # request id -> the prompt logprobs its chunk computed this step (lora_runner.sample.prompt_logprobs)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.errors:

@@ -21,6 +21,7 @@ import torch
 
 from lora_runner.core.scheduler_output import SchedulerOutput
 from lora_runner.model.vocab_lora import LMHeadLoRA, LMHeadLoRAContext
+from lora_runner.sample.prompt_logprobs import MAX_PROMPT_LOGIT_ROWS, PromptSpan, score_spans
 from lora_runner.sample.sampler import Sampler, SamplerOutput
 from lora_runner.sample.sampling_state import SamplingBatch, SamplingState
 from lora_runner.sampling_params import SamplingParams
@@ -75,6 +76,9 @@ class ModelRunner:
         # lm_head LoRA: a second meta over the sampled rows (at most one per sequence)
         self.lm_head_lora = (None if vocab_slots is None else
                              LMHeadLoRA(vocab_slots, max_num_seqs, max_loras, max_lora_rank, device))
+        # and one over the prompt positions a step scores for prompt logprobs (a piece at a time)
+        self.prompt_lm_head_lora = (None if vocab_slots is None else
+                                    LMHeadLoRA(vocab_slots, MAX_PROMPT_LOGIT_ROWS, max_loras, max_lora_rank, device))
         self.sampler = Sampler(model_config.vocab_size, device, seed)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
@@ -100,7 +104,8 @@ class ModelRunner:
         rows = self.input_batch.update(sched, lora_slot_of, prompt_slot_of)
         shape = self.batch_builder.write_rows(self.input_batch.token_ids, self.input_batch.block_tables,
                                               rows.rows, rows.starts, rows.lens, rows.seqs)
-        result = self._forward_and_sample(shape, self.input_batch.sampling_batch(rows))
+        result = self._forward_and_sample(shape, self.input_batch.sampling_batch(rows),
+                                          self.input_batch.prompt_spans(rows))
         # only after the step ran: a step that raised leaves the computed counts as they were
         self.input_batch.commit(rows, result.token_ids)
         return result
@@ -122,17 +127,31 @@ class ModelRunner:
         for request_id in request_ids:
             self.input_batch.free(request_id)
 
-    def _forward_and_sample(self, shape: BatchShape, sampling: SamplingBatch) -> SamplerOutput:
+    def _forward_and_sample(self, shape: BatchShape, sampling: SamplingBatch,
+                            prompt_spans: Sequence[PromptSpan] = ()) -> SamplerOutput:
         batch, key = self._upload(shape)
         if key is not None:
             hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
         if not sampling.num_rows:
-            return SamplerOutput([], [])
-        rows, lm_head = hidden[batch.sample_indices], self._lm_head_lora(batch)  # [S, hidden]
-        logits = self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
-        return self.sampler(logits, sampling)
+            result = SamplerOutput([], [])
+        else:
+            rows, lm_head = hidden[batch.sample_indices], self._lm_head_lora(batch)  # [S, hidden]
+            logits = self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
+            result = self.sampler(logits, sampling)
+        if prompt_spans:
+            result.prompt_logprobs = score_spans(hidden, prompt_spans, lambda flat, rows: self._prompt_logits(
+                batch, flat, rows))
+        return result
+
+    def _prompt_logits(self, batch: BatchInputs, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of the flat batch's rows `flat` [n] (hidden `rows` [n, hidden]), with their
+        lm_head LoRA where they have one."""
+        lm_head = None
+        if self.prompt_lm_head_lora is not None and batch.has_lora:
+            lm_head = self.prompt_lm_head_lora.context(batch.token_lora_slots[flat])
+        return self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
 
     def _lm_head_lora(self, batch: BatchInputs) -> LMHeadLoRAContext | None:
         """The lm_head LoRA over the sampled rows, None when no row can have one (the plain logits)."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lora_runner.core.scheduler_output import ContinuingRequestData, NewRequestData, SchedulerOutput
+from lora_runner.sample.prompt_logprobs import PromptSpan, prompt_spans
 from lora_runner.sample.sampling_state import SamplingBatch, SamplingState
 from lora_runner.worker.batch_builder import SeqArrays
 
@@ -117,6 +118,8 @@ class InputBatch:
         self.num_virtual = np.zeros(max_num_seqs, np.int64)  # [R] soft-prompt placeholders
         self.lora_keys = np.zeros(max_num_seqs, np.int64)  # [R] interned LoRA ref, 0 = none
         self.prompt_keys = np.zeros(max_num_seqs, np.int64)  # [R] interned prompt-adapter ref, 0 = none
+        self.prompt_logprobs = np.full(max_num_seqs, -1, np.int64)  # [R] SamplingParams.prompt_logprobs, -1 = none
+        self.num_prompt = np.zeros(max_num_seqs, np.int64)  # [R] user prompt tokens (after the placeholders)
         self._loras = _Interned(max_num_seqs)
         self._prompts = _Interned(max_num_seqs)
         self.request_ids: list[str | None] = [None] * max_num_seqs  # row -> request id
@@ -177,6 +180,12 @@ class InputBatch:
         assert self.sampling is not None, "these rows keep no sampling settings"
         return self.sampling.batch(step.rows[step.seqs.sample], self.token_ids, self.num_tokens)
 
+    def prompt_spans(self, step: ScheduledRows) -> list[PromptSpan]:
+        """The prompt positions the step's chunks score for rows that ask for prompt logprobs
+        (lora_runner.sample.prompt_logprobs); [] in steps without such rows."""
+        return prompt_spans(self.request_ids, self.token_ids, step.rows, step.starts, step.lens,
+                            self.prompt_logprobs, self.num_virtual, self.num_prompt)
+
     # ------------------------------------------------------------------ rows
     def free(self, request_id: str) -> None:
         """Forget `request_id`'s row (no-op when it has none: it left before it was ever scheduled)."""
@@ -218,6 +227,9 @@ class InputBatch:
         self.block_tables[row, :len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
         self.num_virtual[row] = new.num_virtual_tokens
+        self.num_prompt[row] = new.num_prompt_tokens
+        k = None if new.params is None else new.params.prompt_logprobs
+        self.prompt_logprobs[row] = -1 if k is None else k
         self._refs[row] = (new.lora_ref, new.prompt_adapter_ref)
         self.lora_keys[row] = self._loras.acquire(new.lora_ref)
         self.prompt_keys[row] = self._prompts.acquire(new.prompt_adapter_ref)

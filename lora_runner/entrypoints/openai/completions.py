@@ -11,6 +11,7 @@ import time
 
 from fastapi import Request
 
+from lora_runner.entrypoints.openai.echo import ChoiceExtras
 from lora_runner.entrypoints.openai.formatting import ChatFormat, CompletionFormat
 from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation
 from lora_runner.entrypoints.openai.prompts import chat_prompt, check_chat, completion_prompt_list, encode_prompts
@@ -30,9 +31,11 @@ async def create_completion(state: ServerState, tenant: Tenant, body: Completion
     release = state.admit(tenant, len(listed) * body.n)
     try:
         prompts = await state.off_loop(encode_prompts, state, listed)
-        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-        return await _generate(state, tenant, body, request, target, prompts, max_tokens, logprobs, started,
-                               CompletionFormat, "cmpl", release)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        # max_tokens=0 (echo only): one token is generated and not reported
+        return await _generate(state, tenant, body, request, target, prompts, max(max_tokens, 1), logprobs, started,
+                               CompletionFormat, "cmpl", release, lambda ids: _completion_extras(
+                                   state, body, listed, ids, logprobs))
     except BaseException:
         release()
         raise
@@ -48,8 +51,11 @@ async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatC
         prompt = await state.off_loop(chat_prompt, state, body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(
             state.max_tokens_limit, state.max_model_len - len(prompt)))
+        last = body.messages[-1]
+        echo = [last.text()] if body.echo and last.role == "assistant" else None
         return await _generate(state, tenant, body, request, target, [prompt], max_tokens, logprobs, started,
-                               ChatFormat, "chatcmpl", release)
+                               ChatFormat, "chatcmpl", release,
+                               lambda ids: ChoiceExtras(echo, return_token_ids=body.return_token_ids))
     except BaseException:
         release()
         raise
@@ -65,9 +71,10 @@ def _checked(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatC
 
 async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatCompletionRequest,
                     request: Request, target, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
-                    started: float, format_type, id_prefix: str, release):
+                    started: float, format_type, id_prefix: str, release, extras_of):
     """Length checks (400), the engine's SamplingParams, then the generation in `format_type`'s shape
-    (on the seats `release` gives back). truncate_prompt_tokens (vLLM) cuts each prompt first."""
+    (on the seats `release` gives back). truncate_prompt_tokens (vLLM) cuts each prompt first.
+    extras_of(prompts as run) -> the choices' ChoiceExtras (echo, token ids)."""
     keep = body.truncate_prompt_tokens
     if keep is not None and keep != 0:  # 0 is refused by SamplingParams below
         prompts = [ids[-(state.max_model_len if keep == -1 else keep):] for ids in prompts]
@@ -78,4 +85,16 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
                                 include_usage, started, release, cache_salt=body.cache_salt,
-                                continuous_usage=continuous_usage)
+                                continuous_usage=continuous_usage, extras=extras_of(prompts))
+
+
+def _completion_extras(state: ServerState, body: CompletionRequest, listed: list, prompts: list[list[int]],
+                       logprobs: int | None) -> ChoiceExtras:
+    """Completions' echo (each prompt's text: the one sent, or its token ids' text when it came as ids or
+    was truncated) and return_token_ids."""
+    if not body.echo:
+        return ChoiceExtras(return_token_ids=body.return_token_ids)
+    texts = [given if isinstance(given, str) and body.truncate_prompt_tokens is None else state.prompt_text(ids)
+             for given, ids in zip(listed, prompts)]
+    return ChoiceExtras(texts, echo_logprobs=logprobs is not None, discard_generated=body.max_tokens == 0,
+                        return_token_ids=body.return_token_ids)

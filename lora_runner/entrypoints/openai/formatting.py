@@ -20,11 +20,12 @@ def sse(payload: dict) -> str:
 
 @dataclass
 class TokenLogprob:
-    """One generated token: its text, logprob and the top alternatives (text, logprob), best first."""
+    """One token: its text, logprob and the top alternatives (text, logprob), best first. An echoed
+    prompt's first token has neither (None): nothing predicts it."""
 
     token: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None
+    top: list[tuple[str, float]] | None
 
 
 @dataclass
@@ -36,6 +37,8 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
+    token_ids: list[int] | None = None  # return_token_ids (vLLM): the generated ids of this delta
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the prompt's, in a choice's first delta
 
 
 @dataclass
@@ -85,7 +88,7 @@ class CompletionFormat:
         start = self._text_offsets.get(delta.index, 0)
         logprobs, self._text_offsets[delta.index] = _completion_logprobs(delta.logprobs, start)
         return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason, **_token_ids(delta)}
 
 
 @dataclass
@@ -108,14 +111,25 @@ class ChatFormat(CompletionFormat):
         """The whole (non-streamed) chat completion."""
         choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text},
                     "logprobs": _chat_logprobs(d.logprobs), "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason} for d in deltas]
-        return {**self._head(chunk=False), "choices": choices, "usage": usage.as_dict()}
+                    "stop_reason": d.stop_reason, **_token_ids(d, prompt=False)} for d in deltas]
+        prompt_ids = next((d.prompt_token_ids for d in deltas if d.prompt_token_ids is not None), None)
+        extra = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}  # vLLM: on the response
+        return {**self._head(chunk=False), "choices": choices, "usage": usage.as_dict(), **extra}
 
     @staticmethod
     def _choice(delta: Delta) -> dict:
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return {"index": delta.index, "delta": content, "logprobs": _chat_logprobs(delta.logprobs),
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason, **_token_ids(delta)}
+
+
+def _token_ids(delta: Delta, prompt: bool = True) -> dict:
+    """return_token_ids's fields of a choice (none without it): its generated ids and, with `prompt`, its
+    prompt's ids where the delta carries them."""
+    fields = {} if delta.token_ids is None else {"token_ids": delta.token_ids}
+    if prompt and delta.prompt_token_ids is not None:
+        fields["prompt_token_ids"] = delta.prompt_token_ids
+    return fields
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob] | None, offset: int = 0) -> tuple[dict | None, int]:
@@ -128,7 +142,7 @@ def _completion_logprobs(logprobs: list[TokenLogprob] | None, offset: int = 0) -
     for entry in logprobs:
         offsets.append(offset)
         offset += len(entry.token)
-    top = [{**dict(e.top), e.token: e.logprob} for e in logprobs]
+    top = [None if e.top is None else {**dict(e.top), e.token: e.logprob} for e in logprobs]
     return {"tokens": [e.token for e in logprobs], "token_logprobs": [e.logprob for e in logprobs],
             "top_logprobs": top, "text_offset": offsets}, offset
 

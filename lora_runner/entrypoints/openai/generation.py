@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.entrypoints.openai.echo import ChoiceExtras, prompt_token_logprobs
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from, error_body, model_not_found
 from lora_runner.entrypoints.openai.formatting import DONE_EVENT, CompletionFormat, Delta, TokenLogprob, Usage, sse
 from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
@@ -92,14 +93,17 @@ class _Sent:
 
     tokens: int = 0
     done: bool = False  # its finish (or error) was reported
+    opened: bool = False  # its first delta (the echoed prompt, the prompt's ids) was made
 
 
 class ChoiceRun:
     """One prompt's generation (n samples: choices index .. index + n - 1) and what has been sent of it."""
 
-    def __init__(self, state: ServerState, index: int, request_id: str, prompt_len: int,
-                 gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1) -> None:
-        self.state, self.index, self.request_id, self.prompt_len = state, index, request_id, prompt_len
+    def __init__(self, state: ServerState, index: int, request_id: str, prompt_ids: list[int],
+                 gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1,
+                 extras: ChoiceExtras = ChoiceExtras(), echo_text: str | None = None) -> None:
+        self.state, self.index, self.request_id, self.prompt_len = state, index, request_id, len(prompt_ids)
+        self.prompt_ids, self.extras, self.echo_text = prompt_ids, extras, echo_text
         self.gen, self.started, self.logprobs_k = gen, started, logprobs_k
         self.first: RequestOutput | None = None
         self.advance_first: list[Delta] = []  # the first output's deltas, sent before the rest
@@ -116,35 +120,56 @@ class ChoiceRun:
     def advance(self, output: RequestOutput) -> list[Delta]:
         """Each sample's delta in `output` (a DELTA output: what is new since the last call; samples
         without news left out); APIError for a sample that failed (reported once)."""
-        num_new = sum(len(c.token_ids) for c in output.outputs)  # a finished sample's later deltas are empty
-        self._record_latency(num_new)
+        num_new = 0 if self.extras.discard_generated else sum(len(c.token_ids) for c in output.outputs)
+        self._record_latency(num_new)  # (a finished sample's later deltas are empty)
         self.num_output_tokens += num_new
         self.num_cached_tokens = output.num_cached_tokens
-        deltas = [self._advance_sample(sample, completion) for sample, completion in enumerate(output.outputs)]
+        deltas = [self._advance_sample(sample, completion, output)
+                  for sample, completion in enumerate(output.outputs)]
         return [delta for delta in deltas if delta is not None]
 
-    def _advance_sample(self, sample: int, completion) -> Delta | None:
+    def _advance_sample(self, sample: int, completion, output: RequestOutput) -> Delta | None:
         sent = self.sent[sample]
         if sent.done:
             return None
-        new_ids = completion.token_ids
+        new_ids = [] if self.extras.discard_generated else completion.token_ids
         sent.tokens += len(new_ids)
         if completion.finish_reason == "error":
             sent.done = True
             self._finished("error", sent.tokens)
             raise api_error_from(completion.error or RuntimeError("the request failed"))
-        text = completion.text_delta  # the engine's incremental text: whole characters, stop strings cut
+        # the engine's incremental text: whole characters, stop strings cut
+        text = "" if self.extras.discard_generated else completion.text_delta
         logprobs = self._logprobs(completion)
+        opening = not sent.opened
+        sent.opened = True
+        if opening and self.echo_text is not None:
+            text = self.echo_text + text
+            if logprobs is not None and self.extras.echo_logprobs:
+                logprobs = self._prompt_logprobs(output) + logprobs
         if completion.finished:
             sent.done = True
             self._finished(completion.finish_reason, sent.tokens)
         if not text and not new_ids and not completion.finished:
             return None
-        return Delta(self.index + sample, text, logprobs, completion.finish_reason, completion.stop_reason)
+        delta = Delta(self.index + sample, text, logprobs, completion.finish_reason, completion.stop_reason)
+        if self.extras.return_token_ids:
+            delta.token_ids = list(new_ids)
+            delta.prompt_token_ids = self.prompt_ids if opening else None
+        return delta
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list[TokenLogprob]:
+        """The prompt tokens' entries echoed before the generated ones (the engine computed them)."""
+        if output.prompt_logprobs is None:
+            raise RuntimeError(f"request {self.request_id}: echo with logprobs, but no prompt logprobs came back")
+        return prompt_token_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs,
+                                     self.logprobs_k or 0)
 
     def _logprobs(self, completion) -> list[TokenLogprob] | None:
         if completion.logprobs is None:
             return None
+        if self.extras.discard_generated:
+            return []
         k = self.logprobs_k or 0
         return [_token_logprob(self.state, token, table, k)
                 for token, table in zip(completion.token_ids, completion.logprobs)]
@@ -192,7 +217,8 @@ def engine_cache_salt(state: ServerState, tenant: Tenant, request_salt: str | No
 
 
 async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts: list[list[int]],
-                     params: SamplingParams, started: float, request_salt: str | None = None) -> list[ChoiceRun]:
+                     params: SamplingParams, started: float, request_salt: str | None = None,
+                     extras: ChoiceExtras = ChoiceExtras()) -> list[ChoiceRun]:
     """Add one engine request per prompt and wait for each one's first output (errors raise)."""
     runs = []
     salt = engine_cache_salt(state, tenant, request_salt)
@@ -201,7 +227,8 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
         request_id = state.new_id("req")
         gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name,
                                     cache_salt=salt)
-        runs.append(ChoiceRun(state, index * params.n, request_id, len(ids), gen, started, params.logprobs, params.n))
+        runs.append(ChoiceRun(state, index * params.n, request_id, ids, gen, started, params.logprobs, params.n,
+                              extras, extras.echo_text(index)))
     results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     try:
@@ -270,15 +297,17 @@ class _ClosingStreamingResponse(TimedStreamingResponse):
 async def run_generation(state: ServerState, request: Request, tenant: Tenant, target: Target,
                          prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
                          stream: bool, include_usage: bool, started: float, release: Callable[[], None],
-                         cache_salt: str | None = None, continuous_usage: bool = False):
+                         cache_salt: str | None = None, continuous_usage: bool = False,
+                         extras: ChoiceExtras = ChoiceExtras()):
     """Start and answer one generation request (streamed or whole) on the seats the caller took
     (ServerState.admit); `release` (idempotent) gives them back however the request ends. cache_salt:
     the body's (combined with the tenant's, engine_cache_salt). continuous_usage: every streamed chunk
-    carries the usage so far (stream_options.continuous_usage_stats)."""
+    carries the usage so far (stream_options.continuous_usage_stats). extras: echo and token ids
+    (lora_runner.entrypoints.openai.echo)."""
     try:
         state.metrics.requests.labels(target.model).inc()
         state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
-        runs = await start_runs(state, tenant, target, prompts, params, started, cache_salt)
+        runs = await start_runs(state, tenant, target, prompts, params, started, cache_salt, extras)
     except BaseException:
         release()
         raise
@@ -319,7 +348,9 @@ def _join(total: Delta, delta: Delta | None) -> Delta:
     if delta is None:
         return total
     logprobs = None if delta.logprobs is None else (total.logprobs or []) + delta.logprobs
-    return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason, delta.stop_reason)
+    token_ids = None if delta.token_ids is None else (total.token_ids or []) + delta.token_ids
+    return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason, delta.stop_reason,
+                 token_ids, total.prompt_token_ids or delta.prompt_token_ids)
 
 
 async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: bool,

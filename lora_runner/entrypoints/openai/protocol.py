@@ -51,12 +51,17 @@ class _GenerationBody(_Body):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # extension (vLLM): keep the last k
     prompt_adapter: str | None = None  # extension: a registered soft prompt, by name
     cache_salt: str | None = Field(default=None, min_length=1)  # extension (vLLM): added to the tenant's salt
+    skip_special_tokens: bool = True  # extension (vLLM): special tokens left out of the text
+    spaces_between_special_tokens: bool = True  # extension (vLLM)
+    return_token_ids: bool = False  # extension (vLLM): prompt_token_ids and token_ids of each choice
 
 
 class CompletionRequest(_GenerationBody):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0 only with echo: the prompt scored, nothing generated (lora_runner.entrypoints.openai.echo)
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
@@ -92,6 +97,7 @@ class ChatCompletionRequest(_GenerationBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    echo: bool = False  # extension (vLLM): the last message's content before the reply when it is the assistant's
 
 
 class LoadLoRARequest(_Body):

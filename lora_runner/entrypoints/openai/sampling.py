@@ -1,6 +1,6 @@
 """From an OpenAI request body to the engine's SamplingParams, refusing what cannot be honoured.
 
-The engine has no best_of, echo, suffix or logit_bias yet: a
+The engine has no best_of, suffix or logit_bias yet: a
 request that asks for one gets a 400 naming the field, never a silently different result.
 """
 
@@ -24,8 +24,9 @@ def check_supported(body: CompletionRequest | ChatCompletionRequest, max_n: int)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "invalid_value")
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise _unsupported("echo", "echoing the prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 needs echo=true (the prompt scored, nothing generated)",
+                           "invalid_value")
         if body.suffix:
             raise _unsupported("suffix", "a suffix")
         if body.best_of not in (None, 1):
@@ -47,7 +48,9 @@ def requested_logprobs(body: CompletionRequest | ChatCompletionRequest, max_logp
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                     logprobs: int | None) -> SamplingParams:
-    """The engine's SamplingParams (400 for values it rejects)."""
+    """The engine's SamplingParams (400 for values it rejects). Completions with echo and logprobs
+    ask for the prompt's logprobs too, with as many alternatives."""
+    echo_logprobs = isinstance(body, CompletionRequest) and body.echo and logprobs is not None
     try:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -59,6 +62,8 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             stop=body.stop, include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens,
-            truncate_prompt_tokens=body.truncate_prompt_tokens)
+            truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=logprobs if echo_logprobs else None,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from exc

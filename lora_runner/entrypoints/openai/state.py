@@ -136,6 +136,12 @@ class ServerState:
         tokenizer = self.tokenizer
         return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
 
+    def prompt_text(self, token_ids: list[int]) -> str:
+        """The text of a prompt given as token ids (special tokens included, as echo reports it; "" without
+        a tokenizer)."""
+        tokenizer = self.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(token_ids)
+
     @staticmethod
     def new_id(prefix: str) -> str:
         """A fresh response/request id."""

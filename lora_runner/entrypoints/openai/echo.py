@@ -1,0 +1,45 @@
+"""What a choice reports besides its generated text: the echoed prompt and the token ids.
+
+- completions ``echo`` (OpenAI): the prompt's text before the completion in ``text`` and, with
+  ``logprobs``, the prompt tokens' entries before the generated ones (the first token's logprob and
+  top_logprobs null: nothing predicts it). ``max_tokens=0`` with echo scores the prompt only (what
+  lm-evaluation-harness's loglikelihood requests may send): the engine generates one token, which is
+  not reported.
+- chat ``echo`` (vLLM): the last message's content before the reply when that message is the assistant's.
+- ``return_token_ids`` (vLLM): ``prompt_token_ids`` and the generated ``token_ids`` of each choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lora_runner.entrypoints.openai.formatting import TokenLogprob
+
+
+@dataclass(frozen=True)
+class ChoiceExtras:
+    """The request's extras, the same for each of its choices."""
+
+    echo_texts: list[str] | None = None  # per prompt: the text reported before the generated text
+    echo_logprobs: bool = False  # the prompt tokens' logprobs first (completions echo with logprobs)
+    discard_generated: bool = False  # max_tokens=0 with echo: the token the engine generates is not reported
+    return_token_ids: bool = False
+
+    def echo_text(self, prompt_index: int) -> str | None:
+        """The text echoed before prompt `prompt_index`'s choices (None: no echo)."""
+        return None if self.echo_texts is None else self.echo_texts[prompt_index]
+
+
+def prompt_token_logprobs(token_text: Callable[[int], str], prompt_ids: list[int],
+                          prompt_logprobs: list[dict[int, float] | None], k: int) -> list[TokenLogprob]:
+    """The prompt tokens' logprobs entries (RequestOutput.prompt_logprobs) as OpenAI's echo reports them:
+    the first has no logprob and no alternatives, each later one its logprob and the top k."""
+    entries = []
+    for token, table in zip(prompt_ids, prompt_logprobs):
+        if table is None:
+            entries.append(TokenLogprob(token_text(token), None, None))
+            continue
+        top = sorted(table.items(), key=lambda item: -item[1])[:k]
+        entries.append(TokenLogprob(token_text(token), table[token], [(token_text(t), lp) for t, lp in top]))
+    return entries
