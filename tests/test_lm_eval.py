@@ -4,12 +4,7 @@ through lm_eval's Python API; the log-likelihoods it reports equal our own promp
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
-import importlib.util
 import math
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -17,29 +12,13 @@ from serve_support import serve_args, start_server
 
 from transformers import AutoTokenizer
 
+import lm_eval  # lm-eval[api] is in the [test] extra: its API models (local-completions) need tenacity
+from lm_eval.tasks import TaskManager
 from lora_runner import LLM, SamplingParams
-
-lm_eval = pytest.importorskip("lm_eval")
-from lm_eval.tasks import TaskManager  # noqa: E402 - only once lm_eval is known to be there
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "tests" / "data" / "lm_eval"
 TOLERANCE = 1e-4
-
-
-def _one_attempt_tenacity() -> None:
-    """lm_eval's API models import tenacity (lm-eval[api]) for retries; where only lm-eval is installed, a
-    stand-in whose ``retry`` makes the one attempt max_retries=1 asks for, and lm_eval's API module
-    imported again with it. A real tenacity is used whenever installed."""
-    if importlib.util.find_spec("tenacity") is not None:
-        return
-    stand_in = types.ModuleType("tenacity")
-    stand_in.__spec__ = importlib.machinery.ModuleSpec("tenacity", None)
-    stand_in.RetryError = type("RetryError", (Exception,), {})
-    stand_in.retry = lambda **options: (lambda fn: fn)
-    stand_in.stop_after_attempt = stand_in.wait_exponential = lambda *args, **kwargs: None
-    sys.modules["tenacity"] = stand_in
-    importlib.reload(importlib.import_module("lm_eval.models.api_models"))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +42,6 @@ def evaluate(server, model_dir: str, tasks: list[str]) -> dict:
 
 def test_lm_eval_loglikelihood_and_generation_against_the_server(served, monkeypatch):
     server, model_dir = served
-    _one_attempt_tenacity()
     monkeypatch.chdir(REPO)  # the task YAMLs name their docs relative to the repository
     scored = generated = evaluate(server, model_dir, ["lora_runner_loglikelihood", "lora_runner_generate"])
     samples = scored["samples"]["lora_runner_loglikelihood"]
