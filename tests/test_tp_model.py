@@ -163,6 +163,7 @@ def outputs(pool, family):
     return run_mixed_batch(SINGLE, path, loras, prompt), pool.run(run_mixed_batch, path, loras, prompt)
 
 
+@pytest.mark.slow  # the first test on the pool starts its 2 processes (~10-30 s on 2 busy cores)
 def test_mixed_batch_matches_one_rank(family, outputs):
     want, ranks = outputs
     for rank, got in enumerate(ranks):
@@ -172,6 +173,7 @@ def test_mixed_batch_matches_one_rank(family, outputs):
     assert [r["kv_shape"][4] for r in ranks] == [kv_heads, kv_heads]
 
 
+@pytest.mark.slow
 def test_decode_collectives_counted_and_lora_adds_none(outputs):
     """Per step: 2 all-reduces per layer + 1 (embedding), 1 all-gather (logits); the decode step with
     every adapter kind (lm_head LoRA included) issues exactly what the base-only step does."""
@@ -236,6 +238,7 @@ def read_bytes_of_rank(tp: TensorParallel, path: str) -> tuple[int, int]:
     return read[0], total[0]
 
 
+@pytest.mark.slow
 def test_a_rank_reads_only_its_shard(pool, tmp_path):
     """Every weight but the norms is split: a rank reads just over half the checkpoint, never all of it."""
     save_tiny_model(tmp_path, "llama", tokenizer=False)

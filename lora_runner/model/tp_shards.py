@@ -44,14 +44,13 @@ def checkpoint_shard(model, name: str, shape: tuple[int, ...]) -> TensorShard | 
         start = min(model.vocab_start, config.vocab_size)
         return TensorShard(0, ((start, min(model.vocab_end, config.vocab_size)),), share)
     parts = param.split(".")
-    if len(parts) != 5 or parts[0] != "layers":
-        return None  # norms
-    packed, kind = parts[3], parts[4]
+    packed, kind = (parts[3], parts[4]) if len(parts) == 5 and parts[0] == "layers" else (None, None)
+    if packed not in (*COLUMN_PARALLEL, *ROW_PARALLEL):
+        return None  # norms (Qwen3's q / k norms are over head_dim: whole on every rank)
     spec = config.spec()
     if packed in ROW_PARALLEL:
         # input columns split: the weight's columns; bias and per-row scales are per output row, whole
         return TensorShard(1, (input_columns(spec, packed, tp.rank, tp.world_size),)) if kind == "weight" else None
-    assert packed in COLUMN_PARALLEL, packed
     if len(shape) == 0 or (kind != "weight" and shape[0] == 1):  # a per-tensor scale
         return None
     rows = slice_rows(spec, packed, tp.rank, tp.world_size)
