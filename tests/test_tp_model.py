@@ -33,6 +33,7 @@ from lora_runner.sampling_params import SamplingParams
 from lora_runner.worker.batch_builder import SeqChunk
 from lora_runner.worker.model_runner import ModelRunner
 from test_model_families import PHI3_MODULES, save_family_model
+from quant_support import save_ct_fp8
 from tp_support import RankPool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's notes on tied / embedding layers
@@ -115,24 +116,30 @@ def make_runner(model, config, loras, prompt, tp: TensorParallel) -> ModelRunner
     lora_slots = LoRASlots(local, MAX_LORAS, MAX_RANK)
     vocab_slots = VocabLoRASlots(local, MAX_LORAS, MAX_RANK)
     prompt_slots = PromptSlots(full, 1, NUM_VIRTUAL)  # replicated: the full hidden size
-    for slot, name in enumerate(("r4", "r8", "dora", "vocab")):
+    for slot, name in enumerate(n for n in ("r4", "r8", "dora", "vocab") if n in loras):
         shard = shard_lora_weights(loras[name], full, tp.rank, tp.world_size)
         lora_slots.write(slot, shard)
         vocab_slots.write(slot, shard)
-    prompt_slots.write(0, prompt)
+    if prompt is not None:
+        prompt_slots.write(0, prompt)
     return ModelRunner(model, config, lora_slots, num_kv_blocks=1 + 8 * WIDTH, block_size=BLOCK_SIZE,
                        max_num_tokens=128, max_num_seqs=8, max_blocks_per_seq=WIDTH, max_loras=MAX_LORAS,
                        max_lora_rank=MAX_RANK, dtype=torch.float32, device=torch.device("cpu"),
                        prompt_slots=prompt_slots, vocab_slots=vocab_slots, tp=tp)
 
 
-def run_mixed_batch(tp: TensorParallel, path: str, loras, prompt) -> dict:
+def run_mixed_batch(tp: TensorParallel, path: str, loras, prompt, quantization: str | None = None) -> dict:
     """Prefill the mixed batch, then decode twice (the second step on base rows only); per step the
-    sampled tokens, their top-20 logprobs and the collectives it issued."""
+    sampled tokens, their top-20 logprobs and the collectives it issued. Without adapters (loras
+    empty, prompt None) every row is a base row."""
     torch.manual_seed(0)
-    model, config, _ = load_model(path, tp=tp)
+    model, config, _ = load_model(path, tp=tp, quantization=quantization)
     runner = make_runner(model, config, loras, prompt, tp)
     chunks = mixed_chunks(config.vocab_size)
+    if prompt is None:
+        for chunk in chunks:
+            chunk.lora_slot = -1
+            chunk.prompt_adapter_slot, chunk.num_virtual_tokens = -1, 0
     steps = []
     for step in range(3):
         if step == 2:
@@ -181,6 +188,22 @@ def test_decode_collectives_counted_and_lora_adds_none(outputs):
         expected = {"all_reduce": 2 * got["num_layers"] + 1, "all_gather": 1}
         prefill, with_adapters, base_only = (step["counts"] for step in got["steps"])
         assert with_adapters == expected and base_only == expected and prefill == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["fp8-online", "fp8-compressed-tensors"])
+def test_fp8_shards_match_one_rank(pool, tmp_path, quant):
+    """FP8 linears split like the float ones; online FP8 takes each row-parallel row's scale over
+    every rank's columns (an all-reduce of the maxima at load), so the shards quantize as one rank."""
+    if quant == "fp8-online":
+        save_tiny_model(tmp_path, "llama", tokenizer=False, seed=3)
+        quantization = "fp8"
+    else:
+        save_ct_fp8(tmp_path, "channel", seed=3)
+        quantization = None
+    want = run_mixed_batch(SINGLE, str(tmp_path), {}, None, quantization)
+    for rank, got in enumerate(pool.run(run_mixed_batch, str(tmp_path), {}, None, quantization)):
+        assert_same_outputs(got, want, f"rank {rank}")
 
 
 def read_bytes_of_rank(tp: TensorParallel, path: str) -> tuple[int, int]:
