@@ -24,7 +24,7 @@ from adapters.lora import load_lora
 from adapters.prompt import load_prompt_adapter
 from adapters.sharding import shard_lora_weights, shard_spec
 from adapters.vocab_slots import VocabLoRASlots
-from factories import save_lora, save_prompt_adapter, save_tiny_model
+from factories import build_tiny_model, save_lora, save_prompt_adapter, save_tiny_model
 from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model import load_model
 from lora_runner.model import loader as loader_module
@@ -33,7 +33,8 @@ from lora_runner.sampling_params import SamplingParams
 from lora_runner.worker.batch_builder import SeqChunk
 from lora_runner.worker.model_runner import ModelRunner
 from test_model_families import PHI3_MODULES, save_family_model
-from quant_support import save_ct_fp8
+from quant_support import save_ct_fp8, save_ct_w4a16
+from test_quant_int4_formats import write_int4_checkpoint
 from tp_support import RankPool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's notes on tied / embedding layers
@@ -204,6 +205,47 @@ def test_fp8_shards_match_one_rank(pool, tmp_path, quant):
     want = run_mixed_batch(SINGLE, str(tmp_path), {}, None, quantization)
     for rank, got in enumerate(pool.run(run_mixed_batch, str(tmp_path), {}, None, quantization)):
         assert_same_outputs(got, want, f"rank {rank}")
+
+
+def save_int4(path, quant: str, **overrides) -> None:
+    """A tiny Llama as a 4-bit checkpoint (group size 32) of format ``quant``."""
+    if quant == "compressed-tensors":
+        save_ct_w4a16(path, group_size=32, seed=4, **overrides)
+    else:
+        model = build_tiny_model("llama", seed=4, **overrides)
+        write_int4_checkpoint(model, path, quant, group_size=32, generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["gptq", "awq", "compressed-tensors"])
+def test_int4_shards_match_one_rank(pool, tmp_path, quant):
+    """Each 4-bit layout is read in whole packed words and groups: the rank's o / down keep 32 and 64
+    input columns (two and one groups of 32), its qkv / gate_up rows are whole words."""
+    save_int4(tmp_path, quant, intermediate_size=128)
+    want = run_mixed_batch(SINGLE, str(tmp_path), {}, None)
+    for rank, got in enumerate(pool.run(run_mixed_batch, str(tmp_path), {}, None)):
+        assert_same_outputs(got, want, f"rank {rank}")
+
+
+@pytest.mark.parametrize("quant, overrides, act_order, message", [
+    ("gptq", dict(intermediate_size=96), False, r"group_size 32 does not divide the input width 48 of the down"),
+    ("compressed-tensors", dict(intermediate_size=96), False, r"input width 48 of the down"),
+    ("gptq", dict(intermediate_size=128), True, r"act-order GPTQ \(desc_act=True\) cannot be split"),
+])
+def test_int4_splits_that_break_groups_are_refused(tmp_path, monkeypatch, quant, overrides, act_order, message):
+    if act_order:
+        model = build_tiny_model("llama", seed=4, **overrides)
+        write_int4_checkpoint(model, tmp_path, quant, group_size=32, act_order=True,
+                              generator=torch.Generator().manual_seed(4))
+    else:
+        save_int4(tmp_path, quant, **overrides)
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a weight file was opened")
+
+    monkeypatch.setattr(loader_module, "safe_open", no_reading)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(tmp_path), tp=TensorParallel(rank=1, world_size=2))
 
 
 def read_bytes_of_rank(tp: TensorParallel, path: str) -> tuple[int, int]:

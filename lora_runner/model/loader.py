@@ -17,7 +17,7 @@ from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.gemma2 import model_class
 from lora_runner.model.gguf import gguf_model_dir, is_gguf_file
-from lora_runner.model.tp_shards import TensorShard, checkpoint_shard, read_shard
+from lora_runner.model.tp_shards import TensorShard, check_int4_split, checkpoint_shard, read_shard
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +117,8 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
 
     ``tp``: this process's rank of a tensor-parallel group: the decoder is then that rank's shard
     (LlamaForCausalLM, adapters.sharding) and only that shard is read from the checkpoint. A split
-    the sizes do not allow (heads, KV heads, intermediate size) and 4-bit checkpoints over several
-    ranks are a ValueError before any weight is read; FP8 linears are sharded (online FP8 quantizes
-    each rank's shard, so a row-parallel layer's per-row scales are its columns' own).
+    the sizes do not allow (heads, KV heads, intermediate size; a 4-bit layout's packed words and
+    groups, act-order GPTQ: lora_runner.model.tp_shards) is a ValueError before any weight is read.
 
     A checkpoint's ``quantization_config`` (compressed-tensors FP8 / W4A16, GPTQ, AWQ) or
     ``quantization="fp8"`` (a float checkpoint quantized at load) keeps the decoder linears quantized
@@ -134,10 +133,7 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
     model_dir = resolve_model_dir(model, revision=revision, local_files_only=local_files_only)
     config = ModelConfig.from_dir(model_dir, name_or_path=model, quantization=quantization)
     weight_files(model_dir)  # fail on missing weights before allocating the model
-    if tp.is_parallel and config.quantization is not None and config.quantization.kind == "int4":
-        raise ValueError(f"a 4-bit ({config.quantization.source}) checkpoint cannot be split over "
-                         f"tensor_parallel_size={tp.world_size} yet: its packed layouts are not sharded; "
-                         "serve it with tensor_parallel_size=1")
+    check_int4_split(config, tp)  # before any weight is read, as the model's own split checks
     net = model_class(config)(config, dtype=dtype, device=device, tp=tp)
     net.load_weights(iter_weights(model_dir, partial(checkpoint_shard, net) if tp.is_parallel else None))
     quant = config.quantization
