@@ -16,6 +16,8 @@ KV head is replicated on both ranks, and an odd vocabulary is padded.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -28,6 +30,7 @@ from factories import build_tiny_model, save_lora, save_prompt_adapter, save_tin
 from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model import load_model
 from lora_runner.model import loader as loader_module
+from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
 from lora_runner.model.layers import lora_base_weights
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.worker.batch_builder import SeqChunk
@@ -355,3 +358,20 @@ def test_shard_spec_and_lora_shards(family):
                     assert pair.a is whole.a and pair.b.shape[0] == pair.column_scale.shape[0] > 0
     with pytest.raises(ValueError, match="rank must lie"):
         shard_spec(full, 2, 2)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_dora_scales_from_the_checkpoint_equal_the_models(family, tmp_path, quantization):
+    """The engine validates a DoRA adapter once, holding no model: W read from the checkpoint (and
+    quantized as the model's) gives the column scales the served model's own weights give."""
+    path, _, _, config = family
+    if quantization is not None and config.architecture != "LlamaForCausalLM":
+        pytest.skip("one family is enough for the quantized path")
+    model, config, _ = load_model(path, quantization=quantization)
+    lora_dir = os.path.join(os.path.dirname(path), "dora")
+    kwargs = dict(max_lora_rank=MAX_RANK)
+    want = load_lora("dora", lora_dir, config.spec(), base_weight=lora_base_weights(model), **kwargs)
+    got = load_lora("dora", lora_dir, config.spec(), base_weight=checkpoint_base_weights(path, config), **kwargs)
+    scales = [(g.column_scale, w.column_scale) for key, pairs in want.modules.items()
+              for g, w in zip(got.modules[key], pairs) if w is not None]
+    assert scales and all(torch.equal(g, w) for g, w in scales)
