@@ -63,8 +63,9 @@ def checkpoint_shard(model, name: str, shape: tuple[int, ...]) -> TensorShard | 
         return None  # norms (Qwen3's q / k norms are over head_dim: whole on every rank)
     spec = config.spec()
     form = getattr(model.get_submodule(param.rsplit(".", 1)[0]).method, "form", None)
-    if getattr(form, "shard_axes", None) is not None:
-        return _int4_shard(form, spec, packed, index, kind, tp)
+    axes = getattr(form, "shard_axes", None)
+    if axes is not None and kind != "bias":  # a 4-bit layout (a tensor it does not know is ignored: read whole)
+        return _int4_shard(form, spec, packed, index, kind, tp) if kind in axes else None
     if packed in ROW_PARALLEL:
         # input columns split: the weight's columns; bias and per-row scales are per output row, whole
         return TensorShard(1, (input_columns(spec, packed, tp.rank, tp.world_size),)) if kind == "weight" else None
@@ -122,8 +123,8 @@ def check_int4_split(config, tp: TensorParallel) -> None:
     for packed in COLUMN_PARALLEL:
         for size in local.slice_sizes(packed):
             if packs_n and size % PACK:
-                raise ValueError(f"{quant.source} packs {PACK} output rows per word: a rank's {size} rows of a {packed} "
-                                 f"slice at tensor_parallel_size={tp.world_size} are not whole words")
+                raise ValueError(f"{quant.source} packs {PACK} output rows per word: a rank's {size} rows of a "
+                                 f"{packed} slice at tensor_parallel_size={tp.world_size} are not whole words")
 
 
 def read_shard(handle, name: str, shard: TensorShard | None) -> torch.Tensor:
