@@ -224,7 +224,7 @@ def save_int4(path, quant: str, **overrides) -> None:
 def test_int4_shards_match_one_rank(pool, tmp_path, quant):
     """Each 4-bit layout is read in whole packed words and groups: the rank's o / down keep 32 and 64
     input columns (two and one groups of 32), its qkv / gate_up rows are whole words."""
-    save_int4(tmp_path, quant, intermediate_size=128)
+    save_int4(tmp_path, quant, intermediate_size=128, attention_bias=True, mlp_bias=True)  # biases: split or not
     want = run_mixed_batch(SINGLE, str(tmp_path), {}, None)
     for rank, got in enumerate(pool.run(run_mixed_batch, str(tmp_path), {}, None)):
         assert_same_outputs(got, want, f"rank {rank}")
