@@ -28,7 +28,7 @@ from adapters.sharding import shard_lora_weights, shard_spec
 from adapters.vocab_slots import VocabLoRASlots
 from factories import build_tiny_model, save_lora, save_prompt_adapter, save_tiny_model
 from lora_runner.distributed import SINGLE, TensorParallel
-from lora_runner.model import load_model
+from lora_runner.model import LlamaForCausalLM, load_model
 from lora_runner.model import loader as loader_module
 from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
 from lora_runner.model.layers import lora_base_weights
@@ -375,3 +375,11 @@ def test_dora_scales_from_the_checkpoint_equal_the_models(family, tmp_path, quan
     scales = [(g.column_scale, w.column_scale) for key, pairs in want.modules.items()
               for g, w in zip(got.modules[key], pairs) if w is not None]
     assert scales and all(torch.equal(g, w) for g, w in scales)
+
+
+def test_a_shard_refuses_to_give_dora_its_partial_weights(family):
+    """A rank's o / down hold half of each row: DoRA's norms from them would be wrong, silently."""
+    path, _, _, config = family
+    shard = LlamaForCausalLM(config, tp=TensorParallel(rank=0, world_size=2))  # built only, never run
+    with pytest.raises(ValueError, match="checkpoint_base_weights"):
+        lora_base_weights(shard)

@@ -234,7 +234,14 @@ def lora_base_weights(model: nn.Module):
     are computed from it when an adapter loads; see adapters.dora).
 
     A quantized layer's weight is dequantized when asked (the model keeps only the quantized one); the
-    last one is kept, so the slices of one packed weight (q, k, v) dequantize it once per adapter load."""
+    last one is kept, so the slices of one packed weight (q, k, v) dequantize it once per adapter load.
+
+    A tensor-parallel shard holds no row-parallel layer's whole rows: ValueError (DoRA's scales then
+    come from lora_runner.model.checkpoint_base_weights, in the process that validates the adapter)."""
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.is_parallel:
+        raise ValueError("lora_base_weights needs the whole model; a tensor-parallel rank holds a shard of it: "
+                         "read DoRA's base weights with lora_runner.model.checkpoint_base_weights")
     modules = {(m.layer, m.packed): m for m in model.modules() if isinstance(m, LoRALinear)}
     last: dict[tuple[int, str], torch.Tensor] = {}
 
