@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
 @dataclass
 class CommCounts:
     """How many collectives of each kind this process issued (all_reduce, all_gather)."""
@@ -55,12 +58,15 @@ class TensorParallel:
         share = size // self.world_size
         return self.rank * share, (self.rank + 1) * share
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place; returns it (no-op for one rank)."""
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (op "sum") or maximum (op "max": online FP8 scales at load) of `tensor` over the ranks,
+        in place; returns it (no-op for one rank)."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"all_reduce op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
         if self.world_size == 1:
             return tensor
         self.counts.calls["all_reduce"] += 1
-        dist.all_reduce(tensor, group=self.group)
+        dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

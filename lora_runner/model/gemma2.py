@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.forward_context import PromptAdapterContext
 from lora_runner.model.llama import LlamaForCausalLM
@@ -21,8 +22,9 @@ from lora_runner.model.llama import LlamaForCausalLM
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2 checkpoints: scaled embeddings and final logit soft-capping around the Llama decoder."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
-        super().__init__(config, dtype=dtype, device=device)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                 tp: TensorParallel = SINGLE):
+        super().__init__(config, dtype=dtype, device=device, tp=tp)
         # rounded as transformers does: a float32 buffer cast to the weights' dtype
         scale = torch.tensor(config.embedding_scale or 1.0, dtype=torch.float32, device=device).to(dtype)
         self.register_buffer("embedding_scale", scale, persistent=False)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import punica_kernels
+from lora_runner.distributed import TensorParallel
 from lora_runner.model.config import RopeConfig
 from lora_runner.model.forward_context import LoRAContext
 from lora_runner.model.quant.linear import UNQUANTIZED, LinearMethod
@@ -182,11 +183,18 @@ class LoRALinear(nn.Module):
 
     The base matmul x @ W.T (+ b) is the `method`'s (unquantized, FP8 or W4A16: lora_runner.model.quant.
     linear), which also holds the weight's tensors; the LoRA delta and DoRA's scales are the same for all.
+
+    ``reduce`` (row-parallel o / down over several ranks): this rank holds the input columns of its
+    shard, so base and LoRA (A's columns split, B whole) give partial sums, DoRA's column scale
+    applied to each (exact: it is linear per output column); ONE ``reduce.all_reduce`` sums them and
+    the bias is added once, after it. None (column-parallel, or one rank): the plain path.
     """
 
     def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, layer: int, packed: str,
-                 dtype: torch.dtype, device, method: LinearMethod = UNQUANTIZED):
+                 dtype: torch.dtype, device, method: LinearMethod = UNQUANTIZED,
+                 reduce: TensorParallel | None = None):
         super().__init__()
+        self.reduce = reduce if reduce is not None and reduce.is_parallel else None
         out_features = sum(slice_sizes)
         self.method = method  # holds and multiplies by the base weight (lora_runner.model.quant.linear)
         self.in_features, self.out_features = in_features, out_features
@@ -199,13 +207,18 @@ class LoRALinear(nn.Module):
         self.packed = packed
 
     def forward(self, x: torch.Tensor, lora: LoRAContext | None) -> torch.Tensor:
-        y = self.method.apply(self, x, self.bias)  # [T, N]
+        # row-parallel: the bias joins after the reduction, so it is out of the partial sums (and DoRA's scale)
+        bias = self.bias if self.reduce is None else None
+        y = self.method.apply(self, x, bias)  # [T, N]
         if lora is not None:
             lora_a, lora_b = lora.slots.weights(self.layer, self.packed)
             slice_scales, column_scales = lora.slots.scales(self.layer, self.packed)
             punica_kernels.add_lora(y, x, lora_a, lora_b, lora.meta, self.slice_sizes, slice_scales=slice_scales,
-                                    column_scales=column_scales, bias=self.bias)
-        return y
+                                    column_scales=column_scales, bias=bias)
+        if self.reduce is None:
+            return y
+        self.reduce.all_reduce(y)  # [T, N]: the sum of every rank's partial output
+        return y if self.bias is None else y.add_(self.bias)
 
     def base_weight(self) -> torch.Tensor:
         """The base weight W [N, K] in the model dtype (dequantized, a new tensor, for a quantized layer)."""
@@ -221,7 +234,14 @@ def lora_base_weights(model: nn.Module):
     are computed from it when an adapter loads; see adapters.dora).
 
     A quantized layer's weight is dequantized when asked (the model keeps only the quantized one); the
-    last one is kept, so the slices of one packed weight (q, k, v) dequantize it once per adapter load."""
+    last one is kept, so the slices of one packed weight (q, k, v) dequantize it once per adapter load.
+
+    A tensor-parallel shard holds no row-parallel layer's whole rows: ValueError (DoRA's scales then
+    come from lora_runner.model.checkpoint_base_weights, in the process that validates the adapter)."""
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.is_parallel:
+        raise ValueError("lora_base_weights needs the whole model; a tensor-parallel rank holds a shard of it: "
+                         "read DoRA's base weights with lora_runner.model.checkpoint_base_weights")
     modules = {(m.layer, m.packed): m for m in model.modules() if isinstance(m, LoRALinear)}
     last: dict[tuple[int, str], torch.Tensor] = {}
 

@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adapters.spec import FUSED_TO_PACKED, PEFT_PARENT, PEFT_TO_PACKED
+from adapters.sharding import shard_spec, vocab_range
+from adapters.spec import FUSED_TO_PACKED, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
+from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model.attention import paged_attention, token_seq_lens, write_kv
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.forward_context import ForwardContext, LoRAContext, PromptAdapterContext
@@ -43,16 +45,20 @@ def make_norm(config: ModelConfig, size: int, dtype: torch.dtype, device) -> RMS
 
 
 class Attention(nn.Module):
-    """Self-attention of one layer: packed qkv, RoPE, paged KV write + attention, o projection."""
+    """Self-attention of one layer: packed qkv, RoPE, paged KV write + attention, o projection.
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
+    ``spec``: the sizes this rank holds (adapters.sharding.shard_spec; the model's own at one rank):
+    its query and KV heads (qkv column-parallel), o row-parallel, reduced over ``tp``."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device, spec: ModelSpec | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        spec, method = config.spec(), linear_method(config.quantization)
+        spec, method = spec or config.spec(), linear_method(config.quantization)
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.qkv = LoRALinear(spec.in_features("qkv"), spec.slice_sizes("qkv"), config.qkv_bias, layer, "qkv",
                               dtype, device, method)
         self.o = LoRALinear(spec.in_features("o"), spec.slice_sizes("o"), config.o_bias, layer, "o", dtype, device,
-                            method)
+                            method, reduce=tp)
         if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
             self.q_norm = make_norm(config, self.head_dim, dtype, device)
             self.k_norm = make_norm(config, self.head_dim, dtype, device)
@@ -81,15 +87,17 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)) with gate/up packed; act is silu (SwiGLU) or
-    tanh-approximated GELU (Gemma's GeGLU)."""
+    tanh-approximated GELU (Gemma's GeGLU). Over several ranks (``spec`` local, see Attention): gate_up
+    column-parallel (this rank's intermediate rows of each), down row-parallel, reduced over ``tp``."""
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device, spec: ModelSpec | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        spec, method = config.spec(), linear_method(config.quantization)
+        spec, method = spec or config.spec(), linear_method(config.quantization)
         self.gate_up = LoRALinear(spec.in_features("gate_up"), spec.slice_sizes("gate_up"), config.mlp_bias, layer,
                                   "gate_up", dtype, device, method)
         self.down = LoRALinear(spec.in_features("down"), spec.slice_sizes("down"), config.mlp_bias, layer, "down",
-                               dtype, device, method)
+                               dtype, device, method, reduce=tp)
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -104,12 +112,13 @@ class DecoderLayer(nn.Module):
     input_norm(x))), then + post_feedforward_norm(mlp(pre_feedforward_norm(.))).
     """
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device, spec: ModelSpec | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = make_norm(config, config.hidden_size, dtype, device)
-        self.self_attn = Attention(config, layer, dtype, device)
+        self.self_attn = Attention(config, layer, dtype, device, spec, tp)
         self.post_attention_layernorm = make_norm(config, config.hidden_size, dtype, device)
-        self.mlp = MLP(config, layer, dtype, device)
+        self.mlp = MLP(config, layer, dtype, device, spec, tp)
         self.sandwich_norms = config.sandwich_norms
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, dtype, device)
@@ -132,19 +141,31 @@ class LlamaForCausalLM(nn.Module):
     ``model(input_ids [T], positions [T], ctx) -> hidden [T, hidden]`` for a flat batch of mixed
     prefill chunks and decodes; ``compute_logits(hidden [S, hidden]) -> [S, vocab]`` float32.
     Weights are allocated uninitialized; fill them with :meth:`load_weights`.
+
+    ``tp``: this process's rank of a tensor-parallel group; the model is then that rank's shard
+    (adapters.sharding): column-parallel qkv / gate_up, row-parallel o / down (one all-reduce each),
+    the embedding and lm_head split over the vocabulary (padded to a multiple of the ranks: V_w rows
+    here). The embedding all-reduces its masked lookup (+ LoRA); compute_logits all-gathers the
+    logits and drops the padding, so every rank sees the same [S, vocab] logits. ``config`` stays the
+    whole model's; ``spec`` is the rank's sizes.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
-                                         requires_grad=False)  # [V, hidden]
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.config, self.tp = config, tp
+        self.spec = shard_spec(config.spec(), tp.rank, tp.world_size)  # ValueError for an impossible split
+        self.vocab_start, self.vocab_end = vocab_range(config.vocab_size, tp.rank, tp.world_size)
+        vocab = self.spec.vocab_size  # this rank's rows (all of them at one rank)
+        self.embed_tokens = nn.Parameter(torch.empty(vocab, config.hidden_size, dtype=dtype, device=device),
+                                         requires_grad=False)  # [V_w, hidden]
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, self.spec, tp)
+                                    for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size, dtype, device)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings else
-                        nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
-                                     requires_grad=False))  # [V, hidden]
+                        nn.Parameter(torch.empty(vocab, config.hidden_size, dtype=dtype, device=device),
+                                     requires_grad=False))  # [V_w, hidden]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,15 +178,30 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor, prompt_adapter: PromptAdapterContext | None,
               lora: LoRAContext | None = None) -> torch.Tensor:
         """Token embeddings [T, hidden] plus each token's embedding LoRA delta (lora_runner.model.vocab_lora);
-        soft-prompt rows then replace placeholder tokens' embeddings (PEFT never embeds virtual tokens)."""
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
-        if lora is not None and lora.vocab is not None:
-            add_embedding_lora(hidden, input_ids, lora)
+        soft-prompt rows then replace placeholder tokens' embeddings (PEFT never embeds virtual tokens).
+        Over several ranks each looks up (and adds the LoRA of) the tokens of its vocabulary rows, zeros
+        for the others, and one all-reduce sums them, before the (replicated) soft prompts."""
+        if self.tp.is_parallel:
+            hidden = self._vocab_parallel_embed(input_ids, lora)  # [T, hidden]
+        else:
+            hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+            if lora is not None and lora.vocab is not None:
+                add_embedding_lora(hidden, input_ids, lora)
         if prompt_adapter is None:
             return hidden
         slots, rows = prompt_adapter.token_slots, prompt_adapter.token_positions  # [T], [T]
         soft = prompt_adapter.embeddings[slots.clamp(min=0), rows.clamp(min=0)].to(hidden.dtype)  # [T, hidden]
         return torch.where((slots >= 0)[:, None], soft, hidden)
+
+    def _vocab_parallel_embed(self, input_ids: torch.Tensor, lora: LoRAContext | None) -> torch.Tensor:
+        """The embeddings [T, hidden] summed over the ranks, each adding its vocabulary rows' share."""
+        local_ids = input_ids - self.vocab_start  # [T]
+        mine = (local_ids >= 0) & (local_ids < self.embed_tokens.shape[0])  # [T]
+        local_ids = torch.where(mine, local_ids, 0)
+        hidden = F.embedding(local_ids, self.embed_tokens).masked_fill_(~mine[:, None], 0)  # [T, hidden]
+        if lora is not None and lora.vocab is not None:
+            add_embedding_lora(hidden, local_ids, lora, token_mask=mine)
+        return self.tp.all_reduce(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of a flat batch; writes this step's K/V into ctx.kv_cache."""
@@ -182,10 +218,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, lm_head_lora: LMHeadLoRAContext | None = None) -> torch.Tensor:
         """Logits [S, vocab] float32 of the rows to sample, hidden [S, hidden]; lm_head_lora: the
-        lm_head LoRA over these rows (lora_runner.model.vocab_lora.LMHeadLoRA), None for none."""
-        logits = F.linear(hidden, self.lm_head)  # [S, V]
+        lm_head LoRA over these rows (lora_runner.model.vocab_lora.LMHeadLoRA), None for none. Over
+        several ranks: this rank's vocabulary rows (its lm_head LoRA B rows too), then one all-gather."""
+        logits = F.linear(hidden, self.lm_head)  # [S, V_w]
         if lm_head_lora is not None:
             add_lm_head_lora(logits, hidden, lm_head_lora)
+        if self.tp.is_parallel:
+            logits = self.tp.all_gather(logits, dim=-1)[:, :self.config.vocab_size]  # [S, V], padding dropped
         return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

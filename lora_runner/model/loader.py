@@ -5,15 +5,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from lora_runner.device import resolve_device, resolve_dtype
+from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.gemma2 import model_class
 from lora_runner.model.gguf import gguf_model_dir, is_gguf_file
+from lora_runner.model.tp_shards import TensorShard, check_int4_split, checkpoint_shard, read_shard
 
 logger = logging.getLogger(__name__)
 
@@ -90,20 +94,31 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in model dir {str(model_dir)!r}{hint}")
 
 
-def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor in the model's safetensors files, one at a time."""
-    from safetensors import safe_open
+ShardOf = Callable[[str, tuple[int, ...]], TensorShard | None]  # (name, full shape) -> the part to read
 
+
+def iter_weights(model_dir: str | os.PathLike, shard_of: ShardOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor in the model's safetensors files, one at a time;
+    ``shard_of`` (a tensor-parallel rank): only the part of each tensor it names is read from disk."""
     for file in weight_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                if shard_of is None:
+                    yield name, handle.get_tensor(name)
+                    continue
+                shape = tuple(handle.get_slice(name).get_shape())
+                yield name, read_shard(handle, name, shard_of(name, shape))
 
 
 def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", local_files_only: bool | None = None,
-               quantization: str | None = None):
+               quantization: str | None = None, tp: TensorParallel = SINGLE):
     """Build the decoder for `model` (local dir or Hub repo id) with its weights loaded.
+
+    ``tp``: this process's rank of a tensor-parallel group: the decoder is then that rank's shard
+    (LlamaForCausalLM, adapters.sharding) and only that shard is read from the checkpoint. A split
+    the sizes do not allow (heads, KV heads, intermediate size; a 4-bit layout's packed words and
+    groups, act-order GPTQ: lora_runner.model.tp_shards) is a ValueError before any weight is read.
 
     A checkpoint's ``quantization_config`` (compressed-tensors FP8 / W4A16, GPTQ, AWQ) or
     ``quantization="fp8"`` (a float checkpoint quantized at load) keeps the decoder linears quantized
@@ -118,9 +133,11 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
     model_dir = resolve_model_dir(model, revision=revision, local_files_only=local_files_only)
     config = ModelConfig.from_dir(model_dir, name_or_path=model, quantization=quantization)
     weight_files(model_dir)  # fail on missing weights before allocating the model
-    net = model_class(config)(config, dtype=dtype, device=device)
-    net.load_weights(iter_weights(model_dir))
+    check_int4_split(config, tp)  # before any weight is read, as the model's own split checks
+    net = model_class(config)(config, dtype=dtype, device=device, tp=tp)
+    net.load_weights(iter_weights(model_dir, partial(checkpoint_shard, net) if tp.is_parallel else None))
     quant = config.quantization
-    logger.info("loaded %s (%s, %d layers) as %s on %s%s", model, config.architecture, config.num_layers, dtype, device,
-                f", {quant.kind} linears ({quant.source})" if quant else "")
+    logger.info("loaded %s (%s, %d layers) as %s on %s%s%s", model, config.architecture, config.num_layers, dtype,
+                device, f", {quant.kind} linears ({quant.source})" if quant else "",
+                f", shard {tp.rank} of {tp.world_size}" if tp.is_parallel else "")
     return net.eval(), config, model_dir

@@ -21,13 +21,19 @@ from lora_runner.model.forward_context import LoRAContext
 from punica_kernels import LoRAMeta
 
 
-def add_embedding_lora(hidden: torch.Tensor, input_ids: torch.Tensor, lora: LoRAContext) -> None:
-    """hidden [T, hidden] += each LoRA token's embedding delta, in place (lora.vocab: VocabLoRASlots)."""
+def add_embedding_lora(hidden: torch.Tensor, input_ids: torch.Tensor, lora: LoRAContext,
+                       token_mask: torch.Tensor | None = None) -> None:
+    """hidden [T, hidden] += each LoRA token's embedding delta, in place (lora.vocab: VocabLoRASlots).
+
+    token_mask [T] bool (vocab-parallel ranks): only these tokens' rows of A are this rank's (input_ids
+    are then local row ids); the others get + 0 here and their delta from the rank holding their row."""
     vocab, meta = lora.vocab, lora.meta
     num_tokens, rank = input_ids.shape[0], vocab.max_rank
     # the meta's workspace (sized for the widest layer) holds the [T, 1, R] intermediate: no allocation
     inter = meta.workspace_for(num_tokens * rank)[:num_tokens * rank].view(num_tokens, 1, rank)
     punica_kernels.embedding_shrink(input_ids, vocab.embedding_a, meta, inter)
+    if token_mask is not None:
+        inter.masked_fill_(~token_mask[:, None, None], 0)
     punica_kernels.lora_expand(hidden, inter, vocab.embedding_b, meta, (hidden.shape[1],),
                                slice_scales=vocab.embedding_scales)
 

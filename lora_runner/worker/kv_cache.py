@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from adapters.sharding import kv_head_range
 from lora_runner.device import resolve_device, resolve_dtype
+from lora_runner.distributed import SINGLE, TensorParallel
 
 if TYPE_CHECKING:  # lora_runner.model re-exports allocate_kv_cache: a runtime import would be circular
     from lora_runner.model.config import ModelConfig
@@ -19,14 +21,21 @@ if TYPE_CHECKING:  # lora_runner.model re-exports allocate_kv_cache: a runtime i
 logger = logging.getLogger(__name__)
 
 
-def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype | str) -> int:
-    """Bytes one block takes across all layers, K and V."""
+def local_kv_heads(model_config: ModelConfig, tp: TensorParallel = SINGLE) -> int:
+    """KV heads a rank's cache holds: its share, or 1 (replicated) with fewer KV heads than ranks."""
+    start, end = kv_head_range(model_config.num_kv_heads, tp.rank, tp.world_size)
+    return end - start
+
+
+def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype | str,
+                   tp: TensorParallel = SINGLE) -> int:
+    """Bytes one block takes across all layers, K and V (on one rank of ``tp``)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if dtype == "auto":
         raise ValueError("dtype 'auto' depends on the device: resolve it first with resolve_dtype(dtype, device)")
     itemsize = torch.empty((), dtype=resolve_dtype(dtype, "cpu")).element_size()
-    return (model_config.num_layers * 2 * block_size * model_config.num_kv_heads * model_config.head_dim
+    return (model_config.num_layers * 2 * block_size * local_kv_heads(model_config, tp) * model_config.head_dim
             * itemsize)
 
 
@@ -38,9 +47,10 @@ def num_kv_blocks(model_config: ModelConfig, block_size: int, dtype: torch.dtype
 
 
 def allocate_kv_cache(model_config: ModelConfig, num_blocks: int, block_size: int,
-                      dtype: torch.dtype | str, device: torch.device | str) -> torch.Tensor:
+                      dtype: torch.dtype | str, device: torch.device | str,
+                      tp: TensorParallel = SINGLE) -> torch.Tensor:
     """A cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: zeroed on an
-    accelerator, left unwritten on CPU.
+    accelerator, left unwritten on CPU. num_kv_heads is the rank's (local_kv_heads) under ``tp``.
 
     On CPU nothing touches the memory here, so the OS commits its pages only as blocks are first
     written: start-up costs no time and the process's RSS grows with the blocks in use (the block
@@ -55,10 +65,11 @@ def allocate_kv_cache(model_config: ModelConfig, num_blocks: int, block_size: in
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    shape = (model_config.num_layers, 2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    shape = (model_config.num_layers, 2, num_blocks, block_size, local_kv_heads(model_config, tp),
+             model_config.head_dim)
     lazy = device.type == "cpu"
     logger.info("allocating KV cache %s %s on %s (%.1f MiB%s)", shape, dtype, device,
-                num_blocks * kv_block_bytes(model_config, block_size, dtype) / 2**20,
+                num_blocks * kv_block_bytes(model_config, block_size, dtype, tp) / 2**20,
                 ", committed by the OS as blocks are first used" if lazy else "")
     allocate = torch.empty if lazy else torch.zeros
     return allocate(shape, dtype=dtype, device=device)

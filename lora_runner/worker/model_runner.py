@@ -20,6 +20,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 import torch
 
 from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model.vocab_lora import LMHeadLoRA, LMHeadLoRAContext
 from lora_runner.sample.prompt_logprobs import MAX_PROMPT_LOGIT_ROWS, PromptSpan, score_spans
 from lora_runner.sample.sampler import Sampler, SamplerOutput
@@ -50,6 +51,9 @@ class ModelRunner:
         max_num_tokens, max_num_seqs, max_blocks_per_seq: largest step (buffer sizes).
         max_loras, max_lora_rank: LoRA slot count and padded rank.
         dtype, device: of the KV cache and buffers. seed: for requests without their own seed.
+        tp: this process's tensor-parallel rank (the model, slots and vocab slots are then that rank's
+            shards): its KV cache holds the rank's KV heads; everything else is as at one rank, and
+            every rank samples the same tokens (the gathered logits and the seeds are the same).
 
     ``eos_token_ids`` (settable, empty at first) are the end ids the rows ban until min_tokens.
     """
@@ -57,12 +61,13 @@ class ModelRunner:
     def __init__(self, model, model_config, lora_slots, *, num_kv_blocks: int, block_size: int,
                  max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, max_loras: int,
                  max_lora_rank: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                 prompt_slots=None, vocab_slots=None) -> None:
+                 prompt_slots=None, vocab_slots=None, tp: TensorParallel = SINGLE) -> None:
         self.model = model
         self.lora_slots = lora_slots
         self.prompt_slots = prompt_slots
         self.device = device
-        self.kv_cache = allocate_kv_cache(model_config, num_kv_blocks, block_size, dtype, device)
+        self.tp = tp
+        self.kv_cache = allocate_kv_cache(model_config, num_kv_blocks, block_size, dtype, device, tp)
         self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                                           max_blocks_per_seq=max_blocks_per_seq, block_size=block_size,
                                           device=device)

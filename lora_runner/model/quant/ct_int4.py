@@ -107,6 +107,10 @@ class CTInt4Format:
     ignore: tuple[str, ...] = ()  # the config's module names / "re:" patterns left unquantized (e.g. lm_head)
     suffixes: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_shape")
     optional_suffixes: ClassVar[tuple[str, ...]] = ()
+    # per tensor, (dim, rows or columns per element) along N and along K (tensor-parallel shards);
+    # weight_shape is replaced by the shard's own (N, K)
+    shard_axes: ClassVar[dict] = {"weight_packed": ((0, 1), (1, "pack")), "weight_scale": ((0, 1), (1, "group")),
+                                  "weight_shape": (None, None)}
 
     def convert(self, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
                 dtype: torch.dtype) -> Int4Weight:

@@ -12,6 +12,7 @@ along N, each with its own scales.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +22,20 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row gets this scale instead of 0 (its values stay 0)
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+RowMax = Callable[[torch.Tensor], torch.Tensor]  # [N] float32 row maxima of a shard -> of the whole row, in place
+
+
+def quantize_per_channel(weight: torch.Tensor, row_max: RowMax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] (any float dtype) -> (fp8 weight [N, K], float32 scale [N]) with scale = max|W[n]| / 448,
-    computed in float32 (as vLLM's online FP8, per output channel)."""
+    computed in float32 (as vLLM's online FP8, per output channel).
+
+    ``row_max`` (a row-parallel shard holding some of each row's columns): the maximum over the whole
+    row from this shard's (an all-reduce of the maxima), so every rank quantizes as one rank would."""
     w32 = weight.float()  # [N, K]
-    scale = (w32.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)  # [N]
+    amax = w32.abs().amax(dim=1)  # [N]
+    if row_max is not None:
+        amax = row_max(amax)
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)  # [N]
     quantized = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [N, K]
     return quantized, scale
 
@@ -54,9 +64,9 @@ class Fp8Format:
         return ("weight",) if self.online else ("weight", "weight_scale")
 
     def convert(self, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
-                name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                name: str = "", row_max: RowMax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One slice's checkpoint tensors -> (fp8 weight [N, K], float32 scale [N]); ValueError naming
-        the tensor when a shape or dtype does not fit."""
+        the tensor when a shape or dtype does not fit. row_max: see quantize_per_channel (online only)."""
         weight = tensors["weight"]
         if tuple(weight.shape) != (out_features, in_features):
             raise ValueError(f"checkpoint tensor {name}.weight has shape {tuple(weight.shape)}, "
@@ -64,7 +74,7 @@ class Fp8Format:
         if self.online:
             if not weight.is_floating_point() or weight.dtype == FP8_DTYPE:
                 raise ValueError(f"quantization='fp8' quantizes a float checkpoint; {name}.weight is {weight.dtype}")
-            return quantize_per_channel(weight)
+            return quantize_per_channel(weight, row_max)
         if weight.dtype != FP8_DTYPE:
             raise ValueError(f"checkpoint tensor {name}.weight is {weight.dtype}; the FP8 scheme in "
                              f"quantization_config needs {FP8_DTYPE}")

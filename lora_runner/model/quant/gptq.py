@@ -117,6 +117,9 @@ class GPTQFormat:
     zero_offset: int  # added to the stored zero point (1 for the v1 checkpoint format)
     suffixes: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
     optional_suffixes: ClassVar[tuple[str, ...]] = ("g_idx",)
+    # per tensor, (dim, rows or columns per element) along N and along K (tensor-parallel shards)
+    shard_axes: ClassVar[dict] = {"qweight": ((1, 1), (0, "pack")), "qzeros": ((1, "pack"), (0, "group")),
+                                  "scales": ((1, 1), (0, "group")), "g_idx": (None, (0, 1))}
 
     def convert(self, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
                 dtype: torch.dtype) -> Int4Weight:

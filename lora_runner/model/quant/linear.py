@@ -65,9 +65,13 @@ class Fp8Linear:
         layer.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
 
     def load(self, layer: nn.Module, parts: list[CheckpointSlice]) -> None:
-        """Convert each slice's checkpoint tensors and write them at the slice's rows."""
+        """Convert each slice's checkpoint tensors and write them at the slice's rows. A row-parallel
+        shard (``layer.reduce``) quantized online takes each row's maximum over every rank (one
+        all-reduce per layer at load), so its scales are those of one rank."""
+        reduce = getattr(layer, "reduce", None)
+        row_max = None if reduce is None else (lambda amax: reduce.all_reduce(amax, op="max"))
         for offset, (name, tensors, size) in zip(_offsets(parts), parts):
-            weight, scale = self.form.convert(tensors, layer.in_features, size, name)
+            weight, scale = self.form.convert(tensors, layer.in_features, size, name, row_max)
             layer.weight[offset:offset + size].copy_(weight)
             layer.weight_scale[offset:offset + size].copy_(scale)
 
