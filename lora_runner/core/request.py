@@ -57,6 +57,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     cache_identity: bytes | None = None  # digest of (LoRA version, prompt-adapter version, salt), once hashed
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
+    grammar: Any = None  # lora_runner.engine.structured.RequestGrammar of a constrained request, else None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
