@@ -26,6 +26,7 @@ class StructuredOutputsParams:
     json: a JSON schema (dict or JSON text). json_object: True for "any JSON object". regex: a
     regular expression the whole output matches. choice: the output is exactly one of these
     strings. grammar: an EBNF grammar (GBNF dialect, as llama.cpp and xgrammar read it).
+    disable_any_whitespace (vLLM): a JSON output has no whitespace between its tokens (default: any).
 
     Raises ValueError when none or more than one kind is set, or a value has the wrong type or size.
     """
@@ -35,6 +36,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None and isinstance(self.choice, tuple):
@@ -52,6 +54,9 @@ class StructuredOutputsParams:
         if len(set_kinds) != 1:
             raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
                              f"got {set_kinds or 'none'}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be True or False, "
+                             f"got {self.disable_any_whitespace!r}")
         if self.json_object not in (None, False, True):
             raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
         if self.json is not None:
@@ -85,10 +90,11 @@ class StructuredOutputsParams:
         return _copy.deepcopy(self)
 
     def key(self) -> tuple[str, str]:
-        """(kind, text): what identifies the compiled grammar (the grammar compiler's cache key)."""
+        """(kind, text): what identifies the compiled grammar (the grammar compiler's cache key); kind
+        "json_compact" is a schema without whitespace (disable_any_whitespace)."""
         kind = self.kind
         if kind == "json":
-            return kind, self.json_schema_text()
+            return "json_compact" if self.disable_any_whitespace else kind, self.json_schema_text()
         if kind == "json_object":
             return kind, ""
         if kind == "choice":

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 COMPILE_THREADS = 2  # compilations that run at once (each is single-threaded)
 CACHE_ENTRIES = 128  # compiled constraints kept (least recently used dropped first)
 XGRAMMAR_CACHE_BYTES = 64 << 20  # bound of xgrammar's own compiler cache
+# longest whitespace run between JSON tokens: unbounded, a model can stay in whitespace until max_tokens
+MAX_JSON_WHITESPACE = 8
 
 
 class StructuredOutputError(ValueError):
@@ -72,16 +74,17 @@ class GrammarCompiler:
         try:
             return self._compile_kind(kind, text)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / MemoryError with the reason
-            raise StructuredOutputError(f"structured_outputs.{kind} cannot be compiled: "
+            raise StructuredOutputError(f"structured_outputs.{kind.removesuffix('_compact')} cannot be compiled: "
                                         f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
                                         ) from exc
 
     def _compile_kind(self, kind: str, text: str) -> xgr.CompiledGrammar:
         compiler = self._compiler
-        if kind == "json":
-            return compiler.compile_json_schema(text)
-        if kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+        if kind in ("json", "json_compact"):
+            return compiler.compile_json_schema(text, any_whitespace=kind == "json",
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE if kind == "json" else None)
+        if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar takes any value)
+            return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if kind == "regex":
             return compiler.compile_regex(text)
         if kind == "grammar":
