@@ -155,7 +155,7 @@ def test_hostile_constraints_known_up_front_are_value_errors(so):
         StructuredOutputsParams(**so)
 
 
-def test_clone_copies_the_constraint(engine):
+def test_clone_copies_the_constraint():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), allowed_token_ids=[5],
                             bad_words=["x"])

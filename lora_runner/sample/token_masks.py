@@ -16,7 +16,8 @@ _BITS = torch.arange(32, dtype=torch.int32)  # [32] bit positions of one packed 
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[C, W] int32 packed bitmask (bit t % 32 of word t // 32: id t allowed, xgrammar's layout) -> [C, vocab_size] bool."""
+    """[C, W] int32 packed bitmask -> [C, vocab_size] bool (bit t % 32 of word t // 32: id t allowed,
+    xgrammar's layout)."""
     bits = _BITS.to(bitmask.device)
     allowed = (bitmask[:, :, None] >> bits) & 1  # [C, W, 32]
     return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [C, V]; ids past W * 32 never exist
