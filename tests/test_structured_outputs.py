@@ -9,6 +9,7 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 
 from adapters import LoRARequest
 from engine_support import make_engine, run_to_completion
@@ -209,3 +210,25 @@ def test_bad_token_filters_are_value_errors_at_add_request(engine, field, value,
     with pytest.raises(ValueError, match=message):
         engine.add_request("filters", "x", params)
     assert not engine.has_unfinished_requests()
+
+
+def test_preempted_constrained_requests_keep_their_matchers(checkpoint, engine):
+    from lora_runner.model.config import ModelConfig
+    from lora_runner.worker.kv_cache import kv_block_bytes
+
+    path = checkpoint[0]
+    so = StructuredOutputsParams(regex=r"[a-z]{6}-[0-9]{6}-[a-z]{6}")
+    requests = [(f"q{i}", f"preempt me {i}", _constrained(so, temperature=0.0, max_tokens=30)) for i in range(4)]
+    roomy = run_to_completion(engine, requests)
+    # 8 tokens per step (chunked prefill); 14 blocks of 4 tokens cannot hold 4 requests of ~35 tokens
+    tight = make_engine(path, max_model_len=48, max_num_batched_tokens=8,
+                        kv_cache_memory_bytes=14 * kv_block_bytes(ModelConfig.from_dir(path), 4, torch.float32))
+    try:
+        squeezed = run_to_completion(tight, requests, per_step=2)
+        assert tight.scheduler.num_preemptions > 0
+    finally:
+        tight.close()
+    for request_id, output in squeezed.items():
+        assert output.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(so.regex, output.outputs[0].text)
+        assert output.outputs[0].token_ids == roomy[request_id].outputs[0].token_ids
