@@ -232,3 +232,20 @@ def test_preempted_constrained_requests_keep_their_matchers(checkpoint, engine):
         assert output.outputs[0].finish_reason == "stop"
         assert re.fullmatch(so.regex, output.outputs[0].text)
         assert output.outputs[0].token_ids == roomy[request_id].outputs[0].token_ids
+
+
+def test_steps_without_constrained_requests_carry_no_bitmask(engine, monkeypatch):
+    seen, execute = [], engine.runner.execute
+
+    def spy(sched, *args):
+        seen.append(None if sched.grammar_bitmask is None else (list(sched.grammar_rows), sched.grammar_bitmask.shape))
+        return execute(sched, *args)
+
+    monkeypatch.setattr(engine.runner, "execute", spy)
+    run_to_completion(engine, [("u", "plain", SamplingParams(temperature=0.0, max_tokens=3))])
+    assert seen and all(s is None for s in seen)
+    seen.clear()
+    so = StructuredOutputsParams(choice=["ok"])
+    run_to_completion(engine, [("u", "plain", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
+                               ("c", "plain", _constrained(so, temperature=0.0))])
+    assert ([0], (1, (MODEL_VOCAB + 31) // 32)) in seen or ([1], (1, (MODEL_VOCAB + 31) // 32)) in seen
