@@ -20,6 +20,9 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample by argmax, as in vLL
 # scaled by it stays finite (1e300 would turn the logits into inf and NaN)
 MAX_REPETITION_PENALTY = 100.0
 MAX_TEMPERATURE = 100.0  # above it every token is (nearly) equally likely: nothing more to ask for
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # longest allowed_token_ids list (a vocabulary of a million ids)
+MAX_BAD_WORDS = 256  # most bad_words one request may give (each is matched every step)
+MAX_BAD_WORD_CHARS = 256  # longest bad word
 MAX_COUNT = 2**31 - 1  # most top_k, max_tokens, min_tokens, logprobs and largest stop token id (fits int32)
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
@@ -76,7 +79,13 @@ class SamplingParams:
     True). spaces_between_special_tokens: with skip_special_tokens=False, put a space between a special
     token and the text next to it, as vLLM (default True).
     structured_outputs: a StructuredOutputsParams (json schema, json_object, regex, choice or grammar) the
-    output must satisfy, as vLLM; None: unconstrained.
+    output must satisfy, as vLLM; None: unconstrained. The output ends ("stop") once the constraint is
+    complete and the model picks an end token (lora_runner.engine.structured).
+    allowed_token_ids: a non-empty list of at most MAX_ALLOWED_TOKEN_IDS ids: only these may be sampled
+    (None: any), as vLLM. bad_words: at most MAX_BAD_WORDS (256) non-empty strings of at most
+    MAX_BAD_WORD_CHARS characters, never generated (vLLM's semantics: each word's token sequences, with and
+    without a leading space; the last token of a sequence is banned while the tokens before it end the
+    output so far). Both are checked with the engine's vocabulary at add_request.
     output_kind: RequestOutputKind.CUMULATIVE (each output holds everything so far) or DELTA (each
     holds only what is new since the previous one).
 
@@ -111,6 +120,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # the constraint the output must satisfy (lora_runner.structured_outputs_params); None: unconstrained
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled; None: any
+    bad_words: list[str] | None = None  # words never generated (vLLM's semantics, see the docstring)
+    # the token sequences of bad_words, set by the engine at add_request (its tokenizer); None: not yet
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # CUMULATIVE (the whole output so far in every RequestOutput) or DELTA (only the new part)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -121,6 +134,7 @@ class SamplingParams:
             self.stop_token_ids = []
         self.stop_token_ids = _copied_token_list(self.stop_token_ids)
         self.stop = _stop_list(self.stop)
+        self._copy_lists()
         self.validate()
 
     def validate(self, max_logprobs: int | None = None, vocab_size: int | None = None) -> None:
@@ -160,6 +174,26 @@ class SamplingParams:
         self._validate_stop_token_ids(vocab_size)
         self._validate_logprobs(max_logprobs, vocab_size)
         self._validate_stop_strings()
+        self._validate_token_filters(vocab_size)
+
+    def _validate_token_filters(self, vocab_size: int | None) -> None:
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, list) or not 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids must be None or a list of 1..{MAX_ALLOWED_TOKEN_IDS} token ids")
+            top = MAX_COUNT if vocab_size is None else vocab_size - 1
+            if any(not _is_int(t) or not 0 <= t <= top for t in ids):
+                where = "the model's vocabulary" if vocab_size is not None else "int32"
+                raise ValueError(f"allowed_token_ids must be integers in [0, {top}] ({where}), "
+                                 f"got {list(ids)!r:.200}")
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words must be None or a list of at most {MAX_BAD_WORDS} strings")
+            for word in words:
+                if not isinstance(word, str) or not 0 < len(word.strip()) or len(word) > MAX_BAD_WORD_CHARS:
+                    raise ValueError(f"bad_words must hold non-blank strings of at most {MAX_BAD_WORD_CHARS} "
+                                     f"characters, got {word!r:.80}")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -246,7 +280,8 @@ class SamplingParams:
         return max(len(s) for s in self.stop) - 1
 
     def clone(self) -> SamplingParams:
-        """A copy that shares nothing mutable with this object (stop_token_ids is copied).
+        """A copy that shares nothing mutable with this object (stop_token_ids, stop, allowed_token_ids,
+        bad_words and structured_outputs are copied).
 
         Not validated: call ``validate`` on the copy. An over-long stop_token_ids is not copied
         (validate rejects it), so cloning stays cheap whatever the caller put there.
@@ -256,7 +291,18 @@ class SamplingParams:
             params.top_k = -1
         params.stop_token_ids = _copied_token_list(params.stop_token_ids)
         params.stop = _stop_list(params.stop)
+        params._copy_lists()
         return params
+
+    def _copy_lists(self) -> None:
+        """Own copies of the list fields and of structured_outputs, so a caller's later change of its
+        objects never reaches a running request (over-long lists are left for validate to refuse)."""
+        if isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, (list, tuple)) and len(self.bad_words) <= MAX_BAD_WORDS:
+            self.bad_words = list(self.bad_words)
+        if isinstance(self.structured_outputs, StructuredOutputsParams):
+            self.structured_outputs = self.structured_outputs.copy()
 
     @property
     def greedy(self) -> bool:

@@ -2,17 +2,19 @@
 
 Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON
 object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (an EBNF / GBNF grammar) is set.
-This module only checks the shape of the request; the grammar engine that compiles and enforces the
-constraint lives in lora_runner.sample.
+This module only checks the shape of the request (sizes, nesting depth); the grammar engine that
+compiles and enforces the constraint is lora_runner.engine.structured (xgrammar).
 """
 
 from __future__ import annotations
 
+import copy as _copy
 import json as _json
 from dataclasses import dataclass
 
 MAX_CONSTRAINT_CHARS = 64 * 1024  # longest schema / regex / grammar text one request may send
 MAX_CHOICES = 1024  # most alternatives of a `choice` constraint
+MAX_SCHEMA_DEPTH = 64  # deepest nesting of a JSON schema's dicts and lists (its converter recurses per level)
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -24,6 +26,7 @@ class StructuredOutputsParams:
     json: a JSON schema (dict or JSON text). json_object: True for "any JSON object". regex: a
     regular expression the whole output matches. choice: the output is exactly one of these
     strings. grammar: an EBNF grammar (GBNF dialect, as llama.cpp and xgrammar read it).
+    disable_any_whitespace (vLLM): a JSON output has no whitespace between its tokens (default: any).
 
     Raises ValueError when none or more than one kind is set, or a value has the wrong type or size.
     """
@@ -33,6 +36,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None and isinstance(self.choice, tuple):
@@ -50,6 +54,9 @@ class StructuredOutputsParams:
         if len(set_kinds) != 1:
             raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
                              f"got {set_kinds or 'none'}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be True or False, "
+                             f"got {self.disable_any_whitespace!r}")
         if self.json_object not in (None, False, True):
             raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
         if self.json is not None:
@@ -60,9 +67,10 @@ class StructuredOutputsParams:
                                      f"got {type(self.json).__name__}")
                 try:
                     text = _json.dumps(self.json)
-                except (TypeError, ValueError) as exc:
+                except (TypeError, ValueError, RecursionError) as exc:
                     raise ValueError(f"structured_outputs.json is not JSON-serializable: {exc}") from None
             _check_text("json", text)
+            _check_schema_depth(text)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None:
@@ -77,6 +85,22 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice must hold strings only")
             _check_text("choice", "".join(choice))
 
+    def copy(self) -> StructuredOutputsParams:
+        """A deep copy (a schema dict included): later changes of this object never reach the copy."""
+        return _copy.deepcopy(self)
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what identifies the compiled grammar (the grammar compiler's cache key); kind
+        "json_compact" is a schema without whitespace (disable_any_whitespace)."""
+        kind = self.kind
+        if kind == "json":
+            return "json_compact" if self.disable_any_whitespace else kind, self.json_schema_text()
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            return kind, _json.dumps(self.choice)
+        return kind, getattr(self, kind)
+
     def json_schema_text(self) -> str | None:
         """The JSON schema as text (None unless ``json`` is set)."""
         if self.json is None:
@@ -90,3 +114,18 @@ def _check_text(name: str, text: str) -> None:
     if len(text) > MAX_CONSTRAINT_CHARS:
         raise ValueError(f"structured_outputs.{name} has {len(text)} characters, more than the limit of "
                          f"{MAX_CONSTRAINT_CHARS}")
+
+
+def _check_schema_depth(text: str) -> None:
+    """ValueError when the schema nests deeper than MAX_SCHEMA_DEPTH (or is no JSON at all)."""
+    try:
+        schema = _json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))

@@ -59,6 +59,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per scored prompt token
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
+    grammar: Any = None  # lora_runner.engine.structured.RequestGrammar of a constrained request, else None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

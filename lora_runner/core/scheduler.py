@@ -9,8 +9,9 @@ blocks and room for their LoRA among at most `max_loras` distinct adapters and f
 adapter among at most `max_prompt_adapters` (a soft prompt needs its slot only until its virtual
 tokens are computed). The order is the policy's: "fcfs" takes them in arrival order, "fair" takes
 the next request of the least-served tenant (lora_runner.core.fairness). A waiting request whose adapter
-is still loading, or whose placeholders are not inserted yet, is skipped (others behind it may
-run); one whose adapter failed, or that the engine marked with an error, is handed back in `failed`.
+is still loading, whose placeholders are not inserted yet, or whose structured-output grammar still
+compiles (``grammar_state``), is skipped (others behind it may run); one whose adapter or grammar
+failed, or that the engine marked with an error, is handed back in `failed`.
 
 Slot handover ("fair"): when a ready request finds no adapter slot, one held adapter is chosen to
 give its slot up (unpinned, its tenants the most served); requests behind the starved one in line may
@@ -51,6 +52,12 @@ logger = logging.getLogger(__name__)
 AdapterState = Callable[[Hashable], str]
 # adapter refs of a step -> device slots that other (pinned) adapters keep meanwhile
 ReservedSlots = Callable[[set], int]
+# request -> its structured-output grammar's "ready" | "loading" | "failed" (failed: request.error set)
+GrammarState = Callable[[Request], str]
+
+
+def _no_grammar(request: Request) -> str:
+    return "ready"
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,8 @@ class Scheduler:
                  reserved_lora_slots: ReservedSlots = lambda refs: 0, max_prompt_adapters: int = 0,
                  prompt_adapter_state: AdapterState | None = None,
                  reserved_prompt_slots: ReservedSlots = lambda refs: 0,
-                 policy: str = "fair", fairness: VirtualTokenCounter | None = None) -> None:
+                 policy: str = "fair", fairness: VirtualTokenCounter | None = None,
+                 grammar_state: GrammarState = _no_grammar) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.block_manager = block_manager
@@ -93,6 +101,7 @@ class Scheduler:
         self.max_prompt_adapters = max_prompt_adapters
         self.prompt_adapter_state = prompt_adapter_state
         self.reserved_prompt_slots = reserved_prompt_slots
+        self.grammar_state = grammar_state
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: oldest first
         self.num_preemptions = 0  # cumulative, for stats and tests
@@ -180,7 +189,8 @@ class Scheduler:
         return kinds
 
     def _take_failed(self) -> list[Request]:
-        failed = [request for request in self.waiting if request.error is not None or self._adapter_failed(request)]
+        failed = [request for request in self.waiting if request.error is not None or self._adapter_failed(request)
+                  or self.grammar_state(request) == "failed"]
         for request in failed:
             self.waiting.remove(request)
         return failed
@@ -284,6 +294,8 @@ class Scheduler:
         marks its kind starved and picks the held ref whose slot it will get (see the module docstring).
         A parallel sample waits for its leader's prefill (see add)."""
         if self._prompt_blocks_to_share(request) is None:
+            return False
+        if self.grammar_state(request) != "ready":  # its structured-output grammar still compiles
             return False
         if request.awaiting_virtual_tokens or any(
                 ref is not None and k.state(ref) != "ready" for k, ref in zip(kinds, refs)):

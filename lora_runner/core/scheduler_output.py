@@ -11,7 +11,10 @@ activates their adapters). The runner's persistent rows read plain data only, an
 - `finished_ids` / `preempted_ids`: requests that left the running set since the previous output;
   their rows are freed before the step's rows are placed;
 - `scheduled_ids` / `num_scheduled_tokens`: every scheduled request's id and token count, in batch
-  order (the order of the flat batch and of the sampled rows).
+  order (the order of the flat batch and of the sampled rows);
+- `grammar_rows` / `grammar_bitmask`: the structured-output mask of the step (set by the engine just
+  before the runner executes it): for each constrained sampled row (an index among the step's sampled
+  rows) a packed bitmask row of the ids it may sample; none (and no tensor) when no row is constrained.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)  # [B] batch order
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the previous output
     preempted_ids: list[str] = field(default_factory=list)  # preempted by this schedule()
+    grammar_rows: list[int] = field(default_factory=list)  # [C] sampled-row index of each bitmask row
+    grammar_bitmask: torch.Tensor | None = None  # [C, ceil(V / 32)] int32, bit t of a row: id t allowed
 
     def add_new(self, scheduled: ScheduledRequest, block_ids: list[int]) -> None:
         """Schedule a request admitted this step (sent in full)."""

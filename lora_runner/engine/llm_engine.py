@@ -30,11 +30,13 @@ from lora_runner.core.scheduler import Scheduler
 from lora_runner.core.scheduler_output import SchedulerOutput
 from lora_runner.device import available_host_memory, set_cpu_threads
 from lora_runner.engine.adapters import EngineAdapters
+from lora_runner.engine.bad_words import bad_words_token_ids
 from lora_runner.engine.input_processor import InputProcessor, abort_ids
 from lora_runner.engine.intake import Intake
 from lora_runner.engine.limits import engine_limits, step_sizes
 from lora_runner.engine.output_processor import OutputProcessor
 from lora_runner.engine.stats import EngineStats
+from lora_runner.engine.structured import StructuredOutputs, grammar_state
 from lora_runner.engine.tokenizer import LazyTokenizer, eos_token_ids
 from lora_runner.model import load_model
 from lora_runner.model.layers import lora_base_weights
@@ -100,7 +102,8 @@ class LLMEngine:
                                    prompt_adapter_state=manager.prompts.state,
                                    reserved_prompt_slots=manager.prompts.reserved_slots,
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
-                                       cfg.fairness_prefill_weight, cfg.fairness_decode_weight))
+                                       cfg.fairness_prefill_weight, cfg.fairness_decode_weight),
+                                   grammar_state=grammar_state)
         self.runner = self._make_runner(self.limits.num_kv_blocks, self.limits.max_model_len)
         if use_graphs:
             self.runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
@@ -114,6 +117,9 @@ class LLMEngine:
         self.inputs = InputProcessor(vocab_size=self.model_config.vocab_size, max_model_len=self.limits.max_model_len,
                                      max_logprobs=cfg.max_logprobs, encode=lambda text: self.tokenizer.encode(text),
                                      prompts_enabled=cfg.max_prompt_adapters > 0)
+        # structured outputs: grammars compile off the step thread, for the tokenizer looked up when first needed
+        self.structured = StructuredOutputs(lambda: self.tokenizer.get(), self.model_config.vocab_size,
+                                            lambda: self.output_processor.eos_token_ids, wake=self.intake.wake)
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self._arrivals = count()
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
@@ -183,11 +189,17 @@ class LLMEngine:
 
     def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams, prompt, lora_request,
                      prompt_adapter_request, tenant, cache_salt) -> Request:
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer.get(),
+                                                             self.model_config.vocab_size)
+        grammar = self.structured.request_grammar(params)  # its own matcher; the compilation is shared
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
-        return Request(request_id, list(token_ids), params, arrival=next(self._arrivals),
-                       prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
-                       prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant,
-                       cache_salt=cache_salt)
+        request = Request(request_id, list(token_ids), params, arrival=next(self._arrivals),
+                          prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
+                          prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant,
+                          cache_salt=cache_salt)
+        request.grammar = grammar
+        return request
 
     def _acquire_all(self, samples: list[Request]) -> None:
         """Acquire every sample's adapters, all or nothing."""
@@ -215,6 +227,7 @@ class LLMEngine:
         pin/unpin/remove raise EngineClosedError. Idempotent."""
         self.intake.close()
         self.adapters.close()
+        self.structured.close()
         self.intake.wake()  # the cancelled loads are failures the next step reports
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
@@ -373,7 +386,9 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
         # the runner keeps each running request's state in a row, its sampling settings included:
-        # the output says what changed
+        # the output says what changed; the structured-output mask is filled here, on the step thread
+        sched.grammar_rows, sched.grammar_bitmask = self.structured.step_bitmask(
+            [s.request for s in sched.scheduled if s.samples])
         result = self.runner.execute(sched, slot_of, prompt_slot_of)
         return [self._report(request, error)
                 for request, error in self.scheduler.postprocess(sched.scheduled, result, self.output_processor)]

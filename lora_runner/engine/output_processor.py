@@ -8,6 +8,8 @@ A request finishes with
   text is cut there, see lora_runner.engine.detokenizer.OutputText); none of these count
   before min_tokens tokens were generated (one rule, shared with the sampler's ban:
   lora_runner.core.stop_rule). stop_reason is the stop string or the stop token id (None for EOS).
+- "stop" too: the request's structured-output constraint is complete (its grammar matcher, advanced
+  by every token here, accepted an end token: lora_runner.engine.structured).
 - "length": max_tokens generated, or the sequence reached max_model_len.
 
 Each output is cumulative (everything so far) or, with SamplingParams.output_kind DELTA, only what
@@ -57,6 +59,12 @@ class OutputProcessor:
             request.logprobs.append(logprobs)
         text = self.text_of(request)
         params = request.params
+        # the matcher follows every token (a stop below must not leave it behind); StructuredOutputError
+        # for a token its mask did not allow fails this request alone (Scheduler.postprocess)
+        if request.grammar is not None and request.grammar.accept(token_id) and \
+                not stop_tokens(params, request.num_output_tokens - 1, self.eos_token_ids).stops(token_id):
+            text.add(token_id, match_stop=False)
+            return "stop"
         # a stop id under the rule it was sampled under (lora_runner.core.stop_rule): the sampling side
         # banned it then, and a token that reaches here anyway must not end the request early either.
         # Checked before stop strings, as vLLM does; its text is part of the output only with

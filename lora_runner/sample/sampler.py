@@ -10,6 +10,8 @@ Penalties (SamplingParams.presence_penalty, frequency_penalty, repetition_penalt
 lora_runner.sample.penalties) change the logits of the rows that set them before
 greedy/temperature/top-k/top-p; a step without penalised rows skips all of it. The logprobs
 returned stay the raw model log-probabilities (before penalties, like the other settings).
+Masks come next (lora_runner.sample.token_masks): banned ids (min_tokens, bad_words), allowed_token_ids
+and the structured-output bitmask of the step's constrained rows; a step without any touches nothing.
 
 Faults stay in their row: a row with NaN/inf logits, whose sampling raises, or whose settings could not
 be written (SamplingBatch.errors), comes back with an error in SamplerOutput.errors (its request
@@ -28,6 +30,7 @@ import torch
 from lora_runner.sample.penalties import apply_penalties
 from lora_runner.sample.prompt_logprobs import PromptLogprobsChunk
 from lora_runner.sample.sampling_state import History, SamplingBatch, explicit_batch
+from lora_runner.sample.token_masks import apply_allowed_token_ids, apply_grammar_bitmask
 from lora_runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -150,15 +153,21 @@ class Sampler:
         return result
 
     def _apply_bans(self, penalized: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """`penalized` [S, V] with each row's banned token ids at -inf (a copy when `penalized` is the
-        raw logits, which the logprobs read); itself when no row bans anything."""
-        if not batch.ban_rows.size:
+        """`penalized` [S, V] with each row's banned token ids at -inf, and only its allowed ids and
+        those its grammar bitmask allows left (a copy when `penalized` is the raw logits, which the
+        logprobs read); itself when no row bans or constrains anything."""
+        if not batch.ban_rows.size and not batch.allowed and batch.grammar_bitmask is None:
             return penalized
         if penalized is raw:
             penalized = penalized.clone()
-        rows = torch.from_numpy(batch.ban_rows).to(penalized.device)  # [N]
-        cols = torch.from_numpy(batch.ban_ids).to(penalized.device)  # [N]
-        penalized[rows, cols] = float("-inf")
+        if batch.ban_rows.size:
+            rows = torch.from_numpy(batch.ban_rows).to(penalized.device)  # [N]
+            cols = torch.from_numpy(batch.ban_ids).to(penalized.device)  # [N]
+            penalized[rows, cols] = float("-inf")
+        if batch.allowed:
+            apply_allowed_token_ids(penalized, batch.allowed)
+        if batch.grammar_bitmask is not None:
+            apply_grammar_bitmask(penalized, batch.grammar_rows, batch.grammar_bitmask)
         return penalized
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from lora_runner.core.stop_rule import stop_tokens
 from lora_runner.sample.penalties import History
+from lora_runner.sample.token_masks import bad_word_bans
 from lora_runner.sampling_params import SamplingParams
 
 
@@ -45,6 +46,10 @@ class SamplingBatch:
     ban_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [N] token ids it may not sample
     errors: dict[int, BaseException] = field(default_factory=dict)  # row -> why its settings are unusable
     min_p: np.ndarray | None = None  # [S] float32; None: 0 (off) for every row
+    allowed: dict[int, np.ndarray] = field(default_factory=dict)  # row -> the only ids it may sample (int64)
+    # structured outputs (lora_runner.engine.structured): the constrained rows and their packed bitmasks
+    grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [C]
+    grammar_bitmask: torch.Tensor | None = None  # [C, ceil(V / 32)] int32; None: no row is constrained
 
     @property
     def num_rows(self) -> int:
@@ -62,6 +67,7 @@ class SamplingBatch:
         """The one-row batch of row `row` (the sampler's one-at-a-time fallback)."""
         one = slice(row, row + 1)
         banned = self.ban_rows == row  # [N]
+        constrained = np.flatnonzero(self.grammar_rows == row)  # [0] or [1]
         return SamplingBatch(
             self.temperature[one], self.top_k[one], self.top_p[one], self.greedy[one], self.num_logprobs[one],
             self.presence_penalty[one], self.frequency_penalty[one], self.repetition_penalty[one],
@@ -69,7 +75,10 @@ class SamplingBatch:
             histories={0: self.histories[row]} if row in self.histories else {},
             ban_rows=np.zeros(int(banned.sum()), np.int64), ban_ids=self.ban_ids[banned],
             errors={0: self.errors[row]} if row in self.errors else {},
-            min_p=None if self.min_p is None else self.min_p[one])
+            min_p=None if self.min_p is None else self.min_p[one],
+            allowed={0: self.allowed[row]} if row in self.allowed else {},
+            grammar_rows=np.zeros(len(constrained), np.int64),
+            grammar_bitmask=self.grammar_bitmask[constrained] if constrained.size else None)
 
 
 class SamplingState:
@@ -104,6 +113,8 @@ class SamplingState:
         self.params: list[SamplingParams | None] = [None] * rows  # to re-derive stop ids when the EOS ids change
         self.errors: list[BaseException | None] = [None] * rows  # why a row's settings could not be written
         self.has_error = np.zeros(rows, bool)  # [R]
+        self.allowed: dict[int, np.ndarray] = {}  # row -> its allowed_token_ids (sorted int64), rows that set them
+        self.bad_words: dict[int, list[list[int]]] = {}  # row -> its bad words' token sequences
         self._eos_token_ids = frozenset(eos_token_ids)
 
     @property
@@ -160,11 +171,19 @@ class SamplingState:
         self.generators[row] = generator
         self.params[row] = params
         self._write_stop_ids(row, params)
+        self.allowed.pop(row, None)
+        self.bad_words.pop(row, None)
+        if params.allowed_token_ids is not None:
+            self.allowed[row] = np.unique(np.asarray(params.allowed_token_ids, np.int64))
+        if params.bad_words_token_ids:
+            self.bad_words[row] = [list(word) for word in params.bad_words_token_ids]
 
     def remove_request(self, row: int) -> None:
         """Row `row` is free: drop its generator, params and error (the next add_request rewrites the rest)."""
         self.generators[row] = self.params[row] = self.errors[row] = None
         self.has_generator[row] = self.has_error[row] = False
+        self.allowed.pop(row, None)
+        self.bad_words.pop(row, None)
 
     def batch(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray) -> SamplingBatch:
         """The settings of the sampled rows `rows` [S] (batch order), with their min_tokens bans and
@@ -177,11 +196,27 @@ class SamplingState:
             valid = ids >= 0  # [U, K]
             batch.ban_rows = np.broadcast_to(under[:, None], ids.shape)[valid]  # [N]
             batch.ban_ids = ids[valid]  # [N]
+        if self.bad_words:
+            self._add_bad_word_bans(batch, rows, token_ids, num_tokens)
         for i in np.flatnonzero(batch.has_penalties).tolist():  # penalised rows only: views, no copy
             row = int(rows[i])
             start, end = int(self.prompt_start[row]), int(self.prompt_end[row])
             batch.histories[i] = (token_ids[row, start:end], token_ids[row, end:int(num_tokens[row])])
         return batch
+
+    def _add_bad_word_bans(self, batch: SamplingBatch, rows: np.ndarray, token_ids: np.ndarray,
+                           num_tokens: np.ndarray) -> None:
+        """Append each bad-words row's bans (its generated tokens read from the row) to the batch's."""
+        extra_rows, extra_ids = [], []
+        for i, row in enumerate(rows.tolist()):
+            words = self.bad_words.get(row)
+            if words:
+                banned = bad_word_bans(token_ids[row, int(self.prompt_end[row]):int(num_tokens[row])], words)
+                extra_rows += [i] * len(banned)
+                extra_ids += banned
+        if extra_rows:
+            batch.ban_rows = np.concatenate([batch.ban_rows, np.asarray(extra_rows, np.int64)])
+            batch.ban_ids = np.concatenate([batch.ban_ids, np.asarray(extra_ids, np.int64)])
 
     def settings(self, rows: np.ndarray) -> SamplingBatch:
         """The rows' settings alone (no bans, no histories)."""
@@ -191,7 +226,9 @@ class SamplingState:
             self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows], self.num_logprobs[rows],
             self.presence_penalty[rows], self.frequency_penalty[rows], self.repetition_penalty[rows],
             self.has_penalties[rows], seeded=[(i, self.generators[rows[i]]) for i in random_seeded.tolist()],
-            errors=errors, min_p=self.min_p[rows])
+            errors=errors, min_p=self.min_p[rows],
+            allowed={i: self.allowed[row] for i, row in enumerate(rows.tolist()) if row in self.allowed}
+            if self.allowed else {})
 
     def _write_stop_ids(self, row: int, params: SamplingParams) -> None:
         # the ids come from the stop rule the output processor applies; only min_tokens decides when

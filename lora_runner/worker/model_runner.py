@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from lora_runner.core.scheduler_output import SchedulerOutput
@@ -109,8 +110,11 @@ class ModelRunner:
         rows = self.input_batch.update(sched, lora_slot_of, prompt_slot_of)
         shape = self.batch_builder.write_rows(self.input_batch.token_ids, self.input_batch.block_tables,
                                               rows.rows, rows.starts, rows.lens, rows.seqs)
-        result = self._forward_and_sample(shape, self.input_batch.sampling_batch(rows),
-                                          self.input_batch.prompt_spans(rows))
+        sampling = self.input_batch.sampling_batch(rows)
+        if sched.grammar_bitmask is not None:  # the step's structured-output mask, filled by the engine
+            sampling.grammar_rows = np.asarray(sched.grammar_rows, np.int64)
+            sampling.grammar_bitmask = sched.grammar_bitmask
+        result = self._forward_and_sample(shape, sampling, self.input_batch.prompt_spans(rows))
         # only after the step ran: a step that raised leaves the computed counts as they were
         self.input_batch.commit(rows, result.token_ids)
         return result

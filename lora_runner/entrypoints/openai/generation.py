@@ -232,8 +232,8 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
     results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     try:
-        if errors:
-            raise errors[0]
+        if errors:  # mapped here: a bare ValueError of add_request reaching the app's handler dropped the connection
+            raise api_error_from(errors[0]) if isinstance(errors[0], Exception) else errors[0]
         for run in runs:  # an adapter that failed to load shows up here, before any byte is sent
             run.advance_first = run.advance(run.first)
     except BaseException:

@@ -25,6 +25,35 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema`` (OpenAI): the schema the output follows, named."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(_Body):
+    """``response_format`` (OpenAI): "text" (unconstrained), "json_object" (any JSON object) or
+    "json_schema" (``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """``structured_outputs`` (vLLM's request field): exactly one of json (a schema), regex, choice,
+    grammar (EBNF) or json_object (lora_runner.StructuredOutputsParams)."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _GenerationBody(_Body):
     """What completions and chat completions share."""
 
@@ -54,6 +83,15 @@ class _GenerationBody(_Body):
     skip_special_tokens: bool = True  # extension (vLLM): special tokens left out of the text
     spaces_between_special_tokens: bool = True  # extension (vLLM)
     return_token_ids: bool = False  # extension (vLLM): prompt_token_ids and token_ids of each choice
+    # structured outputs (lora_runner.entrypoints.openai.sampling.structured_outputs): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None  # extension (vLLM)
+    guided_json: dict | str | None = None  # extension (vLLM's older names of structured_outputs' fields)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = None  # extension (vLLM): only these ids may be sampled
+    bad_words: list[str] | None = None  # extension (vLLM): words never generated
 
 
 class CompletionRequest(_GenerationBody):

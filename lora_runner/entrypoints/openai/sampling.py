@@ -9,6 +9,7 @@ from __future__ import annotations
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from lora_runner.sampling_params import SamplingParams
+from lora_runner.structured_outputs_params import StructuredOutputsParams
 
 
 def _unsupported(field: str, what: str) -> APIError:
@@ -64,6 +65,39 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             stop=body.stop, include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens,
             truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=logprobs if echo_logprobs else None,
             skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens)
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            structured_outputs=structured_outputs(body), allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words)
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from exc
+
+
+def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The output constraint the body asks for: ``response_format`` (OpenAI: json_object, json_schema;
+    text is none), ``structured_outputs`` (vLLM) or vLLM's older ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``; None when unconstrained. ValueError (a 400) when more
+    than one is set or the constraint is malformed (StructuredOutputsParams' checks)."""
+    asked = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(StructuredOutputsParams(json_object=True))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise ValueError('response_format of type "json_schema" needs a json_schema field')
+        schema = fmt.json_schema.schema_
+        asked.append(StructuredOutputsParams(json=schema) if schema is not None
+                     else StructuredOutputsParams(json_object=True))
+    if body.structured_outputs is not None:
+        so = body.structured_outputs
+        asked.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                             json_object=so.json_object,
+                                             disable_any_whitespace=so.disable_any_whitespace))
+    guided = dict(json=body.guided_json, regex=body.guided_regex, choice=body.guided_choice,
+                  grammar=body.guided_grammar)
+    guided = {kind: value for kind, value in guided.items() if value is not None}
+    if guided:
+        asked.append(StructuredOutputsParams(**guided))
+    if len(asked) > 1:
+        raise ValueError("set at most one of response_format (json_object / json_schema), structured_outputs "
+                         "and the guided_* fields")
+    return asked[0] if asked else None

@@ -1,0 +1,103 @@
+"""Structured outputs (SamplingParams.structured_outputs) through xgrammar, as vLLM V1 does it.
+
+At add_request a constrained request gets a RequestGrammar whose grammar compiles in a thread pool
+(grammar_compiler, cached by constraint); the scheduler admits it once the grammar is ready, or hands
+it back failed. Each step the engine fills one bitmask row per sampled constrained request
+(``step_bitmask``: plain tensor data that travels with the step) and the sampler bans what the rows
+disallow; the output processor advances each matcher by its token, and a completed constraint ends
+its request with "stop". A step without constrained requests has no bitmask at all.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+
+import torch
+import xgrammar as xgr
+
+from lora_runner.core.request import Request
+from lora_runner.engine.structured.grammar_compiler import GrammarCompiler, StructuredOutputError
+from lora_runner.engine.structured.request_grammar import RequestGrammar
+from lora_runner.sampling_params import SamplingParams
+
+COMPILE_TIMEOUT_S = 30.0  # a constraint still compiling after this fails its request
+
+__all__ = ["StructuredOutputs", "StructuredOutputError", "RequestGrammar", "grammar_state"]
+
+
+class StructuredOutputs:
+    """The engine's structured-output seam.
+
+    Args:
+        get_tokenizer: () -> the model's transformers tokenizer or None (loaded on the first constrained
+            request; a model without one refuses constraints with ValueError).
+        vocab_size: the model's vocabulary (bitmask width).
+        stop_token_ids: () -> the ids that end a request (the engine's EOS ids when the compiler is made).
+        wake: called when a compilation finishes or times out, so an idle step loop looks again.
+    """
+
+    def __init__(self, get_tokenizer: Callable, vocab_size: int, stop_token_ids: Callable[[], Collection[int]],
+                 wake: Callable[[], None] = lambda: None, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self._get_tokenizer = get_tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = stop_token_ids
+        self._wake = wake
+        self.timeout_s = timeout_s
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """The grammar compiler, made on first use; ValueError when the model has no tokenizer."""
+        with self._lock:
+            if self._compiler is None:
+                tokenizer = self._get_tokenizer()
+                if tokenizer is None:
+                    raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
+                self._compiler = GrammarCompiler(tokenizer, self.vocab_size, self._stop_token_ids())
+            return self._compiler
+
+    def request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        """A new RequestGrammar for a request with these params (None when unconstrained); its
+        compilation starts now (or is shared with an earlier one of the same constraint)."""
+        if params.structured_outputs is None:
+            return None
+        future = self.compiler.compile(params.structured_outputs)
+        grammar = RequestGrammar(future, time.monotonic() + self.timeout_s, self.timeout_s)
+        if not future.done():
+            future.add_done_callback(lambda _: self._wake())
+            timer = threading.Timer(self.timeout_s, self._wake)  # the deadline wakes an idle loop too
+            timer.daemon = True
+            timer.start()
+        return grammar
+
+    def step_bitmask(self, sampled: Sequence[Request]) -> tuple[list[int], torch.Tensor | None]:
+        """(rows, bitmask [C, ceil(V / 32)] int32) for the step's sampled requests (batch order): the
+        rows (indices into `sampled`) of the constrained ones and what each may sample next; ([], None)
+        when none is constrained."""
+        rows = [i for i, request in enumerate(sampled) if request.grammar is not None]
+        if not rows:
+            return [], None
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W] int32, all allowed
+        for index, row in enumerate(rows):
+            sampled[row].grammar.fill(bitmask, index)
+        return rows, bitmask
+
+    def close(self) -> None:
+        """Stop the compile threads (compilations in flight are left to finish on their own)."""
+        if self._compiler is not None:
+            self._compiler.close()
+
+
+def grammar_state(request: Request) -> str:
+    """The scheduler's view of a request's grammar: "ready" (or none), "loading", "failed" (then
+    request.error is set to the reason)."""
+    grammar = request.grammar
+    if grammar is None:
+        return "ready"
+    state = grammar.state()
+    if state == "failed":
+        request.error = grammar.error
+    return state

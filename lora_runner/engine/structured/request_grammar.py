@@ -1,0 +1,67 @@
+"""One request's constraint while it runs: its compilation's Future, then its own GrammarMatcher.
+
+The scheduler asks ``state()`` before admitting the request (as it asks an adapter's load state):
+"loading" while the grammar compiles, "ready" once a matcher exists, "failed" (``error`` set) when
+the compilation raised or outlived its deadline. The step thread fills the matcher's bitmask for
+each step that samples the request; the output processor advances it by the sampled token. Every
+parallel sample has its own RequestGrammar (matchers are stateful); a preempted request keeps its
+matcher, since it keeps its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import torch
+import xgrammar as xgr
+
+from lora_runner.engine.structured.grammar_compiler import StructuredOutputError
+
+
+class RequestGrammar:
+    """The constraint of one request (see the module docstring). deadline: time.monotonic() after
+    which a compilation still running fails the request; timeout_s: for the message."""
+
+    def __init__(self, future: Future, deadline: float, timeout_s: float) -> None:
+        self._future = future
+        self._deadline = deadline
+        self._timeout_s = timeout_s
+        self.matcher: xgr.GrammarMatcher | None = None
+        self.error: StructuredOutputError | None = None
+
+    def state(self) -> str:
+        """"ready", "loading" or "failed" (then ``error`` says why)."""
+        if self.matcher is not None:
+            return "ready"
+        if self.error is not None:
+            return "failed"
+        if self._future.done():
+            try:
+                self.matcher = xgr.GrammarMatcher(self._future.result())
+                return "ready"
+            except StructuredOutputError as exc:
+                self.error = exc
+            except Exception as exc:  # noqa: BLE001 - a cancelled or broken compilation fails this request only
+                self.error = StructuredOutputError(f"structured_outputs could not be compiled: {exc!r}")
+            return "failed"
+        if time.monotonic() > self._deadline:
+            self.error = StructuredOutputError(
+                f"structured_outputs took longer than {self._timeout_s:g} s to compile; simplify the constraint")
+            return "failed"
+        return "loading"
+
+    def fill(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the ids the constraint allows next into row `index` of `bitmask` [C, ceil(V / 32)] int32."""
+        assert self.matcher is not None, "a request is sampled before its grammar is ready"
+        self.matcher.fill_next_token_bitmask(bitmask, index)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; True when the constraint is complete (its end token was
+        sampled). StructuredOutputError when the token breaks the constraint (it was masked)."""
+        assert self.matcher is not None, "a token is appended before the grammar is ready"
+        if self.matcher.is_terminated():
+            return True
+        if not self.matcher.accept_token(token_id):
+            raise StructuredOutputError(f"token {token_id} does not continue the output's constraint")
+        return self.matcher.is_terminated()
