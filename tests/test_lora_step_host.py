@@ -89,8 +89,8 @@ def test_host_table_equals_what_prepare_writes(seed):
 
 def lora_rig(max_loras=3, staged=True):
     """A staged CPU batch builder carrying the table of a LoRA meta, and the contexts that read it."""
-    meta = LoRAMeta(128, max_loras, max_rank=16, max_slices=3)
-    builder = BatchBuilder(max_num_tokens=128, max_num_seqs=32, max_blocks_per_seq=4, block_size=4, device="cpu",
+    meta = LoRAMeta(256, max_loras, max_rank=16, max_slices=3)
+    builder = BatchBuilder(max_num_tokens=256, max_num_seqs=32, max_blocks_per_seq=8, block_size=4, device="cpu",
                            staged=staged, lora_table=HostTileTable(meta))
     slots = type("Slots", (), {})()
     slots.slot_ranks = torch.tensor([4, 16, 8, 0][:max_loras], dtype=torch.int32)
@@ -98,14 +98,14 @@ def lora_rig(max_loras=3, staged=True):
     return meta, builder, contexts
 
 
-def chunks_on(rng: random.Random, slots: list[int]) -> list[SeqChunk]:
-    """One chunk per entry of slots: a prefill of a few tokens or a decode token, on that LoRA slot."""
+def chunks_on(rng: random.Random, slots: list[int], max_len: int = 16) -> list[SeqChunk]:
+    """One chunk per entry of slots: a prefill of up to max_len tokens or a decode token, on that LoRA slot."""
     chunks = []
     for slot in slots:
-        total = rng.randint(2, 16)
+        total = rng.randint(2, max_len)
         new = rng.choice([1, total])
         chunks.append(SeqChunk(token_ids=[rng.randrange(100) for _ in range(total)], start=total - new,
-                               num_new_tokens=new, block_table=[1, 2, 3, 4], lora_slot=slot))
+                               num_new_tokens=new, block_table=list(range(1, 9)), lora_slot=slot))
     return chunks
 
 
@@ -136,8 +136,11 @@ def test_uploaded_table_feeds_the_triton_kernels_unchanged():
     reference on a prepared meta (NaN-poisoned rows of base tokens stay NaN: never written)."""
     rng = random.Random(1)
     meta, builder, contexts = lora_rig()
-    chunks = chunks_on(rng, [1, -1, 0, 2, 1, -1, 0])
+    chunks = chunks_on(rng, [1, -1, 0, 2, 1, -1, 0], max_len=32)
+    chunks[0].token_ids = [rng.randrange(100) for _ in range(30)]  # a whole prefill: slot 1 spans 2+ tiles
+    chunks[0].start, chunks[0].num_new_tokens = 0, 30
     batch = builder.build(chunks)
+    assert (batch.lora_table[3] == 1).sum() >= 2
     contexts.prepare_lora(batch)
     num_tokens, in_features, sizes, rank = batch.num_tokens, 32, (32, 16, 16), 16
     gen = torch.Generator().manual_seed(1)
@@ -148,7 +151,7 @@ def test_uploaded_table_feeds_the_triton_kernels_unchanged():
     base_rows = batch.token_lora_slots < 0
     y[base_rows] = float("nan")
     got = punica_kernels.add_lora(y.clone(), x, lora_a, lora_b, meta, sizes, backend="triton")
-    oracle = LoRAMeta(128, 3)
+    oracle = LoRAMeta(256, 3)
     oracle.prepare(batch.token_lora_slots.clone(), contexts.lora_slots.slot_ranks.clone())
     want = punica_kernels.add_lora(y.double(), x.double(), lora_a.double(), lora_b.double(), oracle, sizes,
                                    backend="torch")
