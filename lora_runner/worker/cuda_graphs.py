@@ -238,8 +238,9 @@ class DecodeGraphs:
         if on_cuda:
             torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
-        logger.info("captured %d decode graphs (batch sizes %s, with and without LoRA) in %.1f s, using %.0f MiB",
-                    len(keys), self.plan.sizes, time.perf_counter() - start, used / 2**20)
+        logger.info("captured %d decode graphs (batch sizes %s; without LoRA, plain LoRA, LoRA with %s) in %.1f s, "
+                    "using %.0f MiB", len(keys), self.plan.sizes, self.plan.full_lora, time.perf_counter() - start,
+                    used / 2**20)
 
     def _capture_one(self, key: DecodeGraphKey, lora_slot: int) -> None:
         # every capture sequence is padding, on the warmup adapter in graphs with LoRA
