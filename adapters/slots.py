@@ -14,6 +14,7 @@ only ever written in place (CUDA-graph safe).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from adapters.lora import LoRAWeights
@@ -48,6 +49,8 @@ class LoRASlots:
                                              device=device)  # [L, max_loras, N]
                                for p in PACKED_MODULES}
         self.slot_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras], 0 = empty
+        # host bookkeeping (no device sync): the runner skips the column-scale epilogue without DoRA
+        self.host_dora = np.zeros(max_loras, dtype=bool)  # [max_loras] slot holds DoRA column scales
 
     def weights(self, layer: int, packed: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(lora_a [max_loras, n, R, K], lora_b [max_loras, N, R]) of one layer's packed module."""
@@ -71,6 +74,7 @@ class LoRASlots:
             self._a[packed][:, slot].zero_()
             self._b[packed][:, slot].zero_()
             self._column_scales[packed][:, slot].fill_(1.0)
+        self.host_dora[slot] = False
         slice_scales = {p: torch.zeros(self.spec.num_layers, len(self.spec.slice_sizes(p))) for p in PACKED_MODULES}
         for (layer, packed), slices in adapter.modules.items():
             lora_a, lora_b = self.weights(layer, packed)
@@ -83,6 +87,7 @@ class LoRASlots:
                     _copy(lora_b[slot, offset:offset + width, :rank], pair.b)  # [N_j, r_j]
                     slice_scales[packed][layer, j] = pair.scaling
                     if pair.column_scale is not None:  # DoRA
+                        self.host_dora[slot] = True
                         _copy(self._column_scales[packed][layer, slot, offset:offset + width], pair.column_scale)
                 offset += width
         for packed, scales in slice_scales.items():  # one copy per packed module, not one per slice
@@ -93,6 +98,7 @@ class LoRASlots:
         """Mark ``slot`` empty and reset its DoRA column scales to 1 (its stale weights are unread: no
         token maps to it, and write() zeroes them)."""
         self.slot_ranks[slot] = 0
+        self.host_dora[slot] = False
         for packed in PACKED_MODULES:
             self._column_scales[packed][:, slot].fill_(1.0)
 

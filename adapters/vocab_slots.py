@@ -20,6 +20,7 @@ Tensors are written in place only (CUDA-graph safe). Writing zeroes the whole sl
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from adapters.lora import LoRAWeights
@@ -31,7 +32,8 @@ class VocabLoRASlots:
     """``max_loras`` slots of embed_tokens and lm_head LoRA factors of rank up to ``max_lora_rank``.
 
     ``embedding_ranks`` / ``lm_head_ranks`` [max_loras] int32 on the device hold each slot's rank
-    (0: no such LoRA); :meth:`lm_head_in_use` answers from a host copy, without a device sync.
+    (0: no such LoRA); :meth:`lm_head_in_use` answers from a host copy, without a device sync, and
+    ``host_embedding`` [max_loras] bool (host) says which slots have an embed_tokens LoRA.
     """
 
     def __init__(self, spec: ModelSpec, max_loras: int, max_lora_rank: int, device="cpu",
@@ -50,6 +52,7 @@ class VocabLoRASlots:
         self.embedding_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
         self.lm_head_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
         self._host_lm_head_ranks = [0] * max_loras
+        self.host_embedding = np.zeros(max_loras, dtype=bool)  # [max_loras] slot has an embed_tokens LoRA
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return self.embedding_a, self.embedding_b, self.lm_head_a, self.lm_head_b
@@ -70,6 +73,7 @@ class VocabLoRASlots:
             _copy(self.embedding_b[slot, :, :rank], embedding.b)  # [hidden, r]
             self.embedding_scales[slot] = embedding.scaling
             self.embedding_ranks[slot] = rank
+            self.host_embedding[slot] = True
         if lm_head is not None:
             rank = lm_head.a.shape[0]
             _copy(self.lm_head_a[slot, 0, :rank], lm_head.a)  # [r, hidden]
@@ -88,6 +92,7 @@ class VocabLoRASlots:
         self.embedding_ranks[slot] = 0
         self.lm_head_ranks[slot] = 0
         self._host_lm_head_ranks[slot] = 0
+        self.host_embedding[slot] = False
 
     def lm_head_in_use(self) -> bool:
         """True when some slot holds an lm_head LoRA (host bookkeeping: no device sync)."""

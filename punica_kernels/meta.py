@@ -10,6 +10,7 @@ adapters the batch holds, so a CUDA graph captured with one adapter replays corr
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -50,6 +51,10 @@ class LoRAMeta:
     (a captured graph reads them without calling back into Python); on other devices, where the
     torch path reads ``sorted_tokens`` and ``slot_starts`` alone, they are written on first access
     after a prepare (the Triton interpreter's launchers read them through these attributes).
+
+    The engine's path skips ``prepare``: the table is built on the host (punica_kernels.host_tiles) and
+    arrives in the step's one staged upload; :meth:`use_table` points these attributes at those views
+    (no device op). ``prepare`` points them back at the meta's own buffers.
     """
 
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device | str = "cpu",
@@ -77,6 +82,8 @@ class LoRAMeta:
         self._tile_slots = torch.full((self.max_tile_count,), -1, **int32)  # [max_tile_count]
         self._tile_starts = torch.zeros(self.max_tile_count, **int32)  # [max_tile_count]
         self._tile_ends = torch.zeros(self.max_tile_count, **int32)  # [max_tile_count]
+        self._own_buffers = self._buffers()  # what prepare writes (use_table points elsewhere)
+        self._full_ranks = torch.full((max_loras,), FULL_RANK, **int32)  # [max_loras] use_table without ranks
         self._tiles_stale = False  # a prepare since the tile buffers were last written (never on CUDA)
         # scratch written by prepare
         self._sort_keys = torch.zeros(max_num_tokens, **int64)  # [max_num_tokens]
@@ -131,6 +138,7 @@ class LoRAMeta:
                              f"[{int(token_slots.min())}, {int(token_slots.max())}]")
         self._write_slot_ranks(slot_ranks, check)
 
+        self._set_buffers(self._own_buffers)  # after the checks: a refused prepare changes nothing
         self.num_tokens = num_tokens
         self._host_slot_starts = None
         self._tiles_stale = True
@@ -140,6 +148,49 @@ class LoRAMeta:
             self._sort_by_slot(token_slots)
         if self.device.type != "cpu":  # accelerators: graphs replay the kernels without Python
             self._write_tiles()
+
+    def use_table(self, views: Sequence[torch.Tensor], host_slot_starts: list[int],
+                  slot_ranks: torch.Tensor | None = None) -> None:
+        """Read the step's table from views built on the host instead of preparing it: no device op,
+        no sync (the engine's path; see punica_kernels.host_tiles).
+
+        Args:
+            views: on ``device``, in host_tiles.TABLE_FIELDS order: token_slots [T] int64, sorted_tokens
+                [T] int64, slot_starts [max_loras + 2] int64, tile_slots / tile_starts / tile_ends
+                [max_tile_count] int32 (HostTileTable.build's arrays after the upload).
+            host_slot_starts: slot_starts as host ints (the torch path reads them without a sync).
+            slot_ranks: [max_loras] int32 on ``device``, read in place (the adapter slots' ranks: a
+                persistent tensor); None: the full padded rank.
+
+        Raises:
+            ValueError: views of the wrong number, shape, dtype or device.
+        """
+        if len(views) != 6:
+            raise ValueError(f"use_table needs 6 views (token_slots ... tile_ends), got {len(views)}")
+        num_tokens = views[0].shape[0]
+        shapes = [(num_tokens,), (num_tokens,), (self.max_loras + 2,)] + [(self.max_tile_count,)] * 3
+        dtypes = [torch.int64] * 3 + [torch.int32] * 3
+        if slot_ranks is not None:
+            views, shapes, dtypes = [*views, slot_ranks], [*shapes, (self.max_loras,)], [*dtypes, torch.int32]
+        for view, shape, dtype in zip(views, shapes, dtypes):
+            if tuple(view.shape) != shape or view.dtype != dtype or not same_device(view.device, self.device):
+                raise ValueError(f"use_table: expected {dtype} {list(shape)} on {self.device}, got "
+                                 f"{view.dtype} {list(view.shape)} on {view.device}")
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(f"batch has {num_tokens} tokens but LoRAMeta was built for "
+                             f"max_num_tokens={self.max_num_tokens}")
+        self._set_buffers((*views[:6], self._full_ranks if slot_ranks is None else slot_ranks))
+        self.num_tokens = num_tokens
+        self._host_slot_starts = host_slot_starts
+        self._tiles_stale = False
+
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.token_slots, self.sorted_tokens, self.slot_starts, self._tile_slots, self._tile_starts,
+                self._tile_ends, self.slot_ranks)
+
+    def _set_buffers(self, buffers: tuple[torch.Tensor, ...]) -> None:
+        (self.token_slots, self.sorted_tokens, self.slot_starts, self._tile_slots, self._tile_starts,
+         self._tile_ends, self.slot_ranks) = buffers
 
     @property
     def tile_slots(self) -> torch.Tensor:
@@ -191,8 +242,9 @@ class LoRAMeta:
         self._tiles_stale = False
 
     def _write_slot_ranks(self, slot_ranks: torch.Tensor | None, check: bool) -> None:
+        own_ranks = self._own_buffers[6]  # never the adapter slots' tensor that use_table may have bound
         if slot_ranks is None:
-            self.slot_ranks.fill_(FULL_RANK)
+            own_ranks.fill_(FULL_RANK)
             return
         self._check_tensor("slot_ranks", slot_ranks, 1)
         if slot_ranks.shape[0] != self.max_loras:
@@ -200,7 +252,7 @@ class LoRAMeta:
                              f"got {list(slot_ranks.shape)}")
         if check and int(slot_ranks.min()) < 0:
             raise ValueError("slot_ranks must be >= 0")
-        self.slot_ranks.copy_(slot_ranks)
+        own_ranks.copy_(slot_ranks)
 
     def _check_tensor(self, name: str, tensor: torch.Tensor, ndim: int) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != ndim:

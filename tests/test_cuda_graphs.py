@@ -1,4 +1,4 @@
-"""CUDA-graph logic without CUDA: capture sizes, keys (size, has_lora), the eager-vs-graph decision,
+"""CUDA-graph logic without CUDA: capture sizes, keys (size, has_lora, optional LoRA work), the eager-vs-graph decision,
 padding written into the persistent buffers, memory-profile steps and the KV budget arithmetic."""
 
 import random
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from lora_runner.model.forward_context import ALL_LORA_FEATURES
 from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, capture_sizes
 from lora_runner.worker.memory_profile import MemoryProfile, profile_steps
@@ -60,7 +61,9 @@ def test_plan_keys_largest_first_and_decision():
     plan = DecodeGraphPlan(max_num_seqs=20)
     assert plan.sizes == [1, 2, 4, 8, 16, 20]
     keys = plan.keys()
-    assert keys[0] == DecodeGraphKey(20, True) and keys[-1] == DecodeGraphKey(1, False) and len(keys) == 12
+    # per size: base, plain LoRA, LoRA with the optional work (embedding LoRA, DoRA)
+    assert keys[0] == DecodeGraphKey(20, True, ALL_LORA_FEATURES) and keys[1] == DecodeGraphKey(20, True)
+    assert keys[-1] == DecodeGraphKey(1, False) and len(keys) == 18
     assert all(a > b for a, b in zip(keys, keys[1:]))
     builder = make_builder(max_num_seqs=32, width=8, block_size=4)
     rng = random.Random(0)

@@ -54,7 +54,7 @@ class Rig:
                                    make_graph=RerunGraph if device == "cpu" else None)
         with resident_dummy_loras(self.manager.loras, 1, MAX_RANK) as slots:
             self.graphs.capture(slots[0], progress=False)
-        assert len(self.graphs) == len(plan.keys()) == 7 * 2  # sizes x (with LoRA, without)
+        assert len(self.graphs) == len(plan.keys()) == 7 * 3  # sizes x (without LoRA, plain LoRA, all LoRA work)
         assert int(self.manager.lora_slots.slot_ranks.max()) == 0 and self.manager.loras.list() == []
 
     def activate(self, names):

@@ -29,6 +29,19 @@ class AttentionMetadata:
     max_seq_len: int
 
 
+@dataclass(frozen=True, order=True)
+class LoRAFeatures:
+    """The optional parts of a step's LoRA work; a part runs only when its flag is set. Skipping one is
+    exact when no token's adapter has it: its slots hold zeros (embedding) or ones (column scales)."""
+
+    embedding: bool = True  # embed_tokens LoRA: the gather shrink and expand after the embedding lookup
+    dora: bool = True  # DoRA: the column scales (and bias term) in every LoRA linear's expand epilogue
+
+
+ALL_LORA_FEATURES = LoRAFeatures()  # run everything (the safe default when nothing is known)
+PLAIN_LORA = LoRAFeatures(embedding=False, dora=False)  # projection LoRA only
+
+
 @dataclass
 class LoRAContext:
     """The step's LoRA state: punica meta (prepared once per step) and the device slot weights."""
@@ -36,6 +49,7 @@ class LoRAContext:
     meta: LoRAMeta  # prepared from the step's token slots
     slots: LoRASlots  # the manager's projection slots: .weights(layer, packed) -> (lora_a, lora_b)
     vocab: VocabLoRASlots | None = None  # the manager's embed_tokens / lm_head LoRA slots; None: none served
+    features: LoRAFeatures = ALL_LORA_FEATURES  # which optional LoRA work this forward runs
 
 
 @dataclass

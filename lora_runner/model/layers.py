@@ -213,6 +213,8 @@ class LoRALinear(nn.Module):
         if lora is not None:
             lora_a, lora_b = lora.slots.weights(self.layer, self.packed)
             slice_scales, column_scales = lora.slots.scales(self.layer, self.packed)
+            if not lora.features.dora:  # the step's adapters all have column scale 1: y + delta exactly
+                column_scales = None
             punica_kernels.add_lora(y, x, lora_a, lora_b, lora.meta, self.slice_sizes, slice_scales=slice_scales,
                                     column_scales=column_scales, bias=bias)
         if self.reduce is None:

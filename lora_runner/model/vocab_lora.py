@@ -2,9 +2,9 @@
 
 - Embedding: after the base lookup, ``hidden[t] += B_s @ A_s[:, input_ids[t]]`` for every token of
   slot s >= 0, with the step's LoRAMeta: the gather shrink ``punica_kernels.embedding_shrink``, then
-  ``lora_expand``. It runs in every step with LoRA tokens (so a decode graph captured with any warm-up
-  adapter has it): an adapter without an embedding LoRA has an all-zero slot, and its tokens' rows get
-  exactly + 0. Soft-prompt rows are overwritten afterwards, as PEFT never embeds virtual tokens.
+  ``lora_expand``. It runs when the step's LoRAFeatures say some token's adapter has one (decode graphs
+  are keyed by them): any other adapter has an all-zero slot, whose tokens' rows would get exactly + 0,
+  so skipping is exact. Soft-prompt rows are overwritten afterwards, as PEFT never embeds virtual tokens.
 - lm_head: on the rows compute_logits sees only, with a second LoRAMeta over those rows
   (:class:`LMHeadLoRA`); rows whose adapter has no lm_head LoRA are mapped to slot -1 and skipped.
   ``punica_kernels.add_lora`` with N = vocab size. Tied embeddings share the base weight only.
@@ -23,10 +23,13 @@ from punica_kernels import LoRAMeta
 
 def add_embedding_lora(hidden: torch.Tensor, input_ids: torch.Tensor, lora: LoRAContext,
                        token_mask: torch.Tensor | None = None) -> None:
-    """hidden [T, hidden] += each LoRA token's embedding delta, in place (lora.vocab: VocabLoRASlots).
+    """hidden [T, hidden] += each LoRA token's embedding delta, in place (lora.vocab: VocabLoRASlots);
+    nothing to do (no launch) when the step's features say no token's adapter has an embedding LoRA.
 
     token_mask [T] bool (vocab-parallel ranks): only these tokens' rows of A are this rank's (input_ids
     are then local row ids); the others get + 0 here and their delta from the rank holding their row."""
+    if not lora.features.embedding:
+        return
     vocab, meta = lora.vocab, lora.meta
     num_tokens, rank = input_ids.shape[0], vocab.max_rank
     # the meta's workspace (sized for the widest layer) holds the [T, 1, R] intermediate: no allocation

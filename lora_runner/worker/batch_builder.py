@@ -14,6 +14,11 @@ step with padding sequences, so the one copy carries a whole captured size; padd
 a step made of padding only (capture). The packed layout depends only on the row counts, so every
 replay of one graph sees the views its capture saw.
 
+LoRA: with a HostTileTable (punica_kernels.host_tiles) given, upload() of a step with LoRA tokens also
+builds the LoRA meta's segment / tile table from the host token slots and sends it in the same copy
+(BatchInputs.lora_table; the runner's meta reads those views, so a step issues no device op to prepare
+it). Its arrays follow the graph-read fields and have sizes that depend on T alone.
+
 Prompt adapters: a sequence's first `num_virtual_tokens` positions are its soft prompt's
 placeholders. Each such token gets its prompt-adapter slot and virtual index (its position) in
 `token_prompt_slots` / `token_prompt_positions`; every other token gets -1, and the model's
@@ -23,13 +28,15 @@ embedding step overwrites only the mapped tokens. Only prefill chunks can contai
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from lora_runner.model.forward_context import ALL_LORA_FEATURES, LoRAFeatures
 from lora_runner.worker.staging import StagedUpload, packed_bytes
+from punica_kernels.host_tiles import HostTileTable
 
 
 @dataclass
@@ -67,6 +74,10 @@ class BatchInputs:
     # None when no token of the step is a soft-prompt placeholder (decode-only steps, for instance)
     token_prompt_slots: torch.Tensor | None = None  # [T] int64 prompt-adapter slot, -1 = ordinary token
     token_prompt_positions: torch.Tensor | None = None  # [T] int64 index in the soft prompt, -1 = ordinary
+    # the LoRA meta's table built on the host (host_tiles.TABLE_FIELDS order); None: no LoRA token or no table
+    lora_table: list[torch.Tensor] | None = None
+    lora_table_starts: list[int] | None = None  # its slot_starts as host ints
+    lora_features: LoRAFeatures = ALL_LORA_FEATURES  # the optional LoRA work some token of the step needs
 
     @property
     def has_prompt_adapter(self) -> bool:
@@ -100,6 +111,7 @@ class BatchShape:
     max_seq_len: int
     has_lora: bool  # any token with a LoRA slot >= 0
     has_prompt_adapter: bool  # any soft-prompt placeholder token
+    lora_features: LoRAFeatures = ALL_LORA_FEATURES  # optional LoRA work some token needs (all: not known)
 
 
 @dataclass
@@ -129,10 +141,16 @@ class BatchBuilder:
         device: where the model reads the batch.
         staged: upload through packed staging buffers; default: on any device but the CPU (True on
             CPU runs the device path's packing and single copy, for tests).
+        lora_table: the runner's LoRA meta's HostTileTable: steps with LoRA tokens carry the meta's table
+            (BatchInputs.lora_table). None: no table (the meta is then prepared on the device).
+        lora_features: per-sequence LoRA slots [B] -> the LoRAFeatures they need (BatchShape.lora_features);
+            None: every step with LoRA is assumed to need all of them.
     """
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device | str, staged: bool | None = None) -> None:
+                 block_size: int, device: torch.device | str, staged: bool | None = None,
+                 lora_table: HostTileTable | None = None,
+                 lora_features: Callable[[np.ndarray], LoRAFeatures] | None = None) -> None:
         device = torch.device(device)
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
@@ -151,8 +169,12 @@ class BatchBuilder:
         self._arange = np.arange(max(max_num_tokens, max_blocks_per_seq * block_size), dtype=np.int64)
         # staged: the host arrays travel through StagedUpload (always on a device; on CPU for tests)
         staged = device.type != "cpu" if staged is None else staged
-        largest = self._upload_rows(max_num_tokens, max_num_seqs, max_num_seqs, with_prompt=True)
-        self.staging = StagedUpload(packed_bytes([buf.np[:n].nbytes for buf, n in largest]), device) if staged else None
+        self.lora_table, self.lora_features = lora_table, lora_features
+        largest = [buf.np[:n].nbytes for buf, n in self._upload_rows(max_num_tokens, max_num_seqs, max_num_seqs,
+                                                                      with_prompt=True)]
+        if lora_table is not None:
+            largest += [array.nbytes for array in lora_table.build(np.full(max_num_tokens, -1, np.int64))]
+        self.staging = StagedUpload(packed_bytes(largest), device) if staged else None
 
     def build(self, chunks: Sequence[SeqChunk]) -> BatchInputs:
         """Flatten `chunks` (in order) into the buffers and return this step's device views."""
@@ -231,9 +253,12 @@ class BatchBuilder:
         num_samples = int(seqs.sample.sum())
         self.sample_indices.np[:num_samples] = (self.query_start_loc.np[1:num_seqs + 1] - 1)[seqs.sample]
         num_virtual = self._map_virtual_tokens(positions, lens, seqs)
+        has_lora = bool((seqs.lora_slots >= 0).any())
+        features = (self.lora_features(seqs.lora_slots) if has_lora and self.lora_features is not None
+                    else ALL_LORA_FEATURES)
         return BatchShape(num_tokens=num_tokens, num_seqs=num_seqs, num_samples=num_samples,
                          max_query_len=int(lens.max()), max_seq_len=int(ends.max()),
-                         has_lora=bool((seqs.lora_slots >= 0).any()), has_prompt_adapter=num_virtual > 0)
+                         has_lora=has_lora, has_prompt_adapter=num_virtual > 0, lora_features=features)
 
     def _check_fit(self, chunks: Sequence[SeqChunk], lens: np.ndarray, ends: np.ndarray,
                    num_blocks: np.ndarray) -> None:
@@ -265,17 +290,27 @@ class BatchBuilder:
             num_tokens = num_seqs = padded_seqs
             max_seq_len = self.max_blocks_per_seq * self.block_size
         rows = self._upload_rows(num_tokens, num_seqs, step.num_samples, step.has_prompt_adapter)
-        if self.staging is None:
-            views = [buf.cpu[:n] for buf, n in rows]  # CPU: the host arrays are the device buffers
+        table = []  # the LoRA meta's table: graph-read, so right after the graph-read rows
+        if step.has_lora and self.lora_table is not None:
+            table = self.lora_table.build(self.token_lora_slots.np[:num_tokens])
+        if self.staging is None:  # CPU: the host arrays are the device buffers
+            views = [buf.cpu[:n] for buf, n in rows]
+            table_views = [torch.from_numpy(array) for array in table]
         else:
-            views = self.staging.upload([buf.np[:n] for buf, n in rows])
+            arrays = [buf.np[:n] for buf, n in rows]
+            views = self.staging.upload(arrays[:self._GRAPH_READ] + table + arrays[self._GRAPH_READ:])
+            table_views = views[self._GRAPH_READ:self._GRAPH_READ + len(table)]
+            del views[self._GRAPH_READ:self._GRAPH_READ + len(table)]
         fields = dict(zip(self._UPLOAD_ORDER, views))
         return BatchInputs(**fields, max_query_len=step.max_query_len, max_seq_len=max_seq_len,
-                           has_lora=step.has_lora)
+                           has_lora=step.has_lora, lora_table=table_views or None,
+                           lora_table_starts=self.lora_table.host_slot_starts if table else None,
+                           lora_features=step.lora_features)
 
     # graph-read fields first: their offsets in the packed upload depend on (T, B) only
     _UPLOAD_ORDER = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",
                      "block_tables", "sample_indices", "token_prompt_slots", "token_prompt_positions")
+    _GRAPH_READ = 7  # the first seven fields; the LoRA table goes after them
 
     def _upload_rows(self, num_tokens: int, num_seqs: int, num_samples: int,
                      with_prompt: bool) -> list[tuple[_Buffer, int]]:
@@ -284,14 +319,16 @@ class BatchBuilder:
         names = self._UPLOAD_ORDER if with_prompt else self._UPLOAD_ORDER[:-2]
         return [(getattr(self, name), n) for name, n in zip(names, rows)]
 
-    def padding_batch(self, num_seqs: int, lora_slot: int = -1) -> BatchInputs:
+    def padding_batch(self, num_seqs: int, lora_slot: int = -1,
+                      lora_features: LoRAFeatures = ALL_LORA_FEATURES) -> BatchInputs:
         """A decode step of `num_seqs` padding sequences (as upload pads) that samples no row;
-        lora_slot >= 0 puts every token on that adapter. For graph capture."""
+        lora_slot >= 0 puts every token on that adapter, with the optional LoRA work `lora_features`
+        (what a graph captured from it runs). For graph capture."""
         self._write_decode_padding(0, num_seqs)
         self.token_lora_slots.np[:num_seqs] = lora_slot
         step = BatchShape(num_tokens=num_seqs, num_seqs=num_seqs, num_samples=0, max_query_len=1,
                          max_seq_len=self.max_blocks_per_seq * self.block_size, has_lora=lora_slot >= 0,
-                         has_prompt_adapter=False)
+                         has_prompt_adapter=False, lora_features=lora_features)
         return self.upload(step)
 
     def _write_decode_padding(self, num_seqs: int, padded_seqs: int) -> None:

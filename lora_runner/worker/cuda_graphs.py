@@ -1,7 +1,10 @@
 """CUDA graphs for decode steps: capture sizes, padding into the persistent buffers, capture, replay.
 
 A decode-only step (every sequence adds one token, no soft-prompt placeholder) of B sequences
-replays the graph of key (smallest capture size >= B, whether any token uses an adapter).
+replays the graph of key (smallest capture size >= B, whether any token uses an adapter, and the
+optional LoRA work its adapters need: none, or the plan's full set of embedding LoRA and DoRA's
+column scales; lora_runner.model.forward_context.LoRAFeatures). A graph captured without that work
+is never replayed for a step that needs it, so skipping it stays exact.
 The runner's per-step path is ``key_for`` -> ``BatchBuilder.upload(step, padded_seqs=key.num_seqs)``
 (which fills rows B..size-1 of the persistent batch buffers with padding sequences: KV slot -1,
 context length 1 over block 0) -> ``replay``; the graph's context comes from the runner's
@@ -16,10 +19,13 @@ table, correct but slow. On CUDA with the torch attention forced (LORA_RUNNER_AT
 are off.
 
 Base-only steps (no token with an adapter) replay graphs captured without the LoRA context, so
-they run no LoRA kernel at all; steps with adapters replay graphs captured with one dummy adapter.
+they run no LoRA kernel at all; steps with adapters replay graphs captured with one dummy adapter,
+plain ones (2 launches per packed module, nothing for the embedding) unless a sequence's adapter has
+an embedding LoRA or DoRA.
 
 Everything a graph reads lives in fixed buffers: the batch builder's device buffers, the LoRA
-meta's buffers (``meta.prepare`` runs outside the graph each step, with the padded token slots),
+meta's table (built on the host from the padded token slots and sent in the step's one upload, at the
+addresses the capture saw; ``prepare_lora`` outside the graph only points the meta at it),
 the LoRA slot weights (written in place, so adapters loaded after capture are served) and the KV
 cache. The kernels' grid depends on the padded token count only (punica_kernels.meta), so graphs
 captured with one dummy adapter replay any mix of adapters (design.md section 4, SGLang #28371).
@@ -29,6 +35,7 @@ Decode graphs carry no prompt-adapter context: decode tokens are never soft-prom
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 import time
@@ -40,6 +47,7 @@ from typing import Protocol
 import torch
 
 from lora_runner.model.attention import BACKEND_ENV
+from lora_runner.model.forward_context import ALL_LORA_FEATURES, PLAIN_LORA, LoRAFeatures
 from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, BatchShape
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 
@@ -84,6 +92,7 @@ class DecodeGraphKey:
 
     num_seqs: int  # padded batch size (== tokens): a capture size
     has_lora: bool  # captured with the LoRA context (a dummy adapter); False: no LoRA kernel in the graph
+    lora_features: LoRAFeatures = PLAIN_LORA  # the optional LoRA work it runs (PLAIN_LORA without LoRA)
 
 
 class DecodeGraphPlan:
@@ -91,23 +100,37 @@ class DecodeGraphPlan:
 
     Args:
         max_num_seqs: largest decode batch (the batch buffers' size).
+        full_lora: the optional LoRA work of the second LoRA graph of each size (a step needing any
+            optional work replays it); default all of it.
     """
 
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, full_lora: LoRAFeatures = ALL_LORA_FEATURES) -> None:
         self.sizes = capture_sizes(max_num_seqs)
+        self.full_lora = full_lora
+        variants = [(False, PLAIN_LORA), (True, PLAIN_LORA)] + ([(True, full_lora)] if full_lora != PLAIN_LORA else [])
+        self._variants = variants
 
     def keys(self) -> list[DecodeGraphKey]:
         """Every key, largest first (the capture order: later, smaller graphs reuse its memory)."""
-        return sorted((DecodeGraphKey(s, lora) for s in self.sizes for lora in (True, False)), reverse=True)
+        return sorted((DecodeGraphKey(s, lora, features) for s in self.sizes for lora, features in self._variants),
+                      reverse=True)
 
     def key_for(self, batch: BatchShape | BatchInputs) -> DecodeGraphKey | None:
         """The graph for `batch`, or None when it must run eagerly (prefill or mixed step, soft-prompt
-        placeholders, more sequences than the largest capture size)."""
+        placeholders, more sequences than the largest capture size, optional LoRA work no graph has)."""
         decode_only = batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
         if not decode_only or batch.has_prompt_adapter:
             return None
         size = _round_up(self.sizes, batch.num_seqs)
-        return None if size is None else DecodeGraphKey(size, batch.has_lora)
+        if size is None:
+            return None
+        if not batch.has_lora:
+            return DecodeGraphKey(size, False)
+        need = batch.lora_features
+        if need == PLAIN_LORA:
+            return DecodeGraphKey(size, True)
+        covered = (not need.embedding or self.full_lora.embedding) and (not need.dora or self.full_lora.dora)
+        return DecodeGraphKey(size, True, self.full_lora) if covered else None
 
 
 def _round_up(values: list[int], x: int) -> int | None:
@@ -215,12 +238,13 @@ class DecodeGraphs:
         if on_cuda:
             torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
-        logger.info("captured %d decode graphs (batch sizes %s, with and without LoRA) in %.1f s, using %.0f MiB",
-                    len(keys), self.plan.sizes, time.perf_counter() - start, used / 2**20)
+        logger.info("captured %d decode graphs (batch sizes %s; without LoRA, plain LoRA, LoRA with %s) in %.1f s, "
+                    "using %.0f MiB", len(keys), self.plan.sizes, self.plan.full_lora, time.perf_counter() - start,
+                    used / 2**20)
 
     def _capture_one(self, key: DecodeGraphKey, lora_slot: int) -> None:
         # every capture sequence is padding, on the warmup adapter in graphs with LoRA
-        batch = self.builder.padding_batch(key.num_seqs, lora_slot if key.has_lora else -1)
+        batch = self.builder.padding_batch(key.num_seqs, lora_slot if key.has_lora else -1, key.lora_features)
         self.contexts.prepare_lora(batch)
         forward = self._forward_fn(batch)
         forward()  # warm-up outside capture: compiles kernels, caches slice offsets
@@ -246,6 +270,10 @@ class DecodeGraphs:
         # the packed upload puts a size's rows where its capture found them (block tables: the last
         # field the graph reads, so its offset depends on every field before it); a moved view goes unread
         assert padded.block_tables.data_ptr() == captured.batch.block_tables.data_ptr(), "padded step off the graph"
+        if key.has_lora and captured.batch.lora_table is not None:  # the LoRA table follows block_tables
+            assert padded.lora_table is not None and all(
+                a.data_ptr() == b.data_ptr() for a, b in zip(padded.lora_table, captured.batch.lora_table)), \
+                "LoRA table off the graph"
         self.contexts.prepare_lora(padded)  # outside the graph
         captured.graph.replay()
         self.num_replays += 1
@@ -260,6 +288,7 @@ class DecodeGraphs:
             raise ValueError("this step has no decode graph (prefill, mixed, or too large)")
         padded = self.builder.upload(batch, padded_seqs=key.num_seqs)
         self.contexts.prepare_lora(padded)
+        padded = dataclasses.replace(padded, lora_features=key.lora_features)  # the graph's optional work
         return self._forward_fn(padded)()[:batch.num_tokens]  # [T, hidden]
 
 

@@ -27,20 +27,27 @@ class ForwardContextBuilder:
         self.vocab_slots = vocab_slots
 
     def prepare_lora(self, batch: BatchInputs) -> None:
-        """Prepare the LoRA meta for `batch`'s token slots (host side, outside any graph); no-op
-        when no token uses an adapter."""
-        if batch.has_lora:
+        """Point the LoRA meta at `batch`'s table (host side, outside any graph); no-op when no token
+        uses an adapter. A batch that carries the table built on the host (BatchInputs.lora_table, the
+        runner's path) costs no device op: the meta reads its uploaded views, and the slots' ranks in
+        place. Otherwise the meta is prepared on the device from the token slots."""
+        if not batch.has_lora:
+            return
+        if batch.lora_table is not None:
+            self.lora_meta.use_table(batch.lora_table, batch.lora_table_starts, self.lora_slots.slot_ranks)
+        else:
             self.lora_meta.prepare(batch.token_lora_slots, self.lora_slots.slot_ranks)
 
     def build(self, batch: BatchInputs) -> ForwardContext:
         """`batch`'s context, reading its device views (a graph captured with it reads whatever
         they hold at replay). The LoRA context is set only when the batch has LoRA tokens, and
-        reads the meta as prepare_lora last left it."""
+        reads the meta as prepare_lora last left it, and runs the optional LoRA work the batch's
+        lora_features name (a graph captured from it: whatever the steps replaying it need)."""
         attn = AttentionMetadata(slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc,
                                  seq_lens=batch.seq_lens, block_tables=batch.block_tables,
                                  max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
-        lora = (LoRAContext(meta=self.lora_meta, slots=self.lora_slots, vocab=self.vocab_slots)
-                if batch.has_lora else None)
+        lora = (LoRAContext(meta=self.lora_meta, slots=self.lora_slots, vocab=self.vocab_slots,
+                            features=batch.lora_features) if batch.has_lora else None)
         prompt_adapter = None
         if batch.has_prompt_adapter:
             assert self.prompt_slots is not None, "soft-prompt placeholders scheduled with prompt adapters off"

@@ -31,8 +31,10 @@ from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, SeqChunk
 from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from lora_runner.worker.kv_cache import allocate_kv_cache
+from lora_runner.worker.lora_features import StepLoRAFeatures
 from lora_runner.worker.request_rows import InputBatch
 from punica_kernels import LoRAMeta
+from punica_kernels.host_tiles import HostTileTable
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +71,18 @@ class ModelRunner:
         self.device = device
         self.tp = tp
         self.kv_cache = allocate_kv_cache(model_config, num_kv_blocks, block_size, dtype, device, tp)
+        self.lora_meta = LoRAMeta(max_num_tokens, max_loras, device, max_rank=max_lora_rank,
+                                  max_slices=_MAX_LORA_SLICES)
+        # the meta's table is built on the host and rides in the step's one upload; each step runs
+        # only the optional LoRA work (embedding LoRA, DoRA) its adapters have
+        self.lora_features = StepLoRAFeatures(lora_slots, vocab_slots)
         self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                                           max_blocks_per_seq=max_blocks_per_seq, block_size=block_size,
-                                          device=device)
+                                          device=device, lora_table=HostTileTable(self.lora_meta),
+                                          lora_features=self.lora_features)
         self.sampling_state = SamplingState(max_num_seqs=max_num_seqs, vocab_size=model_config.vocab_size)
         self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
                                       block_size=block_size, sampling=self.sampling_state)
-        self.lora_meta = LoRAMeta(max_num_tokens, max_loras, device, max_rank=max_lora_rank,
-                                  max_slices=_MAX_LORA_SLICES)
         self.forward_contexts = ForwardContextBuilder(self.kv_cache, self.lora_meta, lora_slots, prompt_slots,
                                                       vocab_slots)
         # lm_head LoRA: a second meta over the sampled rows (at most one per sequence)
@@ -179,7 +185,7 @@ class ModelRunner:
         manager's LoRA tier), removed afterwards. make_graph: see DecodeGraphs (default: CUDA graphs)."""
         builder = self.batch_builder
         # a padded decode step has as many tokens as sequences: never more than the token buffers hold
-        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens))
+        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), full_lora=self.lora_features.most)
         graphs = DecodeGraphs(self.model, self.forward_contexts, builder, plan, make_graph)
         with resident_dummy_loras(lora_tier, 1, max_lora_rank) as slots:
             graphs.capture(slots[0], progress=progress)
