@@ -90,4 +90,5 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
                                 include_usage, started, release, cache_salt=body.cache_salt,
-                                continuous_usage=continuous_usage, new_parser=tools.new_parser)
+                                continuous_usage=continuous_usage,
+                                new_parser=tools.parser_factory(body.stream))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
 from lora_runner.entrypoints.openai.tool_calls.definitions import checked_tools
+from lora_runner.entrypoints.openai.tool_calls.deltas import Extracted
 from lora_runner.entrypoints.openai.tool_calls.forced_parsers import NamedFunctionParser, RequiredCallsParser
 from lora_runner.entrypoints.openai.tool_calls.hermes_parser import HermesToolParser
 from lora_runner.structured_outputs_params import StructuredOutputsParams
@@ -32,6 +33,30 @@ class ToolPlan:
     tools: list[dict] | None = None
     structured: StructuredOutputsParams | None = None
     new_parser: Callable[[], object] | None = None
+
+    def parser_factory(self, stream: bool) -> Callable[[], object] | None:
+        """The parser of each choice: incremental for a stream, reading the whole output otherwise (so
+        a call that turns out malformed late is content, which a stream can no longer make it)."""
+        if self.new_parser is None or stream:
+            return self.new_parser
+        return lambda: WholeOutput(self.new_parser())
+
+
+class WholeOutput:
+    """A parser that sees the output once, when it ends (the non-streamed response)."""
+
+    def __init__(self, parser) -> None:
+        self.parser, self._text = parser, ""
+
+    @property
+    def called(self) -> bool:
+        """Whether the output held tool calls."""
+        return self.parser.called
+
+    def feed(self, text: str, finished: bool = False) -> Extracted:
+        """Nothing until the output ends, then what the whole output holds."""
+        self._text += text
+        return self.parser.feed(self._text, True) if finished else Extracted()
 
 
 def tool_plan(body: ChatCompletionRequest) -> ToolPlan:

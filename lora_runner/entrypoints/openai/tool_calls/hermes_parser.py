@@ -7,10 +7,11 @@ call whose JSON is not a {"name": str, "arguments": object or str} stays in the 
 wrote it, markup included: malformed output is shown, never an error.
 
 The parser sees the text in whatever pieces the engine hands over (one token, or many merged when a
-client reads slowly) and answers the same calls either way (the non-streamed response feeds it too).
+client reads slowly) and answers the same calls and content for every split of a well-formed output.
 Once a call's ``{"name": "...", "arguments": `` prefix has arrived its first delta (id, name) goes out,
 and its arguments follow as they arrive, held back only by the call's closing brace. A call that turns
-out malformed after that point cannot be taken back from a stream: what was sent stays sent (logged).
+out malformed after that point cannot be taken back from a stream: what was sent stays sent (logged);
+the non-streamed response feeds the whole output at once (choice.WholeOutput), so there it is content.
 """
 
 from __future__ import annotations
