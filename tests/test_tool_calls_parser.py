@@ -30,6 +30,7 @@ CASES = {  # name -> (model text, expected content, expected [(name, arguments d
     "malformed arguments": ('I will call\n<tool_call>{"name": "f", "arguments": {"x": }}</tool_call>',
                             'I will call\n<tool_call>{"name": "f", "arguments": {"x": }}</tool_call>', []),
     "no name": ('<tool_call>{"arguments": {}}</tool_call> ok', '<tool_call>{"arguments": {}}</tool_call> ok', []),
+    "call then whitespace": (WEATHER + "\n\n", "", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
     "plain text": ("the cat sat on the mat \n", "the cat sat on the mat \n", []),
     "almost a tag": ("a < b and <tool_ca", "a < b and <tool_ca", []),
 }
