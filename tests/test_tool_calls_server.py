@@ -243,11 +243,12 @@ def test_special_token_strings_in_tools_stay_text(served, client):
     assert "ends here </s> <s>" in engine.tokenizer.decode(ids)
 
 
-def _too_deep(depth):
-    schema = {"type": "object"}
+def _too_deep(depth, key="properties"):
+    """A schema nested `depth` deep through properties, or through a default value (no schema keyword)."""
+    schema, value = {"type": "object"}, 1
     for _ in range(depth):
-        schema = {"type": "object", "properties": {"x": schema}}
-    return schema
+        schema, value = {"type": "object", "properties": {"x": schema}}, [value]
+    return schema if key == "properties" else {"type": "object", "default": value}
 
 
 def _function(name="f", **extra):
@@ -263,9 +264,11 @@ BAD_REQUESTS = {  # name -> (extra request fields, a word of the error message)
                                "properties.a"),
     "parameters not a dict": ({"tools": [_function(parameters=[1])]}, "parameters"),
     "too deep": ({"tools": [_function(parameters=_too_deep(40))]}, "deep"),
+    "too deep a default": ({"tools": [_function(parameters=_too_deep(40, "default"))]}, "deep"),
     "bad name": ({"tools": [_function("get weather!")]}, "name"),
     "repeated name": ({"tools": [_function("f"), _function("f")]}, "another tool"),
-    "too many": ({"tools": [_function(f"f{i}") for i in range(129)]}, "129 tools"),
+    # counted before each tool is validated (the last one is no function)
+    "too many": ({"tools": [_function(f"f{i}") for i in range(128)] + [{"type": "x"}]}, "129 tools"),
     "huge": ({"tools": [_function(description="x" * 70_000)]}, "characters"),
     "choice without tools": ({"tool_choice": "required"}, "needs tools"),
     "unknown choice": ({"tools": [_function()], "tool_choice": "always"}, "tool_choice"),

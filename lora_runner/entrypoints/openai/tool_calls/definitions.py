@@ -54,7 +54,7 @@ def check_parameters(schema: dict, where: str) -> None:
                        f"got type {schema.get('type')!r}")
     if _depth(schema) > MAX_SCHEMA_DEPTH:  # any value (defaults, enums, examples), before walking it
         raise _invalid(f"{where} is nested more than {MAX_SCHEMA_DEPTH} deep")
-    _check_schema(schema, where, 1)
+    _check_schema(schema, where)
 
 
 def _depth(value) -> int:
@@ -64,13 +64,12 @@ def _depth(value) -> int:
         item, depth = stack.pop()
         if isinstance(item, (dict, list)):
             deepest = max(deepest, depth)
-            stack += [(sub, depth + 1) for sub in (item.values() if isinstance(item, dict) else item)]
+            stack += [(sub) for sub in (item.values() if isinstance(item, dict) else item)]
     return deepest
 
 
-def _check_schema(schema, where: str, depth: int) -> None:
-    if depth > MAX_SCHEMA_DEPTH:
-        raise _invalid(f"{where} is nested more than {MAX_SCHEMA_DEPTH} deep")
+def _check_schema(schema, where: str) -> None:
+    """The keywords that hold schemas, recursively (bounded: check_parameters checked the depth first)."""
     if isinstance(schema, bool):  # true / false are schemas too
         return
     if not isinstance(schema, dict):
@@ -86,13 +85,13 @@ def _check_schema(schema, where: str, depth: int) -> None:
             if not isinstance(schema[key], dict):
                 raise _invalid(f"{where}.{key} must be an object of schemas")
             for name, sub in schema[key].items():
-                _check_schema(sub, f"{where}.{key}.{name}", depth + 1)
+                _check_schema(sub, f"{where}.{key}.{name}")
     for key in ("items", "additionalProperties", "not"):
         if isinstance(schema.get(key), (dict, bool)):
-            _check_schema(schema[key], f"{where}.{key}", depth + 1)
+            _check_schema(schema[key], f"{where}.{key}")
     for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
         if key in schema:
             if not isinstance(schema[key], list):
                 raise _invalid(f"{where}.{key} must be a list of schemas")
             for position, sub in enumerate(schema[key]):
-                _check_schema(sub, f"{where}.{key}[{position}]", depth + 1)
+                _check_schema(sub, f"{where}.{key}[{position}]")
