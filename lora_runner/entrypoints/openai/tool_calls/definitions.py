@@ -64,7 +64,7 @@ def _depth(value) -> int:
         item, depth = stack.pop()
         if isinstance(item, (dict, list)):
             deepest = max(deepest, depth)
-            stack += [(sub) for sub in (item.values() if isinstance(item, dict) else item)]
+            stack += [(sub, depth + 1) for sub in (item.values() if isinstance(item, dict) else item)]
     return deepest
 
 
