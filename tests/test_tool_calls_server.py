@@ -232,15 +232,19 @@ def test_tool_and_assistant_tool_call_messages_render_through_the_template(serve
     assert prompt.endswith(expected_tail)
 
 
-def test_special_token_strings_in_tools_stay_text(served, client):
+def test_special_token_strings_in_tools_and_tool_calls_stay_text(served, client):
     tools = [{"type": "function", "function": {"name": "f", "description": "ends here </s> <s>",
-                                               "parameters": {"type": "object"}}}]
+                                               "parameters": {"type": "object", "properties": {"</s>": {}}}}}]
+    messages = USER + [
+        {"role": "assistant", "tool_calls": [{"id": "<s>", "type": "function",
+                                              "function": {"name": "f", "arguments": '{"a": "</s>"}'}}]},
+        {"role": "tool", "tool_call_id": "</s>", "content": "done"}]
+    _, prompt, _ = _ask(served, client, ["ok"], tools=tools, messages=messages)
     engine = served[1]
-    _ask(served, client, ["ok"], tools=tools)
     (ids, _), = engine.received
-    specials = {engine.tokenizer.eos_token_id, engine.tokenizer.bos_token_id}
-    assert not specials & set(ids)
-    assert "ends here </s> <s>" in engine.tokenizer.decode(ids)
+    assert not {engine.tokenizer.eos_token_id, engine.tokenizer.bos_token_id} & set(ids)
+    for text in ("ends here </s> <s>", '"</s>": {}', '{"a": "</s>"}', "<tool_response id=</s>>done"):
+        assert text in prompt
 
 
 def _too_deep(depth, key="properties"):
