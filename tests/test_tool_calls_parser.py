@@ -10,14 +10,16 @@ from lora_runner.entrypoints.openai.tool_calls.forced_parsers import NamedFuncti
 from lora_runner.entrypoints.openai.tool_calls.hermes_parser import HermesToolParser
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-NESTED_ARGS = {"query": {"filters": [{"field": "città", "op": "=", "value": "東京 🙂"}, {"nested": {"deep": [1, [2, {}]]}}],
+NESTED_ARGS = {"query": {"filters": [{"field": "città", "op": "=", "value": "東京 🙂"},
+                                     {"nested": {"deep": [1, [2, {}]]}}],
                          "text": "a \"quoted\" } brace and </tool_call> in a string? no: {}"}, "limit": 3}
 NESTED = f'<tool_call>{{"name": "search", "arguments": {json.dumps(NESTED_ARGS, ensure_ascii=False)}}}</tool_call>'
 
 CASES = {  # name -> (model text, expected content, expected [(name, arguments dict)])
     "one call": (WEATHER, "", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
     "two calls": (WEATHER + "\n" + WEATHER.replace("Paris", "Oslo"), "",
-                  [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+                  [("get_weather", {"city": "Paris", "unit": "celsius"}),
+                   ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
     "text then call": ("Let me look that up.\n\n" + WEATHER, "Let me look that up.",
                        [("get_weather", {"city": "Paris", "unit": "celsius"})]),
     # a close tag inside an argument string would end the call (as in vLLM): models escape it
