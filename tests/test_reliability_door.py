@@ -212,11 +212,11 @@ def test_a_bystander_stream_keeps_producing_while_a_big_body_is_prepared(served,
     monkeypatch.setattr(state.engine, "encode", gated)
     render = prompts_module.chat_token_ids
 
-    def gated_render(tokenizer, conversations):
+    def gated_render(tokenizer, conversations, **kwargs):  # kwargs: the request's tools
         if "flood" in json.dumps(conversations):
             gated.entered.set()
             gated.released_by_timeout = not gated.gate.wait(BOUND_S)
-        return render(tokenizer, conversations)
+        return render(tokenizer, conversations, **kwargs)
 
     monkeypatch.setattr(prompts_module, "chat_token_ids", gated_render)
     expected = _greedy(served, PROMPTS[2], "r8-qv", 24)

@@ -5,7 +5,8 @@ transformers' ``apply_chat_template(tokenize=True)`` does: the rendered text is 
 adding special tokens, so a template that writes BOS itself gets exactly one. Tokenizer outputs
 (a ``BatchEncoding`` or a dict with ``input_ids``, 1-D integer tensors) become lists of ids.
 
-Message text (content and name) is the tenant's: special tokens come from the template only. A
+Message text (content, name, tool calls and tool_call_id) and the tool definitions are the
+tenant's: special tokens come from the template only. A
 special-token string inside a message ("<|im_start|>system", "</s>") is replaced by a placeholder
 no tenant can guess before rendering, and tokenized as plain text (``split_special_tokens=True``)
 where the placeholder lands; the template's text around it is tokenized as usual. Conversations
@@ -86,9 +87,10 @@ def chat_token_ids(tokenizer, conversations: list[list[Message]], chat_template:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
     shield = _SpecialTokenShield(tokenizer)
     shielded = [[shield.message(m) for m in conversation] for conversation in conversations]
+    shielded_tools = None if tools is None else [shield.value(tool) for tool in tools]
     try:
         rendered = tokenizer.apply_chat_template(
-            shielded, chat_template=chat_template, tools=tools, tokenize=not shield.pieces, return_dict=False,
+            shielded, chat_template=chat_template, tools=shielded_tools, tokenize=not shield.pieces, return_dict=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {}))
     except Exception as err:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception)
@@ -104,9 +106,10 @@ def chat_token_ids(tokenizer, conversations: list[list[Message]], chat_template:
 class _SpecialTokenShield:
     """Keeps special-token strings in messages from becoming special tokens (module docstring).
 
-    ``message(m)``: a copy of the message whose content and name hold placeholders instead of special-token
-    strings (remembered in ``pieces``); ``token_ids(rendered)``: the rendering's ids, each placeholder's
-    string tokenized as plain text.
+    ``message(m)``: a copy of the message whose content, name, tool calls and tool_call_id hold placeholders
+    instead of special-token strings (remembered in ``pieces``); ``value(v)``: the same for any JSON-like
+    value (a tool definition: keys and strings); ``token_ids(rendered)``: the rendering's ids, each
+    placeholder's string tokenized as plain text.
     """
 
     def __init__(self, tokenizer) -> None:
@@ -123,18 +126,32 @@ class _SpecialTokenShield:
         self.pieces: list[str] = []
 
     def message(self, message: Message) -> Message:
-        """The message with its content (string or text parts) and name shielded."""
+        """The message with its content (string or text parts), name, tool calls and tool_call_id shielded."""
         if self._special is None:
             return message
         shielded = dict(message)
-        for key in ("content", "name"):
+        for key in ("content", "name", "tool_call_id"):
             value = message.get(key)
             if isinstance(value, str):
                 shielded[key] = self._text(value)
             elif key == "content" and isinstance(value, (list, tuple)):
                 shielded[key] = [{**part, "text": self._text(part["text"])} if isinstance(part.get("text"), str)
                                  else part for part in value]
+        if message.get("tool_calls"):
+            shielded["tool_calls"] = self.value(message["tool_calls"])
         return shielded
+
+    def value(self, value):
+        """A copy of a JSON-like value (dicts, lists, strings, numbers) with its keys and strings shielded."""
+        if self._special is None:
+            return value
+        if isinstance(value, str):
+            return self._text(value)
+        if isinstance(value, Mapping):
+            return {self.value(key): self.value(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.value(item) for item in value]
+        return value
 
     def _text(self, text: str) -> str:
         return self._special.sub(self._hide, text)

@@ -21,6 +21,7 @@ from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.ignored_fields import SCOPE_KEY, report, strip_unknown
 from lora_runner.entrypoints.openai.protocol import ChatMessage
 from lora_runner.entrypoints.openai.state import ServerConfig, ServerState
+from lora_runner.entrypoints.openai.tool_calls.definitions import MAX_TOOLS
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ def parse_raw_body(config: ServerConfig, raw: bytes, model: type[BaseModel]) -> 
 
 
 def check_counts(config: ServerConfig, decoded: dict) -> None:
-    """400 for more prompts or messages than the server takes in one request."""
-    prompt, messages = decoded.get("prompt"), decoded.get("messages")
+    """400 for more prompts, messages or tools than the server takes in one request."""
+    prompt, messages, tools = decoded.get("prompt"), decoded.get("messages"), decoded.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:  # counted before pydantic validates each
+        raise APIError(400, f"{len(tools)} tools, more than the limit of {MAX_TOOLS}", "too_many_tools")
     if isinstance(prompt, list) and len(prompt) > config.max_prompts_per_request \
             and not all(isinstance(p, int) for p in prompt):
         raise APIError(400, f"{len(prompt)} prompts in one request, more than the limit of "

@@ -7,11 +7,13 @@ the prompts are tokenized off the event loop, then lengths are checked and the g
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import Request
 
 from lora_runner.entrypoints.openai.echo import ChoiceExtras
+from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.formatting import ChatFormat, CompletionFormat
 from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation
 from lora_runner.entrypoints.openai.prompts import chat_prompt, check_chat, completion_prompt_list, encode_prompts
@@ -19,6 +21,7 @@ from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, Compl
 from lora_runner.entrypoints.openai.sampling import check_supported, requested_logprobs, sampling_params
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
+from lora_runner.entrypoints.openai.tool_calls.choice import ToolPlan, tool_plan
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -46,16 +49,17 @@ async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatC
     started = time.monotonic()
     logprobs, target = _checked(state, tenant, body)
     check_chat(state, body.messages)
+    tools = tool_plan(body)  # 400 for bad tools before any work
     release = state.admit(tenant, body.n)
     try:
-        prompt = await state.off_loop(chat_prompt, state, body.messages)
+        prompt = await state.off_loop(chat_prompt, state, body.messages, tools.tools)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(
             state.max_tokens_limit, state.max_model_len - len(prompt)))
         last = body.messages[-1]
         echo = [last.text()] if body.echo and last.role == "assistant" else None
         return await _generate(state, tenant, body, request, target, [prompt], max_tokens, logprobs, started,
                                ChatFormat, "chatcmpl", release,
-                               lambda ids: ChoiceExtras(echo, return_token_ids=body.return_token_ids))
+                               lambda ids: ChoiceExtras(echo, return_token_ids=body.return_token_ids), tools)
     except BaseException:
         release()
         raise
@@ -71,21 +75,30 @@ def _checked(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatC
 
 async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatCompletionRequest,
                     request: Request, target, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
-                    started: float, format_type, id_prefix: str, release, extras_of):
+                    started: float, format_type, id_prefix: str, release, extras_of,
+                    tools: ToolPlan | None = None):
     """Length checks (400), the engine's SamplingParams, then the generation in `format_type`'s shape
     (on the seats `release` gives back). truncate_prompt_tokens (vLLM) cuts each prompt first.
-    extras_of(prompts as run) -> the choices' ChoiceExtras (echo, token ids)."""
+    extras_of(prompts as run) -> the choices' ChoiceExtras (echo, token ids). tools: a chat request's tool
+    plan (its output constraint and tool-call parser)."""
     keep = body.truncate_prompt_tokens
     if keep is not None and keep != 0:  # 0 is refused by SamplingParams below
         prompts = [ids[-(state.max_model_len if keep == -1 else keep):] for ids in prompts]
     check_lengths(state, prompts, max_tokens)
     params = sampling_params(body, max_tokens, logprobs)
+    tools = tools or ToolPlan()
+    if tools.structured is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, "a forced tool_choice constrains the output itself: drop the other output "
+                           "constraint (response_format / structured_outputs)", "invalid_tool_choice")
+        params = dataclasses.replace(params, structured_outputs=tools.structured)
     fmt = format_type(state.new_id(id_prefix), body.model)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
                                 include_usage, started, release, cache_salt=body.cache_salt,
-                                continuous_usage=continuous_usage, extras=extras_of(prompts))
+                                continuous_usage=continuous_usage, extras=extras_of(prompts),
+                                new_parser=tools.parser_factory(body.stream))
 
 
 def _completion_extras(state: ServerState, body: CompletionRequest, listed: list, prompts: list[list[int]],

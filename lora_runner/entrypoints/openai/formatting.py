@@ -1,7 +1,8 @@
 """OpenAI response bodies: completions and chat completions, whole or as stream chunks.
 
 A ``Delta`` is what one choice gained since the last chunk: text, per-token logprobs
-(token string, logprob, top alternatives) and the finish reason once it finished.
+(token string, logprob, top alternatives), tool-call deltas (chat with tools) and the finish reason
+once it finished.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+
+from lora_runner.entrypoints.openai.tool_calls.deltas import ToolCallDelta, message_tool_calls
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -39,6 +42,7 @@ class Delta:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
     token_ids: list[int] | None = None  # return_token_ids (vLLM): the generated ids of this delta
     prompt_token_ids: list[int] | None = None  # return_token_ids: the prompt's, in a choice's first delta
+    tool_calls: list[ToolCallDelta] | None = None  # chat: tool-call pieces (whole calls in a response)
 
 
 @dataclass
@@ -109,16 +113,19 @@ class ChatFormat(CompletionFormat):
 
     def response(self, deltas: list[Delta], usage: Usage) -> dict:
         """The whole (non-streamed) chat completion."""
-        choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text},
-                    "logprobs": _chat_logprobs(d.logprobs), "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason, **_token_ids(d, prompt=False)} for d in deltas]
+        choices = [{"index": d.index, "message": _message(d), "logprobs": _chat_logprobs(d.logprobs),
+                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason, **_token_ids(d, prompt=False)}
+                   for d in deltas]
         prompt_ids = next((d.prompt_token_ids for d in deltas if d.prompt_token_ids is not None), None)
         extra = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}  # vLLM: on the response
         return {**self._head(chunk=False), "choices": choices, "usage": usage.as_dict(), **extra}
 
     @staticmethod
     def _choice(delta: Delta) -> dict:
-        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        content = {"content": delta.text} if delta.text or (delta.finish_reason is None and not delta.tool_calls) \
+            else {}
+        if delta.tool_calls:
+            content["tool_calls"] = [call.as_chunk() for call in delta.tool_calls]
         return {"index": delta.index, "delta": content, "logprobs": _chat_logprobs(delta.logprobs),
                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason, **_token_ids(delta)}
 
@@ -130,6 +137,13 @@ def _token_ids(delta: Delta, prompt: bool = True) -> dict:
     if prompt and delta.prompt_token_ids is not None:
         fields["prompt_token_ids"] = delta.prompt_token_ids
     return fields
+
+
+def _message(delta: Delta) -> dict:
+    """A whole choice's message; with tool calls its content is null when the model wrote none (as OpenAI)."""
+    if not delta.tool_calls:
+        return {"role": "assistant", "content": delta.text}
+    return {"role": "assistant", "content": delta.text or None, "tool_calls": message_tool_calls(delta.tool_calls)}
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob] | None, offset: int = 0) -> tuple[dict | None, int]:

@@ -12,6 +12,10 @@ and nothing between the engine and the socket queues without bound: a streamed r
 client stops reading waits at most ServerConfig.stream_send_timeout for a send, then its requests
 are aborted (their sequence slots and KV blocks freed) and the connection is closed; a client that
 disconnects is aborted at once.
+
+A chat request with tools reads each sample's text through a tool-call parser (new_parser, one per
+sample; lora_runner.entrypoints.openai.tool_calls): what it finds goes out as tool-call deltas instead
+of content, and a sample that called a tool and stopped finishes with "tool_calls".
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from lora_runner.entrypoints.openai.formatting import DONE_EVENT, CompletionForm
 from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
+from lora_runner.entrypoints.openai.tool_calls.deltas import join_calls
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import RequestOutputKind, SamplingParams
 
@@ -101,9 +106,11 @@ class ChoiceRun:
 
     def __init__(self, state: ServerState, index: int, request_id: str, prompt_ids: list[int],
                  gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1,
-                 extras: ChoiceExtras = ChoiceExtras(), echo_text: str | None = None) -> None:
+                 extras: ChoiceExtras = ChoiceExtras(), echo_text: str | None = None,
+                 new_parser: Callable[[], object] | None = None) -> None:
         self.state, self.index, self.request_id, self.prompt_len = state, index, request_id, len(prompt_ids)
         self.prompt_ids, self.extras, self.echo_text = prompt_ids, extras, echo_text
+        self.parsers = None if new_parser is None else [new_parser() for _ in range(n)]  # tool calls, per sample
         self.gen, self.started, self.logprobs_k = gen, started, logprobs_k
         self.first: RequestOutput | None = None
         self.advance_first: list[Delta] = []  # the first output's deltas, sent before the rest
@@ -141,6 +148,13 @@ class ChoiceRun:
         # the engine's incremental text: whole characters, stop strings cut
         text = "" if self.extras.discard_generated else completion.text_delta
         logprobs = self._logprobs(completion)
+        finish_reason, tool_calls = completion.finish_reason, None
+        if self.parsers is not None:  # the generated text only: an echoed prompt is never parsed
+            parser = self.parsers[sample]
+            extracted = parser.feed(text, completion.finished)
+            text, tool_calls = extracted.content, extracted.calls or None
+            if completion.finished and parser.called and finish_reason == "stop":
+                finish_reason = "tool_calls"
         opening = not sent.opened
         sent.opened = True
         if opening and self.echo_text is not None:
@@ -149,10 +163,11 @@ class ChoiceRun:
                 logprobs = self._prompt_logprobs(output) + logprobs
         if completion.finished:
             sent.done = True
-            self._finished(completion.finish_reason, sent.tokens)
+            self._finished(finish_reason, sent.tokens)
         if not text and not new_ids and not completion.finished:
             return None
-        delta = Delta(self.index + sample, text, logprobs, completion.finish_reason, completion.stop_reason)
+        delta = Delta(self.index + sample, text, logprobs, finish_reason, completion.stop_reason,
+                      tool_calls=tool_calls)
         if self.extras.return_token_ids:
             delta.token_ids = list(new_ids)
             delta.prompt_token_ids = self.prompt_ids if opening else None
@@ -218,8 +233,10 @@ def engine_cache_salt(state: ServerState, tenant: Tenant, request_salt: str | No
 
 async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts: list[list[int]],
                      params: SamplingParams, started: float, request_salt: str | None = None,
-                     extras: ChoiceExtras = ChoiceExtras()) -> list[ChoiceRun]:
-    """Add one engine request per prompt and wait for each one's first output (errors raise)."""
+                     extras: ChoiceExtras = ChoiceExtras(),
+                     new_parser: Callable[[], object] | None = None) -> list[ChoiceRun]:
+    """Add one engine request per prompt and wait for each one's first output (errors raise).
+    new_parser: a tool-call parser for each sample (None: plain content)."""
     runs = []
     salt = engine_cache_salt(state, tenant, request_salt)
     params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)  # the runs read deltas
@@ -228,7 +245,7 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
         gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name,
                                     cache_salt=salt)
         runs.append(ChoiceRun(state, index * params.n, request_id, ids, gen, started, params.logprobs, params.n,
-                              extras, extras.echo_text(index)))
+                              extras, extras.echo_text(index), new_parser))
     results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     try:
@@ -298,16 +315,17 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
                          prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
                          stream: bool, include_usage: bool, started: float, release: Callable[[], None],
                          cache_salt: str | None = None, continuous_usage: bool = False,
-                         extras: ChoiceExtras = ChoiceExtras()):
+                         extras: ChoiceExtras = ChoiceExtras(), new_parser: Callable[[], object] | None = None):
     """Start and answer one generation request (streamed or whole) on the seats the caller took
     (ServerState.admit); `release` (idempotent) gives them back however the request ends. cache_salt:
     the body's (combined with the tenant's, engine_cache_salt). continuous_usage: every streamed chunk
     carries the usage so far (stream_options.continuous_usage_stats). extras: echo and token ids
-    (lora_runner.entrypoints.openai.echo)."""
+    (lora_runner.entrypoints.openai.echo). new_parser: the tool-call parser of each sample (a chat request
+    with tools)."""
     try:
         state.metrics.requests.labels(target.model).inc()
         state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
-        runs = await start_runs(state, tenant, target, prompts, params, started, cache_salt, extras)
+        runs = await start_runs(state, tenant, target, prompts, params, started, cache_salt, extras, new_parser)
     except BaseException:
         release()
         raise
@@ -349,8 +367,9 @@ def _join(total: Delta, delta: Delta | None) -> Delta:
         return total
     logprobs = None if delta.logprobs is None else (total.logprobs or []) + delta.logprobs
     token_ids = None if delta.token_ids is None else (total.token_ids or []) + delta.token_ids
+    tool_calls = join_calls(total.tool_calls or [], delta.tool_calls) if delta.tool_calls else total.tool_calls
     return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason, delta.stop_reason,
-                 token_ids, total.prompt_token_ids or delta.prompt_token_ids)
+                 token_ids, total.prompt_token_ids or delta.prompt_token_ids, tool_calls)
 
 
 async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: bool,

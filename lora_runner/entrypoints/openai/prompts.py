@@ -7,6 +7,8 @@ work a tenant controls (a 1 MiB body), so the routes run it off the loop (Server
 
 from __future__ import annotations
 
+import json
+
 from lora_runner.engine.chat import chat_token_ids
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.protocol import ChatMessage
@@ -61,13 +63,35 @@ def check_chat(state: ServerState, messages: list[ChatMessage]) -> None:
         raise APIError(400, "this model has no chat template; use /v1/completions", "no_chat_template")
 
 
-def chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template (run it off the event
-    loop, after check_chat)."""
-    # name goes to the template (HF templates read message.name); a template that ignores it ignores it
-    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-                    for m in messages]
+def chat_prompt(state: ServerState, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of the conversation through the tokenizer's chat template, with the request's tools
+    (ToolPlan.tools) if any (run it off the event loop, after check_chat)."""
+    conversation = [_template_message(m) for m in messages]
     try:  # the same rendering and tokenization as LLM.chat
-        return chat_token_ids(state.tokenizer, [conversation])[0]
+        return chat_token_ids(state.tokenizer, [conversation], tools=tools)[0]
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from exc
+
+
+def _template_message(message: ChatMessage) -> dict:
+    """A message as HF chat templates read it: name and tool_call_id when set (a template that ignores
+    them ignores them), and tool calls whose arguments are objects (templates write them with tojson,
+    and transformers documents them as dicts, as vLLM passes them) where the JSON string holds one."""
+    rendered = {"role": message.role, "content": message.text()}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        rendered["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+            "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            for call in message.tool_calls]
+    return rendered
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template gets the string as sent
+    return value if isinstance(value, dict) else text

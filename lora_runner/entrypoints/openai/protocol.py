@@ -113,13 +113,31 @@ class TextPart(_Body):
     text: str
 
 
+class ToolCallFunction(_Body):
+    """The function an assistant message's tool call called: its name and arguments (a JSON string)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    """One tool call of an assistant message (as a response's ``message.tool_calls`` holds them)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    """One chat message; content is a string or a list of text parts."""
+    """One chat message; content is a string or a list of text parts. An assistant message may
+    carry the ``tool_calls`` it made; a ``tool`` message answers the call ``tool_call_id`` names."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -128,10 +146,42 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Body):
+    """A function the model may call: its name, what it does and its parameters' JSON schema
+    (checked further in lora_runner.entrypoints.openai.tool_calls.definitions)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # OpenAI's; the schema is enforced for forced choices either way
+
+
+class ChatTool(_Body):
+    """One entry of ``tools``: a function (the only kind of tool chat completions have)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    """The function a named ``tool_choice`` forces."""
+
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_GenerationBody):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=1)

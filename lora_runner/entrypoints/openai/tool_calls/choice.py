@@ -1,0 +1,101 @@
+"""A chat request's ``tools`` and ``tool_choice`` as a plan: what the chat template sees, the output
+constraint the engine enforces, and the parser that reads the calls back out of the output.
+
+As vLLM: ``tool_choice`` defaults to "auto" with tools and "none" without; "none" still renders the
+tools into the prompt (vLLM's default, without --exclude-tools-when-tool-choice-none) but never
+parses calls; "auto" parses Hermes-style ``<tool_call>`` markup; "required" constrains the output to a
+JSON array of at least one {"name", "arguments"} call of the given tools; a named function
+constrains the output to that function's parameters schema (the output is the call's arguments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lora_runner.entrypoints.openai.errors import APIError
+from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
+from lora_runner.entrypoints.openai.tool_calls.definitions import checked_tools
+from lora_runner.entrypoints.openai.tool_calls.deltas import Extracted
+from lora_runner.entrypoints.openai.tool_calls.forced_parsers import NamedFunctionParser, RequiredCallsParser
+from lora_runner.entrypoints.openai.tool_calls.hermes_parser import HermesToolParser
+from lora_runner.structured_outputs_params import StructuredOutputsParams
+
+ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one chat request uses tools. tools: the definitions for the chat template (None: no
+    tools); structured: the output constraint of a forced choice; new_parser: one parser per choice
+    (None: the output is plain content)."""
+
+    tools: list[dict] | None = None
+    structured: StructuredOutputsParams | None = None
+    new_parser: Callable[[], object] | None = None
+
+    def parser_factory(self, stream: bool) -> Callable[[], object] | None:
+        """The parser of each choice: incremental for a stream, reading the whole output otherwise (so
+        a call that turns out malformed late is content, which a stream can no longer make it)."""
+        if self.new_parser is None or stream:
+            return self.new_parser
+        return lambda: WholeOutput(self.new_parser())
+
+
+class WholeOutput:
+    """A parser that sees the output once, when it ends (the non-streamed response)."""
+
+    def __init__(self, parser) -> None:
+        self.parser, self._text = parser, ""
+
+    @property
+    def called(self) -> bool:
+        """Whether the output held tool calls."""
+        return self.parser.called
+
+    def feed(self, text: str, finished: bool = False) -> Extracted:
+        """Nothing until the output ends, then what the whole output holds."""
+        self._text += text
+        return self.parser.feed(self._text, True) if finished else Extracted()
+
+
+def tool_plan(body: ChatCompletionRequest) -> ToolPlan:
+    """The request's plan; 400 for bad tools, a tool_choice without tools, or a name not among them."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools: name the functions the model may call in tools",
+                           "invalid_tool_choice")
+        return ToolPlan()
+    tools = checked_tools(body.tools)
+    parameters = {tool.function.name: tool.function.parameters or ANY_OBJECT for tool in body.tools}
+    if choice == "none":
+        return ToolPlan(tools)
+    if choice in (None, "auto"):
+        return ToolPlan(tools, None, HermesToolParser)
+    if choice == "required":
+        return ToolPlan(tools, _structured(required_calls_schema(parameters)), RequiredCallsParser)
+    return _named(tools, parameters, choice)
+
+
+def _named(tools: list[dict], parameters: dict[str, dict], choice: NamedToolChoice) -> ToolPlan:
+    name = choice.function.name
+    if name not in parameters:
+        raise APIError(400, f"tool_choice names the function {name[:80]!r}, which is not among the tools",
+                       "invalid_tool_choice")
+    return ToolPlan(tools, _structured(parameters[name]), lambda: NamedFunctionParser(name))
+
+
+def required_calls_schema(parameters: dict[str, dict]) -> dict:
+    """The JSON schema of a list of at least one call: each {"name": one of the tools, "arguments": its parameters}."""
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "arguments": schema},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for name, schema in parameters.items()]
+    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+
+
+def _structured(schema: dict) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as exc:  # the tools' schemas over the constraint size limit
+        raise APIError(400, f"tools: {exc}", "tools_too_large") from exc

@@ -1,0 +1,170 @@
+"""Hermes-style tool calls out of model text, incrementally: ``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>`` (one or several), as the Qwen2.5 and SmolLM2 chat templates ask models to write them.
+
+Text outside the markup is content; whitespace right before a call (and trailing whitespace, once a
+call was made) is dropped, so content never ends in the newline that separated it from the markup. A
+call whose JSON is not a {"name": str, "arguments": object or str} stays in the content as the model
+wrote it, markup included: malformed output is shown, never an error.
+
+The parser sees the text in whatever pieces the engine hands over (one token, or many merged when a
+client reads slowly) and answers the same calls and content for every split of a well-formed output.
+Once a call's ``{"name": "...", "arguments": `` prefix has arrived its first delta (id, name) goes out,
+and its arguments follow as they arrive, held back only by the call's closing brace. A call that turns
+out malformed after that point cannot be taken back from a stream: what was sent stays sent (logged);
+the non-streamed response feeds the whole output at once (choice.WholeOutput), so there it is content.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from lora_runner.entrypoints.openai.tool_calls.deltas import Extracted, ToolCallDelta, new_call_id
+
+logger = logging.getLogger(__name__)
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# the start of a call in the order the Hermes templates write it: name first, then the arguments object
+_PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag` (held back: it may be the tag)."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+def call_arguments(body: str) -> tuple[str, str] | None:
+    """(name, arguments as a JSON string) of one call's JSON text; None when it is no valid call.
+
+    The arguments are the model's own text of the object when the call starts with the name (as
+    streamed), else (another key order, extra keys) the object re-serialized."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = call.get("arguments", call.get("parameters"))
+    if isinstance(arguments, str):
+        return call["name"], arguments
+    if not isinstance(arguments, dict):
+        return None
+    raw = _raw_arguments(body)
+    if raw is not None and _loads(raw) == arguments:
+        return call["name"], raw
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _raw_arguments(body: str) -> str | None:
+    match = _PREFIX.match(body)
+    if match is None:
+        return None
+    raw = body[match.end():].rstrip()
+    return raw[:-1].rstrip() if raw.endswith("}") else None
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+class HermesToolParser:
+    """Feeds of one choice's text -> Extracted (content, tool-call deltas); see the module docstring."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+        self._buffer = ""  # text not handled yet: a possible tag start, or the open call's body
+        self._inside = False
+        self._held_space = ""  # trailing content whitespace, sent once more content follows
+        self._space_before = ""  # the whitespace before the open call's markup
+        self._streamed: ToolCallDelta | None = None  # the open call's first delta, once sent
+        self._sent_arguments = ""  # what was sent of the open call's arguments
+
+    @property
+    def called(self) -> bool:
+        """Whether any tool call was found."""
+        return self.num_calls > 0
+
+    def feed(self, text: str, finished: bool = False) -> Extracted:
+        """What `text` (the next piece of the output) adds; `finished`: the output ends here."""
+        out = Extracted()
+        self._buffer += text
+        while self._close_call(out, finished) if self._inside else self._open_call(out, finished):
+            pass
+        if finished:
+            if not self.called:
+                out.content += self._held_space
+            self._held_space = ""
+        return out
+
+    def _open_call(self, out: Extracted, finished: bool) -> bool:
+        """Content up to the next ``<tool_call>``; True when one opened (the buffer then holds its body)."""
+        start = self._buffer.find(OPEN)
+        if start < 0:
+            keep = 0 if finished else _partial_tag(self._buffer, OPEN)
+            self._content(out, self._buffer[:len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            return False
+        self._content(out, self._buffer[:start])
+        self._space_before, self._held_space = self._held_space, ""  # dropped, unless the call is malformed
+        self._buffer = self._buffer[start + len(OPEN):]
+        self._inside, self._streamed, self._sent_arguments = True, None, ""
+        return True
+
+    def _close_call(self, out: Extracted, finished: bool) -> bool:
+        """The open call up to its ``</tool_call>`` (or the end); True when it closed."""
+        end = self._buffer.find(CLOSE)
+        if end < 0 and not finished:
+            keep = _partial_tag(self._buffer, CLOSE)
+            self._stream_arguments(out, self._buffer[:len(self._buffer) - keep])
+            return False
+        body = self._buffer if end < 0 else self._buffer[:end]
+        self._buffer = "" if end < 0 else self._buffer[end + len(CLOSE):]
+        self._inside = False
+        parsed = call_arguments(body)
+        if parsed is None:
+            if self._streamed is not None:
+                logger.warning("tool call %s turned out malformed after its start was streamed", self._streamed.id)
+                return True
+            self._content(out, self._space_before + OPEN + body + ("" if end < 0 else CLOSE))
+            return True
+        name, arguments = parsed
+        if self._streamed is None:
+            out.calls.append(ToolCallDelta(self.num_calls, new_call_id(), name, arguments))
+            self.num_calls += 1
+        elif not arguments.startswith(self._sent_arguments):
+            logger.warning("tool call %s: its arguments were re-serialized after part of them was streamed",
+                           self._streamed.id)
+        elif len(arguments) > len(self._sent_arguments):
+            out.calls.append(ToolCallDelta(self._streamed.index, arguments=arguments[len(self._sent_arguments):]))
+        return True
+
+    def _stream_arguments(self, out: Extracted, body: str) -> None:
+        """The open call's first delta once its name is known, then its arguments as they arrive."""
+        match = _PREFIX.match(body)
+        if match is None:
+            return
+        if self._streamed is None:
+            name = _loads(f'"{match.group(1)}"')
+            if not isinstance(name, str) or not name:
+                return
+            self._streamed = ToolCallDelta(self.num_calls, new_call_id(), name, "")
+            self.num_calls += 1
+            out.calls.append(self._streamed)
+        raw = body[match.end():].rstrip()
+        ready = raw[:-1].rstrip() if raw.endswith("}") else raw  # that brace may close the call, not the arguments
+        if len(ready) > len(self._sent_arguments):
+            out.calls.append(ToolCallDelta(self._streamed.index, arguments=ready[len(self._sent_arguments):]))
+            self._sent_arguments = ready
+
+    def _content(self, out: Extracted, text: str) -> None:
+        text = self._held_space + text
+        kept = text.rstrip()
+        self._held_space = text[len(kept):]
+        out.content += kept
