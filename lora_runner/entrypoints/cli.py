@@ -87,9 +87,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", action="append", default=[], help="a key with full access (repeatable)")
     add("--tenant-keys", default=None, metavar="FILE", help="JSON or YAML: key -> {adapters, base, admin}")
     add("--allow-runtime-lora-updating", action="store_true",
-        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --adapter-root)")
+        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --adapter-root or "
+             "--allowed-adapter-paths)")
     add("--adapter-root", default=None, metavar="DIR", help="runtime loads only from inside this directory")
     add("--allow-hub-adapters", action="store_true", help="runtime loads may name Hub repo ids")
+    add("--allowed-adapter-paths", nargs="+", default=[], metavar="DIR",
+        help="runtime loads may also name absolute paths inside these directories (no symlinks followed below them)")
     add("--max-concurrent-loads", type=int, default=4, help="runtime adapter loads at once (more: 503)")
     add("--max-loads-per-tenant", type=int, default=1, help="runtime adapter loads at once per key (more: 429)")
     add("--adapter-load-timeout", type=float, default=60.0, metavar="SECONDS",
@@ -145,6 +148,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(served_model_name=args.served_model_name or args.model, api_keys=tuple(args.api_key),
                         tenant_keys=args.tenant_keys, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                         adapter_root=args.adapter_root, allow_hub_adapters=args.allow_hub_adapters,
+                        allowed_adapter_paths=tuple(os.path.abspath(p) for p in args.allowed_adapter_paths),
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_limit=args.max_tokens_limit, max_pending_requests=args.max_pending_requests,
                         max_tenant_share=args.max_tenant_share, max_prompts_per_request=args.max_prompts_per_request,
