@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from lora_runner.request_times import RequestTimes
+
 # What one generated token costs in memory, roughly (measured with tracemalloc on CPython 3.x): its
 # id in a list, and its logprobs dict (a dict of k + 1 int -> float entries). Used to bound what a
 # slow consumer's pending output may hold (AsyncLLMEngine's max_pending_output_bytes), not for accounting.
@@ -88,7 +90,8 @@ class RequestOutput:
 
     num_cached_tokens: prompt tokens whose KV the request did not compute at its first admission
     (served from the prefix cache, or shared with sample 0 of its prompt when n > 1), as in vLLM;
-    soft-prompt placeholders are not counted.
+    soft-prompt placeholders are not counted. metrics: when the request arrived, was first scheduled
+    and got its first and latest tokens (None for the merged output of n > 1 samples).
     """
 
     request_id: str
@@ -97,6 +100,7 @@ class RequestOutput:
     finished: bool = False
     prompt: str | None = None
     num_cached_tokens: int = 0
+    metrics: RequestTimes | None = None  # vLLM's field: a copy of the request's timestamps at this output
 
     @property
     def error(self) -> BaseException | None:
@@ -116,6 +120,7 @@ class RequestOutput:
         self.outputs.sort(key=lambda completion: completion.index)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics if later.metrics is not None else self.metrics
 
     def copy(self) -> RequestOutput:
         """A copy whose completions have their own lists (what ``add`` may extend)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lora_runner.request_times import RequestTimes
 from lora_runner.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = 0  # id of a soft-prompt placeholder; the model overwrites its embedding
@@ -57,6 +58,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     cache_identity: bytes | None = None  # digest of (LoRA version, prompt-adapter version, salt), once hashed
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
+    times: RequestTimes = field(default_factory=RequestTimes)  # arrival, scheduling, token times (metrics)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

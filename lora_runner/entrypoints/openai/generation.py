@@ -98,8 +98,10 @@ class ChoiceRun:
     """One prompt's generation (n samples: choices index .. index + n - 1) and what has been sent of it."""
 
     def __init__(self, state: ServerState, index: int, request_id: str, prompt_len: int,
-                 gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1) -> None:
+                 gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1,
+                 model: str = "") -> None:
         self.state, self.index, self.request_id, self.prompt_len = state, index, request_id, prompt_len
+        self.model = model  # the request's `model` (its latency metrics' label)
         self.gen, self.started, self.logprobs_k = gen, started, logprobs_k
         self.first: RequestOutput | None = None
         self.advance_first: list[Delta] = []  # the first output's deltas, sent before the rest
@@ -118,6 +120,8 @@ class ChoiceRun:
         without news left out); APIError for a sample that failed (reported once)."""
         num_new = sum(len(c.token_ids) for c in output.outputs)  # a finished sample's later deltas are empty
         self._record_latency(num_new)
+        if output.finished:
+            self.state.metrics.request_finished(self.model, time.monotonic() - self.started, output.metrics)
         self.num_output_tokens += num_new
         self.num_cached_tokens = output.num_cached_tokens
         deltas = [self._advance_sample(sample, completion) for sample, completion in enumerate(output.outputs)]
@@ -154,10 +158,11 @@ class ChoiceRun:
             return
         now = time.monotonic()
         metrics = self.state.metrics
+        label = metrics.model_label(self.model)
         if self.last_token_at is None:
-            metrics.ttft.observe(now - self.started)
+            metrics.ttft.labels(label).observe(now - self.started)
         else:
-            metrics.itl.observe((now - self.last_token_at) / num_new)
+            metrics.itl.labels(label).observe((now - self.last_token_at) / num_new)
         self.last_token_at = now
 
     def _finished(self, reason: str | None, num_tokens: int) -> None:
@@ -201,7 +206,8 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
         request_id = state.new_id("req")
         gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name,
                                     cache_salt=salt)
-        runs.append(ChoiceRun(state, index * params.n, request_id, len(ids), gen, started, params.logprobs, params.n))
+        runs.append(ChoiceRun(state, index * params.n, request_id, len(ids), gen, started, params.logprobs, params.n,
+                              model=target.model))
     results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     try:

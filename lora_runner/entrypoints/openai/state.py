@@ -118,6 +118,7 @@ class ServerState:
         self.engine, self.config, self.keys = engine, config, keys
         self.registry = AdapterRegistry(config.served_model_name)
         self.metrics = ServerMetrics(engine)
+        self.metrics.label_model(config.served_model_name)
         self.loads = LoadExecutor(config.max_concurrent_loads, config.max_loads_per_tenant,
                                   config.adapter_load_timeout)
         self.max_model_len = engine.max_model_len
@@ -151,12 +152,14 @@ class ServerState:
         """Load and validate a LoRA in the engine, then serve it (AdapterError / ValueError)."""
         self.engine.add_lora(request)
         self.registry.add(request)
+        self.metrics.label_model(request.name)  # named at start-up: its own latency series
         logger.info("serving LoRA %r from %s", request.name, request.path)
 
     def add_prompt_adapter(self, request: PromptAdapterRequest) -> None:
         """Load and validate a soft prompt in the engine, then serve it."""
         self.engine.add_prompt_adapter(request)
         self.registry.add(request)
+        self.metrics.label_model(request.name)
         logger.info("serving prompt adapter %r from %s", request.name, request.path)
 
     async def off_loop(self, fn: Callable, *args):
