@@ -48,7 +48,8 @@ async def load_lora_adapter(state: ServerState, tenant: Tenant, body: LoadLoRARe
         raise APIError(400, f"an adapter named {body.lora_name!r} is already loaded (load_inplace: true "
                        "replaces it)", "invalid_value")
     if old is not None and old.kind != "lora":
-        raise APIError(400, f"{body.lora_name!r} is a prompt adapter; load_inplace replaces LoRAs only", "invalid_value")
+        raise APIError(400, f"{body.lora_name!r} is a prompt adapter; load_inplace replaces LoRAs only",
+                       "invalid_value")
     try:
         request = await state.loads.run(tenant.name, partial(_load_in_engine, state, tenant, body),
                                         abandon=partial(_undo_abandoned, state, old))

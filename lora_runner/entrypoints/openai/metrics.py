@@ -6,7 +6,8 @@ time to first token and inter-token latency (measured by the server, from the re
 end-to-end latency (receipt to the last output), and queue, prefill and decode time (from the
 engine's RequestTimes: arrival to first scheduling, to first token, to last token). The latency
 histograms are labelled by ``model`` only where that set is bounded: the base model and the adapters
-named at start-up keep their names, every other adapter (runtime loads) is "other". Read at scrape time from the stats snapshot
+named at start-up keep their names, every other adapter (runtime loads) is "other".
+Read at scrape time from the stats snapshot
 the engine publishes after each step (EngineClient.get_stats): running and waiting requests, KV
 blocks in use and cached, preemptions, prefix-cache queries and hits (tokens), and every field of
 the adapter manager's cumulative stats (slot loads are the slot misses; hits appear when the

@@ -32,7 +32,8 @@ class ServerConfig:
     access / a JSON or YAML file of tenant keys (lora_runner.entrypoints.openai.tenants; neither: no
     authentication). allow_runtime_lora_updating / adapter_root / allow_hub_adapters: the
     load/unload routes (see adapter_root). allowed_adapter_paths: absolute directories beneath which
-    runtime loads may name absolute paths (each an existing directory). max_body_bytes, max_prompt_tokens, max_tokens_limit,
+    runtime loads may name absolute paths (each an existing directory).
+    max_body_bytes, max_prompt_tokens, max_tokens_limit,
     max_n: request size limits (None: the engine's max_model_len; the logprobs limit is the
     engine's max_logprobs). max_prompts_per_request / max_chat_messages: counts checked before any
     tokenization (400). max_pending_requests: sequences (prompts x n) in flight at once, beyond
