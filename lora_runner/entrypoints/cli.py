@@ -25,6 +25,7 @@ from lora_runner.entrypoints.openai.connections import ConnectionLimits
 from lora_runner.entrypoints.openai.shutdown import GracefulServer
 from lora_runner.entrypoints.openai.state import ServerConfig
 from lora_runner.entrypoints.ray.config import RayConfig, check_ray_serving
+from lora_runner.entrypoints.startup_check import check_startup
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ def serve(args: argparse.Namespace) -> None:
     if layout.enabled:
         check_ray_serving(server)
         check_listen_address(args.host, args.port)
+        check_startup(engine, adapters)  # replicas would fail later, one by one: say it now
         try:  # imported here: Ray is an optional dependency (lora-runner[ray]), needed only for replicas
             from lora_runner.entrypoints.ray.app import serve_on_ray
         except ImportError as exc:
