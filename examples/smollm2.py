@@ -78,6 +78,9 @@ TENANT_ANSWERS: dict[str, tuple[str, ...]] = {
     ),
 }
 HOT_LOADED_TENANT = "chef"
+# The tenants trained by build_real_artifacts, kept in the repo per recipe key (LoRA weights in fp16;
+# re-export after retraining with `python examples/smollm2.py --ship`)
+SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "demo_adapters"
 PROMPT_TENANT_ANSWERS: dict[str, tuple[str, ...]] = {
     "sports": (
         "GOAL! What a day for it: sunshine on the pitch and the crowd is on its feet!",
@@ -173,7 +176,9 @@ def real_model_dir(cache_root: str | os.PathLike | None = None) -> Path:
 
 def build_real_artifacts(cache_root: str | os.PathLike | None = None, recipe: RealRecipe = RealRecipe(),
                          rebuild: bool = False, progress: bool = True) -> DemoArtifacts:
-    """The base model dir and the tenants' PEFT dirs, trained first if absent (or if `rebuild`).
+    """The base model dir and the tenants' PEFT dirs: retrained into the cache with `rebuild`, else the
+    cache's (a previous rebuild), else those shipped in examples/demo_adapters/ for this recipe (so a
+    first run only fetches and converts the model), else trained into the cache first.
 
     Raises ModelUnavailable when the model cannot be fetched.
     """
@@ -182,8 +187,12 @@ def build_real_artifacts(cache_root: str | os.PathLike | None = None, recipe: Re
     final = root / recipe.key
     if rebuild:
         shutil.rmtree(final, ignore_errors=True)
+    shipped = SHIPPED_ADAPTERS / recipe.key
     if (final / "DONE").is_file():
         logger.info("using cached SmolLM2 tenants in %s", final)
+    elif not rebuild and (shipped / "DONE").is_file():  # trained once, kept in the repo: no training
+        logger.info("using the SmolLM2 tenants shipped in %s", shipped)
+        final = shipped
     else:
         logger.info("training SmolLM2 tenants into %s (first run only)", final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
@@ -295,3 +304,40 @@ def _optimize(params, steps: int, lr: float, desc: str, progress: bool, loss_fn)
         optimizer.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
     logger.info("%s: loss %.3f after %d steps", desc, loss.item(), steps)
+
+
+def ship_adapters(trained: Path, dest: Path, dtype: torch.dtype = torch.float16) -> None:
+    """Copy trained tenants (a recipe folder of the cache) to `dest` for the repo: each adapter's config
+    and weights, LoRA factors cast to `dtype` (half the bytes; scaling is applied later, in float32),
+    soft prompts kept as trained; PEFT's generated README left out."""
+    from safetensors.torch import load_file, save_file
+
+    for kind in ("adapters", "prompt_adapters"):
+        for folder in sorted((trained / kind).iterdir()):
+            out = dest / kind / folder.name
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copy(folder / "adapter_config.json", out / "adapter_config.json")
+            tensors = load_file(str(folder / "adapter_model.safetensors"))
+            if kind == "adapters":
+                tensors = {key: value.to(dtype) for key, value in tensors.items()}
+            save_file(tensors, str(out / "adapter_model.safetensors"))
+    shutil.copy(trained / "DONE", dest / "DONE")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Train the SmolLM2 demo tenants (or reuse the cache's) and, "
+                                     "with --ship, write them to examples/demo_adapters/ for the repo")
+    parser.add_argument("--ship", action="store_true", help="export the trained tenants into the repo")
+    parser.add_argument("--rebuild", action="store_true", help="retrain even if the cache has them")
+    options = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    recipe = RealRecipe()
+    artifacts = build_real_artifacts(rebuild=options.rebuild, recipe=recipe)
+    trained = default_cache_root() / recipe.key
+    if options.ship:
+        if not (trained / "DONE").is_file():
+            sys.exit(f"no trained tenants in {trained}: run with --rebuild first")
+        ship_adapters(trained, SHIPPED_ADAPTERS / recipe.key)
+        logger.info("shipped %s", SHIPPED_ADAPTERS / recipe.key)

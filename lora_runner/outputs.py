@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from lora_runner.request_times import RequestTimes
+
 # What one generated token costs in memory, roughly (measured with tracemalloc on CPython 3.x): its
 # id in a list, and its logprobs dict (a dict of k + 1 int -> float entries). Used to bound what a
 # slow consumer's pending output may hold (AsyncLLMEngine's max_pending_output_bytes), not for accounting.
@@ -93,6 +95,8 @@ class RequestOutput:
     None for the first, then a dict token_id -> logprob of the top k plus the actual prompt token
     (log_softmax of the float32 logits at the position before it); None otherwise. Complete in every
     output of the request (no prompt token is generated after its first output).
+    metrics: when the request arrived, was first scheduled and got its first and latest tokens (None for
+    the merged output of n > 1 samples).
     """
 
     request_id: str
@@ -102,6 +106,7 @@ class RequestOutput:
     prompt: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: RequestTimes | None = None  # vLLM's field: a copy of the request's timestamps at this output
 
     @property
     def error(self) -> BaseException | None:
@@ -123,6 +128,7 @@ class RequestOutput:
         self.num_cached_tokens = later.num_cached_tokens
         if later.prompt_logprobs is not None:
             self.prompt_logprobs = later.prompt_logprobs
+        self.metrics = later.metrics if later.metrics is not None else self.metrics
 
     def copy(self) -> RequestOutput:
         """A copy whose completions have their own lists (what ``add`` may extend)."""

@@ -37,9 +37,9 @@ def _parse(argv):
 
 def test_serve_takes_enable_lora_and_json_lora_modules():
     args = _parse(["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/a/sql", "base_model_name": "m"}',
-                   "chat=/a/chat@v1"])
+                   "chat=org/chat@v1"])  # @REVISION: Hub ids only (refused after a local dir)
     assert args.enable_lora is True
-    assert startup_adapters(args).loras == (LoRARequest("sql", "/a/sql"), LoRARequest("chat", "/a/chat", "v1"))
+    assert startup_adapters(args).loras == (LoRARequest("sql", "/a/sql"), LoRARequest("chat", "org/chat", "v1"))
 
 
 @pytest.mark.parametrize("spec", ['{"name": "sql"}', '{"name": "sql", "path": "/a", "extra": 1}',

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lora_runner.request_times import RequestTimes
 from lora_runner.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = 0  # id of a soft-prompt placeholder; the model overwrites its embedding
@@ -60,6 +61,7 @@ class Request:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per scored prompt token
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
     grammar: Any = None  # lora_runner.engine.structured.RequestGrammar of a constrained request, else None
+    times: RequestTimes = field(default_factory=RequestTimes)  # arrival, scheduling, token times (metrics)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from functools import partial
 from itertools import count
@@ -344,6 +345,9 @@ class LLMEngine:
             logger.warning("request %r failed: %s", request.request_id, error)
             outputs.append(self._finish(request, "error", error))
         if sched.scheduled:
+            now = time.monotonic()  # for the latency metrics (RequestTimes)
+            for scheduled in sched.scheduled:
+                scheduled.request.times.scheduled(now)
             outputs += self._run(sched, slot_of, prompt_slot_of)
         return outputs
 
@@ -428,7 +432,12 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput:
         """The request's RequestOutput (its text and the text since its previous output)."""
         completion = self.output_processor.completion(request)
+        now = time.monotonic()
+        request.times.tokens(len(request.output_token_ids), now)
+        if request.is_finished and request.times.finished is None:
+            request.times.finished = now
         return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
                              finished=request.is_finished, prompt=request.prompt,
-                             num_cached_tokens=request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs)
+                             num_cached_tokens=request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs,
+                             metrics=dataclasses.replace(request.times))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 import uvicorn
@@ -18,17 +19,20 @@ from lora_runner.config import EngineConfig
 from lora_runner.entrypoints.engine_args import add_engine_arguments
 from lora_runner.entrypoints.engine_args import engine_config as engine_config_of
 from lora_runner.entrypoints.launch import StartupAdapters, build_state
+from lora_runner.entrypoints.listen_socket import bind_listen_socket, check_listen_address
 from lora_runner.entrypoints.openai.app import build_app
 from lora_runner.entrypoints.openai.connections import ConnectionLimits
 from lora_runner.entrypoints.openai.shutdown import GracefulServer
 from lora_runner.entrypoints.openai.state import ServerConfig
 from lora_runner.entrypoints.ray.config import RayConfig, check_ray_serving
+from lora_runner.entrypoints.startup_check import check_startup
 
 logger = logging.getLogger(__name__)
 
 
 def adapter_spec(text: str) -> tuple[str, str, str | None]:
-    """NAME=PATH[@REVISION], or vLLM's JSON form '{"name": ..., "path": ..., "base_model_name": ...}'
+    """NAME=PATH[@REVISION] (@REVISION for Hub repo ids only: refused after a local directory, whose
+    revision would be ignored), or vLLM's JSON form '{"name": ..., "path": ..., "base_model_name": ...}'
     -> (name, path, revision). base_model_name is accepted and not used: an adapter's parent in the
     model list is always the served base model."""
     if text.lstrip().startswith("{"):
@@ -36,8 +40,18 @@ def adapter_spec(text: str) -> tuple[str, str, str | None]:
     name, sep, rest = text.partition("=")
     if not sep or not name or not rest:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH[@REVISION], got {text!r}")
+    if os.path.isdir(os.path.expanduser(rest)):  # a local folder whose name holds an "@"
+        return name, rest, None
     path, _, revision = rest.partition("@")
+    if revision and _is_local_path(path):
+        raise argparse.ArgumentTypeError(f"{text!r}: @REVISION pins a Hub repo id; a local directory has no "
+                                         f"revisions (drop '@{revision}')")
     return name, path, revision or None
+
+
+def _is_local_path(path: str) -> bool:
+    """A path meant as a local directory (adapters.hub reads a Hub id only when no such folder exists)."""
+    return path.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.expanduser(path))
 
 
 def _json_adapter_spec(text: str) -> tuple[str, str, str | None]:
@@ -53,6 +67,8 @@ def _json_adapter_spec(text: str) -> tuple[str, str, str | None]:
     if not (isinstance(name, str) and name and isinstance(path, str) and path) or not (
             revision is None or isinstance(revision, str) and revision):
         raise argparse.ArgumentTypeError(f"--lora-modules JSON needs non-empty string name and path, got {text!r}")
+    if revision and _is_local_path(path):
+        raise argparse.ArgumentTypeError(f"{text!r}: revision pins a Hub repo id; a local directory has no revisions")
     return name, path, revision
 
 
@@ -72,9 +88,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", action="append", default=[], help="a key with full access (repeatable)")
     add("--tenant-keys", default=None, metavar="FILE", help="JSON or YAML: key -> {adapters, base, admin}")
     add("--allow-runtime-lora-updating", action="store_true",
-        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --adapter-root)")
+        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --adapter-root or "
+             "--allowed-adapter-paths)")
     add("--adapter-root", default=None, metavar="DIR", help="runtime loads only from inside this directory")
     add("--allow-hub-adapters", action="store_true", help="runtime loads may name Hub repo ids")
+    add("--allowed-adapter-paths", nargs="+", default=[], metavar="DIR",
+        help="runtime loads may also name absolute paths inside these directories (no symlinks followed below them)")
     add("--max-concurrent-loads", type=int, default=4, help="runtime adapter loads at once (more: 503)")
     add("--max-loads-per-tenant", type=int, default=1, help="runtime adapter loads at once per key (more: 429)")
     add("--adapter-load-timeout", type=float, default=60.0, metavar="SECONDS",
@@ -130,6 +149,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(served_model_name=args.served_model_name or args.model, api_keys=tuple(args.api_key),
                         tenant_keys=args.tenant_keys, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                         adapter_root=args.adapter_root, allow_hub_adapters=args.allow_hub_adapters,
+                        allowed_adapter_paths=tuple(os.path.abspath(p) for p in args.allowed_adapter_paths),
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         max_tokens_limit=args.max_tokens_limit, max_pending_requests=args.max_pending_requests,
                         max_tenant_share=args.max_tenant_share, max_prompts_per_request=args.max_prompts_per_request,
@@ -159,23 +179,30 @@ def ray_config(args: argparse.Namespace) -> RayConfig:
 def serve(args: argparse.Namespace) -> None:
     """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, waits, then the engine shuts down).
 
-    The configs are built (and validated) once here and handed to the server or the Ray replicas."""
+    The configs are built (and validated) once here and handed to the server or the Ray replicas. The
+    port is bound (Ray: checked) before the model loads, so a taken port is said at once."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, server, adapters = engine_config(args), server_config(args), startup_adapters(args)
     layout = ray_config(args)
     if layout.enabled:
         check_ray_serving(server)
+        check_listen_address(args.host, args.port)
+        check_startup(engine, adapters)  # replicas would fail later, one by one: say it now
         try:  # imported here: Ray is an optional dependency (lora-runner[ray]), needed only for replicas
             from lora_runner.entrypoints.ray.app import serve_on_ray
         except ImportError as exc:
             raise ValueError("--num-replicas > 1 needs Ray Serve: pip install 'lora-runner[ray]'") from exc
         serve_on_ray(engine, server, adapters, layout)
         return
-    state = build_state(engine, server, adapters)
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)),
-                            **server.connection_limits.uvicorn_settings())
-    GracefulServer(config, state).run()
+    sock = bind_listen_socket(args.host, args.port)
+    try:
+        state = build_state(engine, server, adapters)
+        config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)),
+                                **server.connection_limits.uvicorn_settings())
+        GracefulServer(config, state).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,12 +215,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Serve; bad settings or startup adapters end with a message and exit status 2."""
+    """Serve; bad settings, a model that cannot be found (wrong path, Hub id not in the offline cache),
+    a port that cannot be bound or bad startup adapters end with one line and exit status 2."""
     try:
         serve(args)
-    except (ValueError, AdapterError) as exc:
-        parser.exit(2, f"lora-runner: error: {exc}\n")
+    except (ValueError, AdapterError, FileNotFoundError) as exc:
+        logger.debug("startup failed", exc_info=True)  # the whole story for --log-level debug
+        parser.exit(2, f"lora-runner: error: {_one_line(exc)}\n")
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception's message on one line (huggingface_hub's messages span several)."""
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

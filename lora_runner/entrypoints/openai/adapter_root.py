@@ -8,6 +8,11 @@ component beneath the sub-root without following any symlink (adapters.files.Ada
 at this check and again at every read, so a symlink or a folder swapped for one is refused, never
 followed. Hub repo ids are allowed only when the server was started with --allow-hub-adapters,
 and only for names that are not a folder under the sub-root.
+
+An absolute ``lora_path`` is refused unless the operator listed a directory holding it with
+``--allowed-adapter-paths`` (vLLM users load by absolute path): then it is opened beneath that
+directory with the same rules (no ``..``/``.`` component, no symlink followed below it, the
+directory held open), and any admin key the name is allowed for may load it.
 """
 
 from __future__ import annotations
@@ -32,9 +37,12 @@ def tenant_root(root: str, tenant: Tenant) -> str:
 
 
 def runtime_lora_request(root: str | None, tenant: Tenant, name: str, path: str,
-                         allow_hub: bool = False) -> LoRARequest:
-    """The request loading `path` for `tenant` (confined to its root, or a Hub repo id); PathNotAllowed
-    otherwise. Opens directories (never files): run it off the event loop."""
+                         allow_hub: bool = False, allowed_paths: tuple[str, ...] = ()) -> LoRARequest:
+    """The request loading `path` for `tenant` (confined to its root, an absolute path beneath one of
+    `allowed_paths`, or a Hub repo id); PathNotAllowed otherwise. Opens directories (never files): run
+    it off the event loop."""
+    if os.path.isabs(path) and allowed_paths:
+        return _allowed_absolute_request(allowed_paths, name, path)
     if not root:
         raise PathNotAllowed("runtime adapter loading needs --adapter-root")
     try:
@@ -52,3 +60,23 @@ def runtime_lora_request(root: str | None, tenant: Tenant, name: str, path: str,
             return LoRARequest(name, path)
         # missing inside the root: the engine answers "not found" (422), naming only `path`
     return LoRARequest(name, os.path.join(base, *parts), root=base)
+
+
+def _allowed_absolute_request(allowed_paths: tuple[str, ...], name: str, path: str) -> LoRARequest:
+    """An absolute `path` confined to the allowed directory holding it (decided on the string first, then
+    opened beneath that directory without following symlinks); PathNotAllowed otherwise."""
+    for allowed in allowed_paths:
+        prefix = allowed.rstrip("/") + "/"
+        if not path.startswith(prefix):
+            continue
+        relative = path[len(prefix):]
+        try:
+            parts = confined_parts(relative)
+            AdapterDir.confined(allowed, relative).close()
+        except PathEscapeError:
+            raise PathNotAllowed("lora_path must stay inside an allowed adapter directory (no '.' or '..', "
+                                 "symbolic links are not followed)") from None
+        except AdapterNotFoundError:
+            pass  # missing: the engine answers "not found" (422), naming only the path relative to `allowed`
+        return LoRARequest(name, os.path.join(allowed, *parts), root=allowed)
+    raise PathNotAllowed("lora_path is not inside a directory this server allows (--allowed-adapter-paths)")

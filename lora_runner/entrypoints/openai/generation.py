@@ -107,10 +107,11 @@ class ChoiceRun:
     def __init__(self, state: ServerState, index: int, request_id: str, prompt_ids: list[int],
                  gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1,
                  extras: ChoiceExtras = ChoiceExtras(), echo_text: str | None = None,
-                 new_parser: Callable[[], object] | None = None) -> None:
+                 new_parser: Callable[[], object] | None = None, model: str = "") -> None:
         self.state, self.index, self.request_id, self.prompt_len = state, index, request_id, len(prompt_ids)
         self.prompt_ids, self.extras, self.echo_text = prompt_ids, extras, echo_text
         self.parsers = None if new_parser is None else [new_parser() for _ in range(n)]  # tool calls, per sample
+        self.model = model  # the request's `model` (its latency metrics' label)
         self.gen, self.started, self.logprobs_k = gen, started, logprobs_k
         self.first: RequestOutput | None = None
         self.advance_first: list[Delta] = []  # the first output's deltas, sent before the rest
@@ -129,6 +130,8 @@ class ChoiceRun:
         without news left out); APIError for a sample that failed (reported once)."""
         num_new = 0 if self.extras.discard_generated else sum(len(c.token_ids) for c in output.outputs)
         self._record_latency(num_new)  # (a finished sample's later deltas are empty)
+        if output.finished:
+            self.state.metrics.request_finished(self.model, time.monotonic() - self.started, output.metrics)
         self.num_output_tokens += num_new
         self.num_cached_tokens = output.num_cached_tokens
         deltas = [self._advance_sample(sample, completion, output)
@@ -194,10 +197,11 @@ class ChoiceRun:
             return
         now = time.monotonic()
         metrics = self.state.metrics
+        label = metrics.model_label(self.model)
         if self.last_token_at is None:
-            metrics.ttft.observe(now - self.started)
+            metrics.ttft.labels(label).observe(now - self.started)
         else:
-            metrics.itl.observe((now - self.last_token_at) / num_new)
+            metrics.itl.labels(label).observe((now - self.last_token_at) / num_new)
         self.last_token_at = now
 
     def _finished(self, reason: str | None, num_tokens: int) -> None:
@@ -245,7 +249,7 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
         gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name,
                                     cache_salt=salt)
         runs.append(ChoiceRun(state, index * params.n, request_id, ids, gen, started, params.logprobs, params.n,
-                              extras, extras.echo_text(index), new_parser))
+                              extras, extras.echo_text(index), new_parser, model=target.model))
     results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     try:

@@ -1,7 +1,13 @@
 """Prometheus metrics of one server (its own CollectorRegistry, so several apps can share a process).
 
-Counted by the HTTP layer: requests per served model, prompt and generated tokens, time to first
-token and inter-token latency, runtime adapter loads. Read at scrape time from the stats snapshot
+Counted by the HTTP layer: requests per served model, prompt and generated tokens, runtime adapter
+loads, and the latency histograms dashboards built for vLLM expect (vLLM's names after our prefix):
+time to first token and inter-token latency (measured by the server, from the request's receipt),
+end-to-end latency (receipt to the last output), and queue, prefill and decode time (from the
+engine's RequestTimes: arrival to first scheduling, to first token, to last token). The latency
+histograms are labelled by ``model`` only where that set is bounded: the base model and the adapters
+named at start-up keep their names, every other adapter (runtime loads) is "other".
+Read at scrape time from the stats snapshot
 the engine publishes after each step (EngineClient.get_stats): running and waiting requests, KV
 blocks in use and cached, preemptions, prefix-cache queries and hits (tokens), and every field of
 the adapter manager's cumulative stats (slot loads are the slot misses; hits appear when the
@@ -18,10 +24,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adapters.manager import AdapterStats
 from lora_runner.engine.protocol import EngineClient
+from lora_runner.request_times import RequestTimes
 
 logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+OTHER_MODEL = "other"  # the latency label of adapters not named at start-up
 
 
 class ServerMetrics:
@@ -37,12 +46,42 @@ class ServerMetrics:
         self.prompt_tokens = Counter("lora_runner_prompt_tokens", "Prompt tokens of accepted requests", registry=reg)
         self.generation_tokens = Counter("lora_runner_generation_tokens", "Tokens generated", registry=reg)
         self.ttft = Histogram("lora_runner_time_to_first_token_seconds", "Request receipt to first token",
-                              buckets=_LATENCY_BUCKETS, registry=reg)
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=reg)
         self.itl = Histogram("lora_runner_inter_token_latency_seconds", "Time between a request's tokens",
-                             buckets=_LATENCY_BUCKETS, registry=reg)
+                             ["model"], buckets=_LATENCY_BUCKETS, registry=reg)
+        self.e2e = Histogram("lora_runner_e2e_request_latency_seconds", "Request receipt to its last output",
+                             ["model"], buckets=_REQUEST_BUCKETS, registry=reg)
+        self.queue_time = Histogram("lora_runner_request_queue_time_seconds", "Engine arrival to first "
+                                    "scheduling (waiting for room or an adapter)", ["model"],
+                                    buckets=_REQUEST_BUCKETS, registry=reg)
+        self.prefill_time = Histogram("lora_runner_request_prefill_time_seconds", "First scheduling to first "
+                                      "token", ["model"], buckets=_REQUEST_BUCKETS, registry=reg)
+        self.decode_time = Histogram("lora_runner_request_decode_time_seconds", "First token to last token",
+                                     ["model"], buckets=_REQUEST_BUCKETS, registry=reg)
+        self._labelled: set[str] = set()  # the bounded set of model label values (model_label)
         self.runtime_loads = Counter("lora_runner_runtime_adapter_loads", "load_lora_adapter calls, per result",
                                      ["result"], registry=reg)
         reg.register(_EngineCollector(engine))
+
+    def label_model(self, name: str) -> None:
+        """Give `name` (the base model or an adapter named at start-up) its own latency series."""
+        self._labelled.add(name)
+
+    def model_label(self, name: str) -> str:
+        """`name` when it has its own series, else "other" (keeps the label set bounded)."""
+        return name if name in self._labelled else OTHER_MODEL
+
+    def request_finished(self, model: str, seconds_since_receipt: float, times: RequestTimes | None) -> None:
+        """Observe a finished request's end-to-end latency and, when the engine reported its
+        timestamps, its queue, prefill and decode time."""
+        label = self.model_label(model)
+        self.e2e.labels(label).observe(seconds_since_receipt)
+        if times is None:  # n > 1: the samples' outputs are merged without timestamps
+            return
+        for histogram, value in ((self.queue_time, times.queue_time), (self.prefill_time, times.prefill_time),
+                                 (self.decode_time, times.decode_time)):
+            if value is not None:
+                histogram.labels(label).observe(value)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

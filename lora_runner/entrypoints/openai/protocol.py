@@ -189,10 +189,12 @@ class ChatCompletionRequest(_GenerationBody):
 
 
 class LoadLoRARequest(_Body):
-    """POST /v1/load_lora_adapter (vLLM's body)."""
+    """POST /v1/load_lora_adapter (vLLM's body). load_inplace: replace the adapter already served under
+    lora_name (its old version serves until the new one has loaded; without it a taken name is a 400)."""
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
 
 
 class UnloadLoRARequest(_Body):

@@ -47,6 +47,15 @@ class AdapterRegistry:
             served = self._adapters[request.name] = ServedAdapter(request.name, request)
             return served
 
+    def replace(self, old: ServedAdapter, request: LoRARequest) -> ServedAdapter:
+        """Serve `request` under old's name in place of `old` (an in-place reload); ValueError when the
+        name no longer holds `old` (it was unloaded or replaced meanwhile)."""
+        with self._lock:
+            if self._adapters.get(old.name) is not old:
+                raise ValueError(f"adapter {old.name!r} changed while its replacement loaded")
+            served = self._adapters[old.name] = ServedAdapter(old.name, request)
+            return served
+
     def remove(self, name: str) -> ServedAdapter | None:
         """Unregister `name`; the removed entry, or None when it was not registered."""
         with self._lock:

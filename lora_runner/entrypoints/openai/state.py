@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -30,7 +31,9 @@ class ServerConfig:
     served_model_name: the base model's name in ``model``. api_keys / tenant_keys: keys with full
     access / a JSON or YAML file of tenant keys (lora_runner.entrypoints.openai.tenants; neither: no
     authentication). allow_runtime_lora_updating / adapter_root / allow_hub_adapters: the
-    load/unload routes (see adapter_root). max_body_bytes, max_prompt_tokens, max_tokens_limit,
+    load/unload routes (see adapter_root). allowed_adapter_paths: absolute directories beneath which
+    runtime loads may name absolute paths (each an existing directory).
+    max_body_bytes, max_prompt_tokens, max_tokens_limit,
     max_n: request size limits (None: the engine's max_model_len; the logprobs limit is the
     engine's max_logprobs). max_prompts_per_request / max_chat_messages: counts checked before any
     tokenization (400). max_pending_requests: sequences (prompts x n) in flight at once, beyond
@@ -58,6 +61,7 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False
     adapter_root: str | None = None
     allow_hub_adapters: bool = False
+    allowed_adapter_paths: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
@@ -96,6 +100,9 @@ class ServerConfig:
             raise ValueError(f"stream_send_timeout must be a number of seconds > 0, got {self.stream_send_timeout}")
         if not 0 < self.max_tenant_share <= 1:
             raise ValueError(f"max_tenant_share must be in (0, 1], got {self.max_tenant_share}")
+        for allowed in self.allowed_adapter_paths:
+            if not (os.path.isabs(allowed) and os.path.isdir(allowed)):
+                raise ValueError(f"allowed adapter path {allowed!r} must be an absolute path to an existing directory")
         self.connection_limits  # noqa: B018 - validates the connection limits (ValueError)
 
     @property
@@ -112,6 +119,7 @@ class ServerState:
         self.engine, self.config, self.keys = engine, config, keys
         self.registry = AdapterRegistry(config.served_model_name)
         self.metrics = ServerMetrics(engine)
+        self.metrics.label_model(config.served_model_name)
         self.loads = LoadExecutor(config.max_concurrent_loads, config.max_loads_per_tenant,
                                   config.adapter_load_timeout)
         self.max_model_len = engine.max_model_len
@@ -151,12 +159,14 @@ class ServerState:
         """Load and validate a LoRA in the engine, then serve it (AdapterError / ValueError)."""
         self.engine.add_lora(request)
         self.registry.add(request)
+        self.metrics.label_model(request.name)  # named at start-up: its own latency series
         logger.info("serving LoRA %r from %s", request.name, request.path)
 
     def add_prompt_adapter(self, request: PromptAdapterRequest) -> None:
         """Load and validate a soft prompt in the engine, then serve it."""
         self.engine.add_prompt_adapter(request)
         self.registry.add(request)
+        self.metrics.label_model(request.name)
         logger.info("serving prompt adapter %r from %s", request.name, request.path)
 
     async def off_loop(self, fn: Callable, *args):

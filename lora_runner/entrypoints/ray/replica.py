@@ -26,6 +26,7 @@ from lora_runner.entrypoints.openai.app import build_app
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from, error_body
 from lora_runner.entrypoints.openai.state import ServerConfig, ServerState
 from lora_runner.entrypoints.ray.asgi_call import call_asgi
+from lora_runner.entrypoints.ray.drain import watch_for_drain
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class EngineReplicaBase:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, adapters: StartupAdapters) -> None:
         self.state = lazy_state(engine_config, server_config, adapters)
         self.app = build_app(self.state)
+        watch_for_drain(self.state)  # SIGTERM of `serve`: drain like the single process (ray.drain)
         self.replica = replica_name()
         self.loads: Counter[str] = Counter()
         self.unloads: Counter[str] = Counter()
