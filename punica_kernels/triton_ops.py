@@ -38,8 +38,9 @@ from .meta import FULL_RANK, LoRAMeta
 from .scales import NO_SCALES, Scales
 
 BLOCK_K = 64  # shrink: largest reduction step over the input features (smaller for wide stacked ranks)
-# shrink: A-tile elements per thread; 64 spills registers on sm_80/sm_90 (benchmarks/kernel_report.py)
-SHRINK_TILE_ELEMENTS_PER_THREAD = 32
+# shrink: A-tile bytes per thread (32 half elements); twice that spills registers on sm_80/sm_90, and so
+# does fp32 at 32 elements once the loads pipeline (benchmarks/kernel_report.py)
+SHRINK_TILE_BYTES_PER_THREAD = 64
 BLOCK_N = 64  # expand: output columns per program
 BLOCK_R = 16  # expand: rank step, the smallest tile tl.dot takes
 EXPAND_NUM_WARPS = 8  # 4 spill on sm_90 in fp16 since the tile loop (benchmarks/kernel_report.py)
@@ -127,22 +128,22 @@ def _launch_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta, out: t
 
     x [T, K] (fp16/bf16/fp32); lora_a [max_loras, n_slices, R, K] same dtype; out [T, n_slices, R]
     float32 (any strides): rows of slot -1 tokens are not written. With ``partials``
-    [split_k, T, n_slices, R] float32 (may share memory with out, as add_lora's do), K is cut into
-    split_k chunks of whole BLOCK_K blocks, each a program writing its partial there; the tile's last
-    split sums them in split order into out. Grid (tile_programs(T), split_k).
+    [S, T, n_slices, R] float32 (may share memory with out, as add_lora's do), K is cut into at most S
+    chunks of whole BLOCK_K blocks (split_k of them, none empty), each a program writing its partial
+    there; the tile's last split sums them in split order into out. Grid (tile_programs(T), split_k).
     """
     num_tokens = x.shape[0]
     _, n_slices, rank, num_features = lora_a.shape
     block_nr = max(16, triton.next_power_of_2(n_slices * rank))  # stacked (slice, rank) rows
     num_warps = 4 if block_nr <= 64 else 8
-    tile_elements = SHRINK_TILE_ELEMENTS_PER_THREAD * 32 * num_warps  # the [BLOCK_NR, BLOCK_K] A tile's bound
+    # the [BLOCK_NR, BLOCK_K] A tile's bound
+    tile_elements = SHRINK_TILE_BYTES_PER_THREAD // x.element_size() * 32 * num_warps
     block_k = max(16, min(BLOCK_K, tile_elements // block_nr))
-    split_k = 1 if partials is None else partials.shape[0]
     k_blocks = triton.cdiv(num_features, block_k)
-    k_blocks_per_split = triton.cdiv(k_blocks, split_k)
-    assert triton.cdiv(k_blocks, k_blocks_per_split) == split_k, "every split needs K to work on"
+    k_blocks_per_split = triton.cdiv(k_blocks, 1 if partials is None else partials.shape[0])
+    split_k = triton.cdiv(k_blocks, k_blocks_per_split)  # <= the partials given: every split has K to work on
     counters = split_counters(meta) if split_k > 1 else meta.slot_ranks  # never touched without SPLIT
-    partials = out.unsqueeze(0) if partials is None else partials
+    partials = out.unsqueeze(0) if split_k == 1 else partials[:split_k]
     grid = (tile_programs(meta, num_tokens), split_k)
     kernel_for(_shrink_kernel, x.device)[grid](
         x, lora_a, out, partials, counters,
