@@ -32,7 +32,8 @@ from punica_kernels import aot
 COLUMNS = [("target", "target", "s"), ("dtypes", "dtypes", "s"), ("constexprs", "constexprs", "s"),
            ("num_warps", "warps", "d"), ("registers", "regs", "d"), ("spill_bytes", "spills B", "d"),
            ("shared_kb", "smem KB", ".1f"), ("warps_per_sm", "warps/SM", "d"), ("occupancy", "occupancy", ".2f"),
-           ("scalar_half_in_loops", "b16 ld in loops", "d"), ("cp_async", "cp.async", "d"), ("variants", "variants", "d")]
+           ("scalar_half_in_loops", "b16 ld in loops", "d"), ("cp_async", "cp.async", "d"),
+           ("variants", "variants", "d")]
 DECODE_COLUMNS = [("packed", "module", "s"), ("shrink_grid", "shrink grid", "s"), ("shrink_work", "with work", "d"),
                   ("expand_grid", "expand grid", "s"), ("expand_programs", "expand programs", "d"),
                   ("expand_work", "with work", "d"), ("bytes_ratio", "bytes / ideal", ".3f")]

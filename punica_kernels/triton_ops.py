@@ -251,7 +251,8 @@ def _launch_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, m
         *y.stride(), *inter.stride(), *lora_b.stride(), *slice_scales.stride(), *column_scales.stride(),
         0 if bias is None else bias.stride(0),
         N_SLICES=n_slices, RANK=rank, BLOCK_M=meta.block_m, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
-        COLUMN_ALIGN=column_align, B_ROW_ALIGN=_alignment(*lora_b.stride()[:2]),  # every row offset slot * s0 + column * s1
+        # B_ROW_ALIGN divides every row offset slot * stride(0) + column * stride(1)
+        COLUMN_ALIGN=column_align, B_ROW_ALIGN=_alignment(*lora_b.stride()[:2]),
         HAS_BIAS=bias is not None, DOT_PRECISION=_expand_precision(lora_b.dtype), num_warps=EXPAND_NUM_WARPS,
     )
 

@@ -62,18 +62,20 @@ def test_expand_indexes_each_slices_columns_without_padding(decode_32_on_8):
 
 
 def _split_case(num_tokens: int = 3, num_features: int = 1024):
+    """A decode batch on distinct slots, K wide enough for 8 splits; deltas of order one."""
+    gen = torch.Generator().manual_seed(5)
     case = make_case(num_tokens, "down_wide", 16, "distinct", seed=5)
-    x = torch.randn(num_tokens, num_features, dtype=torch.float32)  # [T, K]
-    lora_a = torch.randn(case.lora_a.shape[0], 1, 16, num_features)  # [L, 1, R, K]
+    x = torch.randn(num_tokens, num_features, generator=gen)  # [T, K]
+    lora_a = torch.randn(case.lora_a.shape[0], 1, 16, num_features, generator=gen) / num_features ** 0.5  # [L, 1, R, K]
     meta = LoRAMeta(num_tokens, case.lora_a.shape[0], "cpu")
     meta.prepare(case.token_slots)
-    return case, x, lora_a, meta
+    return case, x, lora_a, meta, gen
 
 
 def test_split_shrink_sums_the_partials_in_split_order():
     """Deterministic reduction: the result is bit for bit the fp32 sum of the partials taken in split
     order, whichever split arrived last; the arrival counters are back to zero afterwards."""
-    case, x, lora_a, meta = _split_case()
+    case, x, lora_a, meta, _ = _split_case()
     split_k = triton_ops.choose_split_k(triton_ops.tile_programs(meta, 3), 1024, 100)
     assert split_k == 8  # 1024 / MIN_K_PER_SPLIT
     partials = torch.full((split_k, 3, 1, 16), NAN)  # [S, T, 1, R] poisoned
@@ -91,12 +93,12 @@ def test_split_shrink_sums_the_partials_in_split_order():
 
 def test_split_counters_reset_so_every_launch_reduces():
     """Two add_lora calls on one meta (a graph replayed twice): both reduce their own partials."""
-    case, x, lora_a, meta = _split_case()
-    lora_b = torch.randn(case.lora_b.shape[0], 64, 16)  # [L, N, R]
+    case, x, lora_a, meta, gen = _split_case()
+    lora_b = torch.randn(case.lora_b.shape[0], 64, 16, generator=gen) / 4  # [L, N, R]
     meta.workspace_for(8 * 3 * 16)
     for step in range(2):
         meta.workspace.fill_(NAN)
-        y0 = torch.randn(3, 64)
+        y0 = torch.randn(3, 64, generator=gen)
         y = triton_ops.add_lora(y0.clone(), x * (step + 1), lora_a, lora_b, meta, (64,))
         expected = float64_add_lora(y0, x * (step + 1), lora_a, lora_b, meta, (64,))
         torch.testing.assert_close(y.double(), expected, rtol=2e-5, atol=2e-5)
