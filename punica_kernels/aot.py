@@ -177,6 +177,7 @@ class KernelReport:
     spill_stores: int  # bytes
     spill_loads: int  # bytes
     ptxas_log: str
+    ptx: str = ""  # the PTX ptxas read (ptx_loads parses its loops)
 
     @property
     def fits_shared(self) -> bool:
@@ -211,7 +212,7 @@ def compile_config(config: KernelConfig, target: Target) -> KernelReport:
     compiled = triton.compile(config.source(), target=target.gpu_target, options=options.__dict__)
     registers, stores, loads, log = ptxas_usage(compiled.asm["ptx"], target.capability)
     return KernelReport(config, target, compiled.metadata.num_warps, compiled.metadata.shared, registers,
-                        stores, loads, log)
+                        stores, loads, log, compiled.asm["ptx"])
 
 
 _USAGE = re.compile(r"Used (\d+) registers")
@@ -232,6 +233,102 @@ def ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int, str]:
     registers, spills = _USAGE.findall(log), _SPILLS.findall(log)
     assert len(registers) == 1 and len(spills) == 1, f"expected one kernel in ptxas output:\n{log}"
     return int(registers[0]), int(spills[0][0]), int(spills[0][1]), log
+
+
+_BLOCK_START = re.compile(r"^(?:\$L__BB\d+_\d+:|// %bb\.\d+:)")
+_INSTRUCTION = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)", re.M)
+_HALF_TYPES = {"b16", "u16", "s16", "f16", "bf16"}
+
+
+@dataclass(frozen=True)
+class PtxLoads:
+    """Global memory instructions of a kernel's PTX, those inside loops counted apart.
+
+    Loops are found from LLVM's own annotations on the PTX's basic blocks: a loop's header block is
+    marked ``// =>This Loop Header`` (``This Inner Loop Header`` for an innermost one, the K and rank
+    loops), every other block of a loop ``//   in Loop: Header=...`` or ``//   Parent Loop ...``; a
+    block's instructions are inside a loop when its annotation names one. ``scalar_half_in_loops``
+    counts ``ld.global`` of one 16-bit element there (no ``.v2``/``.v4``): a load Triton could not
+    vectorize, hence not pipeline with cp.async.
+    """
+
+    loops: int  # loop headers found
+    inner_loops: int  # innermost loops (the K loop of the shrink, the rank loop of the expand)
+    scalar_half_in_loops: int  # ld.global.{b16,u16,...} without a vector width, inside loops
+    scalar_half_stores: int  # st.global of one 16-bit element anywhere (y's store)
+    cp_async: int  # cp.async copies (global -> shared, pipelined)
+    vector_global: int  # ld/st.global with .v2/.v4 anywhere
+
+
+def ptx_blocks(ptx: str) -> list[tuple[str, list[str]]]:
+    """The PTX's basic blocks: (label and LLVM's comments on it, instruction mnemonics)."""
+    blocks: list[tuple[str, list[str]]] = [("entry", [])]
+    for line in ptx.splitlines():
+        stripped = line.strip()
+        if _BLOCK_START.match(stripped):
+            blocks.append((stripped, []))
+        elif stripped.startswith("//") and not blocks[-1][1]:  # a comment line of the block's label
+            blocks[-1] = (blocks[-1][0] + " " + stripped, blocks[-1][1])
+        elif (match := _INSTRUCTION.match(line)) and not stripped.startswith("."):
+            blocks[-1][1].append(match.group(1))
+    return blocks
+
+
+def ptx_loops(ptx: str) -> list[list[str]]:
+    """The instruction mnemonics of each basic block inside a loop (see :class:`PtxLoads`)."""
+    return [body for label, body in ptx_blocks(ptx) if "Loop" in label]
+
+
+def _is_scalar_half(mnemonic: str, op: str) -> bool:
+    parts = mnemonic.split(".")
+    return (mnemonic.startswith(op + ".global") and parts[-1] in _HALF_TYPES
+            and not any(p in ("v2", "v4", "v8") for p in parts))
+
+
+def ptx_loads(ptx: str) -> PtxLoads:
+    """Count the PTX's global loads and copies; the loop-resident scalar 16-bit loads are what
+    leave a K loop waiting on one DRAM round trip per element row (issue 26)."""
+    loops = ptx_loops(ptx)
+    everything = _INSTRUCTION.findall(ptx)
+    labels = [label for label, _ in ptx_blocks(ptx)]
+    return PtxLoads(loops=sum("Loop Header" in label for label in labels),
+                    inner_loops=sum("Inner Loop Header" in label for label in labels),
+                    scalar_half_in_loops=sum(_is_scalar_half(m, "ld") for body in loops for m in body),
+                    scalar_half_stores=sum(_is_scalar_half(m, "st") for m in everything),
+                    cp_async=sum(m.startswith("cp.async.") and "shared.global" in m for m in everything),
+                    vector_global=sum(m.startswith(("ld.global", "st.global")) and any(
+                        p in ("v2", "v4", "v8") for p in m.split(".")) for m in everything))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as a launcher made it: the kernel's name, its grid and its arguments by name."""
+
+    name: str
+    grid: tuple[int, int, int]
+    args: dict[str, object]
+
+
+@contextlib.contextmanager
+def trace_launches() -> Iterator[list[Launch]]:
+    """Within the block, Triton launches run nothing and are appended, grid and arguments, to the
+    yielded list (for grid and bytes accounting; record_launches gives the compiled variants)."""
+    launches: list[Launch] = []
+
+    def trace(self, *args, grid, warmup, **kwargs):
+        jit = _resolve_jit(self)
+        names = [p.name for p in jit.params]
+        bound = dict(zip(names, args))
+        bound.update((k, v) for k, v in kwargs.items() if k in names)
+        grid = grid(bound) if callable(grid) else tuple(grid)
+        launches.append(Launch(jit.fn.__name__, (*grid, 1, 1)[:3], bound))
+
+    saved = JITFunction.run, InterpretedFunction.run
+    JITFunction.run = InterpretedFunction.run = trace
+    try:
+        yield launches
+    finally:
+        JITFunction.run, InterpretedFunction.run = saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,3 +544,119 @@ def collect_configs(drivers: list[Driver]) -> dict[str, KernelConfig]:
     finally:
         torch.set_num_threads(threads)
     return configs
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode accounting: the SGMV launches of one decode step, traced, against the real meta buffers.
+
+# The GPU run's model (benchmarks/gpu_check.py): hidden 4096, MLP 11008, 32/8 heads, rank-16 adapters,
+# max_loras 32, max_num_batched_tokens 8192, bf16.
+GPU_CHECK = ModelSpec(num_layers=8, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                      intermediate_size=11008, vocab_size=32000)
+GPU_CHECK_MAX_LORAS, GPU_CHECK_RANK, GPU_CHECK_MAX_TOKENS = 32, 16, 8192
+
+
+@dataclass(frozen=True)
+class LaunchWork:
+    """A traced SGMV launch: its grid's programs, those that have a tile to work on, and the bytes
+    those programs read and write (each masked load or store counted for the elements it moves)."""
+
+    launch: Launch
+    programs: int
+    with_work: int
+    bytes_moved: int
+
+
+@dataclass(frozen=True)
+class ModuleStep:
+    """One packed module's add_lora in a decode step: its shrink and expand, and the ideal bytes
+    (A and B of the slots used, x and y's LoRA rows read, y's written)."""
+
+    packed: str
+    shrink: LaunchWork
+    expand: LaunchWork
+    ideal_bytes: int
+
+    @property
+    def bytes_ratio(self) -> float:
+        return (self.shrink.bytes_moved + self.expand.bytes_moved) / self.ideal_bytes
+
+
+def _round_rank(rank: int, padded: int) -> int:
+    return min(-(-rank // 16) * 16, padded)
+
+
+def _tile_table(args: dict) -> tuple[list[int], list[int], list[int], list[int]]:
+    return (args["tile_slots_ptr"].tolist(), args["tile_starts_ptr"].tolist(), args["tile_ends_ptr"].tolist(),
+            args["slot_ranks_ptr"].tolist())
+
+
+def _programs_tiles(launch: Launch) -> list[list[int]]:
+    """The tiles with a slot that each program along the tile axis visits (g, g + G, ...)."""
+    slots = launch.args["tile_slots_ptr"].tolist()
+    num_tiles, programs = launch.args["num_tiles"], launch.grid[0]
+    return [[t for t in range(g, num_tiles, programs) if slots[t] >= 0] for g in range(programs)]
+
+
+def shrink_work(launch: Launch) -> LaunchWork:
+    """Programs with work and bytes moved of a traced _shrink_kernel launch."""
+    args = launch.args
+    slots, starts, ends, ranks = _tile_table(args)
+    x = args["x_ptr"]
+    es, num_features = x.element_size(), args["num_features"]
+    n, padded = args["N_SLICES"], args["RANK"]
+    chunk = args["k_blocks_per_split"] * args["BLOCK_K"]
+    splits = launch.grid[1]
+    with_work = moved = 0
+    for tiles in _programs_tiles(launch):
+        for split in range(splits):
+            k_len = max(0, min(num_features, (split + 1) * chunk) - split * chunk)
+            with_work += bool(tiles) and k_len > 0
+            for t in tiles:
+                rows, rank = ends[t] - starts[t], _round_rank(ranks[slots[t]], padded)
+                moved += rows * k_len * es + n * rank * k_len * es  # x and A
+                moved += rows * n * padded * 4  # the partial (or, unsplit, the result)
+    for t in {t for tiles in _programs_tiles(launch) for t in tiles} if args["SPLIT"] else ():
+        moved += (splits + 1) * (ends[t] - starts[t]) * n * padded * 4  # the last split's sum
+    return LaunchWork(launch, launch.grid[0] * launch.grid[1], with_work, moved)
+
+
+def expand_work(launch: Launch) -> LaunchWork:
+    """Programs with work and bytes moved of a traced _expand_kernel launch."""
+    args = launch.args
+    slots, starts, ends, ranks = _tile_table(args)
+    es, padded, block_n = args["y_ptr"].element_size(), args["RANK"], args["BLOCK_N"]
+    offsets = args["slice_offsets_ptr"].tolist()
+    column_blocks = [min(block_n, offsets[j + 1] - offsets[j] - n0)
+                     for j in range(len(offsets) - 1) for n0 in range(0, offsets[j + 1] - offsets[j], block_n)]
+    assert len(column_blocks) == launch.grid[1], "the expand's grid covers each slice's column blocks once"
+    with_work = moved = 0
+    for tiles in _programs_tiles(launch):
+        tiles = [t for t in tiles if _round_rank(ranks[slots[t]], padded) > 0]
+        with_work += len(column_blocks) if tiles else 0
+        for t, cols in itertools.product(tiles, column_blocks):
+            rows, rank = ends[t] - starts[t], _round_rank(ranks[slots[t]], padded)
+            moved += rows * rank * 4 + rank * cols * es  # the intermediate and B
+            moved += cols * 4 + 2 * rows * cols * es + (cols * es if args["HAS_BIAS"] else 0)  # scales, y, bias
+    return LaunchWork(launch, launch.grid[0] * launch.grid[1], with_work, moved)
+
+
+def decode_step(num_tokens: int = 32, num_adapters: int = 8, spec: ModelSpec = GPU_CHECK,
+                max_loras: int = GPU_CHECK_MAX_LORAS, rank: int = GPU_CHECK_RANK,
+                max_num_tokens: int = GPU_CHECK_MAX_TOKENS, dtype: torch.dtype = torch.bfloat16) -> list[ModuleStep]:
+    """Trace add_lora of every packed module for a decode step of ``num_tokens`` sequences spread
+    round-robin over ``num_adapters`` adapters (a real prepare on the runner's meta), nothing run."""
+    meta = LoRAMeta(max_num_tokens, max_loras, "cpu", max_rank=rank, max_slices=MAX_SLICES)
+    token_slots = torch.arange(num_tokens) % num_adapters  # [T]
+    meta.prepare(token_slots, torch.full((max_loras,), rank, dtype=torch.int32))
+    steps = []
+    for packed in PACKED_MODULES:
+        x, y, _, lora_a, lora_b, slices, scales = _sgmv_operands(spec, packed, dtype, rank, num_tokens, False)
+        with trace_launches() as launches:
+            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices, scales)
+        shrink, expand = launches
+        es, num_features, width = x.element_size(), x.shape[1], y.shape[1]
+        used = token_slots.unique().numel()
+        ideal = used * rank * es * (len(slices) * num_features + width) + num_tokens * es * (num_features + 2 * width)
+        steps.append(ModuleStep(packed, shrink_work(shrink), expand_work(expand), ideal))
+    return steps

@@ -8,8 +8,6 @@ minutes for both targets), then each test reads the reports.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import triton
@@ -26,32 +24,85 @@ def configs() -> dict[str, aot.KernelConfig]:
     return aot.collect_configs(aot.all_drivers())
 
 
+class _Reports(dict):
+    """(config key, target name) -> report, compiled on first access: one compile per distinct config
+    and target, and a run selecting one target's tests compiles for that target only."""
+
+    def __init__(self, configs: dict[str, aot.KernelConfig]) -> None:
+        super().__init__()
+        self.configs = configs
+
+    def __missing__(self, item: tuple[str, str]) -> aot.KernelReport:
+        key, target = item
+        self[item] = report = aot.compile_config(self.configs[key], TARGETS[target])
+        return report
+
+
 @pytest.fixture(scope="module")
 def reports(configs) -> dict[tuple[str, str], aot.KernelReport]:
-    """(config key, target name) -> report; one compile per distinct config and target."""
-    return {(key, target.name): aot.compile_config(config, target)
-            for target in aot.TARGETS for key, config in configs.items()}
+    return _Reports(configs)
 
 
 def _values(configs, kernel_name: str, constexpr: str) -> set:
     return {c.named_constexprs()[constexpr] for c in configs.values() if c.name == kernel_name}
 
 
-def test_drivers_reach_every_split_slice_count_rank_and_dtype(configs):
-    """The drivers must reach each K split add_lora can choose, each slice count, rank and dtype."""
-    splits = {2 ** i for i in range(int(math.log2(triton_ops.MAX_SPLIT_K)) + 1)}
-    assert _values(configs, "_expand_kernel", "SPLIT_K") == splits
-    assert _values(configs, "_shrink_kernel", "N_SLICES") == {1, 2, 3}
+def test_drivers_reach_split_and_unsplit_shrinks_every_slice_count_rank_and_dtype(configs):
+    """The drivers must reach the shrink with and without its K split (its split count is a runtime
+    argument), each slice count, rank and dtype, and the expand's bias epilogue in each."""
+    shrink_splits = {(c.dtypes(), c.named_constexprs()["RANK"], c.named_constexprs()["SPLIT"])
+                     for c in configs.values() if c.name == "_shrink_kernel"}
+    assert len(shrink_splits) == 3 * len(aot.LORA_RANKS) * 2  # split and unsplit in every dtype/rank
     for name in ("_shrink_kernel", "_expand_kernel"):
+        assert _values(configs, name, "N_SLICES") == {1, 2, 3}
         assert _values(configs, name, "RANK") == set(aot.LORA_RANKS)
         assert {c.dtypes() for c in configs.values() if c.name == name} == {"bf16,fp32", "fp16,fp32", "fp32"}
-    expand_splits = {(c.dtypes(), c.named_constexprs()["RANK"], c.named_constexprs()["SPLIT_K"])
-                     for c in configs.values() if c.name == "_expand_kernel"}
-    assert len(expand_splits) == 3 * len(aot.LORA_RANKS) * len(splits)  # every split in every dtype/rank
     # the DoRA epilogue with and without the layer's bias, in every dtype and rank
     biased = {(c.dtypes(), c.named_constexprs()["RANK"], c.named_constexprs()["HAS_BIAS"])
               for c in configs.values() if c.name == "_expand_kernel"}
     assert len(biased) == 3 * len(aot.LORA_RANKS) * 2
+    # the real models' slice offsets are 16-aligned: every expand gets the vector hint
+    assert _values(configs, "_expand_kernel", "COLUMN_ALIGN") == {16}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_sgmv_loads_are_vectorized_and_pipelined(configs, reports, target):
+    """Issue 26 item 1: no SGMV config has a scalar 16-bit global load inside a loop (the shrink's K
+    loop, the expand's tile and rank loops; loops found from LLVM's block annotations in the PTX,
+    see aot.PtxLoads), nor a scalar 16-bit store of y, and every one copies global -> shared with
+    cp.async (Triton's software pipeline)."""
+    failures = []
+    for key, config in configs.items():
+        if config.name not in ("_shrink_kernel", "_expand_kernel"):
+            continue
+        loads = aot.ptx_loads(reports[key, target].ptx)
+        assert loads.inner_loops >= 1, f"{config.name}: no loop found in its PTX"
+        if loads.scalar_half_in_loops or loads.scalar_half_stores or not loads.cp_async:
+            failures.append(f"{config.name} {config.dtypes()} {config.named_constexprs()}: {loads}")
+    assert not failures, f"{len(failures)} SGMV configs on {target}:\n" + "\n".join(failures)
+
+
+def test_ptx_loads_tell_scalar_from_vector_and_find_nested_loops():
+    ptx = """
+	ld.global.b16 {%rs0}, [%rd0];
+$L__BB0_2:                              // =>This Loop Header: Depth=1
+	@%p1 ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];
+$L__BB0_5:                              // %.lr.ph
+                                        //   Parent Loop BB0_2 Depth=1
+                                        // =>  This Inner Loop Header: Depth=2
+	@%p2 ld.global.b16 {%rs1}, [%rd2];
+	cp.async.cg.shared.global [%r5], [%rd3], 16, %r6;
+	@%p2 bra 	$L__BB0_5;
+// %bb.6:                               //   in Loop: Header=BB0_2 Depth=1
+	ld.global.L1::evict_last.u16 {%rs2}, [%rd4];
+	bra.uni 	$L__BB0_2;
+$L__BB0_7:
+	st.global.b16 [%rd5], {%rs3};
+	ret;
+"""
+    loads = aot.ptx_loads(ptx)
+    assert (loads.loops, loads.inner_loops, loads.scalar_half_in_loops) == (2, 1, 2)  # not the entry block's
+    assert (loads.scalar_half_stores, loads.cp_async, loads.vector_global) == (1, 1, 1)
 
 
 def test_drivers_reach_every_attention_kernel_split_count_and_dtype(configs):
@@ -102,14 +153,14 @@ def test_recorded_config_is_specialized_like_the_jit():
     and ints carry tt.divisibility: the variant a GPU would compile, not a restated one."""
     meta = LoRAMeta(8, 2, "cpu")
     meta.prepare(torch.tensor([0, 1, 0]))
-    x, out = torch.empty(3, 64, dtype=torch.float16), torch.empty(1, 3, 1, 16)
+    x, out = torch.empty(3, 64, dtype=torch.float16), torch.empty(3, 1, 16)
     with aot.record_launches() as recorded:
-        triton_ops._launch_shrink(x, torch.empty(2, 1, 16, 64, dtype=torch.float16), meta, out, split_k=1)
+        triton_ops._launch_shrink(x, torch.empty(2, 1, 16, 64, dtype=torch.float16), meta, out)
     (config,) = recorded.values()
     index = {p.name: p.num for p in config.kernel.params}
     assert config.signature["x_ptr"] == "*fp16" and config.signature["out_ptr"] == "*fp32"
     assert config.signature["stride_xk"] == "constexpr" and config.constexprs[(index["stride_xk"],)] == 1
-    assert config.signature["k_per_split"] == "i32" and (index["k_per_split"],) not in config.attrs
+    assert config.signature["k_blocks_per_split"] == "i32" and (index["k_blocks_per_split"],) not in config.attrs
     assert config.attrs[(index["x_ptr"],)] == [["tt.divisibility", 16]]
     assert config.attrs[(index["num_features"],)] == [["tt.divisibility", 16]]
     assert config.named_constexprs()["N_SLICES"] == 1 and config.named_constexprs()["BLOCK_NR"] == 16
@@ -149,10 +200,11 @@ def test_register_cap_shows_up_as_spills():
     meta.prepare(torch.zeros(16, dtype=torch.int64))
     with aot.record_launches() as recorded:
         kernel = triton_ops._shrink_kernel
-        x, lora_a, out = torch.empty(16, 256), torch.empty(2, 1, 64, 256), torch.empty(1, 16, 1, 64)
-        kernel[(1, 1)](x, lora_a, out, meta.sorted_tokens, meta.tile_slots, meta.tile_starts, meta.tile_ends,
-                       meta.slot_ranks, 256, 256, *x.stride(), *lora_a.stride(), *out.stride(), N_SLICES=1,
-                       RANK=64, BLOCK_M=16, BLOCK_NR=64, BLOCK_K=64, DOT_PRECISION="ieee", maxnreg=64)
+        x, lora_a, out = torch.empty(16, 256), torch.empty(2, 1, 64, 256), torch.empty(16, 1, 64)
+        kernel[(1, 1)](x, lora_a, out, out, meta.slot_ranks, meta.sorted_tokens, meta.tile_slots, meta.tile_starts,
+                       meta.tile_ends, meta.slot_ranks, 1, 256, 4, *x.stride(), *lora_a.stride(), *out.stride(), 0,
+                       *out.stride(), N_SLICES=1, RANK=64, BLOCK_M=16, BLOCK_NR=64, BLOCK_K=64, SPLIT=False,
+                       DOT_PRECISION="ieee", maxnreg=64)
     (config,) = recorded.values()
     report = aot.compile_config(config, TARGETS["sm_90"])
     assert report.registers <= 64 and report.spill_stores > 0 and report.spill_loads > 0

@@ -163,9 +163,9 @@ def test_deterministic_bitwise():
     assert torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("room,split", [(1, 1), (3, 2), (16, 8)])
+@pytest.mark.parametrize("room,split", [(1, 1), (3, 3), (16, 4)])
 def test_split_k_partials_fill_the_workspace_room(room, split):
-    """T=2, K=512: up to 8 K-splits, as many as the workspace has room for (a power of two)."""
+    """T=2, K=512: up to 4 K-splits (chunks of MIN_K_PER_SPLIT), as many as the workspace has room for."""
     case = make_case(2, "down_wide", 8, "distinct", seed=2)
     meta = LoRAMeta(2, 8, "cpu")
     meta.prepare(case.token_slots)
@@ -174,17 +174,22 @@ def test_split_k_partials_fill_the_workspace_room(room, split):
     y = case.y.clone()
     add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes, backend="triton")
     torch.testing.assert_close(y.double(), oracle(case, meta), rtol=2e-5, atol=2e-5)
-    assert int(workspace.isfinite().sum()) == split * row_elements  # partials written
+    assert int(workspace.isfinite().sum()) == split * row_elements  # partials written, the first is the sum
 
 
 def test_choose_split_k():
-    assert triton_ops.choose_split_k(num_tiles=2, num_features=4096, max_split=100) == 16
-    assert triton_ops.choose_split_k(num_tiles=2, num_features=128, max_split=100) == 2
-    assert triton_ops.choose_split_k(num_tiles=2, num_features=4096, max_split=5) == 4
-    assert triton_ops.choose_split_k(num_tiles=64, num_features=4096, max_split=100) == 1
-    for tiles, features, room in itertools.product([1, 9, 70], [64, 100, 4096], [1, 2, 16]):
-        split = triton_ops.choose_split_k(tiles, features, room)
-        assert split & (split - 1) == 0 and 1 <= split <= max(1, min(room, -(-features // 64)))
+    assert triton_ops.choose_split_k(tile_programs=8, num_features=4096, max_split=100) == 32
+    assert triton_ops.choose_split_k(tile_programs=8, num_features=11008, max_split=100) == 29  # 6 blocks each
+    assert triton_ops.choose_split_k(tile_programs=1, num_features=128, max_split=100) == 1
+    assert triton_ops.choose_split_k(tile_programs=8, num_features=4096, max_split=5) == 5
+    assert triton_ops.choose_split_k(tile_programs=64, num_features=4096, max_split=100) == 4
+    assert triton_ops.choose_split_k(tile_programs=544, num_features=4096, max_split=100) == 1
+    for programs, features, room in itertools.product([1, 9, 70], [64, 100, 4096, 11008], [1, 2, 16, 100]):
+        split = triton_ops.choose_split_k(programs, features, room)
+        k_blocks = -(-features // triton_ops.BLOCK_K)
+        per_split = -(-k_blocks // split)
+        assert 1 <= split <= room and -(-k_blocks // per_split) == split  # every split has K to work on
+        assert split == 1 or per_split * triton_ops.BLOCK_K >= triton_ops.MIN_K_PER_SPLIT
 
 
 def test_empty_batch_is_a_no_op():
