@@ -46,6 +46,7 @@ class LoRAMeta:
         tile_slots     [max_tile_count] int32: slot of each tile, -1 = no work
         tile_starts    [max_tile_count] int32: tile's first position in ``sorted_tokens``
         tile_ends      [max_tile_count] int32: one past its last position
+        split_counters [max_tile_count] int32: the split-K shrink's arrival counters, zero between launches
 
     The three tile buffers are read by the Triton kernels only. On accelerators ``prepare`` writes them
     (a captured graph reads them without calling back into Python); on other devices, where the
@@ -84,6 +85,9 @@ class LoRAMeta:
         self._tile_ends = torch.zeros(self.max_tile_count, **int32)  # [max_tile_count]
         self._own_buffers = self._buffers()  # what prepare writes (use_table points elsewhere)
         self._full_ranks = torch.full((max_loras,), FULL_RANK, **int32)  # [max_loras] use_table without ranks
+        # the shrink's split-K arrival counters (punica_kernels.triton_ops): zero between launches, allocated
+        # here so no launch allocates (a first split launch may be inside CUDA-graph capture)
+        self.split_counters = torch.zeros(self.max_tile_count, **int32)  # [max_tile_count]
         self._tiles_stale = False  # a prepare since the tile buffers were last written (never on CUDA)
         # scratch written by prepare
         self._sort_keys = torch.zeros(max_num_tokens, **int64)  # [max_num_tokens]

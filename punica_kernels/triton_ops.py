@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import weakref
 
 import torch
 import triton
@@ -319,21 +318,10 @@ def choose_split_k(tile_programs: int, num_features: int, max_split: int) -> int
     return triton.cdiv(k_blocks, triton.cdiv(k_blocks, wanted))
 
 
-_SPLIT_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LoRAMeta -> int32 counters
-
-
 def split_counters(meta: LoRAMeta) -> torch.Tensor:
-    """[max_tile_count] int32 arrival counters of the shrink's split reduction, zero between launches
-    (the last split of each tile resets its own). Allocated on the first split launch of a meta,
-    which must run outside CUDA-graph capture (the runner's warm-up pass does)."""
-    counters = _SPLIT_COUNTERS.get(meta)
-    if counters is None:
-        if meta.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the LoRA split-K counters must be allocated before CUDA-graph capture: "
-                               "run one eager add_lora call first")
-        counters = torch.zeros(meta.max_tile_count, dtype=torch.int32, device=meta.device)
-        _SPLIT_COUNTERS[meta] = counters
-    return counters
+    """[max_tile_count] int32 arrival counters of the shrink's split reduction (LoRAMeta.split_counters),
+    zero between launches: the last split of each tile resets its own."""
+    return meta.split_counters
 
 
 def _alignment(*values: int) -> int:
