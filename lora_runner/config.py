@@ -88,6 +88,17 @@ class EngineConfig:
         "process (affinity mask, SMT, cgroup quota), never more than torch's current setting, and on CUDA "
         "untouched", default=None))
 
+    tensor_parallel_size: int = field(**_doc(
+        "split the model over this many ranks, one worker process each (torch.distributed: gloo on CPU, nccl "
+        "on CUDA, where rank r uses cuda:r); 1 runs the model in the engine's process (README: Tensor "
+        "parallelism)", default=1))
+    distributed_executor_backend: str = field(**_doc(
+        'how the ranks of tensor_parallel_size > 1 run: "mp" (worker processes started with '
+        'torch.multiprocessing); "ray" is not available yet', default="mp"))
+    worker_step_timeout_s: float = field(**_doc(
+        "at tensor_parallel_size > 1: seconds a step may take before the workers are declared dead (every "
+        "request then finishes with \"error\" and the engine stops serving)", default=120.0))
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a local directory or a Hub repo id, got {self.model!r}")
@@ -114,8 +125,16 @@ class EngineConfig:
             check_weight(name, getattr(self, name))
         if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_OPTIONS}, got {self.quantization!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.distributed_executor_backend != "mp":
+            raise ValueError(f'distributed_executor_backend must be "mp", got {self.distributed_executor_backend!r} '
+                             '(the Ray backend is not built yet: run tensor parallelism with "mp")')
+        timeout = self.worker_step_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"worker_step_timeout_s must be a positive number of seconds, got {timeout!r}")
         self.torch_device()  # validates device
         self.torch_dtype()  # validates dtype
+        self.check_parallel()
 
     @property
     def cpu_loras(self) -> int:
@@ -134,6 +153,16 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """The dtype "auto" resolves to: bfloat16 on CUDA, float32 on CPU."""
         return resolve_dtype(self.dtype, self.torch_device())
+
+    def check_parallel(self) -> None:
+        """ValueError when tensor_parallel_size cannot run on the chosen device (CUDA: one GPU per rank)."""
+        device, size = self.torch_device(), self.tensor_parallel_size
+        if size > 1 and device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, "
+                             f"{torch.cuda.device_count()} are visible")
+        if size > 1 and device.type == "cuda" and device.index not in (None, 0):
+            raise ValueError(f"at tensor_parallel_size > 1 rank r runs on cuda:r; device={self.device!r} "
+                             "cannot be honoured (use CUDA_VISIBLE_DEVICES to choose the GPUs)")
 
 
 def _check_int(name: str, value, minimum: int) -> None:
