@@ -2,7 +2,8 @@
 
 Each step: take the queued ops (slot writes and clears, freed rows, end ids), pickle them with the
 runner's part of the SchedulerOutput once (lora_runner.executor.step_message), send the same bytes down
-every rank's pipe, then wait for every rank's reply; rank 0's is the SamplerOutput. Adapter weights do
+every rank's pipe, then wait for every rank's reply; rank 0's is the SamplerOutput (every rank's must
+sample the same tokens: a rank that disagrees makes the executor dead). Adapter weights do
 not ride in the message: each version is written once to shared memory (lora_runner.executor.
 shared_weights) and named by a handle.
 
@@ -39,7 +40,7 @@ from lora_runner.sample.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
 
-STOP_GRACE_S = 5.0  # how long a closing executor waits for workers to exit on their own before killing them
+STOP_GRACE_S = 3.0  # how long a closing executor waits for workers to exit on their own before killing them
 
 
 class MultiprocExecutor(Executor):
@@ -139,7 +140,17 @@ class MultiprocExecutor(Executor):
             self._die(f"a worker's pipe broke: {error!r}")
         replies = self._gather(self.spec.step_timeout_s, "step")
         del keep  # every rank has written the files these ops name into its slots
+        if sched is not None:
+            self._check_agree(replies)
         return replies[0]
+
+    def _check_agree(self, results: list[SamplerOutput]) -> None:
+        """Every rank must have sampled the same tokens: each commits its own into its rows, and ranks whose
+        rows differ can never be brought back in step."""
+        for rank, result in enumerate(results[1:], start=1):
+            if result.token_ids != results[0].token_ids:
+                self._die(f"tensor-parallel rank {rank} sampled {result.token_ids}, rank 0 {results[0].token_ids}: "
+                          "the ranks are out of step")
 
     def _gather(self, timeout: float, what: str) -> list:
         """Every rank's reply (in rank order) within ``timeout`` s; EngineDeadError otherwise."""

@@ -2,7 +2,7 @@
 
 It joins the torch.distributed group (gloo on CPU, nccl on CUDA), builds its RankWorker, says it is
 ready, then answers one message per step on its pipe: the same bytes every rank got, applied, and a
-reply (rank 0: the SamplerOutput; the others: None) so the engine knows every rank finished. It ends
+reply (the rank's SamplerOutput) so the engine knows every rank finished, and in step. It ends
 when the pipe closes (the engine closed it or died), and a watcher thread ends it when the parent
 process is gone, so no worker outlives its engine. SIGINT is ignored: Ctrl-C reaches the whole process
 group, and the engine decides how its workers stop.
