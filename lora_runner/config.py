@@ -92,9 +92,10 @@ class EngineConfig:
         "split the model over this many ranks, one worker process each (torch.distributed: gloo on CPU, nccl "
         "on CUDA, where rank r uses cuda:r); 1 runs the model in the engine's process (README: Tensor "
         "parallelism)", default=1))
-    distributed_executor_backend: str = field(**_doc(
-        'how the ranks of tensor_parallel_size > 1 run: "mp" (worker processes started with '
-        'torch.multiprocessing); "ray" is not available yet', default="mp"))
+    distributed_executor_backend: str | None = field(**_doc(
+        'how the model runs: "uni" (in the engine\'s process; tensor_parallel_size 1 only), "mp" (one worker '
+        'process per rank, started with torch.multiprocessing) or None ("uni" at tensor_parallel_size 1, else '
+        '"mp"); "ray" is not available yet', default=None))
     worker_step_timeout_s: float = field(**_doc(
         "at tensor_parallel_size > 1: seconds a step may take before the workers are declared dead (every "
         "request then finishes with \"error\" and the engine stops serving)", default=120.0))
@@ -126,9 +127,13 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_OPTIONS}, got {self.quantization!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
-        if self.distributed_executor_backend != "mp":
-            raise ValueError(f'distributed_executor_backend must be "mp", got {self.distributed_executor_backend!r} '
-                             '(the Ray backend is not built yet: run tensor parallelism with "mp")')
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            raise ValueError(f'distributed_executor_backend must be None, "uni" or "mp", got '
+                             f'{self.distributed_executor_backend!r} (the Ray backend is not built yet: run tensor '
+                             'parallelism with "mp")')
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError('distributed_executor_backend="uni" runs one process: it needs tensor_parallel_size=1, '
+                             f'got {self.tensor_parallel_size} (use "mp")')
         timeout = self.worker_step_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"worker_step_timeout_s must be a positive number of seconds, got {timeout!r}")
@@ -153,6 +158,13 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """The dtype "auto" resolves to: bfloat16 on CUDA, float32 on CPU."""
         return resolve_dtype(self.dtype, self.torch_device())
+
+    @property
+    def executor_backend(self) -> str:
+        """distributed_executor_backend with its default applied: "uni" or "mp"."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
     def check_parallel(self) -> None:
         """ValueError when tensor_parallel_size cannot run on the chosen device (CUDA: one GPU per rank)."""

@@ -230,5 +230,9 @@ def test_config_refuses_the_ray_backend_and_bad_sizes():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="tensor_parallel_size"):
             EngineConfig(model="m", tensor_parallel_size=bad)
+    with pytest.raises(ValueError, match="needs tensor_parallel_size=1"):
+        EngineConfig(model="m", tensor_parallel_size=2, distributed_executor_backend="uni")
+    assert EngineConfig(model="m").executor_backend == "uni"
+    assert EngineConfig(model="m", tensor_parallel_size=2).executor_backend == "mp"
     with pytest.raises(ValueError, match="worker_step_timeout_s"):
         EngineConfig(model="m", worker_step_timeout_s=0)

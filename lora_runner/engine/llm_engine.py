@@ -76,7 +76,7 @@ class LLMEngine:
         self._dead: EngineDeadError | None = None  # set when the executor died: nothing can be served
         device, dtype = cfg.torch_device(), cfg.torch_dtype()
         threads = set_cpu_threads(cfg.cpu_threads) if device.type == "cpu" or cfg.cpu_threads is not None else 1
-        if cfg.tensor_parallel_size == 1:
+        if cfg.executor_backend == "uni":
             manager, use_graphs = self._start_in_process(cfg, device, dtype)
         else:
             manager, use_graphs = self._start_workers(cfg, device, dtype, threads)
@@ -92,7 +92,7 @@ class LLMEngine:
                                    reserved_prompt_slots=manager.prompts.reserved_slots,
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
                                        cfg.fairness_prefill_weight, cfg.fairness_decode_weight))
-        if cfg.tensor_parallel_size == 1:
+        if cfg.executor_backend == "uni":
             self.runner = self._make_runner(self.limits.num_kv_blocks, self.limits.max_model_len)
             if use_graphs:
                 self.runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
@@ -112,7 +112,7 @@ class LLMEngine:
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
 
     def _start_in_process(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
-        """tensor_parallel_size=1: the model, its adapter slots and the KV size in this process; (manager,
+        """The "uni" backend (tensor_parallel_size=1): the model, its adapter slots and the KV size in this process; (manager,
         whether decode steps use CUDA graphs). The runner is made once the adapter seam exists."""
         self.model, self.model_config, self.model_dir = load_model(
             cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only,
@@ -128,7 +128,7 @@ class LLMEngine:
         return manager, use_graphs
 
     def _start_workers(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype, threads: int):
-        """tensor_parallel_size > 1: one worker process per rank holds its model, KV cache and slots; this
+        """The "mp" backend (tensor_parallel_size > 1, or 1 when asked for): one worker process per rank holds its model, KV cache and slots; this
         process keeps the scheduler and the adapter tiers, whose slots are proxies (lora_runner.executor).
         ``threads``: the engine's CPU threads, split over the ranks."""
         if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:

@@ -54,8 +54,8 @@ class MultiprocExecutor(Executor):
     """
 
     def __init__(self, spec: WorkerSpec, world_size: int) -> None:
-        if world_size < 2:
-            raise ValueError(f"MultiprocExecutor needs world_size >= 2, got {world_size}")
+        if world_size < 1:
+            raise ValueError(f"MultiprocExecutor needs world_size >= 1, got {world_size}")
         self.spec, self.world_size = spec, world_size
         self.ops, self.shared = SlotOps(), SharedWeights()
         self.counts: Counter = Counter()
