@@ -84,6 +84,15 @@ def mixed_requests(dirs: dict) -> list[tuple]:
     return [(f"m{i}", prompt, sampled if i == 7 else greedy, *adapters[i]) for i, prompt in enumerate(prompts)]
 
 
+def _preload(engine: LLMEngine, requests: list[tuple]) -> None:
+    """Load every adapter the requests name into the engine's CPU cache now."""
+    for _, _, _, lora, prompt_adapter in requests:
+        if lora is not None:
+            engine.add_lora(lora)
+        if prompt_adapter is not None:
+            engine.add_prompt_adapter(prompt_adapter)
+
+
 def _completions(done: dict) -> dict:
     return {rid: [(c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs] for rid, out in done.items()}
 
@@ -92,6 +101,8 @@ def _completions(done: dict) -> dict:
 def test_tp2_equals_tp1_for_a_mixed_batch(adapters_tp, tp2):
     model_dir, dirs = adapters_tp
     tp1 = LLMEngine(model_dir, **engine_kwargs(model_dir))
+    for engine in (tp1, tp2):  # loaded before the run: no background load timing in either schedule
+        _preload(engine, mixed_requests(dirs))
     want = _completions(run_to_completion(tp1, mixed_requests(dirs), per_step=3))
     got = _completions(run_to_completion(tp2, mixed_requests(dirs), per_step=3))
     assert tp2.scheduler.num_preemptions == tp1.scheduler.num_preemptions > 0
@@ -137,7 +148,7 @@ def test_one_message_per_step_and_one_shared_file_per_adapter_version(adapters_t
     _, dirs = adapters_tp
     executor = tp2.executor
     executor.flush()  # ops queued by earlier tests are delivered now, outside the counted steps
-    counts, files = dict(executor.counts), executor.shared.files_created
+    counts, files = executor.counts.copy(), executor.shared.files_created
     rank_messages = list(executor.rank_messages)
     loads = tp2.adapters.manager.stats.lora_loads
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -155,9 +166,9 @@ def test_one_message_per_step_and_one_shared_file_per_adapter_version(adapters_t
     assert executor.counts["sends"] - counts["sends"] == 2 * steps  # the same bytes down each rank's pipe
     assert [n - m for n, m in zip(executor.rank_messages, rank_messages)] == [steps, steps]
     slot_writes = tp2.adapters.manager.stats.lora_loads - loads
-    assert slot_writes >= 4  # 2 slots, alternating r4 with the others: evictions and re-writes
-    # files: at most one per version made resident here (r8-qv and r16-mlp; r4 and r8-qv may be shared already)
-    assert executor.shared.files_created - files <= 2 < slot_writes
+    assert slot_writes >= 4  # 2 slots for r4 beside r8-qv, r16-mlp, r8-qv: r8-qv is written twice
+    # files: at most one per version (r4, r8-qv, r16-mlp; none if earlier tests shared them already)
+    assert executor.shared.files_created - files <= 3 < slot_writes
 
 
 @pytest.mark.slow
@@ -168,7 +179,8 @@ def test_a_killed_worker_fails_every_request_and_leaves_no_process(adapters_tp):
     assert engine.is_alive and len(_alive(pids)) == 2
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i in range(5):
-        engine.add_request(f"k{i}", [3 + i, 4, 5], params, lora_request=LoRARequest("r4", dirs["r4"]) if i % 2 else None)
+        lora = LoRARequest("r4", dirs["r4"]) if i % 2 else None
+        engine.add_request(f"k{i}", [3 + i, 4, 5], params, lora_request=lora)
     done = {}
     step_until(engine, done, lambda: any(r.num_output_tokens > 0 for r in engine.scheduler.running), timeout=60)
     os.kill(pids[1], signal.SIGKILL)

@@ -112,8 +112,9 @@ class LLMEngine:
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
 
     def _start_in_process(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
-        """The "uni" backend (tensor_parallel_size=1): the model, its adapter slots and the KV size in this process; (manager,
-        whether decode steps use CUDA graphs). The runner is made once the adapter seam exists."""
+        """The "uni" backend (tensor_parallel_size=1): the model, its adapter slots and the KV size in this
+        process; (manager, whether decode steps use CUDA graphs). The runner is made once the adapter seam
+        exists."""
         self.model, self.model_config, self.model_dir = load_model(
             cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only,
             quantization=cfg.quantization)
@@ -128,8 +129,8 @@ class LLMEngine:
         return manager, use_graphs
 
     def _start_workers(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype, threads: int):
-        """The "mp" backend (tensor_parallel_size > 1, or 1 when asked for): one worker process per rank holds its model, KV cache and slots; this
-        process keeps the scheduler and the adapter tiers, whose slots are proxies (lora_runner.executor).
+        """The "mp" backend (tensor_parallel_size > 1, or 1 when asked for): one worker process per rank
+        holds its model, KV cache and slots; this process keeps the scheduler and the adapter tiers, whose slots are proxies (lora_runner.executor).
         ``threads``: the engine's CPU threads, split over the ranks."""
         if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
             raise ValueError("tensor_parallel_size > 1 on CUDA needs kv_cache_memory_bytes (per rank): the "

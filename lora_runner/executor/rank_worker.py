@@ -1,9 +1,9 @@
 """RankWorker: one tensor-parallel rank inside its worker process: its model, KV cache, slots and runner.
 
 ``apply(message)`` runs one StepMessage: the queued ops in order (slot writes from shared memory,
-clears, freed rows, end ids), then the step, whose SamplerOutput every rank returns (the engine uses rank
-0's and checks the others sampled the same tokens). Every rank samples from the same logits with the same settings and generators, so every rank's
-rows commit the same tokens.
+clears, freed rows, end ids), then the step, whose SamplerOutput every rank returns (the engine uses
+rank 0's and checks the others sampled the same tokens). Every rank samples from the same logits with
+the same settings and generators, so every rank's rows commit the same tokens.
 """
 
 from __future__ import annotations
