@@ -84,6 +84,10 @@ class AdapterManager:
             finishes, fails or is cancelled; an engine uses it to wake a step loop waiting for work.
         base_weight: (layer, packed) -> the base weight [N, K] on ``device``; DoRA adapters are
             refused without it (their norms are computed from it when they load, see adapters.dora).
+        make_slots: kind -> the slots the tiers write ("lora": the LoRA slots with the vocabulary ones,
+            "prompt"), built elsewhere: an engine whose model lives in worker processes passes proxies
+            (``num_slots``, ``write``, ``clear``, ``nbytes``). None: device slots built here, exposed as
+            ``lora_slots``, ``vocab_slots``, ``prompt_slots`` (all three None when make_slots is given).
 
     CPU memory: each tier holds at most its CPU cache capacity plus ``load_workers +
     download_workers`` adapter versions (loads in flight), plus one per concurrent ``add`` call;
@@ -95,7 +99,8 @@ class AdapterManager:
                  dtype: torch.dtype = torch.float32, allow_pickle: bool = False, local_files_only: bool | None = None,
                  max_adapter_bytes: int | None = None, resolver: Callable | None = None, cache_dir=None,
                  max_cpu_prompt_adapters: int | None = None, load_workers: int = 2, download_workers: int = 8,
-                 on_load_done: Callable[[], None] | None = None, base_weight: Callable | None = None):
+                 on_load_done: Callable[[], None] | None = None, base_weight: Callable | None = None,
+                 make_slots: Callable[[str], object] | None = None):
         if max_adapter_bytes is not None and max_adapter_bytes <= 0:
             raise ValueError(f"max_adapter_bytes must be positive or None, got {max_adapter_bytes}")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
@@ -107,12 +112,18 @@ class AdapterManager:
         self._resolver = resolver or partial(_default_resolve, cache_dir=cache_dir)
         self._pin_memory = self.device.type == "cuda"
         self._base_weight = base_weight
-        self.lora_slots = LoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
-        # embed_tokens / lm_head LoRA slots (per model), written and cleared with the LoRA slots
-        self.vocab_slots = (VocabLoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
-                            if spec.vocab_size is not None and max_loras > 0 else None)
-        lora_slot_sets = self.lora_slots if self.vocab_slots is None else SlotGroup(self.lora_slots, self.vocab_slots)
-        self.prompt_slots = PromptSlots(spec, max_prompt_adapters, max_prompt_adapter_tokens, self.device, dtype)
+        if make_slots is None:
+            self.lora_slots = LoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
+            # embed_tokens / lm_head LoRA slots (per model), written and cleared with the LoRA slots
+            self.vocab_slots = (VocabLoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
+                                if spec.vocab_size is not None and max_loras > 0 else None)
+            lora_slot_sets = (self.lora_slots if self.vocab_slots is None
+                              else SlotGroup(self.lora_slots, self.vocab_slots))
+            self.prompt_slots = PromptSlots(spec, max_prompt_adapters, max_prompt_adapter_tokens, self.device, dtype)
+            prompt_slot_set = self.prompt_slots
+        else:  # the device slots live elsewhere (worker processes): the tiers drive them through these
+            self.lora_slots = self.vocab_slots = self.prompt_slots = None
+            lora_slot_sets, prompt_slot_set = make_slots("lora"), make_slots("prompt")
         self._executor = _LoadPools(load_workers, download_workers)
         in_flight = load_workers + download_workers
         self.loras = AdapterTier("LoRA", LoRARequest, self._load_lora, self._dummy_lora, lora_slot_sets,
@@ -120,7 +131,7 @@ class AdapterManager:
         if max_cpu_prompt_adapters is None:
             max_cpu_prompt_adapters = max(max_cpu_loras, max_prompt_adapters)
         self.prompts = PromptAdapterTier("prompt adapter", PromptAdapterRequest, self._load_prompt,
-                                         self._dummy_prompt, self.prompt_slots, max_cpu_prompt_adapters,
+                                         self._dummy_prompt, prompt_slot_set, max_cpu_prompt_adapters,
                                          self._executor, max_loading=in_flight, on_settled=on_load_done)
 
     @property
@@ -190,7 +201,7 @@ class AdapterManager:
         return dummy_prompt_adapter(name, self.spec, num_virtual_tokens, self.dtype)
 
     def _check_prompts_enabled(self, name: str) -> None:
-        if self.prompt_slots.num_slots == 0:
+        if self.prompts.slots.num_slots == 0:
             raise AdapterCapacityError(f"prompt adapter {name!r}: prompt adapters are disabled "
                                        "(max_prompt_adapters=0)")
 

@@ -88,6 +88,18 @@ class EngineConfig:
         "process (affinity mask, SMT, cgroup quota), never more than torch's current setting, and on CUDA "
         "untouched", default=None))
 
+    tensor_parallel_size: int = field(**_doc(
+        "split the model over this many ranks, one worker process each (torch.distributed: gloo on CPU, nccl "
+        "on CUDA, where rank r uses cuda:r); 1 runs the model in the engine's process (README: Tensor "
+        "parallelism)", default=1))
+    distributed_executor_backend: str | None = field(**_doc(
+        'how the model runs: "uni" (in the engine\'s process; tensor_parallel_size 1 only), "mp" (one worker '
+        'process per rank, started with torch.multiprocessing) or None ("uni" at tensor_parallel_size 1, else '
+        '"mp"); "ray" is not available yet', default=None))
+    worker_step_timeout_s: float = field(**_doc(
+        "at tensor_parallel_size > 1: seconds a step may take before the workers are declared dead (every "
+        "request then finishes with \"error\" and the engine stops serving)", default=120.0))
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a local directory or a Hub repo id, got {self.model!r}")
@@ -114,8 +126,20 @@ class EngineConfig:
             check_weight(name, getattr(self, name))
         if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_OPTIONS}, got {self.quantization!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            raise ValueError(f'distributed_executor_backend must be None, "uni" or "mp", got '
+                             f'{self.distributed_executor_backend!r} (the Ray backend is not built yet: run tensor '
+                             'parallelism with "mp")')
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError('distributed_executor_backend="uni" runs one process: it needs tensor_parallel_size=1, '
+                             f'got {self.tensor_parallel_size} (use "mp")')
+        timeout = self.worker_step_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"worker_step_timeout_s must be a positive number of seconds, got {timeout!r}")
         self.torch_device()  # validates device
         self.torch_dtype()  # validates dtype
+        self.check_parallel()
 
     @property
     def cpu_loras(self) -> int:
@@ -134,6 +158,23 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """The dtype "auto" resolves to: bfloat16 on CUDA, float32 on CPU."""
         return resolve_dtype(self.dtype, self.torch_device())
+
+    @property
+    def executor_backend(self) -> str:
+        """distributed_executor_backend with its default applied: "uni" or "mp"."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+    def check_parallel(self) -> None:
+        """ValueError when tensor_parallel_size cannot run on the chosen device (CUDA: one GPU per rank)."""
+        device, size = self.torch_device(), self.tensor_parallel_size
+        if size > 1 and device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, "
+                             f"{torch.cuda.device_count()} are visible")
+        if size > 1 and device.type == "cuda" and device.index not in (None, 0):
+            raise ValueError(f"at tensor_parallel_size > 1 rank r runs on cuda:r; device={self.device!r} "
+                             "cannot be honoured (use CUDA_VISIBLE_DEVICES to choose the GPUs)")
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -16,7 +16,7 @@ FIELDS = [field.name for field in dataclasses.fields(EngineConfig)]
 MODEL = "org/model"
 # str fields: a valid value other than the default (a new str field needs one here)
 STR_VALUES = {"revision": "v2", "device": "cpu", "dtype": "bfloat16", "scheduling_policy": "fcfs",
-              "quantization": "fp8"}
+              "quantization": "fp8", "distributed_executor_backend": "mp"}
 # settings that are only valid together: the option's partner and what the config then holds
 PARTNERS = {"max_prompt_adapters": ([], {"max_prompt_adapter_tokens": DEFAULT_PROMPT_ADAPTER_TOKENS}),
             "max_prompt_adapter_tokens": (["--max-prompt-adapters", "1"], {"max_prompt_adapters": 1})}

@@ -42,6 +42,7 @@ LAYERS = [
     {"core", "model"},  # scheduling state (no tensors); the decoder (no scheduling)
     {"config", "sample"},  # EngineConfig (reads core's fairness policies); sampling
     {"worker"},  # the device side of a step
+    {"executor"},  # what runs the steps: the runner in this process, or one worker process per TP rank
     {"engine"},  # the step loop and its seams
     {"entrypoints", "serve", ""},  # LLM, the CLI, the HTTP server, Ray; the package's public names
 ]

@@ -160,8 +160,8 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        """True while the step thread serves requests."""
-        return self._thread.is_alive() and self._error is None and not self._stopping
+        """True while the step thread serves requests and the engine can (its tensor-parallel workers live)."""
+        return self._thread.is_alive() and self._error is None and not self._stopping and self.engine.is_alive
 
     @property
     def error(self) -> BaseException | None:

@@ -23,6 +23,7 @@ import torch
 
 from adapters import AdapterRef, LoRARequest, PromptAdapterRequest
 from adapters.manager import AdapterManager
+from adapters.sharding import check_splits
 from lora_runner.config import EngineConfig
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import VirtualTokenCounter
@@ -30,8 +31,10 @@ from lora_runner.core.request import Request
 from lora_runner.core.scheduler import Scheduler
 from lora_runner.core.scheduler_output import SchedulerOutput
 from lora_runner.device import available_host_memory, set_cpu_threads
+from lora_runner.distributed import TensorParallel
 from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.bad_words import bad_words_token_ids
+from lora_runner.engine.errors import EngineDeadError
 from lora_runner.engine.input_processor import InputProcessor, abort_ids
 from lora_runner.engine.intake import Intake
 from lora_runner.engine.limits import engine_limits, step_sizes
@@ -39,7 +42,10 @@ from lora_runner.engine.output_processor import OutputProcessor
 from lora_runner.engine.stats import EngineStats
 from lora_runner.engine.structured import StructuredOutputs, grammar_state
 from lora_runner.engine.tokenizer import LazyTokenizer, eos_token_ids
-from lora_runner.model import load_model
+from lora_runner.executor import MultiprocExecutor, UniProcExecutor, WorkerSpec
+from lora_runner.model import ModelConfig, load_model
+from lora_runner.model.loader import resolve_model_dir
+from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
 from lora_runner.model.layers import lora_base_weights
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
@@ -72,26 +78,13 @@ class LLMEngine:
         self.config = model if isinstance(model, EngineConfig) else EngineConfig(model=model, **kwargs)
         cfg = self.config
         self.intake = Intake()
+        self._dead: EngineDeadError | None = None  # set when the executor died: nothing can be served
         device, dtype = cfg.torch_device(), cfg.torch_dtype()
-        if device.type == "cpu" or cfg.cpu_threads is not None:
-            set_cpu_threads(cfg.cpu_threads)
-        self.model, self.model_config, self.model_dir = load_model(
-            cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only,
-            quantization=cfg.quantization)
-        manager = AdapterManager(
-            self.model_config.spec(), max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
-            max_cpu_loras=cfg.cpu_loras, max_prompt_adapters=cfg.max_prompt_adapters,
-            max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=dtype,
-            allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
-            max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=self.intake.wake,
-            base_weight=lora_base_weights(self.model))
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-        use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
-        kv_budget = (self._profile_kv_budget(manager, use_graphs)
-                     if device.type == "cuda" and cfg.kv_cache_memory_bytes is None else None)
-        self.limits = engine_limits(cfg, self.model_config.max_position_embeddings,
-                                 kv_block_bytes(self.model_config, 1, dtype), free, kv_budget,
-                                 available_host_memory() if device.type == "cpu" else None)
+        threads = set_cpu_threads(cfg.cpu_threads) if device.type == "cpu" or cfg.cpu_threads is not None else 1
+        if cfg.executor_backend == "uni":
+            manager, use_graphs = self._start_in_process(cfg, device, dtype)
+        else:
+            manager, use_graphs = self._start_workers(cfg, device, dtype, threads)
         self.adapters = EngineAdapters(manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
         self.block_manager = BlockManager(self.limits.num_kv_blocks, cfg.block_size,
                                           enable_caching=cfg.enable_prefix_caching)
@@ -105,15 +98,17 @@ class LLMEngine:
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
                                        cfg.fairness_prefill_weight, cfg.fairness_decode_weight),
                                    grammar_state=grammar_state)
-        self.runner = self._make_runner(self.limits.num_kv_blocks, self.limits.max_model_len)
-        if use_graphs:
-            self.runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
+        if cfg.executor_backend == "uni":
+            self.runner = self._make_runner(self.limits.num_kv_blocks, self.limits.max_model_len)
+            if use_graphs:
+                self.runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
+            self.executor = UniProcExecutor(self.runner)
         self.tokenizer = LazyTokenizer(self.model_dir)
         # decode looked up per call, so a tokenizer swapped on the engine (tests) is the one used
         self.output_processor = OutputProcessor(lambda ids, **options: self.tokenizer.decode(ids, **options),
                                                 eos_token_ids(self.model_config, self.model_dir),
                                                 self.limits.max_model_len)
-        self.runner.eos_token_ids = self.output_processor.eos_token_ids  # the rows' min_tokens bans
+        self.executor.eos_token_ids = self.output_processor.eos_token_ids  # the rows' min_tokens bans
         # encode looked up per call too, for the same reason
         self.inputs = InputProcessor(vocab_size=self.model_config.vocab_size, max_model_len=self.limits.max_model_len,
                                      max_logprobs=cfg.max_logprobs, encode=lambda text: self.tokenizer.encode(text),
@@ -124,6 +119,70 @@ class LLMEngine:
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self._arrivals = count()
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
+
+    def _start_in_process(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+        """The "uni" backend (tensor_parallel_size=1): the model, its adapter slots and the KV size in this
+        process; (manager, whether decode steps use CUDA graphs). The runner is made once the adapter seam
+        exists."""
+        self.model, self.model_config, self.model_dir = load_model(
+            cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only,
+            quantization=cfg.quantization)
+        manager = self._make_manager(device, lora_base_weights(self.model))
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
+        kv_budget = (self._profile_kv_budget(manager, use_graphs)
+                     if device.type == "cuda" and cfg.kv_cache_memory_bytes is None else None)
+        self.limits = engine_limits(cfg, self.model_config.max_position_embeddings,
+                                    kv_block_bytes(self.model_config, 1, dtype), free, kv_budget,
+                                    available_host_memory() if device.type == "cpu" else None)
+        return manager, use_graphs
+
+    def _start_workers(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype, threads: int):
+        """The "mp" backend (tensor_parallel_size > 1, or 1 when asked for): one worker process per rank
+        holds its model, KV cache and slots; this process keeps the scheduler and the adapter tiers, whose slots are proxies (lora_runner.executor).
+        ``threads``: the engine's CPU threads, split over the ranks."""
+        if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
+            raise ValueError("tensor_parallel_size > 1 on CUDA needs kv_cache_memory_bytes (per rank): the "
+                             "start-up memory profile runs in one process only")
+        self.model, self.runner = None, None
+        self.model_dir = resolve_model_dir(cfg.model, revision=cfg.revision, local_files_only=cfg.local_files_only)
+        self.model_config = ModelConfig.from_dir(self.model_dir, name_or_path=cfg.model,
+                                                 quantization=cfg.quantization)
+        check_splits(self.model_config.spec(), cfg.tensor_parallel_size)  # ValueError before any process starts
+        # a block on one rank (its KV heads); the host's memory holds every rank's blocks, a GPU one rank's
+        rank_block = kv_block_bytes(self.model_config, 1, dtype, TensorParallel(0, cfg.tensor_parallel_size))
+        self.limits = engine_limits(cfg, self.model_config.max_position_embeddings,
+                                    rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), None,
+                                    cfg.kv_cache_memory_bytes if device.type == "cuda" else None,
+                                    available_host_memory() if device.type == "cpu" else None)
+        _, max_batched, max_blocks_per_seq = step_sizes(cfg, self.model_config.max_position_embeddings,
+                                                        self.limits.max_model_len)
+        spec = WorkerSpec(
+            model=cfg.model, revision=cfg.revision, local_files_only=cfg.local_files_only,
+            quantization=cfg.quantization, dtype=dtype, device_type=device.type,
+            num_kv_blocks=self.limits.num_kv_blocks, block_size=cfg.block_size, max_num_tokens=max_batched,
+            max_num_seqs=cfg.max_num_seqs, max_blocks_per_seq=max_blocks_per_seq, max_loras=cfg.max_loras,
+            max_lora_rank=cfg.max_lora_rank, max_prompt_adapters=cfg.max_prompt_adapters,
+            max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, seed=cfg.seed,
+            eos_token_ids=eos_token_ids(self.model_config, self.model_dir),
+            threads_per_rank=max(1, threads // cfg.tensor_parallel_size), step_timeout_s=cfg.worker_step_timeout_s)
+        self.executor = MultiprocExecutor(spec, cfg.tensor_parallel_size)
+        # DoRA's norms need whole rows of W, which no rank holds: read from the checkpoint (dequantized)
+        manager = self._make_manager(torch.device("cpu"), checkpoint_base_weights(self.model_dir, self.model_config,
+                                                                                  dtype),
+                                     make_slots=self.executor.slot_proxy)
+        return manager, False
+
+    def _make_manager(self, device: torch.device, base_weight, make_slots=None) -> AdapterManager:
+        """The adapter tiers; their weights live on `device` (the CPU when the slots are in worker processes)."""
+        cfg = self.config
+        return AdapterManager(
+            self.model_config.spec(), max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+            max_cpu_loras=cfg.cpu_loras, max_prompt_adapters=cfg.max_prompt_adapters,
+            max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=cfg.torch_dtype(),
+            allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
+            max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=self.intake.wake, base_weight=base_weight,
+            make_slots=make_slots)
 
     def _make_runner(self, num_kv_blocks: int, max_model_len: int | None = None, *,
                      manager: AdapterManager | None = None) -> ModelRunner:
@@ -157,7 +216,7 @@ class LLMEngine:
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
-        self.output_processor.eos_token_ids = self.runner.eos_token_ids = frozenset(ids)
+        self.output_processor.eos_token_ids = self.executor.eos_token_ids = frozenset(ids)
 
     # ----------------------------------------------------------------------------- intake (any thread)
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -179,10 +238,13 @@ class LLMEngine:
         included, when the prompt adapter is loaded already), token ids outside the vocabulary, a
         string prompt when the model has no tokenizer, or a prompt adapter when they are disabled.
         An adapter that fails to load does not raise here: that request finishes with "error".
+        EngineDeadError once a tensor-parallel worker died (is_alive is False).
         params.n > 1: n samples (lora_runner.engine.parallel_sampling) that share the prompt's prefill,
         reported as one RequestOutput with n CompletionOutputs; their internal ids
         f"{request_id}[i]" are taken too while it runs; abort_request(request_id) aborts them all.
         """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine can serve no more requests: {self._dead}")
         samples = self.inputs.sample_requests(request_id, prompt, params, lora_request, prompt_adapter_request,
                                               tenant, self._new_request, cache_salt)
         with self.intake.adding(request_id, samples):  # ids reserved now; queued once the adapters are held
@@ -194,7 +256,7 @@ class LLMEngine:
             params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer.get(),
                                                              self.model_config.vocab_size)
         grammar = self.structured.request_grammar(params)  # its own matcher; the compilation is shared
-        generator = self.runner.make_generator(params.seed) if params.seed is not None else None
+        generator = self.executor.make_generator(params.seed) if params.seed is not None else None
         request = Request(request_id, list(token_ids), params, arrival=next(self._arrivals),
                           prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
                           prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant,
@@ -225,10 +287,13 @@ class LLMEngine:
         a download is stalled (its daemon thread never delays process exit). Requests whose loads
         were cancelled finish with "error" at the next step(); requests with ready adapters can
         still be stepped to completion. From now on add_request, add_lora, add_prompt_adapter and
-        pin/unpin/remove raise EngineClosedError. Idempotent."""
+        pin/unpin/remove raise EngineClosedError. Idempotent.
+        At tensor_parallel_size > 1 it also stops the worker processes (none is left running), so the
+        requests still unfinished finish with "error" at the next step()."""
         self.intake.close()
         self.adapters.close()
         self.structured.close()
+        self.executor.close()
         self.intake.wake()  # the cancelled loads are failures the next step reports
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
@@ -243,6 +308,12 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the executor died (a tensor-parallel worker exited or did not answer a step in time);
+        the server's /health reads it through AsyncLLMEngine.is_running."""
+        return self._dead is None and self.executor.is_alive()
 
     def has_unfinished_requests(self) -> bool:
         """True while any added request has not been reported finished."""
@@ -328,6 +399,8 @@ class LLMEngine:
         return self.intake.merge_samples(outputs)
 
     def _step(self) -> list[RequestOutput]:
+        if self._dead is not None:  # requests that slipped in while the executor died
+            return self._fail_everything(self._dead)
         wakes_at_start = self.intake.step_began()
         outputs = self._take_intake()
         self._insert_placeholders()
@@ -335,7 +408,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             # the rows of requests that left go now, whatever happens to the rest of this step (the
             # output hands their ids over once; InputBatch.update frees them again, a no-op then)
-            self.runner.forget(sched.left_ids)
+            self.executor.forget(sched.left_ids)
             slot_of, prompt_slot_of, unplaced = self._activate(sched)
         idle = not (outputs or sched.failed or sched.scheduled)
         self.intake.step_ended(wakes_at_start if idle else None)
@@ -375,7 +448,7 @@ class LLMEngine:
         sched.num_scheduled_tokens = [sched.num_scheduled_tokens[i] for i in kept]
         sched.new_requests = [new for new in sched.new_requests if new.request_id not in ids]
         sched.continuing = [cont for cont in sched.continuing if cont.request_id not in ids]
-        self.runner.forget(ids)
+        self.executor.forget(ids)
         for request, error in unplaced.items():
             logger.warning("request %r failed: %s", request.request_id, error)
         return [self._finish(request, "error", error) for request in unplaced]
@@ -393,9 +466,23 @@ class LLMEngine:
         # the output says what changed; the structured-output mask is filled here, on the step thread
         sched.grammar_rows, sched.grammar_bitmask = self.structured.step_bitmask(
             [s.request for s in sched.scheduled if s.samples])
-        result = self.runner.execute(sched, slot_of, prompt_slot_of)
+        try:
+            result = self.executor.execute(sched, slot_of, prompt_slot_of)
+        except EngineDeadError as error:
+            return self._fail_everything(error)
         return [self._report(request, error)
                 for request, error in self.scheduler.postprocess(sched.scheduled, result, self.output_processor)]
+
+    def _fail_everything(self, error: EngineDeadError) -> list[RequestOutput]:
+        """The executor died (a worker exited or hung): every request the engine holds finishes with
+        "error" now, and from now on add_request raises EngineDeadError and is_alive is False."""
+        if self._dead is None:
+            logger.error("the engine can serve no more requests: %s", error)
+        self._dead = error
+        outputs = self._take_intake()  # requests added since the last step join the scheduler first
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            outputs.append(self._finish(request, "error", error))
+        return outputs
 
     def _report(self, request: Request, error: BaseException | None) -> RequestOutput:
         """A sampled request's output after Scheduler.postprocess; a finished one gives its adapters

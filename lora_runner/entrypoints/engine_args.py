@@ -19,8 +19,8 @@ from lora_runner.config import EngineConfig
 
 DEFAULT_PROMPT_ADAPTER_TOKENS = 64  # virtual tokens per soft prompt when --prompt-adapters enables them
 
-# today's spellings kept working beside the generated names
-ALIASES = {"max_prompt_adapter_tokens": ("--max-prompt-adapter-token",)}
+# today's spellings kept working beside the generated names, and vLLM's short ones
+ALIASES = {"max_prompt_adapter_tokens": ("--max-prompt-adapter-token",), "tensor_parallel_size": ("-tp",)}
 # options whose default follows other options (None on the command line; resolved by engine_config)
 DERIVED_DEFAULTS = {
     "max_prompt_adapters": "1 when --prompt-adapters is given, else 0",

@@ -1,0 +1,42 @@
+"""UniProcExecutor: the ModelRunner in the engine's own process (tensor_parallel_size=1)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+
+import torch
+
+from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.executor.base import Executor
+from lora_runner.sample.sampler import SamplerOutput
+from lora_runner.worker.model_runner import ModelRunner
+
+
+class UniProcExecutor(Executor):
+    """Calls ``runner`` directly: the path of a one-device engine, CUDA graphs and the memory profile included
+    (the engine builds and captures the runner; this only forwards)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, sched: SchedulerOutput, lora_slot_of: Mapping[Hashable, int],
+                prompt_slot_of: Mapping[Hashable, int]) -> SamplerOutput:
+        """ModelRunner.execute."""
+        return self.runner.execute(sched, lora_slot_of, prompt_slot_of)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """ModelRunner.forget."""
+        self.runner.forget(request_ids)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The runner's end ids."""
+        return self.runner.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.runner.eos_token_ids = ids
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A generator on the runner's device."""
+        return self.runner.make_generator(seed)
