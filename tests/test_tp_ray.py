@@ -7,18 +7,21 @@ engine for the equality test; the failure test builds its own and kills one acto
 from __future__ import annotations
 
 import os
+import socket
 import time
 
+import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from adapters import LoRARequest, PromptAdapterRequest
 from engine_support import run_to_completion, step_until
 from factories import save_prompt_adapter
 from lora_runner import LLMEngine, SamplingParams
+from serve_support import PROMPTS, offline_greedy, serve_args, serve_configs, token_ids
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 6
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +73,7 @@ def _group_state(group) -> str:
     return ray.util.placement_group_table(group)["state"]
 
 
+@pytest.mark.slow
 def test_ray_tp2_equals_tp1_for_a_mixed_batch(ray_cluster, engine_checkpoint, dirs):
     model_dir = engine_checkpoint[0]
     tp1 = LLMEngine(model_dir, **engine_kwargs())
@@ -100,6 +104,7 @@ def test_ray_tp2_equals_tp1_for_a_mixed_batch(ray_cluster, engine_checkpoint, di
     assert _group_state(executor.placement_group) == "REMOVED"
 
 
+@pytest.mark.slow
 def test_a_killed_actor_fails_every_request_and_close_leaves_nothing(ray_cluster, engine_checkpoint, dirs):
     model_dir = engine_checkpoint[0]
     engine = LLMEngine(model_dir, **engine_kwargs(tensor_parallel_size=2, distributed_executor_backend="ray"))
@@ -122,3 +127,60 @@ def test_a_killed_actor_fails_every_request_and_close_leaves_nothing(ray_cluster
     for actor in actors:  # rank 0 was killed too: no actor answers
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.ping.remote(), timeout=10)
+
+
+def _application_parts(model_dir: str, loras: dict, extra: list[str]):
+    from lora_runner.entrypoints.cli import ray_config
+
+    args = serve_args(model_dir, loras, extra=extra)
+    return (*serve_configs(args), ray_config(args))
+
+
+def test_replica_placement_groups_hold_one_bundle_per_rank(engine_checkpoint):
+    from lora_runner.entrypoints.ray.placement import replica_engine_config, replica_options
+
+    model_dir = engine_checkpoint[0]
+    engine, _, _, layout = _application_parts(model_dir, {}, ["--num-replicas", "2", "-tp", "2",
+                                                              "--replica-cpus", "0.5"])
+    options = replica_options(replica_engine_config(engine), layout)
+    assert options["num_replicas"] == 2 and options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["placement_group_bundles"] == [{"CPU": 1.5}, {"CPU": 1.0}]  # 2 replicas: 4 bundles in all
+    assert options["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0}  # fits the first bundle
+    assert replica_engine_config(engine).executor_backend == "ray"
+    assert "placement_group_bundles" not in replica_options(engine.__class__(model=model_dir), layout)
+    mp_engine, _, _, _ = _application_parts(model_dir, {}, ["-tp", "2", "--distributed-executor-backend", "mp"])
+    with pytest.raises(ValueError, match="--distributed-executor-backend ray"):
+        replica_engine_config(mp_engine)
+
+
+@pytest.mark.slow
+def test_a_serve_replica_with_tp2_runs_its_ranks_in_its_placement_group(ray_cluster, engine_checkpoint, dirs):
+    from ray import serve
+
+    from lora_runner.entrypoints.ray.app import build_application
+
+    model_dir = engine_checkpoint[0]
+    loras = {"r4": dirs["r4"]}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        parts = _application_parts(model_dir, loras, ["--num-replicas", "1", "-tp", "2", "--replica-cpus", "1"])
+        serve.run(build_application(*parts), name="lora-runner-tp", route_prefix="/")
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert [list(g["bundles"].values()) for g in groups] == [[{"CPU": 2.0}, {"CPU": 1.0}]]
+        got = []
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120.0) as http:
+            for model in ("base", "r4"):
+                body = {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                        "logprobs": 0}
+                response = http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                got.append(response.json()["choices"][0]["logprobs"]["tokens"])
+    finally:
+        serve.shutdown()
+    want = offline_greedy(model_dir, [(PROMPTS[0], None, None), (PROMPTS[0], "r4", None)], MAX_TOKENS, loras)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert [token_ids(tokenizer, tokens) for tokens in got] == want  # the replica's tp=2 engine, exact
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())

@@ -1,15 +1,16 @@
 """RayExecutor: one Ray actor per tensor-parallel rank, in one placement group, one message per step.
 
 The actors (lora_runner.executor.ray_actor) each take one bundle of a STRICT_PACK placement group (one
-CPU, or one GPU and one CPU, per rank: every rank on one node), or the bundles after the first of the
-group the caller already runs in (a Ray Serve replica given ``placement_group_bundles``, whose first
-bundle is the replica's own). Rank 0's actor picks the group's address and port; all join one
-torch.distributed group (gloo on CPU, nccl on CUDA).
+CPU, or one GPU and one CPU, per rank: every rank on one node), or the bundles of the group the caller
+already runs in (a Ray Serve replica given ``placement_group_bundles``: its first bundle holds the replica
+and rank 0; lora_runner.entrypoints.ray.placement). Rank 0's actor picks the group's address and port;
+all join one torch.distributed group (gloo on CPU, nccl on CUDA).
 
 Each step's message is encoded once and put in the object store once (``ray.put``); the same ObjectRef
 goes to every actor. Adapter weights do not ride in it: as with "mp", each version is written once to
 shared memory (/dev/shm, lora_runner.executor.shared_weights) and named by a handle, which works because
-the placement group keeps every actor on the engine's node.
+the placement group keeps every actor on the engine's node (its bundles ask for a share of the node's
+"node:<ip>" resource; a Serve replica's group is packed with the replica).
 
 A rank that dies (RayActorError), fails a step (RayTaskError) or does not answer within ``step_timeout_s``
 makes ``execute`` raise EngineDeadError; every actor is then killed and a placement group this executor
@@ -36,6 +37,8 @@ from lora_runner.executor.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
+NODE_SHARE = 0.001  # of a node's "node:<ip>" resource (1.0), asked by each bundle to pin it to that node
+
 
 def rank_bundles(world_size: int, device_type: str) -> list[dict[str, float]]:
     """One placement-group bundle per rank: {"CPU": 1}, plus {"GPU": 1} on CUDA."""
@@ -47,7 +50,7 @@ class RayExecutor(RankedExecutor):
     """``world_size`` RankActors built from ``spec``, in their placement group.
 
     Attributes: ``actors`` (the actor handles, rank order), ``placement_group`` and ``owns_group`` (False
-    when the ranks use bundles 1.. of the caller's group), ``counts`` ("messages", "pickles", "puts": object
+    when the ranks use the caller's group, left to its owner), ``counts`` ("messages", "pickles", "puts": object
     store puts, "sends": actor calls), ``shared``. Needs ``ray.init()`` done (or does it, locally). Raises
     RuntimeError when the group cannot be placed or a rank fails to start; nothing is left running then.
     """
@@ -58,30 +61,33 @@ class RayExecutor(RankedExecutor):
             ray.init(include_dashboard=False)
         bundles = rank_bundles(world_size, spec.device_type)
         current = get_current_placement_group()
-        if current is not None:  # a Serve replica: bundle 0 is the replica, the ranks take the rest
-            if len(current.bundle_specs) < world_size + 1:
+        if current is not None:  # a Serve replica's group: rank r takes bundle r (bundle 0 holds the replica)
+            if len(current.bundle_specs) < world_size:
                 raise RuntimeError(f"this process runs in a placement group of {len(current.bundle_specs)} "
-                                   f"bundles; {world_size} ranks need {world_size} more after the first")
-            self.placement_group, self.owns_group, first = current, False, 1
+                                   f"bundles; {world_size} ranks need one each")
+            self.placement_group, self.owns_group = current, False
         else:
-            self.placement_group, self.owns_group, first = placement_group(bundles, strategy="STRICT_PACK"), True, 0
+            # on this node: the ranks map the adapter weights' files this process writes to its /dev/shm
+            here = {f"node:{ray.util.get_node_ip_address()}": NODE_SHARE}
+            group = placement_group([{**bundle, **here} for bundle in bundles], strategy="STRICT_PACK")
+            self.placement_group, self.owns_group = group, True
         self.actors: list = []
         self._finalizer = weakref.finalize(self, _stop_actors, self.actors,
                                            self.placement_group if self.owns_group else None, self.shared)
         try:
-            self._start(spec, bundles, first)
+            self._start(spec, bundles)
         except (EngineDeadError, GetTimeoutError, RayError) as error:
             self.close()
             raise RuntimeError(f"tensor-parallel Ray actors failed to start: {error}") from error
 
-    def _start(self, spec: WorkerSpec, bundles: list[dict], first: int) -> None:
+    def _start(self, spec: WorkerSpec, bundles: list[dict]) -> None:
         if self.owns_group and not _wait_ready(self.placement_group, spec.startup_timeout_s):
             raise GetTimeoutError(f"a placement group of {len(bundles)} bundles {bundles[0]} on one node "
                                   f"could not be placed within {spec.startup_timeout_s:.0f} s "
                                   f"(cluster resources: {ray.cluster_resources()})")
         actor_class = ray.remote(RankActor)
         for rank, bundle in enumerate(bundles):
-            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=first + rank)
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
             options = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), scheduling_strategy=strategy,
                            name=None, max_restarts=0, max_concurrency=1)
             self.actors.append(actor_class.options(**options).remote(rank, self.world_size, spec))
