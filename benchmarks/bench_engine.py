@@ -18,6 +18,11 @@ token) on a skewed load, one tenant sending 10x the requests of two others, all 
 with its own LoRA and 2 slots: each tenant's share of the weighted served tokens (prefill 1, decode 2)
 while all three are backlogged, and the scheduler's own time per step.
 
+--tensor-parallel-size N adds a table (benchmarks/tp_rows.py): one batch served at tp=1 and at tp=N
+with the same total torch threads (--threads, split over the ranks), wall-clock tok/s, ms/step and the
+ratio to tp=1; --tp-backend ray runs the ranks as Ray actors. Only that table, on CPU:
+    python benchmarks/bench_engine.py --quick --workloads "" --skip-peft --tensor-parallel-size 2 --threads 2
+
 --contention adds a table on the batch workload without adapters: the engine and transformers
 generate() (static batch) serve the same requests, with no other load and then while a competing
 busy process (a subprocess spinning on this process's last core) runs, once with the engine's
@@ -52,6 +57,7 @@ from tqdm.auto import tqdm
 
 from common import (ModelShape, PeftRunner, WorkloadSpec, machine_description,  # benchmarks/common.py
                     make_workload, markdown_table, percentile, save_random_adapters, save_random_model)
+from tp_rows import TP_ADAPTERS, TP_COLUMNS, tp_rows  # benchmarks/tp_rows.py
 
 logger = logging.getLogger("bench_engine")
 
@@ -98,7 +104,7 @@ class EngineRunner:
 
     def __init__(self, model_dir: str, adapter_paths: list[Path], spec: WorkloadSpec, rank: int,
                  device: str, max_model_len: int, max_batched_tokens: int, policy: str = "fair",
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, **engine_kwargs):
         from adapters import LoRARequest
         from lora_runner import LLMEngine
 
@@ -106,7 +112,7 @@ class EngineRunner:
                                 max_cpu_loras=4 * spec.max_loras,  # CPU tier pages too at 128
                                 device=device, max_num_seqs=spec.num_requests,
                                 max_model_len=max_model_len, max_num_batched_tokens=max_batched_tokens,
-                                scheduling_policy=policy, cpu_threads=cpu_threads)
+                                scheduling_policy=policy, cpu_threads=cpu_threads, **engine_kwargs)
         self.loras = [LoRARequest(f"adapter-{i:03d}", str(p)) for i, p in enumerate(adapter_paths)]
         self._run_index = 0
 
@@ -118,7 +124,7 @@ class EngineRunner:
         prefix = f"run{self._run_index}-"
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         arrival = {prefix + r.request_id: r.arrival_s for r in requests}
-        first_token, token_ids, progress = {}, {}, {}
+        first_token, token_ids, progress, steps = {}, {}, {}, 0
         stats_before = adapter_stats(self.engine)
         bar = tqdm(total=sum(r.max_tokens for r in requests), desc=desc, leave=False, unit="tok")
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -133,6 +139,7 @@ class EngineRunner:
             if not self.engine.has_unfinished_requests():
                 time.sleep(max(0.0, pending[0].arrival_s - now))
                 continue
+            steps += 1
             for out in self.engine.step():
                 completion = out.outputs[0]
                 if completion.finish_reason == "error":
@@ -147,6 +154,7 @@ class EngineRunner:
         bar.close()
         stats_after = adapter_stats(self.engine)
         return {"tokens": sum(map(len, token_ids.values())), "seconds": seconds, "cpu_seconds": cpu_seconds,
+                "steps": steps,
                 "ttfts": list(first_token.values()), "token_ids": token_ids,
                 **{k: stats_after[k] - stats_before[k] for k in stats_after}}
 
@@ -379,6 +387,10 @@ def parse_args(argv=None):
                    help="add the engine-vs-transformers table without and with a competing busy process")
     p.add_argument("--fairness", action="store_true",
                    help="add the skewed-load fairness table (scheduler only, no model; seconds)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N > 1 adds a table: tp=1 against tp=N with the same total threads (wall clock)")
+    p.add_argument("--tp-backend", choices=("mp", "ray"), default="mp",
+                   help="the executor backend of the tp=N engine (ray: a local Ray instance is started)")
     p.add_argument("--out-dir", default="results")
     return p.parse_args(argv)
 
@@ -409,13 +421,17 @@ def main(argv=None) -> list[dict]:
             base_model = save_random_model(Path(model_dir), QUICK_SHAPE if args.quick else FULL_SHAPE,
                                            dtype=dtype)
         vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
-        adapter_paths = save_random_adapters(base_model, Path(tmp) / "adapters",
-                                             max((s.num_adapters for s in specs), default=0), args.rank)
+        num_adapters = max([s.num_adapters for s in specs] + [TP_ADAPTERS if args.tensor_parallel_size > 1 else 0])
+        adapter_paths = save_random_adapters(base_model, Path(tmp) / "adapters", num_adapters, args.rank)
         del base_model
         peft = None if args.skip_peft else PeftRunner(model_dir, adapter_paths, device, dtype)
         rows = [run_workload(spec, model_dir, adapter_paths, args, peft, vocab_size, policy)
                 for spec in tqdm(specs, desc="workloads") for policy in args.policy]
         contention = contention_rows(model_dir, vocab_size, args, device, dtype) if args.contention else None
+        args.device_name = str(device)
+        tensor_parallel = (tp_rows(EngineRunner, model_dir, adapter_paths, vocab_size, args,
+                                   args.threads or torch.get_num_threads())
+                           if args.tensor_parallel_size > 1 else None)
     report = {"mode": "quick" if args.quick else "full", "model": args.model or "random",
               "rank": args.rank, "repeats": args.repeats, "clock": args.clock,
               "machine": machine_description(str(device)), "seconds": time.perf_counter() - started,
@@ -424,6 +440,8 @@ def main(argv=None) -> list[dict]:
         report["fairness"] = [fairness_row(policy) for policy in args.policy]
     if contention is not None:
         report["contention"] = contention
+    if tensor_parallel is not None:
+        report["tensor_parallel"] = tensor_parallel
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench_engine-{report['mode']}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -437,6 +455,10 @@ def main(argv=None) -> list[dict]:
         print("\nBatch of base-model requests, engine vs transformers generate(), wall-clock tok/s; slowdown: "
               "without / with the competing process")
         print(markdown_table(contention, CONTENTION_COLUMNS))
+    if tensor_parallel is not None:
+        print(f"\nOne batch (each request on one of 4 LoRAs), tp=1 against tp={args.tensor_parallel_size} with the same total "
+              "threads, wall-clock tok/s")
+        print(markdown_table(tensor_parallel, TP_COLUMNS))
     print(f"\ntok/s per {args.clock} second; {report['machine']}\n"
           f"total {report['seconds']:.0f} s; written {stem}.json")
     return rows

@@ -3,6 +3,7 @@ from it and the model are lora_runner.engine.limits)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -94,8 +95,9 @@ class EngineConfig:
         "parallelism)", default=1))
     distributed_executor_backend: str | None = field(**_doc(
         'how the model runs: "uni" (in the engine\'s process; tensor_parallel_size 1 only), "mp" (one worker '
-        'process per rank, started with torch.multiprocessing) or None ("uni" at tensor_parallel_size 1, else '
-        '"mp"); "ray" is not available yet', default=None))
+        'process per rank, started with torch.multiprocessing), "ray" (one Ray actor per rank in a placement group '
+        'of one bundle per rank, on the engine\'s node; needs lora-runner[ray]) or None ("uni" at '
+        'tensor_parallel_size 1, else "mp")', default=None))
     worker_step_timeout_s: float = field(**_doc(
         "at tensor_parallel_size > 1: seconds a step may take before the workers are declared dead (every "
         "request then finishes with \"error\" and the engine stops serving)", default=120.0))
@@ -127,10 +129,12 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_OPTIONS}, got {self.quantization!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
-        if self.distributed_executor_backend not in (None, "uni", "mp"):
-            raise ValueError(f'distributed_executor_backend must be None, "uni" or "mp", got '
-                             f'{self.distributed_executor_backend!r} (the Ray backend is not built yet: run tensor '
-                             'parallelism with "mp")')
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(f'distributed_executor_backend must be None, "uni", "mp" or "ray", got '
+                             f'{self.distributed_executor_backend!r}')
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError('distributed_executor_backend="ray" needs Ray: pip install \'lora-runner[ray]\' '
+                             '(or use "mp")')
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError('distributed_executor_backend="uni" runs one process: it needs tensor_parallel_size=1, '
                              f'got {self.tensor_parallel_size} (use "mp")')
@@ -161,7 +165,7 @@ class EngineConfig:
 
     @property
     def executor_backend(self) -> str:
-        """distributed_executor_backend with its default applied: "uni" or "mp"."""
+        """distributed_executor_backend with its default applied: "uni", "mp" or "ray"."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "uni" if self.tensor_parallel_size == 1 else "mp"

@@ -214,11 +214,12 @@ def test_a_hung_worker_times_out_and_close_leaves_no_process(adapters_tp):
     assert not _alive(pids)
 
 
-def test_config_refuses_the_ray_backend_and_bad_sizes():
+def test_config_refuses_unknown_backends_and_bad_sizes():
     from lora_runner import EngineConfig
 
-    with pytest.raises(ValueError, match="Ray backend"):
-        EngineConfig(model="m", tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match='"mp" or "ray"'):
+        EngineConfig(model="m", tensor_parallel_size=2, distributed_executor_backend="mpi")
+    assert EngineConfig(model="m", tensor_parallel_size=2, distributed_executor_backend="ray").executor_backend == "ray"
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="tensor_parallel_size"):
             EngineConfig(model="m", tensor_parallel_size=bad)

@@ -138,7 +138,8 @@ class LLMEngine:
         return manager, use_graphs
 
     def _start_workers(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype, threads: int):
-        """The "mp" backend (tensor_parallel_size > 1, or 1 when asked for): one worker process per rank
+        """The "mp" and "ray" backends (tensor_parallel_size > 1, or 1 when asked for): one worker process (or Ray
+        actor) per rank
         holds its model, KV cache and slots; this process keeps the scheduler and the adapter tiers, whose slots are proxies (lora_runner.executor).
         ``threads``: the engine's CPU threads, split over the ranks."""
         if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
@@ -165,8 +166,9 @@ class LLMEngine:
             max_lora_rank=cfg.max_lora_rank, max_prompt_adapters=cfg.max_prompt_adapters,
             max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, seed=cfg.seed,
             eos_token_ids=eos_token_ids(self.model_config, self.model_dir),
-            threads_per_rank=max(1, threads // cfg.tensor_parallel_size), step_timeout_s=cfg.worker_step_timeout_s)
-        self.executor = MultiprocExecutor(spec, cfg.tensor_parallel_size)
+            threads_per_rank=max(1, threads // cfg.tensor_parallel_size), step_timeout_s=cfg.worker_step_timeout_s,
+            own_gpu_only=cfg.executor_backend == "ray")
+        self.executor = _rank_executor(cfg.executor_backend)(spec, cfg.tensor_parallel_size)
         # DoRA's norms need whole rows of W, which no rank holds: read from the checkpoint (dequantized)
         manager = self._make_manager(torch.device("cpu"), checkpoint_base_weights(self.model_dir, self.model_config,
                                                                                   dtype),
@@ -528,3 +530,13 @@ class LLMEngine:
                              num_cached_tokens=request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs,
                              metrics=dataclasses.replace(request.times))
 
+
+
+def _rank_executor(backend: str) -> type:
+    """The executor class of a backend with one worker per rank: "mp" or "ray"."""
+    if backend == "ray":
+        # imported here: Ray is an optional dependency (lora-runner[ray]), needed only by this backend
+        from lora_runner.executor.ray_executor import RayExecutor
+
+        return RayExecutor
+    return MultiprocExecutor

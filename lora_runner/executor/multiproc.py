@@ -15,35 +15,25 @@ also stop by themselves when the engine's process dies (lora_runner.executor.wor
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import socket
 import time
 import weakref
-from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping
 from multiprocessing.connection import wait
 
-import torch
 import torch.multiprocessing as mp
 
-from lora_runner.core.scheduler_output import SchedulerOutput
-from lora_runner.executor.base import Executor
 from lora_runner.executor.errors import EngineDeadError
+from lora_runner.executor.ranked import RankedExecutor
 from lora_runner.executor.shared_weights import SharedWeights
-from lora_runner.executor.slot_proxy import SlotOp, SlotOps, SlotProxy
-from lora_runner.executor.step_message import encode
 from lora_runner.executor.worker_main import worker_main
 from lora_runner.executor.worker_spec import WorkerSpec
-from lora_runner.sample.sampler import SamplerOutput
-
-logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0  # how long a closing executor waits for workers to exit on their own before killing them
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankedExecutor):
     """``world_size`` workers (spawned) that build their rank from ``spec``.
 
     Attributes: ``processes`` (the worker processes), ``counts`` (Counter: "messages" sent steps,
@@ -54,14 +44,7 @@ class MultiprocExecutor(Executor):
     """
 
     def __init__(self, spec: WorkerSpec, world_size: int) -> None:
-        if world_size < 1:
-            raise ValueError(f"MultiprocExecutor needs world_size >= 1, got {world_size}")
-        self.spec, self.world_size = spec, world_size
-        self.ops, self.shared = SlotOps(), SharedWeights()
-        self.counts: Counter = Counter()
-        self.rank_messages = [0] * world_size  # messages each rank reports it applied
-        self._eos = frozenset(spec.eos_token_ids)
-        self._dead: EngineDeadError | None = None
+        super().__init__(spec, world_size)
         context = mp.get_context("spawn")
         port = _free_port()
         self.processes, self._conns = [], []
@@ -80,37 +63,6 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(f"tensor-parallel workers failed to start: {error}") from error
         self.slot_nbytes = {kind: sum(r[kind] for r in ready) for kind in ("lora", "prompt")}
 
-    # ------------------------------------------------------------------------- Executor
-    def execute(self, sched: SchedulerOutput, lora_slot_of: Mapping[Hashable, int],
-                prompt_slot_of: Mapping[Hashable, int]) -> SamplerOutput:
-        """Send the step to every rank (one pickle, the same bytes) and return rank 0's SamplerOutput."""
-        self.counts["messages"] += 1
-        return self._send(sched, lora_slot_of, prompt_slot_of)
-
-    def flush(self) -> None:
-        """Deliver the queued ops now, without a step (tests; a step delivers them otherwise)."""
-        self._send(None, {}, {})
-
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Queue: every rank frees these rows before the next step."""
-        ids = tuple(request_ids)
-        if ids:
-            self.ops.put(SlotOp("forget", request_ids=ids))
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """The end ids the ranks' rows ban until min_tokens."""
-        return self._eos
-
-    @eos_token_ids.setter
-    def eos_token_ids(self, ids) -> None:
-        self._eos = frozenset(ids)
-        self.ops.put(SlotOp("eos", eos_token_ids=self._eos))
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        """A CPU generator seeded ``seed``; each rank rebuilds it on its device from the seed."""
-        return torch.Generator().manual_seed(seed)
-
     def is_alive(self) -> bool:
         """True while no step failed and every worker runs."""
         return self._dead is None and all(process.is_alive() for process in self.processes)
@@ -120,37 +72,16 @@ class MultiprocExecutor(Executor):
         weight files; idempotent."""
         self._finalizer()
 
-    def slot_proxy(self, kind: str) -> SlotProxy:
-        """The engine-side slots of ``kind`` ("lora": LoRA and vocabulary slots as one, "prompt")."""
-        num_slots = self.spec.max_loras if kind == "lora" else self.spec.max_prompt_adapters
-        return SlotProxy(kind, num_slots, self.ops, self.shared, nbytes=self.slot_nbytes[kind])
-
     # ------------------------------------------------------------------------- one message
-    def _send(self, sched, lora_slot_of, prompt_slot_of) -> SamplerOutput | None:
-        if self._dead is not None:
-            raise self._dead
-        ops, keep = self.ops.take()
-        payload = encode(ops, sched, lora_slot_of, prompt_slot_of)
-        self.counts["pickles"] += 1
+    def _deliver(self, payload: bytes) -> list:
+        """The same bytes down every rank's pipe, then every rank's reply."""
         try:
             for conn in self._conns:
                 conn.send_bytes(payload)
                 self.counts["sends"] += 1
         except (BrokenPipeError, OSError) as error:
             self._die(f"a worker's pipe broke: {error!r}")
-        replies = self._gather(self.spec.step_timeout_s, "step")
-        del keep  # every rank has written the files these ops name into its slots
-        if sched is not None:
-            self._check_agree(replies)
-        return replies[0]
-
-    def _check_agree(self, results: list[SamplerOutput]) -> None:
-        """Every rank must have sampled the same tokens: each commits its own into its rows, and ranks whose
-        rows differ can never be brought back in step."""
-        for rank, result in enumerate(results[1:], start=1):
-            if result.token_ids != results[0].token_ids:
-                self._die(f"tensor-parallel rank {rank} sampled {result.token_ids}, rank 0 {results[0].token_ids}: "
-                          "the ranks are out of step")
+        return self._gather(self.spec.step_timeout_s, "step")
 
     def _gather(self, timeout: float, what: str) -> list:
         """Every rank's reply (in rank order) within ``timeout`` s; EngineDeadError otherwise."""
@@ -184,13 +115,6 @@ class MultiprocExecutor(Executor):
         if rest:
             self.rank_messages[rank] = rest[0]
         return value
-
-    def _die(self, reason: str):
-        """Stop every worker and raise EngineDeadError(reason), now and on every later call."""
-        logger.error("tensor-parallel executor dead: %s", reason)
-        self._dead = EngineDeadError(reason)
-        self.close()
-        raise self._dead
 
 
 def _stop_workers(processes, conns, shared: SharedWeights) -> None:

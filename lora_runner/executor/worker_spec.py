@@ -13,7 +13,8 @@ class WorkerSpec:
     its EngineConfig and limits; the worker never sees those).
 
     device_type: "cpu" or "cuda" (rank r uses cuda:r). threads_per_rank: torch intra-op threads of
-    each worker (the engine's cpu_threads split over the ranks). step_timeout_s: how long the engine
+    each worker (the engine's cpu_threads split over the ranks). own_gpu_only: rank r's process sees one GPU
+    (Ray sets CUDA_VISIBLE_DEVICES per actor), so it runs on cuda:0. step_timeout_s: how long the engine
     waits for a step's answer before it declares the workers dead (also the collectives' timeout).
     """
 
@@ -37,7 +38,10 @@ class WorkerSpec:
     threads_per_rank: int
     step_timeout_s: float
     startup_timeout_s: float = 600.0
+    own_gpu_only: bool = False  # each rank's process sees only its GPU (a Ray actor): every rank uses cuda:0
 
     def rank_device(self, rank: int) -> torch.device:
         """The device rank `rank` runs on."""
-        return torch.device("cpu") if self.device_type == "cpu" else torch.device("cuda", rank)
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device("cuda", 0 if self.own_gpu_only else rank)

@@ -21,6 +21,7 @@ from lora_runner.entrypoints.openai.shutdown import ABORT_GRACE_S
 from lora_runner.entrypoints.ray.config import RayConfig, check_ray_serving
 from lora_runner.entrypoints.ray.drain import create_drain_signal, drain_replicas
 from lora_runner.entrypoints.ray.ingress import ingress_deployment
+from lora_runner.entrypoints.ray.placement import replica_engine_config, replica_options
 from lora_runner.entrypoints.ray.replica import engine_deployment
 
 logger = logging.getLogger(__name__)
@@ -28,10 +29,11 @@ logger = logging.getLogger(__name__)
 
 def build_application(engine_config: EngineConfig, server_config: ServerConfig, adapters: StartupAdapters,
                       ray_config: RayConfig):
-    """The Serve application (engine replicas + ingress) of the given configs."""
+    """The Serve application (engine replicas + ingress) of the given configs; at tensor_parallel_size > 1
+    each replica's ranks are Ray actors in the replica's placement group (ray.placement; ValueError for "mp")."""
+    engine_config = replica_engine_config(engine_config)
     max_adapters = ray_config.max_adapters_per_replica or engine_config.max_cpu_loras or engine_config.max_loras
-    options = {"num_replicas": ray_config.num_replicas,
-               "ray_actor_options": {"num_cpus": ray_config.replica_cpus, "num_gpus": ray_config.replica_gpus}}
+    options = replica_options(engine_config, ray_config)
     engine = engine_deployment(max_adapters, engine_config.max_num_seqs).options(**options).bind(
         engine_config, server_config, adapters)
     return ingress_deployment().bind(engine, server_config, adapters)
