@@ -87,6 +87,10 @@ def adapter_choices(num_requests: int, num_adapters: int, popularity: str,
     return rng.choice(num_adapters, size=num_requests, p=weights / weights.sum()).tolist()
 
 
+# the base model's tenant in seed sequences (which take no negative entries): above every adapter index
+_BASE_TENANT = 2**32 - 1
+
+
 def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[BenchRequest]:
     """The requests of `spec`, identical on every call with the same spec and vocabulary."""
     if vocab_size <= FIRST_ORDINARY_TOKEN:
@@ -104,7 +108,7 @@ def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[BenchRequest]:
                 if spec.num_adapters else [None] * n)
     # one system prompt per tenant (adapter; the base model is one more tenant), drawn from its own seed so
     # that the rest of the workload does not change with shared_prefix_len
-    system = {a: np.random.default_rng([spec.seed, -1 if a is None else a]).integers(
+    system = {a: np.random.default_rng([spec.seed, _BASE_TENANT if a is None else a]).integers(
         FIRST_ORDINARY_TOKEN, vocab_size, size=spec.shared_prefix_len) for a in set(adapters)}
     requests = []
     for i in range(n):
