@@ -92,6 +92,12 @@ def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     if num_tokens == 0:
         return
     flat = kv_layer.view(2, -1, *kv_layer.shape[-2:])  # [2, num_blocks * block_size, H_kv, D]
+    if slot_mapping.is_cpu and int(slot_mapping.min()) >= 0:
+        # every token real (reading that is free on the host): the redirect below is the identity, so
+        # writing K and V at their slots directly stores the same data in a third of the torch calls
+        flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
+        flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
+        return
     valid = slot_mapping >= 0  # [T]
     first_valid = torch.argmax(valid.to(torch.int32))  # index of the first real token (0 if none)
     token_ids = torch.arange(num_tokens, device=slot_mapping.device)  # [T]
