@@ -14,9 +14,10 @@ machine):
   decode tok/s   the ~100M-parameter model of bench_engine --quick, one batch of equal-length
                  prompts, greedy, EOS ignored: the engine base-only and with 8 adapters, and
                  transformers' own `generate` on the same prompts (base), best of --repeats
-                 interleaved runs. Decode tokens/s excludes the prefill: engine steps after every
-                 request has its first token; for `generate`, (time of n new tokens - time of 1)
-                 for (n-1) tokens per row.
+                 interleaved runs; and PEFT's mixed-adapter `generate(adapter_names=...)` with the
+                 same 8 adapters over the requests (the engine's LoRA baseline). Decode tokens/s
+                 excludes the prefill: engine steps after every request has its first token; for
+                 `generate`, (time of n new tokens - time of 1) for (n-1) tokens per row.
 
     python benchmarks/bench_step.py                 # both, ~5 min on one CPU core
     python benchmarks/bench_step.py --skip-decode   # host table only
@@ -25,7 +26,7 @@ machine):
 
 Writes results/bench_step-<time>.json. Targets (issue 14): <= 1 ms host per step at 64 requests
 with 8 adapters (on CPU the model's own forward is part of it); engine base >= generate; engine
-with 8 adapters >= 0.9x engine base.
+with 8 adapters >= 0.9x engine base; issue 26 adds engine with 8 adapters >= 2x PEFT's mixed batch.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ DECODE_COLUMNS = [("run", "run", ""), ("batch", "batch", "d"), ("new_tokens", "n
                   ("decode_tokens_per_s", "decode tok/s", ".1f"),
                   ("total_tokens_per_s", "total tok/s", ".1f"),
                   ("vs_generate", "decode vs generate", ".2f"),
-                  ("vs_engine_base", "decode vs engine base", ".2f")]
+                  ("vs_engine_base", "decode vs engine base", ".2f"),
+                  ("vs_peft", "decode vs PEFT", ".2f")]
 
 
 def make_engine(model_dir: str, num_requests: int, max_loras: int, max_model_len: int):
@@ -246,10 +248,11 @@ def engine_decode(model_dir: str, adapter_paths: list[Path], prompts: list[list[
 
 
 @torch.inference_mode()
-def generate_decode(model, prompts: list[list[int]], new_tokens: int) -> dict:
-    """transformers `generate` (greedy, no padding: equal-length prompts) on the same batch."""
+def generate_decode(model, prompts: list[list[int]], new_tokens: int, **extra) -> dict:
+    """transformers `generate` (greedy, no padding: equal-length prompts) on the same batch;
+    `extra` goes to generate (PEFT's adapter_names)."""
     input_ids = torch.tensor(prompts)  # [B, S]
-    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(input_ids))
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(input_ids), **extra)
 
     def run(n: int) -> tuple[float, torch.Tensor]:
         start = time.process_time()
@@ -260,6 +263,19 @@ def generate_decode(model, prompts: list[list[int]], new_tokens: int) -> dict:
     full, out = run(new_tokens)
     return {"decode_tokens_per_s": len(prompts) * (new_tokens - 1) / (full - first),
             "total_tokens_per_s": len(prompts) * new_tokens / full, "token_ids": out.tolist()}
+
+
+def peft_with_adapters(model_dir: str, adapter_paths: list[Path]):
+    """A fresh base (PEFT injects its layers into the model it wraps) with every adapter loaded
+    as a0, a1, ... for mixed-adapter batches."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, str(adapter_paths[0]), adapter_name="a0")
+    for i, path in enumerate(adapter_paths[1:], start=1):
+        model.load_adapter(str(path), adapter_name=f"a{i}")
+    return model.eval()
 
 
 def _faster(best: dict | None, result: dict) -> dict:
@@ -281,24 +297,28 @@ def decode_table(tmp: Path, args) -> list[dict]:
     adapter_paths = save_random_adapters(base, tmp / "decode-adapters", 8, RANK, progress=False)
     del base
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    reference = engine_base = engine_lora = None
-    for _ in range(args.repeats):  # interleaved, best of N: a busy machine slows all three alike
+    peft_model = peft_with_adapters(str(model_dir), adapter_paths)
+    names = [f"a{i % len(adapter_paths)}" for i in range(len(prompts))]  # round-robin, as the engine's
+    reference = engine_base = engine_lora = peft = None
+    for _ in range(args.repeats):  # interleaved, best of N: a busy machine slows all four alike
         reference = _faster(reference, generate_decode(model, prompts, args.new_tokens))
+        peft = _faster(peft, generate_decode(peft_model, prompts, args.new_tokens, adapter_names=names))
         engine_base = _faster(engine_base, engine_decode(str(model_dir), adapter_paths, prompts,
                                                          args.new_tokens, 0))
         engine_lora = _faster(engine_lora, engine_decode(str(model_dir), adapter_paths, prompts,
                                                          args.new_tokens, 8))
-    del model
+    del model, peft_model
     same = sum(a == b for a, b in zip(engine_base["token_ids"], reference["token_ids"]))
     rows = []
     for name, result in (("generate (base)", reference), ("engine base", engine_base),
-                         ("engine 8 adapters", engine_lora)):
+                         ("engine 8 adapters", engine_lora), ("PEFT 8 adapters", peft)):
         rows.append({"run": name, "batch": args.batch, "new_tokens": args.new_tokens,
                      "decode_tokens_per_s": result["decode_tokens_per_s"],
                      "total_tokens_per_s": result["total_tokens_per_s"],
                      "vs_generate": result["decode_tokens_per_s"] / reference["decode_tokens_per_s"],
                      "vs_engine_base": (result["decode_tokens_per_s"]
-                                        / engine_base["decode_tokens_per_s"])})
+                                        / engine_base["decode_tokens_per_s"]),
+                     "vs_peft": result["decode_tokens_per_s"] / peft["decode_tokens_per_s"]})
     rows[1]["same_tokens_as_generate"] = same / len(prompts)
     return rows
 

@@ -55,6 +55,9 @@ class _Layout:
     pad_tokens: torch.Tensor  # [U * width] token id of each padded row (padding repeats a row)
     pad_rows: torch.Tensor  # [M] padded row of each of tokens
     row_slots: torch.Tensor  # [M] slot of each of tokens
+    # every segment is `width` long (U * width == M): padded row i is token i, so pad_rows is the
+    # identity and the padded results are the tokens' rows as they are (no gather)
+    unpadded: bool
 
 
 _layouts: weakref.WeakKeyDictionary[LoRAMeta, _Layout] = weakref.WeakKeyDictionary()
@@ -79,7 +82,9 @@ def _layout(meta: LoRAMeta) -> _Layout:
     pad_rows = segment * width + torch.arange(tokens.shape[0], **int64) - begins[segment]  # [M]
     present = torch.tensor([slot for slot, _, _ in segments], **int64)  # [U]
     is_prefix = all(slot == index for index, (slot, _, _) in enumerate(segments))
-    layout = _Layout(starts, tokens, segments, present, is_prefix, width, pad_tokens, pad_rows, present[segment])
+    unpadded = len(segments) * width == tokens.shape[0]
+    layout = _Layout(starts, tokens, segments, present, is_prefix, width, pad_tokens, pad_rows, present[segment],
+                     unpadded)
     _layouts[meta] = layout
     return layout
 
@@ -112,9 +117,14 @@ def _expand_padded(inter_pad: torch.Tensor, lora_b: torch.Tensor, layout: _Layou
     each present slot's B, slice by slice -> [M, N] (tokens' order)."""
     rank = lora_b.shape[2]
     b_present = _present_slots(lora_b, layout).to(inter_pad.dtype)  # [U, N, R]
-    if slice_scales is not None:
+    if slice_scales is not None:  # each slice's R columns times its scale, broadcast (no repeated copy)
         scales = _present_slots(slice_scales, layout).to(inter_pad.dtype)  # [U, n]
-        inter_pad = inter_pad * scales.repeat_interleave(rank, dim=1)[:, None, :]  # [U, w, n*R]
+        num_present, width = inter_pad.shape[:2]
+        inter_pad = (inter_pad.view(num_present, width, -1, rank)
+                     * scales[:, None, :, None]).view(num_present, width, -1)  # [U, w, n*R]
+    if len(slice_sizes) == 1:  # one bmm straight into the result
+        delta_pad = torch.bmm(inter_pad, b_present.transpose(1, 2))  # [U, w, N]
+        return _padded_rows(delta_pad.view(-1, lora_b.shape[1]), layout)
     delta_pad = inter_pad.new_empty((*inter_pad.shape[:2], lora_b.shape[1]))  # [U, w, N]
     offset = 0
     for j, width in enumerate(slice_sizes):  # at most 3 slices, whatever the adapters
@@ -122,7 +132,12 @@ def _expand_padded(inter_pad: torch.Tensor, lora_b: torch.Tensor, layout: _Layou
         b_j = b_present[:, offset:offset + width].transpose(1, 2)  # [U, R, N_j]
         delta_pad[:, :, offset:offset + width] = torch.bmm(inter_j, b_j)
         offset += width
-    return delta_pad.view(-1, lora_b.shape[1]).index_select(0, layout.pad_rows)  # [M, N]
+    return _padded_rows(delta_pad.view(-1, lora_b.shape[1]), layout)  # [M, N]
+
+
+def _padded_rows(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """flat [U * w, C] padded rows -> [M, C] the LoRA tokens' rows (a view when nothing is padded)."""
+    return flat if layout.unpadded else flat.index_select(0, layout.pad_rows)
 
 
 def _present_slots(per_slot: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -136,11 +151,13 @@ def _present_slots(per_slot: torch.Tensor, layout: _Layout) -> torch.Tensor:
 def _unpad(inter_pad: torch.Tensor, layout: _Layout, n_slices: int) -> torch.Tensor:
     """[U, w, n*R] -> [M, n, R] rows of the LoRA tokens, in the layout's token order."""
     flat = inter_pad.reshape(-1, inter_pad.shape[2])  # [U * w, n*R]
-    return flat.index_select(0, layout.pad_rows).view(layout.tokens.shape[0], n_slices, -1)
+    return _padded_rows(flat, layout).view(layout.tokens.shape[0], n_slices, -1)
 
 
 def _pad(inter_rows: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """[M, n, R] in the layout's token order -> [U, w, n*R] (padding rows zero)."""
+    if layout.unpadded:
+        return inter_rows.reshape(layout.present.shape[0], layout.width, -1)
     flat = inter_rows.new_zeros((layout.present.shape[0] * layout.width,
                                  inter_rows.shape[1] * inter_rows.shape[2]))  # [U * w, n*R]
     flat.index_copy_(0, layout.pad_rows, inter_rows.reshape(inter_rows.shape[0], -1))

@@ -130,3 +130,17 @@ def test_logprobs_are_raw_log_softmax_with_chosen_token(temperature):
     for row in range(1, 4):
         chosen = out.token_ids[row]
         assert abs(out.logprobs[row][chosen] - ref[row, chosen].item()) < 1e-5
+
+
+def test_huge_finite_logits_whose_sum_overflows_are_sampled_not_failed():
+    # the CPU finite check sums each row first: an overflowing sum of finite entries must fall back
+    # to the entry check, not fail the row; ties keep argmax's first maximum
+    logits = torch.zeros(3, V)
+    logits[0] = 3e38  # finite, sum = inf
+    logits[0, 5] = 3.3e38
+    logits[1, 2] = logits[1, 6] = 1.0  # tie: the first maximum
+    logits[2, 4] = float("nan")
+    out = sample(Sampler(V, "cpu"), logits, [SamplingParams(temperature=0.0)] * 3)
+    assert out.token_ids[:2] == [5, 2]
+    assert out.errors[:2] == [None, None]
+    assert out.errors[2] is not None
