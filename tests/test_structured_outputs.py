@@ -292,3 +292,20 @@ def test_a_token_sampled_with_every_token_masked_names_min_tokens(engine):
     assert grammar.only_end_allowed()
     with pytest.raises(StructuredOutputError, match="min_tokens"):
         grammar.accept(tokenizer.encode("c", add_special_tokens=False)[0])
+
+
+@pytest.mark.parametrize("bounds", [dict(maxLength=4), dict(minLength=1, maxLength=4), dict(minLength=2)])
+def test_length_bounded_json_strings_keep_out_control_characters(engine, bounds):
+    """xgrammar 0.2.9 alone lets raw control characters into a length-bounded string (invalid JSON)."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"c": {"type": "string", **bounds}}, "required": ["c"]}
+    compiled = engine.structured.compiler.compile(StructuredOutputsParams(json=schema)).result(timeout=60)
+    for control in ("\x06", "\x1f", "\n"):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string('{"c": "a') and not matcher.accept_string(control)
+    matcher = xgr.GrammarMatcher(compiled)
+    text = '{"c": "' + "é" * bounds.get("minLength", 1) + '"}'
+    assert matcher.accept_string(text) and matcher.is_completed()  # the bounds count characters, as before
+    too_long = xgr.GrammarMatcher(compiled)
+    assert "maxLength" not in bounds or not too_long.accept_string('{"c": "abcde"}')

@@ -19,8 +19,7 @@ from serve_support import serve_args, start_server
 from structured_support import save_byte_checkpoint
 from test_tool_calls_server import HERMES_TEMPLATE
 
-# bounded arguments (enums, ranged integers): a random model completes them in a few hundred tokens. No
-# length-bounded strings: xgrammar 0.2.9 lets raw control characters into those (invalid JSON; see the report)
+# bounded arguments (enums, ranged integers): a random model completes them in a few hundred tokens
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome", "Lima"]},
                                             "unit": {"enum": ["c", "f"]}},
            "required": ["city"], "additionalProperties": False}
