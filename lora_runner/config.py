@@ -12,6 +12,10 @@ from lora_runner.core.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEI
 from lora_runner.device import resolve_device, resolve_dtype
 from lora_runner.model.quant.config import ONLINE_METHODS as QUANTIZATION_OPTIONS
 
+# a grammar (structured_outputs) still compiling after this long fails its request; bounded so that a hostile
+# constraint cannot hold a request (and its tenant's seat) for long, nor be failed before a real schema compiles
+MAX_COMPILE_TIMEOUT_S = 600.0
+
 
 def _doc(text: str, **default) -> dict:
     """A field's default plus its description (``metadata["help"]``: the one place a setting is
@@ -101,6 +105,10 @@ class EngineConfig:
     worker_step_timeout_s: float = field(**_doc(
         "at tensor_parallel_size > 1: seconds a step may take before the workers are declared dead (every "
         "request then finishes with \"error\" and the engine stops serving)", default=120.0))
+    structured_outputs_compile_timeout_s: float = field(**_doc(
+        "seconds a request's structured-output constraint (JSON schema, regex, grammar) may take to compile "
+        f"before the request fails with StructuredOutputError (HTTP 400); in (0, {MAX_COMPILE_TIMEOUT_S:g}]",
+        default=30.0))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -141,6 +149,11 @@ class EngineConfig:
         timeout = self.worker_step_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"worker_step_timeout_s must be a positive number of seconds, got {timeout!r}")
+        compile_timeout = self.structured_outputs_compile_timeout_s
+        if isinstance(compile_timeout, bool) or not isinstance(compile_timeout, (int, float)) \
+                or not 0 < compile_timeout <= MAX_COMPILE_TIMEOUT_S:
+            raise ValueError(f"structured_outputs_compile_timeout_s must be a number of seconds in "
+                             f"(0, {MAX_COMPILE_TIMEOUT_S:g}], got {compile_timeout!r}")
         self.torch_device()  # validates device
         self.torch_dtype()  # validates dtype
         self.check_parallel()

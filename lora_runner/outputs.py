@@ -134,9 +134,23 @@ class RequestOutput:
         """A copy whose completions have their own lists (what ``add`` may extend)."""
         return replace(self, outputs=[completion.copy() for completion in self.outputs])
 
-    def approx_nbytes(self) -> int:
-        """Roughly the memory its completions hold (CompletionOutput.approx_nbytes)."""
-        return sum(completion.approx_nbytes() for completion in self.outputs)
+    def approx_nbytes(self, prompt_logprobs: bool = True) -> int:
+        """Roughly the memory its completions (CompletionOutput.approx_nbytes) and, with
+        `prompt_logprobs`, its prompt logprobs hold (approx_prompt_logprobs_nbytes)."""
+        completions = sum(completion.approx_nbytes() for completion in self.outputs)
+        return completions + (self.approx_prompt_logprobs_nbytes() if prompt_logprobs else 0)
+
+    def approx_prompt_logprobs_nbytes(self) -> int:
+        """Roughly the memory its prompt logprobs hold: one dict per prompt token after the first, each
+        of about the size of the first (the top k, and the prompt token when it is not among them), so
+        that the estimate costs O(1) however long the prompt (it is asked for at every step)."""
+        tables = self.prompt_logprobs
+        if not tables:
+            return 0
+        sample = next((table for table in tables[:2] if table is not None), None)  # entry 0 is None
+        if sample is None:
+            return 0
+        return (len(tables) - 1) * (LOGPROBS_DICT_NBYTES + LOGPROB_ENTRY_NBYTES * len(sample))
 
     @staticmethod
     def approx_token_nbytes(logprobs: int | None) -> int:

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 from serve_support import PROMPTS, model_with_chat_template, serve_args, start_server, token_ids
-from test_prompt_logprobs import TOLERANCE, peft_prompt_logprobs
+from test_prompt_logprobs import TOLERANCE, assert_prompt_logprobs, peft_prompt_logprobs
 
 MAX_TOKENS = 3
 
@@ -112,3 +112,45 @@ def test_special_token_fields_reach_the_engine(served):
     assert httpx.post(server.base_url + "/v1/completions", json=body).status_code == 200
     bad = httpx.post(server.base_url + "/v1/completions", json={**body, "skip_special_tokens": "no"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
+
+
+def _as_engine_entries(field: list) -> list:
+    """vLLM's prompt_logprobs field back to RequestOutput.prompt_logprobs' shape."""
+    return [None if entry is None else {int(t): e["logprob"] for t, e in entry.items()} for entry in field]
+
+
+def test_prompt_logprobs_field_on_completions_and_chat_matches_peft(served, client):
+    """vLLM's request-level prompt_logprobs: per choice on completions (each of n), on the chat response;
+    values PEFT's, ranks 1..k for the top k, the prompt token's own entry always there."""
+    _, state, peft_model = served
+    ids = state.tokenizer.encode(PROMPTS[4])
+    response = client.completions.create(model="r4", prompt=PROMPTS[4], max_tokens=MAX_TOKENS, temperature=0, n=2,
+                                         extra_body={"prompt_logprobs": 2})
+    want = peft_prompt_logprobs(peft_model, ids)
+    for choice in response.choices:
+        field = choice.model_extra["prompt_logprobs"]
+        assert_prompt_logprobs(_as_engine_entries(field), ids, want, 2)
+        for j in range(1, len(ids)):
+            ranked = sorted((e["rank"], t) for t, e in field[j].items() if e["rank"] is not None)
+            assert [rank for rank, _ in ranked] == [1, 2]
+            assert field[j][str(ids[j])]["decoded_token"] == state.token_text(ids[j])
+    plain = client.completions.create(model="r4", prompt=PROMPTS[4], max_tokens=MAX_TOKENS, temperature=0)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+    messages = [{"role": "user", "content": "hello world"}]
+    chat = client.chat.completions.create(model="base", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_ids = state.tokenizer.encode("you hello world i")
+    entries = _as_engine_entries(chat.model_extra["prompt_logprobs"])
+    assert len(entries) == len(chat_ids) and entries[0] is None
+    assert all(set(entry) == {chat_ids[j]} for j, entry in enumerate(entries) if j)  # k=0: the prompt token alone
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"prompt_logprobs": 21}, "at most 20 prompt_logprobs"),  # the engine's max_logprobs (default 20)
+    ({"prompt_logprobs": 1, "stream": True}, "not available with stream"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+])
+def test_prompt_logprobs_over_the_cap_or_streamed_are_400(client, extra, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(model="base", prompt=PROMPTS[0], max_tokens=2, extra_body=extra)
+    assert client.completions.create(model="base", prompt=PROMPTS[0], max_tokens=2).choices[0].text is not None

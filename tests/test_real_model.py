@@ -92,7 +92,9 @@ def test_real_model_against_transformers_and_peft(llm, oracle, tmp_path):
     """One test, so that parallel workers never load the model twice."""
     check_converted_config(llm)
     check_chat_greedy(llm, *oracle)
-    check_lora(llm, *oracle, tmp_path)
+    peft_model, lora_dir = check_lora(llm, *oracle, tmp_path)
+    check_lora_prompt_logprobs(llm, oracle[1], peft_model, lora_dir)
+    check_structured_outputs_and_tool_calls_over_http(llm, tmp_path)
 
 
 def check_converted_config(llm) -> None:
@@ -141,3 +143,84 @@ def check_lora(llm, model, tokenizer, tmp_path) -> None:
     # the LoRA changes the model: the first reply token's logprobs move
     first, first_base = out.outputs[0].logprobs[0], base.outputs[0].logprobs[0]
     assert max(abs(first[t] - first_base[t]) for t in set(first) & set(first_base)) > 0.05
+    return peft_model, str(tmp_path / "lora")
+
+
+def check_lora_prompt_logprobs(llm, tokenizer, peft_model, lora_dir: str) -> None:
+    """SamplingParams.prompt_logprobs of a LoRA request: PEFT's log-softmax at every prompt position
+    (the top 5 there and the prompt token itself)."""
+    prompt_ids = tokenizer.apply_chat_template(CONVERSATIONS[1], add_generation_prompt=True)["input_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
+    out, = llm.generate([prompt_ids], params, lora_request=LoRARequest("random", lora_dir), use_tqdm=False)
+    with torch.inference_mode():
+        want = torch.log_softmax(peft_model(input_ids=torch.tensor([prompt_ids])).logits[0].double(), dim=-1)
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for j in range(1, len(prompt_ids)):
+        row, entry = want[j - 1], entries[j]
+        assert prompt_ids[j] in entry and len(entry) in (5, 6)
+        ids = list(entry)
+        torch.testing.assert_close(torch.tensor([entry[t] for t in ids], dtype=torch.float64), row[ids],
+                                   atol=2e-3, rtol=1e-3, msg=f"prompt position {j}")
+        top = set(row.topk(5).indices.tolist())
+        assert top <= set(entry) or row[sorted(top)].min() - row[ids].min() < 2e-3, j  # ties at the 5th
+
+
+# SmolLM2's own template (from its GGUF) ignores `tools`: this one renders them as Qwen2.5's Hermes template does
+HERMES_IM_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou can call functions. To call one, reply with "
+    "<tool_call>{\"name\": <name>, \"arguments\": <arguments>}</tool_call>. The functions:\n<tools>\n"
+    "{%- for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SCHEMAS = [
+    {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer", "minimum": 0, "maximum": 10 ** 9}},
+     "required": ["city", "population"], "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                      "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["answer", "confidence"]},
+    {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 3},
+]
+QUESTIONS = ["What is the capital of France, and how many people live there?", "Is the sea salty?",
+             "Name three colours."]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def check_structured_outputs_and_tool_calls_over_http(llm, tmp_path) -> None:
+    """Through the official openai client on a server of the same checkpoint: response_format json_schema
+    outputs validate; tool_choice "required" (Hermes template) gives calls whose arguments validate."""
+    import json
+
+    import jsonschema
+    import openai
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from serve_support import serve_args, start_server
+
+    model_dir = tmp_path / "hermes"
+    model_dir.mkdir()
+    for path in Path(llm.engine.model_dir).iterdir():  # the converted checkpoint, linked, with another template
+        if path.name != "chat_template.jinja":
+            (model_dir / path.name).symlink_to(path)
+    (model_dir / "chat_template.jinja").write_text(HERMES_IM_TEMPLATE)
+    server, _ = start_server(serve_args(str(model_dir), {}))
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        for schema, question in zip(SCHEMAS, QUESTIONS):
+            response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+            choice = client.chat.completions.create(
+                model="base", messages=[{"role": "user", "content": question}], max_tokens=120, temperature=0.0,
+                response_format=response_format).choices[0]
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), schema)
+        tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                   "parameters": WEATHER}}]
+        choice = client.chat.completions.create(
+            model="base", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=tools,
+            tool_choice="required", max_tokens=120, temperature=0.0).choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    finally:
+        server.stop()

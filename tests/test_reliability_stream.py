@@ -154,6 +154,43 @@ def test_what_a_slow_consumer_buffers_is_bounded_in_bytes(engine_factory):
     assert sum(len(c.token_ids) for c in rest[0].outputs) < 4 * 120
 
 
+def _prompt_logprobs(num_tokens: int, k: int) -> list:
+    return [None] + [{token: -1.0 - token for token in range(k + 1)} for _ in range(num_tokens - 1)]
+
+
+def test_approx_nbytes_counts_the_prompt_logprobs():
+    from lora_runner.outputs import LOGPROB_ENTRY_NBYTES, LOGPROBS_DICT_NBYTES, CompletionOutput
+
+    plain = RequestOutput("r", list(range(500)), [CompletionOutput(0, [1, 2], "ab")])
+    scored = RequestOutput("r", list(range(500)), [CompletionOutput(0, [1, 2], "ab")],
+                           prompt_logprobs=_prompt_logprobs(500, k=5))
+    assert scored.approx_nbytes() - plain.approx_nbytes() == 499 * (LOGPROBS_DICT_NBYTES + 6 * LOGPROB_ENTRY_NBYTES)
+    assert scored.approx_nbytes(prompt_logprobs=False) == plain.approx_nbytes()
+
+
+def test_an_unread_outputs_prompt_logprobs_count_toward_the_bound_once():
+    """The pending-output bound sees a request's prompt logprobs (one list, shared by all its outputs) once:
+    a big one alone overflows, a smaller one carried by many unread steps does not."""
+    from lora_runner.engine.async_llm_engine import _OutputCollector
+    from lora_runner.outputs import CompletionOutput
+
+    def delta(step: int, tables: list) -> RequestOutput:
+        return RequestOutput("r", [0] * len(tables), [CompletionOutput(0, [step], "x", text_delta="x")],
+                             prompt_logprobs=tables)
+
+    async def main(tables: list, steps: int, bound: int) -> list:
+        overflows = []
+        collector = _OutputCollector(asyncio.get_running_loop(), False, bound, lambda: overflows.append(1))
+        for step in range(steps):
+            collector.put(delta(step, tables))
+        return overflows
+
+    small, big = _prompt_logprobs(200, k=5), _prompt_logprobs(2000, k=5)
+    bound = 2 * delta(0, small).approx_nbytes()
+    assert asyncio.run(main(big, 1, bound)) == [1]  # its prompt logprobs alone are over the bound
+    assert asyncio.run(main(small, 300, bound)) == []  # counted per step, 300 copies would be far over
+
+
 async def _read_all(gen) -> RequestOutput:
     outputs = [output async for output in gen]
     return outputs[-1]

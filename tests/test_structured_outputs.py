@@ -124,8 +124,9 @@ def test_a_constraint_that_does_not_compile_fails_its_request_alone(engine, so, 
     assert outputs["good"].outputs[0].finish_reason == "length"
 
 
-def test_a_compilation_past_its_deadline_fails_its_request_alone(engine, monkeypatch):
+def test_a_compilation_past_its_deadline_fails_its_request_alone(checkpoint, monkeypatch):
     release = threading.Event()
+    engine = make_engine(checkpoint[0], max_model_len=128, structured_outputs_compile_timeout_s=0.5)
     compiler = engine.structured.compiler
     real = compiler._compile_kind
 
@@ -134,15 +135,24 @@ def test_a_compilation_past_its_deadline_fails_its_request_alone(engine, monkeyp
         return real(kind, text)
 
     monkeypatch.setattr(compiler, "_compile_kind", stalled)
-    monkeypatch.setattr(engine.structured, "timeout_s", 0.5)
     try:
         outputs = run_to_completion(engine, [("slow", "x", _constrained(StructuredOutputsParams(regex="stall+"))),
                                              ("good", "x", SamplingParams(temperature=0.0, max_tokens=30))])
     finally:
         release.set()
+        engine.close()
     assert outputs["slow"].outputs[0].finish_reason == "error"
     assert "longer than 0.5 s" in str(outputs["slow"].outputs[0].error)
     assert outputs["good"].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, 600.5, float("nan"), True, "30"])
+def test_the_compile_timeout_is_a_bounded_engine_setting(timeout):
+    from lora_runner.config import MAX_COMPILE_TIMEOUT_S, EngineConfig
+
+    assert EngineConfig(model="m", structured_outputs_compile_timeout_s=MAX_COMPILE_TIMEOUT_S)
+    with pytest.raises(ValueError, match="structured_outputs_compile_timeout_s"):
+        EngineConfig(model="m", structured_outputs_compile_timeout_s=timeout)
 
 
 @pytest.mark.parametrize("so", [
@@ -249,3 +259,53 @@ def test_steps_without_constrained_requests_carry_no_bitmask(engine, monkeypatch
     run_to_completion(engine, [("u", "plain", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
                                ("c", "plain", _constrained(so, temperature=0.0))])
     assert ([0], (1, (MODEL_VOCAB + 31) // 32)) in seen or ([1], (1, (MODEL_VOCAB + 31) // 32)) in seen
+
+
+@pytest.mark.parametrize("so, check", [
+    (StructuredOutputsParams(regex="ab"), lambda t: t == "ab"),
+    (StructuredOutputsParams(json={"type": "boolean"}), lambda t: json.loads(t) in (True, False)),
+    (StructuredOutputsParams(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
+])
+def test_min_tokens_past_a_complete_constraint_ends_it_with_stop(engine, so, check):
+    """vLLM's behaviour: a constraint that allows only an end token wins over min_tokens (which bans it),
+    instead of an all-masked row; a plain request in the same batch still keeps its min_tokens."""
+    min_tokens = 30
+    outputs = run_to_completion(engine, [
+        ("short", "x", _constrained(so, temperature=0.0, min_tokens=min_tokens, max_tokens=60)),
+        ("plain", "x", SamplingParams(temperature=0.0, min_tokens=min_tokens, max_tokens=min_tokens + 1))])
+    completion = outputs["short"].outputs[0]
+    assert completion.finish_reason == "stop" and completion.error is None, completion
+    assert check(completion.text) and len(completion.token_ids) < min_tokens
+    assert len(outputs["plain"].outputs[0].token_ids) >= min_tokens
+
+
+def test_a_token_sampled_with_every_token_masked_names_min_tokens(engine):
+    from lora_runner.engine.structured import RequestGrammar
+
+    future = engine.structured.compiler.compile(StructuredOutputsParams(regex="ab"))
+    grammar = RequestGrammar(future, deadline=float("inf"), timeout_s=1.0)
+    future.result(timeout=60)
+    assert grammar.state() == "ready"
+    tokenizer = engine.tokenizer.get()
+    for token in tokenizer.encode("ab", add_special_tokens=False):
+        grammar.accept(token)
+    assert grammar.only_end_allowed()
+    with pytest.raises(StructuredOutputError, match="min_tokens"):
+        grammar.accept(tokenizer.encode("c", add_special_tokens=False)[0])
+
+
+@pytest.mark.parametrize("bounds", [dict(maxLength=4), dict(minLength=1, maxLength=4), dict(minLength=2)])
+def test_length_bounded_json_strings_keep_out_control_characters(engine, bounds):
+    """xgrammar 0.2.9 alone lets raw control characters into a length-bounded string (invalid JSON)."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"c": {"type": "string", **bounds}}, "required": ["c"]}
+    compiled = engine.structured.compiler.compile(StructuredOutputsParams(json=schema)).result(timeout=60)
+    for control in ("\x06", "\x1f", "\n"):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string('{"c": "a') and not matcher.accept_string(control)
+    matcher = xgr.GrammarMatcher(compiled)
+    text = '{"c": "' + "é" * bounds.get("minLength", 1) + '"}'
+    assert matcher.accept_string(text) and matcher.is_completed()  # the bounds count characters, as before
+    too_long = xgr.GrammarMatcher(compiled)
+    assert "maxLength" not in bounds or not too_long.accept_string('{"c": "abcde"}')

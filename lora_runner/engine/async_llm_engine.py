@@ -60,7 +60,7 @@ class _OutputCollector:
         self._lock = threading.Lock()  # the step thread puts, the loop's thread gets
         self._pending: RequestOutput | None = None
         self._owned = False  # _pending is this collector's copy (so merging into it touches no engine object)
-        self._nbytes = 0  # approx_nbytes of what _pending holds
+        self._nbytes = 0  # approx_nbytes of what _pending's completions hold
         self._error: BaseException | None = None
         self._ready = asyncio.Event()  # set (on the loop) after a put into an empty collector
         self._total: RequestOutput | None = None  # a CUMULATIVE request's output so far (consumer side)
@@ -76,8 +76,11 @@ class _OutputCollector:
                 if not self._owned:
                     self._pending, self._owned = self._pending.copy(), True
                 self._pending.add(output, aggregate=True)
-            self._nbytes += output.approx_nbytes()
-            overflow = self._nbytes > self.max_bytes and not output.finished and not self.overflowed
+            # the prompt logprobs are one list per request that every output of it carries (as it grows):
+            # counted once, as long as it is now, not once per step
+            self._nbytes += output.approx_nbytes(prompt_logprobs=False)
+            held = self._nbytes + output.approx_prompt_logprobs_nbytes()
+            overflow = held > self.max_bytes and not output.finished and not self.overflowed
             self.overflowed = self.overflowed or overflow
         if wake:
             self._wake()

@@ -115,7 +115,8 @@ class LLMEngine:
                                      prompts_enabled=cfg.max_prompt_adapters > 0)
         # structured outputs: grammars compile off the step thread, for the tokenizer looked up when first needed
         self.structured = StructuredOutputs(lambda: self.tokenizer.get(), self.model_config.vocab_size,
-                                            lambda: self.output_processor.eos_token_ids, wake=self.intake.wake)
+                                            lambda: self.output_processor.eos_token_ids, wake=self.intake.wake,
+                                            timeout_s=cfg.structured_outputs_compile_timeout_s)
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self._arrivals = count()
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)

@@ -22,8 +22,6 @@ from lora_runner.engine.structured.grammar_compiler import GrammarCompiler, Stru
 from lora_runner.engine.structured.request_grammar import RequestGrammar
 from lora_runner.sampling_params import SamplingParams
 
-COMPILE_TIMEOUT_S = 30.0  # a constraint still compiling after this fails its request
-
 __all__ = ["StructuredOutputs", "StructuredOutputError", "RequestGrammar", "grammar_state"]
 
 
@@ -36,10 +34,12 @@ class StructuredOutputs:
         vocab_size: the model's vocabulary (bitmask width).
         stop_token_ids: () -> the ids that end a request (the engine's EOS ids when the compiler is made).
         wake: called when a compilation finishes or times out, so an idle step loop looks again.
+        timeout_s: a constraint still compiling after this fails its request
+            (EngineConfig.structured_outputs_compile_timeout_s).
     """
 
     def __init__(self, get_tokenizer: Callable, vocab_size: int, stop_token_ids: Callable[[], Collection[int]],
-                 wake: Callable[[], None] = lambda: None, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+                 wake: Callable[[], None] = lambda: None, *, timeout_s: float) -> None:
         self._get_tokenizer = get_tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
+from lora_runner.engine.structured.string_lengths import bounded_strings_as_patterns
 from lora_runner.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class GrammarCompiler:
     def _compile_kind(self, kind: str, text: str) -> xgr.CompiledGrammar:
         compiler = self._compiler
         if kind in ("json", "json_compact"):
+            text = json.dumps(bounded_strings_as_patterns(json.loads(text)))  # xgrammar's control characters
             return compiler.compile_json_schema(text, any_whitespace=kind == "json",
                                                 max_whitespace_cnt=MAX_JSON_WHITESPACE if kind == "json" else None)
         if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar takes any value)

@@ -6,6 +6,12 @@ the compilation raised or outlived its deadline. The step thread fills the match
 each step that samples the request; the output processor advances it by the sampled token. Every
 parallel sample has its own RequestGrammar (matchers are stateful); a preempted request keeps its
 matcher, since it keeps its tokens.
+
+min_tokens: while a request may not stop yet its end tokens are banned, and a constraint that is
+complete and allows nothing but an end token would leave no token to sample. vLLM lets the end token
+through in that case and the request ends with "stop" before min_tokens; here ``accept`` reports the
+constraint complete as soon as it reaches that state, with the same outcome (the end token itself is
+not sampled, so it is not among the output's token ids).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import xgrammar as xgr
 
 from lora_runner.engine.structured.grammar_compiler import StructuredOutputError
+from lora_runner.sample.token_masks import unpack_bitmask
 
 
 class RequestGrammar:
@@ -56,12 +63,31 @@ class RequestGrammar:
         assert self.matcher is not None, "a request is sampled before its grammar is ready"
         self.matcher.fill_next_token_bitmask(bitmask, index)
 
-    def accept(self, token_id: int) -> bool:
-        """Advance by the sampled token; True when the constraint is complete (its end token was
-        sampled). StructuredOutputError when the token breaks the constraint (it was masked)."""
+    def accept(self, token_id: int, may_stop: bool = True) -> bool:
+        """Advance by the sampled token; True when the constraint is complete: its end token was
+        sampled or, while the request may not stop yet (`may_stop` False: min_tokens), it allows
+        nothing but an end token next (see the module docstring). StructuredOutputError when the
+        token breaks the constraint (it was masked)."""
         assert self.matcher is not None, "a token is appended before the grammar is ready"
         if self.matcher.is_terminated():
             return True
         if not self.matcher.accept_token(token_id):
+            if self.only_end_allowed():  # every token was masked: the end tokens by min_tokens, the rest by us
+                raise StructuredOutputError(
+                    f"token {token_id} was sampled with every token masked: the output's constraint allowed only "
+                    "an end token, which the request's min_tokens banned")
             raise StructuredOutputError(f"token {token_id} does not continue the output's constraint")
-        return self.matcher.is_terminated()
+        return self.matcher.is_terminated() or (not may_stop and self.only_end_allowed())
+
+    def only_end_allowed(self) -> bool:
+        """True when the constraint is complete and no token but an end token may follow (the grammar's
+        own stop ids): a JSON value closed with no whitespace left, a choice written out."""
+        matcher = self.matcher
+        if not matcher.is_completed():  # cheap, and false for most states: no bitmask then
+            return False
+        vocab_size = self._future.result().tokenizer_info.vocab_size
+        bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+        matcher.fill_next_token_bitmask(bitmask)
+        allowed = unpack_bitmask(bitmask, vocab_size)[0]  # [V] bool
+        allowed[list(matcher.stop_token_ids)] = False
+        return not bool(allowed.any())

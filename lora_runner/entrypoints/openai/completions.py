@@ -18,7 +18,8 @@ from lora_runner.entrypoints.openai.formatting import ChatFormat, CompletionForm
 from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation
 from lora_runner.entrypoints.openai.prompts import chat_prompt, check_chat, completion_prompt_list, encode_prompts
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from lora_runner.entrypoints.openai.sampling import check_supported, requested_logprobs, sampling_params
+from lora_runner.entrypoints.openai.sampling import (check_supported, requested_logprobs, requested_prompt_logprobs,
+                                                     sampling_params)
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
 from lora_runner.entrypoints.openai.tool_calls.choice import ToolPlan, tool_plan
@@ -70,6 +71,7 @@ def _checked(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatC
     logprobs limit (400), then the model and prompt adapter the tenant may use (404)."""
     check_supported(body, state.config.max_n)
     logprobs = requested_logprobs(body, state.max_logprobs)
+    requested_prompt_logprobs(body, state.max_logprobs)  # its 400s before any work too
     return logprobs, resolve_target(state, tenant, body.model, body.prompt_adapter)
 
 
@@ -85,7 +87,8 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     if keep is not None and keep != 0:  # 0 is refused by SamplingParams below
         prompts = [ids[-(state.max_model_len if keep == -1 else keep):] for ids in prompts]
     check_lengths(state, prompts, max_tokens)
-    params = sampling_params(body, max_tokens, logprobs)
+    prompt_logprobs = requested_prompt_logprobs(body, state.max_logprobs)
+    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
     tools = tools or ToolPlan()
     if tools.structured is not None:
         if params.structured_outputs is not None:
@@ -97,7 +100,8 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
                                 include_usage, started, release, cache_salt=body.cache_salt,
-                                continuous_usage=continuous_usage, extras=extras_of(prompts),
+                                continuous_usage=continuous_usage,
+                                extras=dataclasses.replace(extras_of(prompts), prompt_logprobs=prompt_logprobs),
                                 new_parser=tools.parser_factory(body.stream))
 
 

@@ -7,6 +7,9 @@
   not reported.
 - chat ``echo`` (vLLM): the last message's content before the reply when that message is the assistant's.
 - ``return_token_ids`` (vLLM): ``prompt_token_ids`` and the generated ``token_ids`` of each choice.
+- ``prompt_logprobs=k`` (vLLM): each choice's (completions) or the response's (chat) ``prompt_logprobs``, in
+  vLLM's shape: None for the first prompt token, then {token id: {"logprob", "rank", "decoded_token"}} with
+  the top k and the prompt token (its rank None when it is not among them: the engine does not rank it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class ChoiceExtras:
     echo_logprobs: bool = False  # the prompt tokens' logprobs first (completions echo with logprobs)
     discard_generated: bool = False  # max_tokens=0 with echo: the token the engine generates is not reported
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None  # vLLM's field: the top k at each prompt position in the response
 
     def echo_text(self, prompt_index: int) -> str | None:
         """The text echoed before prompt `prompt_index`'s choices (None: no echo)."""
@@ -42,4 +46,24 @@ def prompt_token_logprobs(token_text: Callable[[int], str], prompt_ids: list[int
             continue
         top = sorted(table.items(), key=lambda item: -item[1])[:k]
         entries.append(TokenLogprob(token_text(token), table[token], [(token_text(t), lp) for t, lp in top]))
+    return entries
+
+
+MIN_JSON_LOGPROB = -9999.0  # vLLM's clamp: -inf is no JSON number
+
+
+def vllm_prompt_logprobs(token_text: Callable[[int], str], prompt_ids: list[int],
+                         prompt_logprobs: list[dict[int, float] | None], k: int) -> list[dict | None]:
+    """RequestOutput.prompt_logprobs as vLLM's response field: the top k of each position (ranked 1..k)
+    and the prompt token there (rank None when it is not among the top k)."""
+    entries: list[dict | None] = []
+    for token, table in zip(prompt_ids, prompt_logprobs):
+        if table is None:
+            entries.append(None)
+            continue
+        ranked = sorted(table.items(), key=lambda item: -item[1])[:k]
+        chosen = {t: rank for rank, (t, _) in enumerate(ranked, start=1)}
+        chosen.setdefault(token, None)
+        entries.append({str(t): {"logprob": max(table[t], MIN_JSON_LOGPROB), "rank": rank,
+                                 "decoded_token": token_text(t)} for t, rank in chosen.items()})
     return entries

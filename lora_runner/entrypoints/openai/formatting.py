@@ -43,6 +43,7 @@ class Delta:
     token_ids: list[int] | None = None  # return_token_ids (vLLM): the generated ids of this delta
     prompt_token_ids: list[int] | None = None  # return_token_ids: the prompt's, in a choice's first delta
     tool_calls: list[ToolCallDelta] | None = None  # chat: tool-call pieces (whole calls in a response)
+    prompt_logprobs: list[dict | None] | None = None  # vLLM's field (echo.vllm_prompt_logprobs), first delta only
 
 
 @dataclass
@@ -91,8 +92,9 @@ class CompletionFormat:
     def _choice(self, delta: Delta) -> dict:
         start = self._text_offsets.get(delta.index, 0)
         logprobs, self._text_offsets[delta.index] = _completion_logprobs(delta.logprobs, start)
+        extra = {} if delta.prompt_logprobs is None else {"prompt_logprobs": delta.prompt_logprobs}
         return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason, **_token_ids(delta)}
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason, **_token_ids(delta), **extra}
 
 
 @dataclass
@@ -118,6 +120,9 @@ class ChatFormat(CompletionFormat):
                    for d in deltas]
         prompt_ids = next((d.prompt_token_ids for d in deltas if d.prompt_token_ids is not None), None)
         extra = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}  # vLLM: on the response
+        prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+        if prompt_logprobs is not None:  # vLLM: on the chat response (one prompt), per choice on completions
+            extra["prompt_logprobs"] = prompt_logprobs
         return {**self._head(chunk=False), "choices": choices, "usage": usage.as_dict(), **extra}
 
     @staticmethod

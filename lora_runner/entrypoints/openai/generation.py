@@ -32,7 +32,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from adapters import LoRARequest, PromptAdapterRequest
-from lora_runner.entrypoints.openai.echo import ChoiceExtras, prompt_token_logprobs
+from lora_runner.entrypoints.openai.echo import ChoiceExtras, prompt_token_logprobs, vllm_prompt_logprobs
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from, error_body, model_not_found
 from lora_runner.entrypoints.openai.formatting import DONE_EVENT, CompletionFormat, Delta, TokenLogprob, Usage, sse
 from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
@@ -164,13 +164,14 @@ class ChoiceRun:
             text = self.echo_text + text
             if logprobs is not None and self.extras.echo_logprobs:
                 logprobs = self._prompt_logprobs(output) + logprobs
+        scored = self._vllm_prompt_logprobs(output) if opening else None
         if completion.finished:
             sent.done = True
             self._finished(finish_reason, sent.tokens)
-        if not text and not new_ids and not completion.finished:
+        if not text and not new_ids and not completion.finished and scored is None:
             return None
         delta = Delta(self.index + sample, text, logprobs, finish_reason, completion.stop_reason,
-                      tool_calls=tool_calls)
+                      tool_calls=tool_calls, prompt_logprobs=scored)
         if self.extras.return_token_ids:
             delta.token_ids = list(new_ids)
             delta.prompt_token_ids = self.prompt_ids if opening else None
@@ -182,6 +183,15 @@ class ChoiceRun:
             raise RuntimeError(f"request {self.request_id}: echo with logprobs, but no prompt logprobs came back")
         return prompt_token_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs,
                                      self.logprobs_k or 0)
+
+    def _vllm_prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
+        """The request's prompt_logprobs field (vLLM's shape) when it asked for it, else None."""
+        k = self.extras.prompt_logprobs
+        if k is None:
+            return None
+        if output.prompt_logprobs is None:
+            raise RuntimeError(f"request {self.request_id}: prompt_logprobs asked for, but none came back")
+        return vllm_prompt_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs, k)
 
     def _logprobs(self, completion) -> list[TokenLogprob] | None:
         if completion.logprobs is None:
@@ -373,7 +383,8 @@ def _join(total: Delta, delta: Delta | None) -> Delta:
     token_ids = None if delta.token_ids is None else (total.token_ids or []) + delta.token_ids
     tool_calls = join_calls(total.tool_calls or [], delta.tool_calls) if delta.tool_calls else total.tool_calls
     return Delta(total.index, total.text + delta.text, logprobs, delta.finish_reason, delta.stop_reason,
-                 token_ids, total.prompt_token_ids or delta.prompt_token_ids, tool_calls)
+                 token_ids, total.prompt_token_ids or delta.prompt_token_ids, tool_calls,
+                 total.prompt_logprobs if total.prompt_logprobs is not None else delta.prompt_logprobs)
 
 
 async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: bool,

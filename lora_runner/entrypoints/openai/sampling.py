@@ -47,11 +47,29 @@ def requested_logprobs(body: CompletionRequest | ChatCompletionRequest, max_logp
     return count
 
 
+def requested_prompt_logprobs(body: CompletionRequest | ChatCompletionRequest, max_logprobs: int) -> int | None:
+    """How many top logprobs per prompt position the request's ``prompt_logprobs`` (vLLM) wants (None:
+    none); 400 over the limit or with stream (as vLLM: the response carries them, no chunk does;
+    ``prompt_logprobs=0`` with stream is accepted and returns nothing, as there)."""
+    count = body.prompt_logprobs
+    if count is None:
+        return None
+    if body.stream:
+        if count > 0:
+            raise APIError(400, "prompt_logprobs are not available with stream=true", "invalid_value")
+        return None
+    if count > max_logprobs:
+        raise APIError(400, f"at most {max_logprobs} prompt_logprobs per token, got {count}", "invalid_value")
+    return count
+
+
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams (400 for values it rejects). Completions with echo and logprobs
-    ask for the prompt's logprobs too, with as many alternatives."""
+    ask for the prompt's logprobs too, with as many alternatives; `prompt_logprobs` (the request's
+    field, requested_prompt_logprobs) asks for them with its own count (the larger one is computed)."""
     echo_logprobs = isinstance(body, CompletionRequest) and body.echo and logprobs is not None
+    asked = [k for k in (logprobs if echo_logprobs else None, prompt_logprobs) if k is not None]
     try:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -63,7 +81,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             stop=body.stop, include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens,
-            truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=logprobs if echo_logprobs else None,
+            truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=max(asked) if asked else None,
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             structured_outputs=structured_outputs(body), allowed_token_ids=body.allowed_token_ids,
