@@ -92,8 +92,8 @@ def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     if num_tokens == 0:
         return
     flat = kv_layer.view(2, -1, *kv_layer.shape[-2:])  # [2, num_blocks * block_size, H_kv, D]
-    if slot_mapping.is_cpu and int(slot_mapping.min()) >= 0:
-        # every token real (reading that is free on the host): the redirect below is the identity, so
+    if slot_mapping.is_cpu and slot_mapping.numpy().min() >= 0:
+        # every token real (read through numpy: a host read, never a device op): the redirect below is the identity, so
         # writing K and V at their slots directly stores the same data in a third of the torch calls
         flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
         flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
@@ -326,12 +326,13 @@ def _zero_outside_context(context: torch.Tensor, key_valid: torch.Tensor) -> Non
     if not key_valid.is_cpu:
         context[:, :, :max_s].masked_fill_(~key_valid[None, :, :, None, None], 0)
         return
-    invalid = (~key_valid).nonzero()  # [I, 2] (sequence, position)
-    if invalid.shape[0] == 0:
+    invalid = np.flatnonzero(~key_valid.numpy())  # [I] flat (sequence, position) indices, read through numpy
+    if invalid.size == 0:
         return
     positions = context.shape[2]
     rows = context.view(2, context.shape[1] * positions, -1)  # [2, B * MB * block_size, H_kv * D]
-    rows.index_fill_(1, invalid[:, 0] * positions + invalid[:, 1], 0)
+    sequence, position = np.divmod(invalid, max_s)
+    rows.index_fill_(1, torch.from_numpy(sequence * positions + position), 0)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
