@@ -146,6 +146,39 @@ def test_a_compilation_past_its_deadline_fails_its_request_alone(checkpoint, mon
     assert outputs["good"].outputs[0].finish_reason == "length"
 
 
+def test_compilations_stuck_past_their_deadline_do_not_starve_later_constraints(checkpoint, monkeypatch):
+    """Two pathological constraints that never finish hold both compile threads; once past their deadline
+    they give their slots back, so a later constraint still compiles and its request succeeds. Past
+    MAX_STUCK_COMPILES stuck ones, new constraints are refused at once (a ValueError), never queued forever."""
+    release = threading.Event()
+    engine = make_engine(checkpoint[0], max_model_len=128, structured_outputs_compile_timeout_s=0.5)
+    compiler = engine.structured.compiler
+    real = compiler._compile_kind
+
+    def stalls_on_z(kind, text):  # the "z" regexes compile until the test lets them go
+        if "z" in text:
+            release.wait(60)
+        return real(kind, text)
+
+    monkeypatch.setattr(compiler, "_compile_kind", stalls_on_z)
+    try:
+        outputs = run_to_completion(engine, [
+            ("stuck1", "x", _constrained(StructuredOutputsParams(regex="z+"))),
+            ("stuck2", "x", _constrained(StructuredOutputsParams(regex="zz+")))])
+        outputs |= run_to_completion(engine, [("later", "x", _constrained(StructuredOutputsParams(
+            choice=["yes", "no"])))])  # added after both deadlines: both compile threads are still stuck
+        assert [outputs[name].outputs[0].finish_reason for name in ("stuck1", "stuck2")] == ["error", "error"]
+        assert outputs["later"].outputs[0].finish_reason == "stop"
+        assert outputs["later"].outputs[0].text in ("yes", "no")
+        assert compiler.num_stuck == 2
+        compiler._max_stuck = 2  # at the cap: a new constraint is refused up front
+        with pytest.raises(StructuredOutputError, match="still compiling past their deadline"):
+            engine.add_request("refused", "x", _constrained(StructuredOutputsParams(regex="q+")))
+    finally:
+        release.set()
+        engine.close()
+
+
 @pytest.mark.parametrize("timeout", [0, -1.0, 600.5, float("nan"), True, "30"])
 def test_the_compile_timeout_is_a_bounded_engine_setting(timeout):
     from lora_runner.config import MAX_COMPILE_TIMEOUT_S, EngineConfig

@@ -56,7 +56,8 @@ class StructuredOutputs:
                 tokenizer = self._get_tokenizer()
                 if tokenizer is None:
                     raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
-                self._compiler = GrammarCompiler(tokenizer, self.vocab_size, self._stop_token_ids())
+                self._compiler = GrammarCompiler(tokenizer, self.vocab_size, self._stop_token_ids(),
+                                                 timeout_s=self.timeout_s)
             return self._compiler
 
     def request_grammar(self, params: SamplingParams) -> RequestGrammar | None:

@@ -5,6 +5,12 @@ large schema (xgrammar releases the GIL meanwhile), so both run in a small threa
 are kept in a bounded LRU keyed by ``StructuredOutputsParams.key()``: requests with the same
 constraint, parallel samples included, share one compilation, and one still in flight is never
 started twice. xgrammar's own compiler cache is bounded in bytes as well.
+
+A compilation cannot be interrupted, so one that outlives ``timeout_s`` (a pathological constraint) would
+hold its thread for good: at its deadline it fails its Future (requests of that constraint fail alone, a
+repeat fails at once from the cache) and gives its compile slot back, so the next constraints compile in a
+fresh thread. At most ``MAX_STUCK_COMPILES`` such threads may be outstanding; past that, new constraints are
+refused with StructuredOutputError until one of them ends (unconstrained requests never wait on any of this).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from lora_runner.structured_outputs_params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2  # compilations that run at once (each is single-threaded)
+MAX_STUCK_COMPILES = 4  # compilations past their deadline whose threads may still be running
 CACHE_ENTRIES = 128  # compiled constraints kept (least recently used dropped first)
 XGRAMMAR_CACHE_BYTES = 64 << 20  # bound of xgrammar's own compiler cache
 # longest whitespace run between JSON tokens: unbounded, a model can stay in whitespace until max_tokens
@@ -45,13 +52,18 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Collection[int], *,
-                 threads: int = COMPILE_THREADS, cache_entries: int = CACHE_ENTRIES) -> None:
+                 threads: int = COMPILE_THREADS, cache_entries: int = CACHE_ENTRIES,
+                 timeout_s: float | None = None, max_stuck: int = MAX_STUCK_COMPILES) -> None:
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                  stop_token_ids=sorted(stop_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=True,
                                              cache_limit_bytes=XGRAMMAR_CACHE_BYTES)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
+        # `threads` compile slots; threads whose compilation outlived its deadline gave theirs back
+        self._pool = ThreadPoolExecutor(threads + max_stuck, thread_name_prefix="grammar-compile")
+        self._slots = threading.Semaphore(threads)
+        self._timeout_s, self._max_stuck = timeout_s, max_stuck
+        self.num_stuck = 0  # compilations past their deadline still running in their threads
         self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
@@ -65,11 +77,61 @@ class GrammarCompiler:
             if future is not None:
                 self._futures.move_to_end(key)
                 return future
-            future = self._pool.submit(self._compile, *key)
+            if self.num_stuck >= self._max_stuck:
+                raise StructuredOutputError(
+                    f"{self.num_stuck} earlier constraints are still compiling past their deadline; try again later "
+                    "or simplify the constraint")
+            future = Future()  # ours, not the pool's: a deadline can fail it while its thread still runs
+            self._pool.submit(self._run, future, key)
             self._futures[key] = future
             while len(self._futures) > self._cache_entries:
                 self._futures.popitem(last=False)
             return future
+
+    def _run(self, future: Future, key: tuple[str, str]) -> None:
+        """Compile `key` in a compile slot into `future`. Past its deadline `_overdue` fails the future and
+        gives the slot back; the thread then only counts as stuck until the compilation ends."""
+        self._slots.acquire()
+        if not future.set_running_or_notify_cancel():
+            self._slots.release()
+            return
+        overdue = threading.Event()  # set once: by the deadline, or by the end of the compilation
+        timer = None
+        if self._timeout_s is not None:
+            timer = threading.Timer(self._timeout_s, self._overdue, (future, overdue))
+            timer.daemon = True
+            timer.start()
+        try:
+            result, error = self._compile(*key), None
+        except StructuredOutputError as exc:
+            result, error = None, exc
+        finally:
+            if timer is not None:
+                timer.cancel()
+        with self._lock:
+            if overdue.is_set():  # the deadline came first: its future failed and its slot went back
+                self.num_stuck -= 1
+                logger.warning("a structured-output compilation (%s) ended after its deadline", key[0])
+                return
+            overdue.set()
+        self._slots.release()
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def _overdue(self, future: Future, overdue: threading.Event) -> None:
+        """The deadline of a running compilation: fail its future and give its compile slot back."""
+        with self._lock:
+            if overdue.is_set():  # it ended first
+                return
+            overdue.set()
+            self.num_stuck += 1
+        self._slots.release()
+        logger.warning("a structured-output compilation outlived its %g s deadline; its thread is left to finish",
+                       self._timeout_s)
+        future.set_exception(StructuredOutputError(
+            f"structured_outputs took longer than {self._timeout_s:g} s to compile; simplify the constraint"))
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:
