@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from lora_runner import LLMEngine, RequestOutput
+from adapters import LoRARequest
+from lora_runner import LLMEngine, RequestOutput, SamplingParams
 
 # A small engine on the tiny checkpoints: 4 rows, 2 adapter slots, blocks of 4 tokens.
 ENGINE_DEFAULTS = dict(device="cpu", max_num_seqs=4, max_model_len=64, max_loras=2, max_lora_rank=16,
@@ -80,6 +81,16 @@ def step_until(engine: LLMEngine, done: dict[str, RequestOutput], predicate: Cal
         assert time.monotonic() < deadline, "the condition never came true"
         done.update({o.request_id: o for o in engine.step() if o.finished})
     return done
+
+
+def start_decoding(engine: LLMEngine, num_requests: int, lora_path: str, max_tokens: int = 30) -> dict:
+    """Add ``num_requests`` greedy requests (every other one on the LoRA at ``lora_path``, named "r4") and step
+    until one of them has generated a token: the moment a failure test breaks a worker. Returns ``done``."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(num_requests):
+        lora = LoRARequest("r4", lora_path) if i % 2 else None
+        engine.add_request(f"k{i}", [3 + i, 4, 5], params, lora_request=lora)
+    return step_until(engine, {}, lambda: any(r.num_output_tokens > 0 for r in engine.scheduler.running), timeout=60)
 
 
 @torch.inference_mode()

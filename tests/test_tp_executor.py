@@ -20,7 +20,7 @@ import torch
 
 from adapters import LoRARequest, PromptAdapterRequest
 from factories import save_lora, save_prompt_adapter
-from engine_support import assert_exact, run_to_completion, step_until
+from engine_support import assert_exact, run_to_completion, start_decoding
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.engine.async_llm_engine import AsyncLLMEngine
 from lora_runner.model import ModelConfig
@@ -174,12 +174,7 @@ def test_a_killed_worker_fails_every_request_and_leaves_no_process(adapters_tp):
     engine = LLMEngine(model_dir, **engine_kwargs(model_dir, tensor_parallel_size=2))
     pids = [p.pid for p in engine.executor.processes]
     assert engine.is_alive and len(_alive(pids)) == 2
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    for i in range(5):
-        lora = LoRARequest("r4", dirs["r4"]) if i % 2 else None
-        engine.add_request(f"k{i}", [3 + i, 4, 5], params, lora_request=lora)
-    done = {}
-    step_until(engine, done, lambda: any(r.num_output_tokens > 0 for r in engine.scheduler.running), timeout=60)
+    done = start_decoding(engine, 5, dirs["r4"])
     os.kill(pids[1], signal.SIGKILL)
     started = time.monotonic()
     run_to_completion(engine, done=done, timeout=10)
@@ -188,7 +183,7 @@ def test_a_killed_worker_fails_every_request_and_leaves_no_process(adapters_tp):
     assert not engine.has_unfinished_requests() and not engine.is_alive
     assert not _alive(pids)  # the surviving rank was stopped too, and both were reaped
     with pytest.raises(RuntimeError, match="no more requests"):
-        engine.add_request("late", [3, 4], params)
+        engine.add_request("late", [3, 4], SamplingParams(max_tokens=2))
     server_engine = AsyncLLMEngine(engine)  # what /health asks: 503 while is_running is False
     try:
         assert not server_engine.is_running

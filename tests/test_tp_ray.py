@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from adapters import LoRARequest, PromptAdapterRequest
-from engine_support import run_to_completion, step_until
+from engine_support import run_to_completion, start_decoding
 from factories import save_prompt_adapter
 from lora_runner import LLMEngine, SamplingParams
 from serve_support import PROMPTS, offline_greedy, serve_args, serve_configs, token_ids
@@ -110,12 +110,7 @@ def test_a_killed_actor_fails_every_request_and_close_leaves_nothing(ray_cluster
     engine = LLMEngine(model_dir, **engine_kwargs(tensor_parallel_size=2, distributed_executor_backend="ray"))
     executor = engine.executor
     actors, group = list(executor.actors), executor.placement_group
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    for i in range(4):
-        lora = LoRARequest("r4", dirs["r4"]) if i % 2 else None
-        engine.add_request(f"k{i}", [3 + i, 4, 5], params, lora_request=lora)
-    done = {}
-    step_until(engine, done, lambda: any(r.num_output_tokens > 0 for r in engine.scheduler.running), timeout=60)
+    done = start_decoding(engine, 4, dirs["r4"])
     ray.kill(actors[1], no_restart=True)
     started = time.monotonic()
     run_to_completion(engine, done=done, timeout=10)
