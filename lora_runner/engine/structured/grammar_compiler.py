@@ -42,6 +42,12 @@ class StructuredOutputError(ValueError):
     compile, or compiling it took longer than the engine allows. The request alone fails (a 400 over HTTP)."""
 
 
+def compile_timeout_error(timeout_s: float) -> StructuredOutputError:
+    """What a request gets when its constraint is still compiling past ``timeout_s``."""
+    return StructuredOutputError(f"structured_outputs took longer than {timeout_s:g} s to compile; simplify the "
+                                 "constraint")
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary.
 
@@ -130,8 +136,7 @@ class GrammarCompiler:
         self._slots.release()
         logger.warning("a structured-output compilation outlived its %g s deadline; its thread is left to finish",
                        self._timeout_s)
-        future.set_exception(StructuredOutputError(
-            f"structured_outputs took longer than {self._timeout_s:g} s to compile; simplify the constraint"))
+        future.set_exception(compile_timeout_error(self._timeout_s))
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         try:

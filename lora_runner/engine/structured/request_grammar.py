@@ -22,7 +22,7 @@ from concurrent.futures import Future
 import torch
 import xgrammar as xgr
 
-from lora_runner.engine.structured.grammar_compiler import StructuredOutputError
+from lora_runner.engine.structured.grammar_compiler import StructuredOutputError, compile_timeout_error
 from lora_runner.sample.token_masks import unpack_bitmask
 
 
@@ -53,8 +53,7 @@ class RequestGrammar:
                 self.error = StructuredOutputError(f"structured_outputs could not be compiled: {exc!r}")
             return "failed"
         if time.monotonic() > self._deadline:
-            self.error = StructuredOutputError(
-                f"structured_outputs took longer than {self._timeout_s:g} s to compile; simplify the constraint")
+            self.error = compile_timeout_error(self._timeout_s)
             return "failed"
         return "loading"
 
