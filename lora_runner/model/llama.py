@@ -22,6 +22,7 @@ from torch import nn
 from adapters.sharding import shard_spec, vocab_range
 from adapters.spec import FUSED_TO_PACKED, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
 from lora_runner.distributed import SINGLE, TensorParallel
+from lora_runner.model import cpu_gemm
 from lora_runner.model.attention import paged_attention, token_seq_lens, write_kv
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.forward_context import ForwardContext, LoRAContext, PromptAdapterContext
@@ -166,6 +167,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings else
                         nn.Parameter(torch.empty(vocab, config.hidden_size, dtype=dtype, device=device),
                                      requires_grad=False))  # [V_w, hidden]
+        self.lm_head_packed: torch.Tensor | None = None  # lm_head in oneDNN's layout (after_loading, CPU)
+
+    def after_loading(self) -> None:
+        """Once the weights are in: each linear converts its weight for this device's GEMM (float32 on
+        CPU: oneDNN's packed layout, lora_runner.model.cpu_gemm), the LM head too. An untied head then
+        lives only packed; a tied one keeps its dense rows for the embedding lookup as well."""
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.method.after_loading(module)
+        if self.lm_head_packed is None and cpu_gemm.packable(self.lm_head):
+            self.lm_head_packed = cpu_gemm.pack(self.lm_head)
+            if self.lm_head is not self.embed_tokens:
+                self.lm_head = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -220,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits [S, vocab] float32 of the rows to sample, hidden [S, hidden]; lm_head_lora: the
         lm_head LoRA over these rows (lora_runner.model.vocab_lora.LMHeadLoRA), None for none. Over
         several ranks: this rank's vocabulary rows (its lm_head LoRA B rows too), then one all-gather."""
-        logits = F.linear(hidden, self.lm_head)  # [S, V_w]
+        logits = cpu_gemm.logits(hidden, self.lm_head, self.lm_head_packed)  # [S, V_w]
         if lm_head_lora is not None:
             add_lm_head_lora(logits, hidden, lm_head_lora)
         if self.tp.is_parallel:

@@ -136,6 +136,7 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
     check_int4_split(config, tp)  # before any weight is read, as the model's own split checks
     net = model_class(config)(config, dtype=dtype, device=device, tp=tp)
     net.load_weights(iter_weights(model_dir, partial(checkpoint_shard, net) if tp.is_parallel else None))
+    net.after_loading()
     quant = config.quantization
     logger.info("loaded %s (%s, %d layers) as %s on %s%s%s", model, config.architecture, config.num_layers, dtype,
                 device, f", {quant.kind} linears ({quant.source})" if quant else "",

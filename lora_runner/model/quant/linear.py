@@ -2,8 +2,8 @@
 and multiplies by it: unquantized, FP8 (lora_runner.model.quant.fp8) or W4A16 (int4_layout.Int4Weight).
 
 A method is stateless; the tensors live on the layer (``create_weights`` registers them, ``load`` fills
-them from the checkpoint tensors of each packed slice, ``apply`` computes x @ W.T + b, ``dequantize``
-gives W [N, K] for DoRA's norms). On CUDA the kernels of punica_kernels run (``fp8_linear``:
+them from the checkpoint tensors of each packed slice, ``after_loading`` converts them once for the
+device's GEMM, ``apply`` computes x @ W.T + b, ``dequantize`` gives W [N, K] for DoRA's norms). On CUDA the kernels of punica_kernels run (``fp8_linear``:
 torch._scaled_mm on sm_89+; ``w4a16_matmul``: Triton); elsewhere, and on CPU, each layer is dequantized on the fly: the
 weights stay quantized in memory.
 """
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import punica_kernels
+from lora_runner.model import cpu_gemm
 from lora_runner.model.quant import fp8
 from lora_runner.model.quant.config import QuantConfig
 from lora_runner.model.quant.fp8 import Fp8Format
@@ -31,7 +32,10 @@ def _offsets(parts: list[CheckpointSlice]) -> list[int]:
 
 
 class UnquantizedLinear:
-    """W in the model dtype as the parameter ``weight`` [N, K], loaded slice by slice by the model."""
+    """W in the model dtype as the parameter ``weight`` [N, K], loaded slice by slice by the model.
+
+    After loading (:meth:`after_loading`) a float32 CPU weight moves into oneDNN's blocked layout
+    (``packed_weight``, lora_runner.model.cpu_gemm) and ``weight`` becomes None: one copy either way."""
 
     quantized = False
     suffixes: tuple[str, ...] = ("weight",)
@@ -41,11 +45,22 @@ class UnquantizedLinear:
                        device) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                     requires_grad=False)  # [N, K]
+        layer.packed_weight = None  # [N, K] in oneDNN's layout once after_loading packed it
+
+    def after_loading(self, layer: nn.Module) -> None:
+        """Pack the loaded weight for the CPU GEMM when it can be (float32 on CPU); no-op otherwise."""
+        if layer.packed_weight is None and cpu_gemm.packable(layer.weight):
+            layer.packed_weight = cpu_gemm.pack(layer.weight)
+            layer.weight = None  # the packed copy is the weight now
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.packed_weight is not None:
+            return cpu_gemm.linear(x, layer.packed_weight, bias)  # [T, N]
         return F.linear(x, layer.weight, bias)  # [T, N]
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        if layer.packed_weight is not None:
+            return cpu_gemm.dense(layer.packed_weight)
         return layer.weight
 
 
@@ -74,6 +89,9 @@ class Fp8Linear:
             weight, scale = self.form.convert(tensors, layer.in_features, size, name, row_max)
             layer.weight[offset:offset + size].copy_(weight)
             layer.weight_scale[offset:offset + size].copy_(scale)
+
+    def after_loading(self, layer: nn.Module) -> None:
+        """Nothing: the weight stays quantized (dequantized per call off CUDA)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda and self.form.dynamic_activations:
@@ -125,6 +143,9 @@ class Int4Linear:
     def weight(self, layer: nn.Module) -> Int4Weight:
         """The layer's Int4Weight (views of its buffers)."""
         return Int4Weight(layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.group_size)
+
+    def after_loading(self, layer: nn.Module) -> None:
+        """Nothing: the weight stays packed as 4-bit words."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:  # the Triton GEMM, dequantizing in the kernel
