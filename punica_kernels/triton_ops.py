@@ -43,9 +43,10 @@ SHRINK_TILE_BYTES_PER_THREAD = 64
 BLOCK_N = 64  # expand: output columns per program
 BLOCK_R = 16  # expand: rank step, the smallest tile tl.dot takes
 EXPAND_NUM_WARPS = 8  # 4 spill on sm_90 in fp16 since the tile loop (benchmarks/kernel_report.py)
-# ptxas's own register target left the plain-LoRA expand (fp32, rank 64, two slices) at 64 registers
-# with a spill on sm_80; a ceiling of 128 lets it keep everything in registers (kernel_report.py)
-EXPAND_MAX_REGISTERS = 128
+# ptxas's own register target left the plain-LoRA fp32 expand (rank 64, two slices) at 64 registers with
+# a spill on sm_80; a ceiling of 128 for fp32 lets it keep everything in registers. The half dtypes keep
+# ptxas's choice: the ceiling raised their registers and cut occupancy (benchmarks/kernel_report.py).
+EXPAND_FP32_MAX_REGISTERS = 128
 # Both kernels run one program per this many tokens along the tile axis (each program loops over
 # the tiles g, g + G, ...): at decode a tile holds a slot's few tokens, and max_tiles(T) (one
 # partial tile per possible slot) would leave most programs without work.
@@ -261,7 +262,8 @@ def _launch_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, m
         N_SLICES=n_slices, RANK=rank, BLOCK_M=meta.block_m, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
         # B_ROW_ALIGN divides every row offset slot * stride(0) + column * stride(1)
         COLUMN_ALIGN=column_align, B_ROW_ALIGN=_alignment(*lora_b.stride()[:2]),
-        HAS_COLUMN_SCALES=scales.columns is not None, HAS_BIAS=bias is not None, DOT_PRECISION=_expand_precision(lora_b.dtype), num_warps=EXPAND_NUM_WARPS, maxnreg=EXPAND_MAX_REGISTERS,
+        HAS_COLUMN_SCALES=scales.columns is not None, HAS_BIAS=bias is not None, DOT_PRECISION=_expand_precision(lora_b.dtype), num_warps=EXPAND_NUM_WARPS,
+        maxnreg=EXPAND_FP32_MAX_REGISTERS if y.dtype == torch.float32 else None,
     )
 
 
