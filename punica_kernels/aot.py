@@ -378,7 +378,8 @@ def _drive_sgmv(rank: int) -> None:
         meta.prepare(torch.arange(num_tokens) % MAX_LORAS)
         for x, y, inter, lora_a, lora_b, slices, scales in layers:
             x, y, inter = x[:num_tokens], y[:num_tokens], inter[:num_tokens]
-            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices, scales)
+            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices, scales)  # a step with a DoRA slot
+            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices, _plain(scales))  # plain LoRA slots only
             triton_ops.lora_shrink(x, lora_a, meta, inter)
             triton_ops.lora_expand(y, inter, lora_b, meta, slices)
 
@@ -396,6 +397,12 @@ def _sgmv_operands(spec: ModelSpec, packed: str, dtype: torch.dtype, rank: int, 
                     torch.empty(MAX_LORAS, sum(slices)),  # [L, N] float32
                     torch.empty(sum(slices), dtype=dtype) if has_bias else None)  # [N]
     return x, y, inter, lora_a, lora_b, slices, scales
+
+
+def _plain(scales: Scales) -> Scales:
+    """The scales add_lora gets in a step without DoRA slots: the slices' LoRA scaling only (the
+    engine passes no column scales then, lora_runner.model.layers.LoRALinear)."""
+    return Scales(scales.slices, None, scales.bias)
 
 
 def all_drivers() -> list[Driver]:
@@ -637,15 +644,19 @@ def expand_work(launch: Launch) -> LaunchWork:
         for t, cols in itertools.product(tiles, column_blocks):
             rows, rank = ends[t] - starts[t], _round_rank(ranks[slots[t]], padded)
             moved += rows * rank * 4 + rank * cols * es  # the intermediate and B
-            moved += cols * 4 + 2 * rows * cols * es + (cols * es if args["HAS_BIAS"] else 0)  # scales, y, bias
+            moved += 2 * rows * cols * es  # y read and written
+            if args["HAS_COLUMN_SCALES"]:  # DoRA's epilogue: the slot's column scales and the bias
+                moved += cols * 4 + (cols * es if args["HAS_BIAS"] else 0)
     return LaunchWork(launch, launch.grid[0] * launch.grid[1], with_work, moved)
 
 
 def decode_step(num_tokens: int = 32, num_adapters: int = 8, spec: ModelSpec = GPU_CHECK,
                 max_loras: int = GPU_CHECK_MAX_LORAS, rank: int = GPU_CHECK_RANK,
-                max_num_tokens: int = GPU_CHECK_MAX_TOKENS, dtype: torch.dtype = torch.bfloat16) -> list[ModuleStep]:
+                max_num_tokens: int = GPU_CHECK_MAX_TOKENS, dtype: torch.dtype = torch.bfloat16,
+                dora: bool = False) -> list[ModuleStep]:
     """Trace add_lora of every packed module for a decode step of ``num_tokens`` sequences spread
-    round-robin over ``num_adapters`` adapters (a real prepare on the runner's meta), nothing run."""
+    round-robin over ``num_adapters`` adapters (a real prepare on the runner's meta), nothing run;
+    ``dora``: a step with a DoRA slot resident (column scales passed), else plain LoRA slots."""
     meta = LoRAMeta(max_num_tokens, max_loras, "cpu", max_rank=rank, max_slices=MAX_SLICES)
     token_slots = torch.arange(num_tokens) % num_adapters  # [T]
     meta.prepare(token_slots, torch.full((max_loras,), rank, dtype=torch.int32))
@@ -653,7 +664,7 @@ def decode_step(num_tokens: int = 32, num_adapters: int = 8, spec: ModelSpec = G
     for packed in PACKED_MODULES:
         x, y, _, lora_a, lora_b, slices, scales = _sgmv_operands(spec, packed, dtype, rank, num_tokens, False)
         with trace_launches() as launches:
-            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices, scales)
+            triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices, scales if dora else _plain(scales))
         shrink, expand = launches
         es, num_features, width = x.element_size(), x.shape[1], y.shape[1]
         used = token_slots.unique().numel()

@@ -43,6 +43,10 @@ SHRINK_TILE_BYTES_PER_THREAD = 64
 BLOCK_N = 64  # expand: output columns per program
 BLOCK_R = 16  # expand: rank step, the smallest tile tl.dot takes
 EXPAND_NUM_WARPS = 8  # 4 spill on sm_90 in fp16 since the tile loop (benchmarks/kernel_report.py)
+# ptxas's own register target left the plain-LoRA fp32 expand (rank 64, two slices) at 64 registers with
+# a spill on sm_80; a ceiling of 128 for fp32 lets it keep everything in registers. The half dtypes keep
+# ptxas's choice: the ceiling raised their registers and cut occupancy (benchmarks/kernel_report.py).
+EXPAND_FP32_MAX_REGISTERS = 128
 # Both kernels run one program per this many tokens along the tile axis (each program loops over
 # the tiles g, g + G, ...): at decode a tile holds a slot's few tokens, and max_tiles(T) (one
 # partial tile per possible slot) would leave most programs without work.
@@ -167,7 +171,7 @@ def _expand_kernel(
     N_SLICES: tl.constexpr, RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     COLUMN_ALIGN: tl.constexpr, B_ROW_ALIGN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_COLUMN_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # program_id(1) numbers the column blocks of all slices in turn (no slice padded to another's width)
     column_block = tl.program_id(1)
@@ -211,18 +215,22 @@ def _expand_kernel(
                                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
                 acc = tl.dot(inter, b_tile.to(tl.float32), acc, input_precision=DOT_PRECISION)
 
-            # DoRA epilogue: y = c * y + c * delta + (1 - c) * bias, c the slot's column scale (1 for
-            # plain LoRA, which leaves y + delta exact); the base bias is not scaled.
-            column_scale = tl.load(column_scales_ptr + slot.to(tl.int64) * stride_cs + columns * stride_cn,
-                                   mask=n_mask, other=1.0)[None, :]  # [1, BLOCK_N] fp32
             y_ptrs = y_ptr + (tokens * stride_yt)[:, None] + (columns * stride_yn)[None, :]
             y_mask = row_mask[:, None] & n_mask[None, :]
             y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N]
-            out = y_tile * column_scale
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + columns * stride_bias, mask=n_mask, other=0.0).to(tl.float32)
-                out += (1.0 - column_scale) * bias[None, :]
-            tl.store(y_ptrs, (out + acc * column_scale).to(y_ptr.dtype.element_ty), mask=y_mask)
+            if HAS_COLUMN_SCALES:
+                # DoRA epilogue: y = c * y + c * delta + (1 - c) * bias, c the slot's column scale (1 for
+                # a plain LoRA slot beside DoRA ones, which leaves y + delta exact); the bias is not scaled.
+                column_scale = tl.load(column_scales_ptr + slot.to(tl.int64) * stride_cs + columns * stride_cn,
+                                       mask=n_mask, other=1.0)[None, :]  # [1, BLOCK_N] fp32
+                out = y_tile * column_scale
+                if HAS_BIAS:
+                    bias = tl.load(bias_ptr + columns * stride_bias, mask=n_mask, other=0.0).to(tl.float32)
+                    out += (1.0 - column_scale) * bias[None, :]
+                out += acc * column_scale
+            else:  # no DoRA slot in the step: nothing to load, y + delta
+                out = acc + y_tile
+            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def _launch_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta: LoRAMeta,
@@ -237,6 +245,8 @@ def _launch_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, m
     """
     _, n_slices, rank = inter.shape
     slice_scales = meta.unit_scales(n_slices) if scales.slices is None else scales.slices
+    # without column scales the kernel reads neither them nor the bias (already inside y): the unit
+    # scales only fill the pointer and stride arguments
     column_scales = meta.unit_scales(y.shape[1]) if scales.columns is None else scales.columns
     bias = scales.bias if scales.bias is not None and scales.columns is not None else None
     offsets = [0, *itertools.accumulate(slice_sizes)]
@@ -252,7 +262,8 @@ def _launch_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, m
         N_SLICES=n_slices, RANK=rank, BLOCK_M=meta.block_m, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
         # B_ROW_ALIGN divides every row offset slot * stride(0) + column * stride(1)
         COLUMN_ALIGN=column_align, B_ROW_ALIGN=_alignment(*lora_b.stride()[:2]),
-        HAS_BIAS=bias is not None, DOT_PRECISION=_expand_precision(lora_b.dtype), num_warps=EXPAND_NUM_WARPS,
+        HAS_COLUMN_SCALES=scales.columns is not None, HAS_BIAS=bias is not None, DOT_PRECISION=_expand_precision(lora_b.dtype), num_warps=EXPAND_NUM_WARPS,
+        maxnreg=EXPAND_FP32_MAX_REGISTERS if y.dtype == torch.float32 else None,
     )
 
 

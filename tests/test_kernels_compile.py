@@ -8,6 +8,8 @@ minutes for both targets), then each test reads the reports.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import triton
@@ -61,6 +63,10 @@ def test_drivers_reach_split_and_unsplit_shrinks_every_slice_count_rank_and_dtyp
     biased = {(c.dtypes(), c.named_constexprs()["RANK"], c.named_constexprs()["HAS_BIAS"])
               for c in configs.values() if c.name == "_expand_kernel"}
     assert len(biased) == 3 * len(aot.LORA_RANKS) * 2
+    # steps with a DoRA slot (column scales) and without, in every dtype, rank and slice count
+    epilogues = {(c.dtypes(), c.named_constexprs()["RANK"], c.named_constexprs()["N_SLICES"],
+                  c.named_constexprs()["HAS_COLUMN_SCALES"]) for c in configs.values() if c.name == "_expand_kernel"}
+    assert len(epilogues) == 3 * len(aot.LORA_RANKS) * 3 * 2
     # the real models' slice offsets are 16-aligned: every expand gets the vector hint
     assert _values(configs, "_expand_kernel", "COLUMN_ALIGN") == {16}
 
@@ -80,6 +86,30 @@ def test_sgmv_loads_are_vectorized_and_pipelined(configs, reports, target):
         if loads.scalar_half_in_loops or loads.scalar_half_stores or not loads.cp_async:
             failures.append(f"{config.name} {config.dtypes()} {config.named_constexprs()}: {loads}")
     assert not failures, f"{len(failures)} SGMV configs on {target}:\n" + "\n".join(failures)
+
+
+def _global_loads(ptx: str) -> int:
+    return len(re.findall(r"^\s*(?:@!?%p\d+\s+)?ld\.global\.", ptx, re.M))
+
+
+def test_plain_lora_expand_loads_less_than_the_dora_epilogue(configs, reports):
+    """Issue 26 item 5: an expand without column scales (no DoRA slot in the step) compiles without
+    the epilogue's loads: fewer global loads than its DoRA twin (same config, column scales on, no bias)."""
+    target = next(iter(TARGETS))
+    expands = {key: c for key, c in configs.items() if c.name == "_expand_kernel"}
+
+    def twin_key(config: aot.KernelConfig) -> tuple:
+        named = {k: v for k, v in config.named_constexprs().items() if k != "HAS_COLUMN_SCALES"}
+        return config.dtypes(), tuple(sorted(named.items()))
+
+    dora = {twin_key(c): key for key, c in expands.items()
+            if c.named_constexprs()["HAS_COLUMN_SCALES"] and not c.named_constexprs()["HAS_BIAS"]}
+    plain = {twin_key(c): key for key, c in expands.items() if not c.named_constexprs()["HAS_COLUMN_SCALES"]}
+    pairs = [(plain[k], dora[k]) for k in plain.keys() & dora.keys()]
+    assert len(pairs) >= 3 * len(aot.LORA_RANKS)  # every dtype and rank has both
+    for plain_key, dora_key in pairs[:6]:  # a few pairs: each compile takes seconds
+        fewer, more = (_global_loads(reports[key, target].ptx) for key in (plain_key, dora_key))
+        assert 0 < fewer < more, (configs[plain_key].named_constexprs(), fewer, more)
 
 
 def test_ptx_loads_tell_scalar_from_vector_and_find_nested_loops():

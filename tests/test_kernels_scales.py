@@ -111,6 +111,26 @@ def test_triton_scales_against_float64(dtype, with_bias):
     assert torch.equal(y[untouched], case.y[untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_plain_lora_step_reads_no_column_scale_and_no_bias(dtype):
+    """A step without DoRA slots passes slice scales only (lora_runner.model.layers.LoRALinear): the
+    expand must then read neither column scales nor the bias (already inside y). The meta's unit
+    scales, which fill the column-scale pointer, and the bias are NaN: any read of them shows."""
+    case = make_case(40, "qkv", 16, "mixed_none", mixed_ranks=True, seed=23, dtype=dtype)
+    scales = make_scales(case, seed=23, plain_slots=range(case.lora_a.shape[0]))  # column scales 1: plain LoRA
+    meta = prepared_meta(case, 512, with_ranks=True, max_rank=16, max_slices=3)
+    meta.workspace.fill_(NAN)
+    meta.unit_scales(case.y.shape[1]).fill_(NAN)
+    y = case.y.clone()
+    add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes, backend="triton",
+             slice_scales=scales["slice_scales"].float(), bias=torch.full_like(scales["bias"], NAN))
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(y.double(), naive_scaled(case, {**scales, "bias": torch.zeros_like(scales["bias"])}),
+                               rtol=tol, atol=tol)
+    untouched = case.token_slots < 0
+    assert torch.equal(y[untouched], case.y[untouched])
+
+
 def test_triton_expand_half_with_scales():
     case = make_case(37, "gate_up", 8, "mixed_none", seed=4)
     scales = make_scales(case, seed=4)
