@@ -437,8 +437,9 @@ def parse_args(argv=None):
                    help="distinct adapters per row; the first must be 0 (the ratio's base)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per host row and path")
     p.add_argument("--paths", nargs="+", default=["auto"], choices=("auto", "padded", "segmented"),
-                   help="torch LoRA strategies to time, alternating steps (segmented = one "
-                        "matmul group per adapter, as before issue 14)")
+                   help="torch LoRA strategies to time, alternating steps, for the tokens outside runs "
+                        "(a slot's consecutive tokens, in place under every one; segmented = one matmul "
+                        "group per adapter, as before issue 14)")
     p.add_argument("--profile", help="REQUESTS/ADAPTERS row to profile one step of, e.g. 64/8")
     p.add_argument("--batch", type=int, default=16, help="requests of the decode comparison")
     p.add_argument("--new-tokens", type=int, default=32)
