@@ -23,9 +23,11 @@ machine):
                  adapters (one per sequence, round-robin), PEFT's forward of the 8 sequences as one
                  batch with adapter_names (its mixed batch) and transformers' forward (base), both
                  keeping the last position's logits only, as the engine; best of --repeats, fresh
-                 prompts every run (no prefix-cache hits), after one warm-up run each.
+                 prompts every run (no prefix-cache hits), after one warm-up run each. "same first
+                 token": the engine's greedy first tokens against the argmax of transformers' (base)
+                 or PEFT's (8 adapters) last logits, a check of the LoRA prefill's numbers.
 
-    python benchmarks/bench_step.py                 # all three, ~6 min on one CPU core
+    python benchmarks/bench_step.py                 # all three, ~2 min on one CPU core
     python benchmarks/bench_step.py --skip-decode --skip-prefill   # host table only
     python benchmarks/bench_step.py --skip-host --skip-decode --prefill-tokens 4096
     python benchmarks/bench_step.py --profile 64/8  # also a cProfile summary of that row's steps
@@ -88,7 +90,8 @@ DECODE_COLUMNS = [("run", "run", ""), ("batch", "batch", "d"), ("new_tokens", "n
 PREFILL_COLUMNS = [("run", "run", ""), ("sequences", "sequences", "d"), ("tokens", "tokens", "d"),
                    ("prefill_tokens_per_s", "prefill tok/s", ".1f"),
                    ("vs_engine_base", "vs engine base", ".2f"),
-                   ("vs_forward", "vs transformers forward", ".2f"), ("vs_peft", "vs PEFT", ".2f")]
+                   ("vs_forward", "vs transformers forward", ".2f"), ("vs_peft", "vs PEFT", ".2f"),
+                   ("same_first_token", "same first token", ".0%")]
 
 
 def make_engine(model_dir: str, num_requests: int, max_loras: int, max_model_len: int,
@@ -361,8 +364,9 @@ class EnginePrefill:
             self.engine.add_lora(lora)  # loaded before timing, as the forward's weights are
         self.runs = 0
 
-    def seconds(self, prompts: list[list[int]]) -> float:
-        """CPU seconds of the one step that prefills `prompts` (and samples their first token)."""
+    def run(self, prompts: list[list[int]]) -> tuple[float, list[int]]:
+        """CPU seconds of the one step that prefills `prompts`, and the first token it samples
+        for each."""
         from lora_runner import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -374,19 +378,21 @@ class EnginePrefill:
         start = time.process_time()
         outputs = self.engine.step()
         seconds = time.process_time() - start
-        finished = {out.request_id for out in outputs if out.finished}
-        assert finished == set(ids), f"one step prefilled {len(finished)} of {len(ids)} sequences"
-        return seconds
+        first = {out.request_id: out.outputs[0].token_ids[0] for out in outputs if out.finished}
+        assert first.keys() == set(ids), f"one step prefilled {len(first)} of {len(ids)} sequences"
+        return seconds, [first[request_id] for request_id in ids]
 
 
 @torch.inference_mode()
-def forward_seconds(model, prompts: list[list[int]], **extra) -> float:
+def forward_run(model, prompts: list[list[int]], **extra) -> tuple[float, list[int]]:
     """CPU seconds of one transformers forward over the prompts as a batch (last logits only, as
-    the engine computes); `extra` goes to the forward (PEFT's adapter_names)."""
+    the engine computes), and each prompt's greedy next token; `extra` goes to the forward
+    (PEFT's adapter_names)."""
     input_ids = torch.tensor(prompts)  # [B, S]
     start = time.process_time()
-    model(input_ids, attention_mask=torch.ones_like(input_ids), logits_to_keep=1, **extra)
-    return time.process_time() - start
+    logits = model(input_ids, attention_mask=torch.ones_like(input_ids), logits_to_keep=1, **extra).logits
+    seconds = time.process_time() - start
+    return seconds, logits[:, -1].argmax(-1).tolist()  # [B]
 
 
 def prefill_table(tmp: Path, args) -> list[dict]:
@@ -394,30 +400,32 @@ def prefill_table(tmp: Path, args) -> list[dict]:
     transformers' forward and PEFT's mixed-adapter forward on the same batch."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = tmp / "decode"
-    if not model_dir.exists():  # the decode table's model and adapters, or the same ones anew
-        save_random_model(model_dir, DECODE_SHAPE)
-    adapter_paths = sorted((tmp / "decode-adapters").glob("adapter-*"))
-    if not adapter_paths:
-        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        adapter_paths = save_random_adapters(base, tmp / "decode-adapters", 8, RANK, progress=False)
+    model_dir, adapters_dir = tmp / "decode", tmp / "decode-adapters"
+    if not model_dir.exists():  # --skip-decode: the decode table's model and adapters, made here
+        base = save_random_model(model_dir, DECODE_SHAPE)
+        save_random_adapters(base, adapters_dir, 8, RANK, progress=False)
         del base
+    adapter_paths = sorted(adapters_dir.glob("adapter-*"))
     num_tokens = args.prefill_tokens // PREFILL_SEQUENCES * PREFILL_SEQUENCES
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     peft_model = peft_with_adapters(str(model_dir), adapter_paths)
     names = [f"a{i % len(adapter_paths)}" for i in range(PREFILL_SEQUENCES)]  # round-robin, as the engine's
     engine_base = EnginePrefill(str(model_dir), adapter_paths, num_tokens, 0)
     engine_lora = EnginePrefill(str(model_dir), adapter_paths, num_tokens, len(adapter_paths))
-    runs = {"transformers forward (base)": lambda p: forward_seconds(model, p),
-            "engine base": engine_base.seconds, "engine 8 adapters": engine_lora.seconds,
-            "PEFT 8 adapters (mixed batch)": lambda p: forward_seconds(peft_model, p, adapter_names=names)}
-    best = dict.fromkeys(runs, float("inf"))
+    runs = {"transformers forward (base)": lambda p: forward_run(model, p),
+            "engine base": engine_base.run, "engine 8 adapters": engine_lora.run,
+            "PEFT 8 adapters (mixed batch)": lambda p: forward_run(peft_model, p, adapter_names=names)}
+    references = {"engine base": "transformers forward (base)",  # whose first tokens each engine's should equal
+                  "engine 8 adapters": "PEFT 8 adapters (mixed batch)"}
+    best, same = dict.fromkeys(runs, float("inf")), dict.fromkeys(references, 0)
     for repeat in range(args.repeats + 1):  # interleaved: a busy machine slows all four alike
         prompts = prefill_prompts(num_tokens, seed=100 + repeat)  # fresh: no prefix-cache hits
-        for name, run in runs.items():
-            seconds = run(prompts)
+        results = {name: run(prompts) for name, run in runs.items()}
+        for name, (seconds, _) in results.items():
             if repeat:  # the first run of each warms up
                 best[name] = min(best[name], seconds)
+        for name, reference in references.items():
+            same[name] += sum(a == b for a, b in zip(results[name][1], results[reference][1]))
         logger.info("prefill run %d: %s", repeat, {name: round(s, 3) for name, s in best.items()})
     engine_base.engine.close()
     engine_lora.engine.close()
@@ -425,7 +433,8 @@ def prefill_table(tmp: Path, args) -> list[dict]:
     base, forward, peft = (tokens_per_s[name] for name in ("engine base", "transformers forward (base)",
                                                            "PEFT 8 adapters (mixed batch)"))
     return [{"run": name, "sequences": PREFILL_SEQUENCES, "tokens": num_tokens, "prefill_tokens_per_s": value,
-             "vs_engine_base": value / base, "vs_forward": value / forward, "vs_peft": value / peft}
+             "vs_engine_base": value / base, "vs_forward": value / forward, "vs_peft": value / peft,
+             "same_first_token": (same[name] / (PREFILL_SEQUENCES * (args.repeats + 1)) if name in same else None)}
             for name, value in tokens_per_s.items()]
 
 
@@ -486,7 +495,8 @@ def main(argv=None) -> dict:
         print(f"engine base tokens equal generate's for "
               f"{decode[1]['same_tokens_as_generate']:.0%} of requests")
     if prefill:
-        print(f"\nprefill of {PREFILL_SEQUENCES} sequences in one step:\n" + markdown_table(prefill, PREFILL_COLUMNS))
+        print(f"\nprefill of {PREFILL_SEQUENCES} sequences in one step:\n"
+              + markdown_table(prefill, PREFILL_COLUMNS))
     print(f"\nCPU seconds of this process, {args.threads} torch thread(s); written {path}")
     return report
 

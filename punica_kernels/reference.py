@@ -20,7 +20,8 @@ into the rows of their tokens (slot -1 rows are never written):
 measured on CPU, see ``PADDED_ELEMENTS_PER_SLOT``). The token layout (runs, and the others'
 segments) is built once per ``LoRAMeta.prepare`` (and set of runs) and shared by every layer.
 Reading the segment bounds and the runs needs the host, so on an accelerator this path syncs once
-or twice per prepare and is not graph-safe (the Triton path is).
+per prepare (a few times when a segment is long enough to hold a run) and is not graph-safe (the
+Triton path is).
 
 The W4A16 GEMM's torch path (:func:`w4a16_matmul`) is here too: the CPU serving path (the layer's
 weight dequantized on the fly, only for the call) and, in float64, an oracle of the Triton kernel.

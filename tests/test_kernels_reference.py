@@ -348,7 +348,8 @@ def test_torch_runs_follow_every_prepare():
 def test_torch_padded_path_views_a_range_of_slots_with_few_absent(slots, view):
     """Present slots with at most as many absent ones between them read a view of the weights
     (the absent slots' rows computed and dropped), else a gather; both exact."""
-    case = make_case(4 * len(slots) + 3, "qkv", 8, "uniform", mixed_ranks=True, seed=len(slots), dtype=torch.float64)
+    case = make_case(4 * len(slots) + 3, "qkv", 8, "uniform", mixed_ranks=True, seed=len(slots),
+                     dtype=torch.float64)
     chosen = torch.tensor(slots)[torch.arange(case.x.shape[0] - 3) % len(slots)]
     case.token_slots = torch.cat([chosen, torch.full((3,), -1)])[torch.randperm(case.x.shape[0])]
     case.lora_a[[slot for slot in range(8) if slot not in slots]] = float("nan")  # absent slots' rows dropped
