@@ -18,15 +18,25 @@ machine):
                  same 8 adapters over the requests (the engine's LoRA baseline). Decode tokens/s
                  excludes the prefill: engine steps after every request has its first token; for
                  `generate`, (time of n new tokens - time of 1) for (n-1) tokens per row.
+  prefill tok/s  the same model, 8 sequences of --prefill-tokens / 8 tokens prefilled in ONE engine
+                 step (max_num_batched_tokens >= the total): the engine base-only and with 8
+                 adapters (one per sequence, round-robin), PEFT's forward of the 8 sequences as one
+                 batch with adapter_names (its mixed batch) and transformers' forward (base), both
+                 keeping the last position's logits only, as the engine; best of --repeats, fresh
+                 prompts every run (no prefix-cache hits), after one warm-up run each. "same first
+                 token": the engine's greedy first tokens against the argmax of transformers' (base)
+                 or PEFT's (8 adapters) last logits, a check of the LoRA prefill's numbers.
 
-    python benchmarks/bench_step.py                 # both, ~5 min on one CPU core
-    python benchmarks/bench_step.py --skip-decode   # host table only
+    python benchmarks/bench_step.py                 # all three, ~2 min on one CPU core
+    python benchmarks/bench_step.py --skip-decode --skip-prefill   # host table only
+    python benchmarks/bench_step.py --skip-host --skip-decode --prefill-tokens 4096
     python benchmarks/bench_step.py --profile 64/8  # also a cProfile summary of that row's steps
     python benchmarks/bench_step.py --paths auto segmented   # A/B of the torch LoRA strategies
 
 Writes results/bench_step-<time>.json. Targets (issue 14): <= 1 ms host per step at 64 requests
 with 8 adapters (on CPU the model's own forward is part of it); engine base >= generate; engine
-with 8 adapters >= 0.9x engine base; issue 26 adds engine with 8 adapters >= 2x PEFT's mixed batch.
+with 8 adapters >= 0.9x engine base; issue 26 adds engine with 8 adapters >= 2x PEFT's mixed batch
+(decode) and prefill with 8 adapters >= 0.85x engine base.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ DECODE_SHAPE = ModelShape(hidden_size=768, intermediate_size=2048, num_layers=8,
 RANK = 16
 PROMPT_LEN = 16
 PROFILE_STEPS = 10  # profiled together: one step is too short for cProfile's resolution
+PREFILL_SEQUENCES = 8  # the prefill table's batch: one sequence per adapter
 
 
 def host_columns(paths: list[str]) -> list[tuple[str, str, str]]:
@@ -76,16 +87,25 @@ DECODE_COLUMNS = [("run", "run", ""), ("batch", "batch", "d"), ("new_tokens", "n
                   ("vs_engine_base", "decode vs engine base", ".2f"),
                   ("vs_peft", "decode vs PEFT", ".2f")]
 
+PREFILL_COLUMNS = [("run", "run", ""), ("sequences", "sequences", "d"), ("tokens", "tokens", "d"),
+                   ("prefill_tokens_per_s", "prefill tok/s", ".1f"),
+                   ("vs_engine_base", "vs engine base", ".2f"),
+                   ("vs_forward", "vs transformers forward", ".2f"), ("vs_peft", "vs PEFT", ".2f"),
+                   ("same_first_token", "same first token", ".0%")]
 
-def make_engine(model_dir: str, num_requests: int, max_loras: int, max_model_len: int):
-    """An eager CPU engine sized for `num_requests` running requests."""
+
+def make_engine(model_dir: str, num_requests: int, max_loras: int, max_model_len: int,
+                max_num_batched_tokens: int = 0):
+    """An eager CPU engine sized for `num_requests` running requests (and at least
+    `max_num_batched_tokens` tokens per step)."""
     from lora_runner import LLMEngine
 
     max_model_len = -(-max_model_len // 16) * 16  # whole KV blocks: the default budget rounds down
     return LLMEngine(model=model_dir, max_loras=max_loras, max_lora_rank=RANK,
                      max_cpu_loras=max(16, max_loras), device="cpu", dtype="float32",
                      max_num_seqs=num_requests, max_model_len=max_model_len,
-                     max_num_batched_tokens=max(2048, num_requests * PROMPT_LEN), enforce_eager=True)
+                     max_num_batched_tokens=max(2048, num_requests * PROMPT_LEN, max_num_batched_tokens),
+                     enforce_eager=True)
 
 
 def add_requests(engine, adapter_paths: list[Path], num_requests: int, num_adapters: int,
@@ -323,6 +343,101 @@ def decode_table(tmp: Path, args) -> list[dict]:
     return rows
 
 
+def prefill_prompts(num_tokens: int, seed: int) -> list[list[int]]:
+    """PREFILL_SEQUENCES fresh random prompts of num_tokens / PREFILL_SEQUENCES tokens each."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(4, DECODE_SHAPE.vocab_size, (PREFILL_SEQUENCES, num_tokens // PREFILL_SEQUENCES),
+                         generator=gen).tolist()
+
+
+class EnginePrefill:
+    """One engine that prefills a batch of prompts in a single step, each sequence with its
+    adapter (round-robin over `num_adapters`, loaded up front) or none."""
+
+    def __init__(self, model_dir: str, adapter_paths: list[Path], num_tokens: int, num_adapters: int):
+        from adapters import LoRARequest
+
+        self.engine = make_engine(model_dir, PREFILL_SEQUENCES, max(1, num_adapters),
+                                  num_tokens // PREFILL_SEQUENCES + 8, max_num_batched_tokens=num_tokens)
+        self.loras = [LoRARequest(f"a{i}", str(adapter_paths[i])) for i in range(num_adapters)]
+        for lora in self.loras:
+            self.engine.add_lora(lora)  # loaded before timing, as the forward's weights are
+        self.runs = 0
+
+    def run(self, prompts: list[list[int]]) -> tuple[float, list[int]]:
+        """CPU seconds of the one step that prefills `prompts`, and the first token it samples
+        for each."""
+        from lora_runner import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        ids = [f"r{self.runs}-{i}" for i in range(len(prompts))]
+        self.runs += 1
+        for i, (request_id, prompt) in enumerate(zip(ids, prompts)):
+            lora = self.loras[i % len(self.loras)] if self.loras else None
+            self.engine.add_request(request_id, prompt, params, lora_request=lora)
+        start = time.process_time()
+        outputs = self.engine.step()
+        seconds = time.process_time() - start
+        first = {out.request_id: out.outputs[0].token_ids[0] for out in outputs if out.finished}
+        assert first.keys() == set(ids), f"one step prefilled {len(first)} of {len(ids)} sequences"
+        return seconds, [first[request_id] for request_id in ids]
+
+
+@torch.inference_mode()
+def forward_run(model, prompts: list[list[int]], **extra) -> tuple[float, list[int]]:
+    """CPU seconds of one transformers forward over the prompts as a batch (last logits only, as
+    the engine computes), and each prompt's greedy next token; `extra` goes to the forward
+    (PEFT's adapter_names)."""
+    input_ids = torch.tensor(prompts)  # [B, S]
+    start = time.process_time()
+    logits = model(input_ids, attention_mask=torch.ones_like(input_ids), logits_to_keep=1, **extra).logits
+    seconds = time.process_time() - start
+    return seconds, logits[:, -1].argmax(-1).tolist()  # [B]
+
+
+def prefill_table(tmp: Path, args) -> list[dict]:
+    """Prefill tokens/s of one step of PREFILL_SEQUENCES sequences: engine base and with 8 adapters,
+    transformers' forward and PEFT's mixed-adapter forward on the same batch."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, adapters_dir = tmp / "decode", tmp / "decode-adapters"
+    if not model_dir.exists():  # --skip-decode: the decode table's model and adapters, made here
+        base = save_random_model(model_dir, DECODE_SHAPE)
+        save_random_adapters(base, adapters_dir, 8, RANK, progress=False)
+        del base
+    adapter_paths = sorted(adapters_dir.glob("adapter-*"))
+    num_tokens = args.prefill_tokens // PREFILL_SEQUENCES * PREFILL_SEQUENCES
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    peft_model = peft_with_adapters(str(model_dir), adapter_paths)
+    names = [f"a{i % len(adapter_paths)}" for i in range(PREFILL_SEQUENCES)]  # round-robin, as the engine's
+    engine_base = EnginePrefill(str(model_dir), adapter_paths, num_tokens, 0)
+    engine_lora = EnginePrefill(str(model_dir), adapter_paths, num_tokens, len(adapter_paths))
+    runs = {"transformers forward (base)": lambda p: forward_run(model, p),
+            "engine base": engine_base.run, "engine 8 adapters": engine_lora.run,
+            "PEFT 8 adapters (mixed batch)": lambda p: forward_run(peft_model, p, adapter_names=names)}
+    references = {"engine base": "transformers forward (base)",  # whose first tokens each engine's should equal
+                  "engine 8 adapters": "PEFT 8 adapters (mixed batch)"}
+    best, same = dict.fromkeys(runs, float("inf")), dict.fromkeys(references, 0)
+    for repeat in range(args.repeats + 1):  # interleaved: a busy machine slows all four alike
+        prompts = prefill_prompts(num_tokens, seed=100 + repeat)  # fresh: no prefix-cache hits
+        results = {name: run(prompts) for name, run in runs.items()}
+        for name, (seconds, _) in results.items():
+            if repeat:  # the first run of each warms up
+                best[name] = min(best[name], seconds)
+        for name, reference in references.items():
+            same[name] += sum(a == b for a, b in zip(results[name][1], results[reference][1]))
+        logger.info("prefill run %d: %s", repeat, {name: round(s, 3) for name, s in best.items()})
+    engine_base.engine.close()
+    engine_lora.engine.close()
+    tokens_per_s = {name: num_tokens / seconds for name, seconds in best.items()}
+    base, forward, peft = (tokens_per_s[name] for name in ("engine base", "transformers forward (base)",
+                                                           "PEFT 8 adapters (mixed batch)"))
+    return [{"run": name, "sequences": PREFILL_SEQUENCES, "tokens": num_tokens, "prefill_tokens_per_s": value,
+             "vs_engine_base": value / base, "vs_forward": value / forward, "vs_peft": value / peft,
+             "same_first_token": (same[name] / (PREFILL_SEQUENCES * (args.repeats + 1)) if name in same else None)}
+            for name, value in tokens_per_s.items()]
+
+
 def parse_args(argv=None):
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -331,19 +446,25 @@ def parse_args(argv=None):
                    help="distinct adapters per row; the first must be 0 (the ratio's base)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per host row and path")
     p.add_argument("--paths", nargs="+", default=["auto"], choices=("auto", "padded", "segmented"),
-                   help="torch LoRA strategies to time, alternating steps (segmented = one "
-                        "matmul group per adapter, as before issue 14)")
+                   help="torch LoRA strategies to time, alternating steps, for the tokens outside runs "
+                        "(a slot's consecutive tokens, in place under every one; segmented = one matmul "
+                        "group per adapter, as before issue 14)")
     p.add_argument("--profile", help="REQUESTS/ADAPTERS row to profile one step of, e.g. 64/8")
     p.add_argument("--batch", type=int, default=16, help="requests of the decode comparison")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="decode runs of each kind; the fastest counts")
     p.add_argument("--skip-host", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--prefill-tokens", type=int, default=2048,
+                   help=f"tokens of the prefill table's one step, over {PREFILL_SEQUENCES} sequences")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out-dir", default="results")
     args = p.parse_args(argv)
     if args.adapters[0] != 0:
         p.error("--adapters must start with 0")
+    if args.prefill_tokens < PREFILL_SEQUENCES:
+        p.error(f"--prefill-tokens must be at least {PREFILL_SEQUENCES}")
     return args
 
 
@@ -356,8 +477,9 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
         host = [] if args.skip_host else host_table(Path(tmp), args)
         decode = [] if args.skip_decode else decode_table(Path(tmp), args)
+        prefill = [] if args.skip_prefill else prefill_table(Path(tmp), args)
     report = {"clock": "process", "machine": machine_description("cpu"), "rank": RANK,
-              "seconds": time.perf_counter() - started, "host": host, "decode": decode}
+              "seconds": time.perf_counter() - started, "host": host, "decode": decode, "prefill": prefill}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench_step-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -372,6 +494,9 @@ def main(argv=None) -> dict:
         print("\n" + markdown_table(decode, DECODE_COLUMNS))
         print(f"engine base tokens equal generate's for "
               f"{decode[1]['same_tokens_as_generate']:.0%} of requests")
+    if prefill:
+        print(f"\nprefill of {PREFILL_SEQUENCES} sequences in one step:\n"
+              + markdown_table(prefill, PREFILL_COLUMNS))
     print(f"\nCPU seconds of this process, {args.threads} torch thread(s); written {path}")
     return report
 

@@ -166,8 +166,8 @@ def test_torch_path_ignores_slot_ranks_with_zero_padding():
     torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
 
 
-# ---------------------------------------------------------------- both torch strategies, forced
-PATHS = ("padded", "segmented")
+# ---------------------------------------------------------------- the torch strategies, forced
+PATHS = ("runs", "padded", "segmented")  # runs: every run of a slot's consecutive tokens in place
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -232,6 +232,139 @@ def test_torch_layout_follows_every_prepare():
         torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
 
 
+# ---------------------------------------------------------------- runs in place next to gathered tokens
+# An engine step: prefill chunks (runs of one slot, or of no adapter) and decode tokens, in batch order.
+# qkv_wide (K + N = 896) takes runs of >= 19 tokens in place by default; the rest is gathered.
+STEPS = {
+    "prefills_and_decodes": [(3, 40), (-1, 25), (3, 1), (0, 1), (5, 1), (0, 60), (5, 1), (-1, 1), (0, 30)],
+    "one_slot": [(2, 50), (2, 1), (-1, 3), (2, 30)],  # one slot: runs and its decode tokens
+    "gaps_in_slot_ids": [(1, 33), (6, 2), (-1, 20), (7, 45), (1, 1), (6, 1)],  # slots 0, 2-5 absent
+    "runs_only": [(4, 64), (1, 19), (-1, 10), (4, 21)],  # every LoRA token in a run: nothing gathered
+    "neighbours_share_a_slot": [(2, 10), (2, 10), (5, 5), (2, 15)],  # 10 + 10 decode-like tokens join
+}
+
+
+def step_case(pieces, layout: str = "qkv_wide", dtype=torch.float64, seed: int = 0) -> Case:
+    """make_case's random weights and rows, with token slots laid out as an engine step's."""
+    num_tokens = sum(length for _, length in pieces)
+    case = make_case(num_tokens, layout, 16, "uniform", mixed_ranks=True, seed=seed, dtype=dtype)
+    case.token_slots = torch.cat([torch.full((length,), slot) for slot, length in pieces])
+    return case
+
+
+def expected_runs(pieces, min_run: int) -> list[tuple[int, int, int]]:
+    """(slot, first token, end token) of the runs of >= min_run tokens, from the pieces."""
+    runs, start = [], 0
+    for slot, length in pieces:
+        if runs and runs[-1][0] == slot and runs[-1][2] == start:  # neighbouring pieces of a slot join
+            runs[-1] = (slot, runs[-1][1], start + length)
+        elif slot >= 0:
+            runs.append((slot, start, start + length))
+        start += length
+    return sorted((run for run in runs if run[2] - run[1] >= min_run), key=lambda run: (run[0], run[1]))
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_torch_runs_in_place_next_to_gathered_tokens(step):
+    pieces = STEPS[step]
+    case = step_case(pieces, seed=len(step))
+    meta = prepared_meta(case)
+    in_features, out_features = case.x.shape[1], case.y.shape[1]
+    min_run = reference.min_run_tokens(in_features, out_features)
+    layout = reference._layout(meta, min_run)
+    assert sorted(layout.runs) == expected_runs(pieces, min_run)
+    in_runs = sum(end - begin for _, begin, end in layout.runs)
+    assert layout.tokens.shape[0] == int((case.token_slots >= 0).sum()) - in_runs
+    y = case.y.clone()
+    reference.add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)  # auto: runs + rest
+    torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+    untouched = case.token_slots < 0
+    assert torch.equal(y[untouched], case.y[untouched])  # bit-identical
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_torch_runs_shrink_expand_poisoned(step):
+    """The halves (vocab LoRA's path) with their own run lengths (K alone, N alone)."""
+    case = step_case(STEPS[step], seed=3 + len(step))
+    meta = prepared_meta(case)
+    n_slices, rank = case.lora_a.shape[1:3]
+    inter = torch.full((case.x.shape[0], n_slices, rank), float("nan"), dtype=torch.float64)  # poisoned
+    reference.lora_shrink(case.x, case.lora_a, meta, inter)
+    lora_rows = case.token_slots >= 0
+    expected = torch.einsum("tk,tjrk->tjr", case.x[lora_rows], case.lora_a[case.token_slots[lora_rows]])
+    torch.testing.assert_close(inter[lora_rows], expected, rtol=1e-12, atol=1e-12)
+    assert inter[~lora_rows].isnan().all()  # rows of slot -1 tokens are not written
+    y = case.y.clone()
+    reference.lora_expand(y, inter, case.lora_b, meta, case.slice_sizes)
+    torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+    assert torch.equal(y[~lora_rows], case.y[~lora_rows])
+
+
+@pytest.mark.parametrize("path", [None, "runs"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+def test_torch_runs_low_precision_nan_rows_stay_local(dtype, tol, path):
+    """Runs in y's rows (float32) or through a float32 copy rounded once (half dtypes); a NaN in
+    the input row of a slot -1 token stays in that row."""
+    case = step_case(STEPS["prefills_and_decodes"], dtype=dtype, seed=11)
+    case.x[case.token_slots < 0] = float("nan")
+    y = case.y.clone()
+    reference.add_lora(y, case.x, case.lora_a, case.lora_b, prepared_meta(case), case.slice_sizes, path=path)
+    lora_rows = case.token_slots >= 0
+    torch.testing.assert_close(y[lora_rows].double(), naive_add_lora(case)[lora_rows], rtol=tol, atol=tol)
+    assert torch.equal(y[~lora_rows], case.y[~lora_rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_runs_column_scale_one_is_plain_lora_bit_for_bit(dtype):
+    """A run scales B's rows by c (instead of the delta): c = 1 must still give the unscaled result."""
+    case = step_case(STEPS["prefills_and_decodes"], dtype=dtype, seed=5)
+    meta = prepared_meta(case)
+    max_loras, n_slices = case.lora_a.shape[:2]
+    ones = torch.ones(max_loras, case.y.shape[1])
+    bias = torch.randn(case.y.shape[1]).to(dtype)
+    for path in (None, "runs"):
+        plain, scaled = case.y.clone(), case.y.clone()
+        reference.add_lora(plain, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes, path=path)
+        reference.add_lora(scaled, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes,
+                           reference.Scales(torch.ones(max_loras, n_slices), ones, bias), path=path)
+        assert torch.equal(scaled, plain), path
+
+
+def test_torch_runs_follow_every_prepare():
+    """The per-prepare cache (runs and the rest's layout) must not serve a previous step's runs."""
+    first = step_case(STEPS["prefills_and_decodes"], seed=1)
+    meta = prepared_meta(first, max_num_tokens=256)
+    for seed, step in ((2, "gaps_in_slot_ids"), (3, "one_slot"), (4, "prefills_and_decodes")):
+        case = step_case(STEPS[step], seed=seed)
+        case.lora_a, case.lora_b = first.lora_a, first.lora_b
+        meta.prepare(case.token_slots)
+        y = case.y.clone()
+        reference.add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)
+        torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("slots,view", [((0, 2, 3), True), ((1, 3, 4), True), ((2, 5), True), ((0, 7), False),
+                                        ((0, 1, 6, 7), True), ((1, 6), False)])
+def test_torch_padded_path_views_a_range_of_slots_with_few_absent(slots, view):
+    """Present slots with at most as many absent ones between them read a view of the weights
+    (the absent slots' rows computed and dropped), else a gather; both exact."""
+    case = make_case(4 * len(slots) + 3, "qkv", 8, "uniform", mixed_ranks=True, seed=len(slots),
+                     dtype=torch.float64)
+    chosen = torch.tensor(slots)[torch.arange(case.x.shape[0] - 3) % len(slots)]
+    case.token_slots = torch.cat([chosen, torch.full((3,), -1)])[torch.randperm(case.x.shape[0])]
+    case.lora_a[[slot for slot in range(8) if slot not in slots]] = float("nan")  # absent slots' rows dropped
+    case.lora_b[[slot for slot in range(8) if slot not in slots]] = float("nan")
+    meta = prepared_meta(case)
+    layout = reference._layout(meta)
+    assert (layout.first_slot is not None) == view
+    assert layout.present.tolist() == (list(range(slots[0], slots[-1] + 1)) if view else list(slots))
+    y = case.y.clone()
+    reference.add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes, path="padded")
+    torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
+    untouched = case.token_slots < 0
+    assert torch.equal(y[untouched], case.y[untouched])
+
+
 def test_torch_path_choice_by_measured_crossover():
     """Decode batches of small models take the padded path (cost flat in the adapters); 7B-wide
     layers and long prefills over many slots take the per-slot path."""
@@ -244,6 +377,17 @@ def test_torch_path_choice_by_measured_crossover():
     assert reference.use_padded(layout_for(256, 8), 3, 16, 768, 1280)  # 100M qkv
     assert not reference.use_padded(layout_for(4, 4), 3, 16, 4096, 12288)  # 7B qkv
     assert not reference.use_padded(layout_for(4096, 8), 1, 16, 2048, 768)  # 4096-token prefill
+    # runs in place: a prefill chunk on every layer of the 100M model, not tiny-model decode neighbours
+    assert [reference.min_run_tokens(768, out) for out in (1280, 4096, 768)] == [8, 4, 11]
+    assert reference.min_run_tokens(2048, 768) == 6  # 100M down
+    assert reference.min_run_tokens(64, 128) == 86  # tiny qkv
+    assert reference.min_run_tokens(4096, 12288) == reference.MIN_RUN_TOKENS  # 7B qkv: the floor
+    meta = LoRAMeta(2048, 8)
+    meta.prepare(torch.arange(2048) // 256)  # 8 prefill chunks of 256 tokens, one adapter each
+    layout = reference._layout(meta, reference.min_run_tokens(768, 1280))
+    assert len(layout.runs) == 8 and not layout.segments  # all in place, nothing gathered
+    meta.prepare(torch.arange(64) % 8)  # decode: 64 requests round-robin over 8 adapters
+    assert not reference._layout(meta, reference.min_run_tokens(768, 1280)).runs
 
 
 def test_triton_available_reports_the_import(monkeypatch, caplog):
