@@ -289,9 +289,10 @@ class LoRAMeta:
         return offsets
 
     def unit_scales(self, width: int) -> torch.Tensor:
-        """[max_loras, width] float32 ones on ``device``, cached per width: the scales the Triton
-        kernels read when a caller passes none (laid out as the slots' scales, so the kernels
-        compile once for both). The first call for a width allocates, outside CUDA-graph capture.
+        """[max_loras, width] float32 ones on ``device``, cached per width: the slice scales the Triton
+        kernels read when a caller passes none (laid out as the slots' scales, so the kernels compile
+        once for both); as column scales they only fill the pointer of an expand that reads none
+        (HAS_COLUMN_SCALES off). The first call for a width allocates, outside CUDA-graph capture.
         """
         ones = self._unit_scales.get(width)
         if ones is None:
