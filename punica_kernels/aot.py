@@ -258,6 +258,7 @@ class PtxLoads:
     scalar_half_stores: int  # st.global of one 16-bit element anywhere (y's store)
     cp_async: int  # cp.async copies (global -> shared, pipelined)
     vector_global: int  # ld/st.global with .v2/.v4 anywhere
+    global_loads: int = 0  # ld.global instructions anywhere, any width (cp.async copies apart)
 
 
 def ptx_blocks(ptx: str) -> list[tuple[str, list[str]]]:
@@ -297,7 +298,8 @@ def ptx_loads(ptx: str) -> PtxLoads:
                     scalar_half_stores=sum(_is_scalar_half(m, "st") for m in everything),
                     cp_async=sum(m.startswith("cp.async.") and "shared.global" in m for m in everything),
                     vector_global=sum(m.startswith(("ld.global", "st.global")) and any(
-                        p in ("v2", "v4", "v8") for p in m.split(".")) for m in everything))
+                        p in ("v2", "v4", "v8") for p in m.split(".")) for m in everything),
+                    global_loads=sum(m.startswith("ld.global") for m in everything))
 
 
 @dataclass(frozen=True)

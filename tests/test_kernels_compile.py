@@ -8,8 +8,6 @@ minutes for both targets), then each test reads the reports.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import triton
@@ -88,10 +86,6 @@ def test_sgmv_loads_are_vectorized_and_pipelined(configs, reports, target):
     assert not failures, f"{len(failures)} SGMV configs on {target}:\n" + "\n".join(failures)
 
 
-def _global_loads(ptx: str) -> int:
-    return len(re.findall(r"^\s*(?:@!?%p\d+\s+)?ld\.global\.", ptx, re.M))
-
-
 def test_plain_lora_expand_loads_less_than_the_dora_epilogue(configs, reports):
     """Issue 26 item 5: an expand without column scales (no DoRA slot in the step) compiles without
     the epilogue's loads: fewer global loads than its DoRA twin (same config, column scales on, no bias)."""
@@ -108,7 +102,7 @@ def test_plain_lora_expand_loads_less_than_the_dora_epilogue(configs, reports):
     pairs = [(plain[k], dora[k]) for k in plain.keys() & dora.keys()]
     assert len(pairs) >= 3 * len(aot.LORA_RANKS)  # every dtype and rank has both
     for plain_key, dora_key in pairs[:6]:  # a few pairs: each compile takes seconds
-        fewer, more = (_global_loads(reports[key, target].ptx) for key in (plain_key, dora_key))
+        fewer, more = (aot.ptx_loads(reports[key, target].ptx).global_loads for key in (plain_key, dora_key))
         assert 0 < fewer < more, (configs[plain_key].named_constexprs(), fewer, more)
 
 
@@ -133,6 +127,7 @@ $L__BB0_7:
     loads = aot.ptx_loads(ptx)
     assert (loads.loops, loads.inner_loops, loads.scalar_half_in_loops) == (2, 1, 2)  # not the entry block's
     assert (loads.scalar_half_stores, loads.cp_async, loads.vector_global) == (1, 1, 1)
+    assert loads.global_loads == 4  # every ld.global, predicated or not; the cp.async apart
 
 
 def test_drivers_reach_every_attention_kernel_split_count_and_dtype(configs):
