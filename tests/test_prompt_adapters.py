@@ -155,6 +155,11 @@ def test_chunked_prefill_preemption_and_slot_limit(soft, greedy_oracle):
     for i, ((name, lora), prompt) in enumerate(zip(cases, prompts)):
         pa, lora_request = requests_for(soft, name, lora)
         requests.append((f"c{i}", prompt, params, lora_request, pa))
+    for _, _, _, lora_request, pa in requests:  # in the CPU cache before the first step: which requests
+        if lora_request is not None:            # run together (and are preempted) must not depend on
+            engine.add_lora(lora_request)       # how fast a background load is on a loaded machine
+        if pa is not None:
+            engine.add_prompt_adapter(pa)
     preempted_with_soft_prompt = set()
 
     def record_preempted(step, outputs):
