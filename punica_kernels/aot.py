@@ -258,7 +258,7 @@ class PtxLoads:
     scalar_half_stores: int  # st.global of one 16-bit element anywhere (y's store)
     cp_async: int  # cp.async copies (global -> shared, pipelined)
     vector_global: int  # ld/st.global with .v2/.v4 anywhere
-    global_loads: int = 0  # ld.global instructions anywhere, any width (cp.async copies apart)
+    global_loads: int  # ld.global instructions anywhere, any width (cp.async copies apart)
 
 
 def ptx_blocks(ptx: str) -> list[tuple[str, list[str]]]:

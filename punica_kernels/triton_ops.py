@@ -262,7 +262,8 @@ def _launch_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, m
         N_SLICES=n_slices, RANK=rank, BLOCK_M=meta.block_m, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
         # B_ROW_ALIGN divides every row offset slot * stride(0) + column * stride(1)
         COLUMN_ALIGN=column_align, B_ROW_ALIGN=_alignment(*lora_b.stride()[:2]),
-        HAS_COLUMN_SCALES=scales.columns is not None, HAS_BIAS=bias is not None, DOT_PRECISION=_expand_precision(lora_b.dtype), num_warps=EXPAND_NUM_WARPS,
+        HAS_COLUMN_SCALES=scales.columns is not None, HAS_BIAS=bias is not None,
+        DOT_PRECISION=_expand_precision(lora_b.dtype), num_warps=EXPAND_NUM_WARPS,
         maxnreg=EXPAND_FP32_MAX_REGISTERS if y.dtype == torch.float32 else None,
     )
 

@@ -21,12 +21,9 @@ every oracle comparison uses.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
-
-logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -56,8 +53,10 @@ def dense(packed: torch.Tensor) -> torch.Tensor:
     return packed.to_dense()
 
 
-def logits(hidden: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
-    """hidden [S, hidden] @ lm_head.T -> [S, V]: through the packed head when there is one."""
+def matmul(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ W.T (+ bias) -> [T, N]: through ``packed`` when the weight was packed, else the
+    dense ``weight`` [N, K] with F.linear (the linears' and the LM head's one dispatch)."""
     if packed is not None:
-        return linear(hidden, packed, None)
-    return F.linear(hidden, weight)
+        return linear(x, packed, bias)
+    return F.linear(x, weight, bias)

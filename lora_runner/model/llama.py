@@ -234,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits [S, vocab] float32 of the rows to sample, hidden [S, hidden]; lm_head_lora: the
         lm_head LoRA over these rows (lora_runner.model.vocab_lora.LMHeadLoRA), None for none. Over
         several ranks: this rank's vocabulary rows (its lm_head LoRA B rows too), then one all-gather."""
-        logits = cpu_gemm.logits(hidden, self.lm_head, self.lm_head_packed)  # [S, V_w]
+        logits = cpu_gemm.matmul(hidden, self.lm_head, self.lm_head_packed)  # [S, V_w]
         if lm_head_lora is not None:
             add_lm_head_lora(logits, hidden, lm_head_lora)
         if self.tp.is_parallel:

@@ -3,9 +3,10 @@ and multiplies by it: unquantized, FP8 (lora_runner.model.quant.fp8) or W4A16 (i
 
 A method is stateless; the tensors live on the layer (``create_weights`` registers them, ``load`` fills
 them from the checkpoint tensors of each packed slice, ``after_loading`` converts them once for the
-device's GEMM, ``apply`` computes x @ W.T + b, ``dequantize`` gives W [N, K] for DoRA's norms). On CUDA the kernels of punica_kernels run (``fp8_linear``:
-torch._scaled_mm on sm_89+; ``w4a16_matmul``: Triton); elsewhere, and on CPU, each layer is dequantized on the fly: the
-weights stay quantized in memory.
+device's GEMM, ``apply`` computes x @ W.T + b, ``dequantize`` gives W [N, K] for DoRA's norms). On CUDA
+the kernels of punica_kernels run (``fp8_linear``: torch._scaled_mm on sm_89+; ``w4a16_matmul``:
+Triton); elsewhere, and on CPU, each layer is dequantized on the fly: the weights stay quantized in
+memory.
 """
 
 from __future__ import annotations
@@ -54,9 +55,7 @@ class UnquantizedLinear:
             layer.weight = None  # the packed copy is the weight now
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.packed_weight is not None:
-            return cpu_gemm.linear(x, layer.packed_weight, bias)  # [T, N]
-        return F.linear(x, layer.weight, bias)  # [T, N]
+        return cpu_gemm.matmul(x, layer.weight, layer.packed_weight, bias)  # [T, N]
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         if layer.packed_weight is not None:
