@@ -7,6 +7,7 @@ else of the slot is zero (untargeted modules, ranks above r_j), so zero-padding 
 in the result. Beside them, float32 scales the expand applies (punica_kernels.scales):
 ``slice_scales[s, j] = scaling_j`` (on the fp32 intermediate, never folded into a half B) and
 ``column_scales[s, off_j:off_j+N_j]`` = DoRA's column scale, 1 for plain LoRA and empty slots.
+On the CPU lora_b is a transposed view (its N columns contiguous, see :func:`zeros_b`).
 Writing an adapter first resets the slot's whole range, so nothing of a previous tenant (a
 larger rank, a DoRA scale) survives; clearing a slot resets its column scales to 1. Tensors are
 only ever written in place (CUDA-graph safe).
@@ -20,6 +21,17 @@ import torch
 from adapters.lora import LoRAWeights
 from adapters.prompt import PromptWeights
 from adapters.spec import PACKED_MODULES, ModelSpec
+
+
+def zeros_b(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed B-factor buffer ``[..., N, R]``. On the CPU its storage is ``[..., R, N]`` and this
+    is its transposed view: the torch path's expand multiplies by B.T, and a batched matmul reads
+    that 1.5-2x faster with N contiguous (measured, rank 16, 768-4096 columns, one thread). The
+    Triton kernels take contiguous B (16-byte rows of R), so on CUDA it is contiguous."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    *batch, out_features, rank = shape
+    return torch.zeros(*batch, rank, out_features, dtype=dtype, device=device).transpose(-1, -2)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -39,8 +51,8 @@ class LoRASlots:
         self._a = {p: torch.zeros(layers, max_loras, len(spec.slice_sizes(p)), r, spec.in_features(p),
                                   dtype=dtype, device=device)  # [L, max_loras, n, R, K]
                    for p in PACKED_MODULES}
-        self._b = {p: torch.zeros(layers, max_loras, sum(spec.slice_sizes(p)), r, dtype=dtype,
-                                  device=device)  # [L, max_loras, N, R]
+        self._b = {p: zeros_b(layers, max_loras, sum(spec.slice_sizes(p)), r, dtype=dtype,
+                              device=device)  # [L, max_loras, N, R] (N contiguous on the CPU: zeros_b)
                    for p in PACKED_MODULES}
         self._slice_scales = {p: torch.zeros(layers, max_loras, len(spec.slice_sizes(p)), dtype=torch.float32,
                                              device=device)  # [L, max_loras, n]

@@ -9,7 +9,8 @@ no such LoRA):
   R values are one contiguous row (the gather shrink reads one row per token);
   ``embedding_b[s, :, :r_e] = B`` [hidden, r_e];
 - ``lm_head_a[s, 0, :r_h] = A`` [r_h, hidden], ``lm_head_b[s, :, :r_h] = B`` [V, r_h]: the
-  layout of a one-slice packed module, for ``punica_kernels.add_lora``;
+  layout of a one-slice packed module, for ``punica_kernels.add_lora`` (B's storage transposed on
+  the CPU, as the LoRA slots': ``adapters.slots.zeros_b``);
 - ``embedding_scales[s, 0]`` / ``lm_head_scales[s, 0]`` float32: the LoRA scaling, applied by the
   expand to the fp32 intermediate (as the LoRA slots' slice scales: folding it into a half B would
   round it).
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from adapters.lora import LoRAWeights
-from adapters.slots import _copy
+from adapters.slots import _copy, zeros_b
 from adapters.spec import ModelSpec
 
 
@@ -44,9 +45,9 @@ class VocabLoRASlots:
         self.num_slots, self.max_rank = max_loras, max_lora_rank
         like = dict(dtype=dtype, device=device)
         self.embedding_a = torch.zeros(max_loras, vocab, rank, **like)  # [max_loras, V, R]
-        self.embedding_b = torch.zeros(max_loras, hidden, rank, **like)  # [max_loras, hidden, R]
+        self.embedding_b = zeros_b(max_loras, hidden, rank, **like)  # [max_loras, hidden, R]
         self.lm_head_a = torch.zeros(max_loras, 1, rank, hidden, **like)  # [max_loras, 1, R, hidden]
-        self.lm_head_b = torch.zeros(max_loras, vocab, rank, **like)  # [max_loras, V, R]
+        self.lm_head_b = zeros_b(max_loras, vocab, rank, **like)  # [max_loras, V, R]
         self.embedding_scales = torch.ones(max_loras, 1, dtype=torch.float32, device=device)  # [max_loras, 1]
         self.lm_head_scales = torch.ones(max_loras, 1, dtype=torch.float32, device=device)  # [max_loras, 1]
         self.embedding_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]

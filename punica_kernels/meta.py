@@ -315,6 +315,8 @@ class LoRAMeta:
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     """True when two devices name the same place ("cuda" and "cuda:0" included)."""
+    if a == b:  # the common case, answered without reading the attributes (this runs per LoRA op)
+        return True
     if a.type != b.type:
         return False
     if a.type != "cuda" or a.index == b.index:

@@ -235,7 +235,7 @@ def _expand_padded(inter_pad: torch.Tensor, lora_b: torch.Tensor, layout: _Layou
     b_present = _cast(_present_slots(lora_b, layout), inter_pad.dtype).transpose(1, 2)  # [U, R, N]
     if slice_scales is not None:  # each slice's R columns times its scale, broadcast (no repeated copy)
         scales = _cast(_present_slots(slice_scales, layout), inter_pad.dtype)  # [U, n]
-        inter_pad.view(num_present, width, -1, rank).mul_(scales[:, None, :, None])
+        inter_pad.view(num_present, width, -1, rank).mul_(scales.reshape(num_present, 1, -1, 1))
     if len(slice_sizes) == 1:  # one bmm straight into the result
         delta_pad = torch.bmm(inter_pad, b_present)  # [U, w, N]
         return _padded_rows(delta_pad.view(-1, out_features), layout)

@@ -1,10 +1,13 @@
 """LoRA slot layout: computing with the slot tensors the way the kernels do gives PEFT's delta."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from adapters.lora import dummy_lora, load_lora
-from adapters.slots import LoRASlots
+from adapters.slots import LoRASlots, zeros_b
+from adapters.vocab_slots import VocabLoRASlots
 from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED
 from tests import factories
 
@@ -81,3 +84,26 @@ def test_slot_shapes_and_clear(base):
     assert slots.slot_ranks.tolist() == [0, 0]
     with pytest.raises(ValueError):
         LoRASlots(spec, max_loras=2, max_lora_rank=0)
+
+
+def test_cpu_slots_keep_b_columns_contiguous(base):
+    """On the CPU every B factor is the transposed view of [..., R, N] storage (the torch path's
+    expand multiplies by B.T: N contiguous is its fast layout); shapes stay [..., N, R]."""
+    spec = factories.model_spec(base)
+    slots = LoRASlots(spec, max_loras=3, max_lora_rank=4)
+    for packed in PACKED_MODULES:
+        lora_b = slots.weights(0, packed)[1]  # [3, N, 4]
+        assert lora_b.shape == (3, sum(spec.slice_sizes(packed)), 4)
+        assert lora_b.stride()[1:] == (1, lora_b.shape[1]) and lora_b.transpose(1, 2).is_contiguous()
+    vocab = VocabLoRASlots(dataclasses.replace(spec, vocab_size=base.config.vocab_size), 3, 4)
+    for lora_b in (vocab.embedding_b, vocab.lm_head_b):
+        assert lora_b.stride()[1:] == (1, lora_b.shape[1]), lora_b.stride()
+
+
+@pytest.mark.gpu
+def test_cuda_slots_keep_b_contiguous():
+    """The Triton expand reads B rows of R: on CUDA the buffer is plain contiguous [..., N, R]."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lora_b = zeros_b(2, 3, 64, 16, dtype=torch.bfloat16, device="cuda")
+    assert lora_b.shape == (2, 3, 64, 16) and lora_b.is_contiguous() and not lora_b.any()

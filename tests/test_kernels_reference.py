@@ -186,6 +186,21 @@ def test_torch_paths_match_per_token_loop(path, popularity, num_tokens, layout):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layout", ["o", "qkv", "gate_up"])
+def test_torch_paths_take_b_with_columns_contiguous(path, layout):
+    """The CPU slots store B transposed (adapters.slots.zeros_b): every path gives the loop's result
+    from that view, and the same numbers as from contiguous B."""
+    case = make_case(40, layout, 16, "uniform", mixed_ranks=True, seed=5, dtype=torch.float32)
+    lora_b_t = case.lora_b.transpose(1, 2).contiguous().transpose(1, 2)  # [L, N, R] view of [L, R, N]
+    meta = prepared_meta(case)
+    y_t, y = case.y.clone(), case.y.clone()
+    reference.add_lora(y_t, case.x, case.lora_a, lora_b_t, meta, case.slice_sizes, path=path)
+    reference.add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes, path=path)
+    torch.testing.assert_close(y_t.double(), naive_add_lora(case), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_t, y, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_torch_paths_shrink_expand_poisoned(path):
     case = make_case(33, "qkv", 8, "mixed_none", mixed_ranks=True, seed=21, dtype=torch.float64)
     meta = prepared_meta(case)
