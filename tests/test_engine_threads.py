@@ -198,8 +198,8 @@ class ObservedLock:
 
 @pytest.mark.parametrize("call", ["pin", "remove"])
 def test_adapter_calls_between_schedule_and_activate(engine_checkpoint, greedy_oracle, call):
-    """A pin (or remove) from another thread lands between the step's scheduling and its activation of
-    adapters. The step must still run every request it scheduled with the right weights."""
+    """A pin (or remove) from another thread races the step between the scheduler's pick and the
+    placement of its adapters. The step must still run every request it scheduled with the right weights."""
     path, hf, adapters = engine_checkpoint
     engine = make_engine(path)
     loras = {name: LoRARequest(name, adapters[name][0]) for name in ("r4", "r8-qv", "r16-mlp")}
@@ -212,24 +212,23 @@ def test_adapter_calls_between_schedule_and_activate(engine_checkpoint, greedy_o
     engine.step()
     engine.add_request("mlp", [7, 8, 9], PARAMS, lora_request=loras["r16-mlp"])  # will evict r4's slot
     engine.add_request("qv", [10, 11], PARAMS, lora_request=loras["r8-qv"])
-    schedule, other, settled = engine.scheduler.schedule, {}, threading.Event()
+    place, other, settled = engine.adapters.place, {}, threading.Event()
     engine.adapters.step_lock = ObservedLock(engine.adapters.step_lock, contended=settled)
 
     def race():
         getattr(engine, f"{call}_lora")("r4")
         settled.set()
 
-    def schedule_then_race():
-        out = schedule()
+    def race_then_place(scheduled):
         if "thread" not in other:  # once: another thread pins the slot the step is about to evict
             other["thread"] = threading.Thread(target=race, name="racer")
             other["thread"].start()
-            # the call has either finished (it landed between schedule and activate) or waits for
-            # the step's adapter lock (it lands after activation): both are legal, neither is a guess
+            # the call has either finished (it landed before placement) or waits for the step's
+            # adapter lock (it lands after placement): both are legal, neither is a guess
             assert settled.wait(WAIT_S)
-        return out
+        return place(scheduled)
 
-    engine.scheduler.schedule = schedule_then_race
+    engine.adapters.place = race_then_place
     done = {}
     for _ in range(50):
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -250,10 +249,10 @@ def test_step_from_a_second_thread_at_once_is_refused(engine_checkpoint, greedy_
     engine.add_request("r", [5, 6, 7], PARAMS)
     schedule, inside, leave = engine.scheduler.schedule, threading.Event(), threading.Event()
 
-    def slow_schedule():
+    def slow_schedule(**kwargs):
         inside.set()
         assert leave.wait(30)
-        return schedule()
+        return schedule(**kwargs)
 
     engine.scheduler.schedule = slow_schedule
     first = threading.Thread(target=engine.step, name="stepper")

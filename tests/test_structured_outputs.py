@@ -280,9 +280,9 @@ def test_preempted_constrained_requests_keep_their_matchers(checkpoint, engine):
 def test_steps_without_constrained_requests_carry_no_bitmask(engine, monkeypatch):
     seen, execute = [], engine.runner.execute
 
-    def spy(sched, *args):
-        seen.append(None if sched.grammar_bitmask is None else (list(sched.grammar_rows), sched.grammar_bitmask.shape))
-        return execute(sched, *args)
+    def spy(sched, grammar=None):
+        seen.append(None if grammar is None else (list(grammar.rows), grammar.bitmask.shape))
+        return execute(sched, grammar)
 
     monkeypatch.setattr(engine.runner, "execute", spy)
     run_to_completion(engine, [("u", "plain", SamplingParams(temperature=0.0, max_tokens=3))])

@@ -133,11 +133,10 @@ def test_an_unconstrained_request_sharing_steps_with_tool_calls_keeps_its_tokens
     alone = client.completions.create(**plain).choices[0]
     mixed_steps, execute = [], engine.runner.execute
 
-    def spy(sched, *args):  # a step that sampled constrained and unconstrained rows together
-        rows = sched.grammar_rows
-        if sched.grammar_bitmask is not None and len([s for s in sched.scheduled if s.samples]) > len(rows):
-            mixed_steps.append(len(rows))
-        return execute(sched, *args)
+    def spy(sched, grammar=None):  # a step that sampled constrained and unconstrained rows together
+        if grammar is not None and len([s for s in sched.scheduled if s.samples]) > len(grammar.rows):
+            mixed_steps.append(len(grammar.rows))
+        return execute(sched, grammar)
 
     engine.runner.execute = spy
     try:

@@ -39,7 +39,7 @@ from adapters.errors import AdapterCapacityError
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import POLICIES, FairQueue, FcfsQueue, VirtualTokenCounter, served_tokens, tenant_of
 from lora_runner.core.request import Request, RequestStatus
-from lora_runner.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from lora_runner.core.scheduler_output import Placement, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from lora_runner.engine.output_processor import OutputProcessor
@@ -54,10 +54,21 @@ AdapterState = Callable[[Hashable], str]
 ReservedSlots = Callable[[set], int]
 # request -> its structured-output grammar's "ready" | "loading" | "failed" (failed: request.error set)
 GrammarState = Callable[[Request], str]
+# the step's picked requests -> their adapters made resident (lora_runner.engine.adapters' place)
+Place = Callable[[list[ScheduledRequest]], Placement]
 
 
 def _no_grammar(request: Request) -> str:
     return "ready"
+
+
+@dataclass(frozen=True)
+class _Picked:
+    """A request schedule() picked, before placement decides whether it joins the step."""
+
+    scheduled: ScheduledRequest
+    block_ids: list[int]  # a running request: the blocks its table gained; an admitted one: its whole table
+    new: bool  # admitted this step (sent in full), else running before (sent as a diff)
 
 
 @dataclass(frozen=True)
@@ -133,20 +144,45 @@ class Scheduler:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, place: Place | None = None) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocates their KV blocks. The output also
-        carries, for the runner, what changed since the previous one (core.scheduler_output)."""
+        carries, for the runner, what changed since the previous one (core.scheduler_output).
+
+        place: makes the picked requests' adapters resident (the engine's adapter seam) and says which got
+        no slot; those are not scheduled: they come back in ``failed`` with their error, and a running
+        one's row is freed with this output (``finished_ids``). None: every request is placed, no slots."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        picked: list[_Picked] = []
+        budget = self._schedule_running(out, picked, self.max_num_batched_tokens)
         out.failed = self._take_failed()
         if not out.preempted_ids:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(picked, budget)
+        placement = place([p.scheduled for p in picked]) if place is not None and picked else Placement()
+        out.lora_slots, out.prompt_slots = placement.lora_slots, placement.prompt_slots
+        for p in picked:
+            error = placement.unplaced.get(p.scheduled.request)
+            if error is not None:
+                self._unplace(p, error, out)
+            elif p.new:
+                out.add_new(p.scheduled, p.block_ids)
+            else:
+                out.add_continuing(p.scheduled, p.block_ids)
         for s in out.scheduled:
             self.fairness.charge(self._tenants[s.request], *served_tokens(s.request, s.num_new_tokens, s.samples))
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _unplace(self, picked: _Picked, error: BaseException, out: SchedulerOutput) -> None:
+        """A picked request whose adapter got no slot leaves the step: failed with ``error`` (the engine
+        finishes it, which frees its blocks); a running one's row goes with this output."""
+        request = picked.scheduled.request
+        request.error = error
+        self.running.remove(request)
+        out.failed.append(request)
+        if not picked.new:
+            out.finished_ids.append(request.request_id)
+
+    def _schedule_running(self, out: SchedulerOutput, picked: list[_Picked], budget: int) -> int:
         pending = deque(self.running)  # oldest first; victims are taken from the back
         kept: list[Request] = []
         while pending:
@@ -164,7 +200,8 @@ class Scheduler:
                     self._preempt(request, out)
                     continue
                 new_block_ids = self.block_manager.allocate(request.request_id, end)
-            out.add_continuing(ScheduledRequest(request, request.num_computed_tokens, num_new), new_block_ids)
+            picked.append(_Picked(ScheduledRequest(request, request.num_computed_tokens, num_new), new_block_ids,
+                                  new=False))
             kept.append(request)
             budget -= num_new
         self.running = kept
@@ -217,7 +254,7 @@ class Scheduler:
         wanted = held | {ref}
         return len(wanted) + kind.reserved(wanted) <= kind.max_slots
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, picked: list[_Picked], budget: int) -> None:
         if not self.waiting:  # nothing to admit: skip the sets over the running requests below
             if budget > 0 and len(self.running) < self.max_num_seqs:
                 self._handover = {}  # what the loop concludes when its queue is empty
@@ -249,7 +286,8 @@ class Scheduler:
             self._count_prefix_hit(request, start)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival)
-            out.add_new(ScheduledRequest(request, start, num_new), self.block_manager.table(request.request_id))
+            picked.append(_Picked(ScheduledRequest(request, start, num_new),
+                                  list(self.block_manager.table(request.request_id)), new=True))
             queue.charge(request, *served_tokens(request, num_new, num_new == request.num_uncomputed_tokens))
             admitted.add(request)
             budget -= num_new

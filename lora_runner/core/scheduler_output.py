@@ -12,9 +12,11 @@ activates their adapters). The runner's persistent rows read plain data only, an
   their rows are freed before the step's rows are placed;
 - `scheduled_ids` / `num_scheduled_tokens`: every scheduled request's id and token count, in batch
   order (the order of the flat batch and of the sampled rows);
-- `grammar_rows` / `grammar_bitmask`: the structured-output mask of the step (set by the engine just
-  before the runner executes it): for each constrained sampled row (an index among the step's sampled
-  rows) a packed bitmask row of the ids it may sample; none (and no tensor) when no row is constrained.
+- `lora_slots` / `prompt_slots`: adapter ref -> the device slot it holds this step (the placement
+  schedule() asked for; a request whose adapter got none is in `failed`, never scheduled).
+
+The output is never edited after schedule() returns. The step's structured-output mask is its own
+object, :class:`GrammarOutput` (vLLM's), made from the output and handed to the executor beside it.
 """
 
 from __future__ import annotations
@@ -69,19 +71,43 @@ class ContinuingRequestData:
 
 
 @dataclass
+class Placement:
+    """What making a step's adapters resident gave: the slots, and the requests whose adapter got none.
+
+    ``unplaced``: request -> the error it fails with (its adapter's slot write raised, or making the
+    step's adapters resident raised as a whole); schedule() takes those out of the step."""
+
+    lora_slots: dict[Hashable, int] = field(default_factory=dict)  # LoRA ref -> device slot
+    prompt_slots: dict[Hashable, int] = field(default_factory=dict)  # prompt-adapter ref -> device slot
+    unplaced: dict[Request, BaseException] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GrammarOutput:
+    """The step's structured-output mask (vLLM's GrammarOutput), made after schedule() and handed to
+    sampling beside the SchedulerOutput: for each constrained sampled row (its index among the step's
+    sampled rows) a packed bitmask row of the ids it may sample."""
+
+    rows: tuple[int, ...]  # [C] sampled-row index of each bitmask row
+    bitmask: torch.Tensor  # [C, ceil(V / 32)] int32, bit t of a row: id t allowed
+
+
+@dataclass
 class SchedulerOutput:
     """What to run this step, and what left the running set (see the module docstring)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # running first, then admitted
-    failed: list[Request] = field(default_factory=list)  # adapter failed to load: finish with error
+    # to finish with "error" (request.error or its adapter's load error): an adapter that failed to load or
+    # got no slot, a grammar that failed, an error the engine set; none of them is in the step
+    failed: list[Request] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     continuing: list[ContinuingRequestData] = field(default_factory=list)
     scheduled_ids: list[str] = field(default_factory=list)  # [B] batch order
     num_scheduled_tokens: list[int] = field(default_factory=list)  # [B] batch order
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the previous output
     preempted_ids: list[str] = field(default_factory=list)  # preempted by this schedule()
-    grammar_rows: list[int] = field(default_factory=list)  # [C] sampled-row index of each bitmask row
-    grammar_bitmask: torch.Tensor | None = None  # [C, ceil(V / 32)] int32, bit t of a row: id t allowed
+    lora_slots: dict[Hashable, int] = field(default_factory=dict)  # LoRA ref -> device slot this step
+    prompt_slots: dict[Hashable, int] = field(default_factory=dict)  # prompt-adapter ref -> device slot
 
     def add_new(self, scheduled: ScheduledRequest, block_ids: list[int]) -> None:
         """Schedule a request admitted this step (sent in full)."""

@@ -6,6 +6,7 @@ A request holds an AdapterRef per adapter kind it names (``request.lora_ref``,
     acquire(request)            both kinds, or neither (a failure releases what was acquired)
     failure(request)            the load error of one of its adapters, if any failed
     activate(scheduled)         make the step's adapters resident: (LoRA ref -> slot, prompt ref -> slot)
+    place(scheduled)            activate, as Scheduler.schedule asks for it: a Placement (slots, unplaced)
     release(request)            exactly once, when the request is reported finished
 
 Pins, reservations and load state live in the adapter tiers only (``adapters.tier``): the scheduler
@@ -33,7 +34,7 @@ from contextlib import contextmanager
 from adapters.manager import AdapterManager
 from adapters.tier import AdapterRef, AdapterTier, TierClosedError
 from lora_runner.core.request import Request
-from lora_runner.core.scheduler import ScheduledRequest
+from lora_runner.core.scheduler_output import Placement, ScheduledRequest
 from lora_runner.engine.errors import EngineClosedError
 from lora_runner.engine.input_processor import check_prompt_adapter_request
 
@@ -142,22 +143,29 @@ class EngineAdapters:
 
         Returns (LoRA ref -> slot, prompt-adapter ref -> slot). Call under ``step_lock``, right after
         the scheduler admitted the step within each tier's ``reserved_slots``. A ref whose slot write
-        raised is missing from the maps (its version failed, see ``AdapterTier.activate``): ``unplaced``
+        raised is missing from the maps (its version failed, see ``AdapterTier.activate``): ``place``
         names the requests that must leave the step."""
         loras = [s.request.lora_ref for s in scheduled if s.request.lora_ref is not None]
         prompts = [s.request.prompt_adapter_ref for s in scheduled if _needs_soft_prompt(s)]
         return self._activate("lora", loras), self._activate("prompt", prompts)
 
-    def unplaced(self, scheduled: list[ScheduledRequest], slot_of: dict[AdapterRef, int],
-                 prompt_slot_of: dict[AdapterRef, int]) -> dict[Request, BaseException]:
-        """Scheduled requests an adapter of which got no slot in ``activate``, with that adapter's error."""
+    def place(self, scheduled: list[ScheduledRequest]) -> Placement:
+        """``activate`` as the scheduler asks for it (Scheduler.schedule's ``place``): the slots, and the
+        requests an adapter of which got none, with that adapter's error. An adapter whose slot write raised
+        fails its own requests only; any other failure here fails every picked request, which then never
+        reaches the runner's rows."""
+        try:
+            slot_of, prompt_slot_of = self.activate(scheduled)
+        except Exception as error:  # noqa: BLE001 - the step's requests fail; the step loop goes on
+            logger.exception("making the step's adapters resident failed; failing its %d requests", len(scheduled))
+            return Placement(unplaced={s.request: error for s in scheduled})
         unplaced = {}
         for s in scheduled:
             request = s.request
             if (request.lora_ref is not None and request.lora_ref not in slot_of
                     or _needs_soft_prompt(s) and request.prompt_adapter_ref not in prompt_slot_of):
                 unplaced[request] = self.failure(request) or RuntimeError("its adapter got no device slot")
-        return unplaced
+        return Placement(slot_of, prompt_slot_of, unplaced)
 
     def _activate(self, kind: str, refs: list[AdapterRef]) -> dict[AdapterRef, int]:
         refs = list(dict.fromkeys(refs))

@@ -1,10 +1,12 @@
 """LLMEngine: requests in, one continuously batched step at a time, RequestOutputs out.
 
-``step()`` = take new requests and aborts -> scheduler.schedule() -> make the step's LoRAs and soft
-prompts resident -> runner.execute() -> scheduler.postprocess() (append tokens, detokenize
-incrementally, stop checks: lora_runner.engine.output_processor; finish requests, free blocks) -> release
-adapters -> outputs. Adapters load in the background (acquired at add_request); the scheduler only
-admits requests whose adapters are ready, so a slow download never stalls running requests.
+``step()`` = the intake's new requests and aborts join the scheduler, then five calls:
+scheduler.schedule() (it asks the adapter seam to make the picked requests' LoRAs and soft prompts
+resident, and leaves out those that got no slot) -> the step's grammar mask (GrammarOutput) ->
+executor.execute() (forward and sample) -> update: scheduler.postprocess() (append tokens, detokenize
+incrementally, stop checks: lora_runner.engine.output_processor; finish requests, free blocks),
+release adapters, outputs. Adapters load in the background (acquired at add_request); the scheduler
+only admits requests whose adapters are ready, so a slow download never stalls running requests.
 Both adapter kinds go through one seam, lora_runner.engine.adapters (which also describes prompt
 adapters as placeholder tokens); pins and load state live in the adapter tiers only.
 """
@@ -29,7 +31,7 @@ from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import VirtualTokenCounter
 from lora_runner.core.request import Request
 from lora_runner.core.scheduler import Scheduler
-from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
 from lora_runner.device import available_host_memory, set_cpu_threads
 from lora_runner.distributed import TensorParallel
 from lora_runner.engine.adapters import EngineAdapters
@@ -48,6 +50,7 @@ from lora_runner.model.loader import resolve_model_dir
 from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
 from lora_runner.model.layers import lora_base_weights
 from lora_runner.outputs import RequestOutput
+from lora_runner.sample.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.worker.cuda_graphs import cuda_graphs_available
 from lora_runner.worker.kv_cache import kv_block_bytes
@@ -402,59 +405,57 @@ class LLMEngine:
         return self.intake.merge_samples(outputs)
 
     def _step(self) -> list[RequestOutput]:
+        """One step: the intake's requests and aborts join the scheduler, then five calls: schedule (which
+        has the picked requests' adapters made resident, and leaves out those that got no slot) -> the
+        grammar mask -> execute (forward and sample) -> update (tokens appended, stops, outputs). The
+        SchedulerOutput is never edited after schedule()."""
         if self._dead is not None:  # requests that slipped in while the executor died
             return self._fail_everything(self._dead)
         wakes_at_start = self.intake.step_began()
         outputs = self._take_intake()
-        self._insert_placeholders()
-        with self.adapters.step_lock:  # a pin from another thread must not take a slot this step counted on
-            sched = self.scheduler.schedule()
-            # the rows of requests that left go now, whatever happens to the rest of this step (the
-            # output hands their ids over once; InputBatch.update frees them again, a no-op then)
-            self.executor.forget(sched.left_ids)
-            slot_of, prompt_slot_of, unplaced = self._activate(sched)
+        sched = self._schedule()
         idle = not (outputs or sched.failed or sched.scheduled)
         self.intake.step_ended(wakes_at_start if idle else None)
-        outputs += self._fail_unplaced(sched, unplaced)
-        for request in sched.failed:
-            error = request.error or self.adapters.failure(request)
-            logger.warning("request %r failed: %s", request.request_id, error)
-            outputs.append(self._finish(request, "error", error))
-        if sched.scheduled:
-            now = time.monotonic()  # for the latency metrics (RequestTimes)
-            for scheduled in sched.scheduled:
-                scheduled.request.times.scheduled(now)
-            outputs += self._run(sched, slot_of, prompt_slot_of)
-        return outputs
-
-    def _activate(self, sched: SchedulerOutput) -> tuple[dict, dict, dict[Request, BaseException]]:
-        """The step's adapters made resident: (LoRA slots, prompt slots, requests that must leave the step
-        with their error). An adapter whose slot write raised fails its own requests only; any other
-        failure here fails the whole step's requests, before their rows reach the runner (whose rows
-        would otherwise miss this step's block diffs)."""
+        outputs += [self._fail(request) for request in sched.failed]
+        if not sched.scheduled:
+            return outputs
+        grammar = self._grammar(sched)
         try:
-            slot_of, prompt_slot_of = self.adapters.activate(sched.scheduled)
-        except Exception as error:  # noqa: BLE001 - the step's requests fail; the step loop goes on
-            logger.exception("making the step's adapters resident failed; failing its %d requests",
-                             len(sched.scheduled))
-            return {}, {}, {s.request: error for s in sched.scheduled}
-        return slot_of, prompt_slot_of, self.adapters.unplaced(sched.scheduled, slot_of, prompt_slot_of)
+            result = self.executor.execute(sched, grammar)
+        except EngineDeadError as error:
+            return outputs + self._fail_everything(error)
+        return outputs + self._update(sched, result)
 
-    def _fail_unplaced(self, sched: SchedulerOutput, unplaced: dict[Request, BaseException]) -> list[RequestOutput]:
-        """Take ``unplaced`` requests out of the step (and their rows out of the runner), finished with their error."""
-        if not unplaced:
-            return []
-        ids = {request.request_id for request in unplaced}
-        kept = [i for i, request_id in enumerate(sched.scheduled_ids) if request_id not in ids]
-        sched.scheduled = [sched.scheduled[i] for i in kept]
-        sched.scheduled_ids = [sched.scheduled_ids[i] for i in kept]
-        sched.num_scheduled_tokens = [sched.num_scheduled_tokens[i] for i in kept]
-        sched.new_requests = [new for new in sched.new_requests if new.request_id not in ids]
-        sched.continuing = [cont for cont in sched.continuing if cont.request_id not in ids]
-        self.executor.forget(ids)
-        for request, error in unplaced.items():
-            logger.warning("request %r failed: %s", request.request_id, error)
-        return [self._finish(request, "error", error) for request in unplaced]
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's decision, its adapters made resident under the adapter lock (a pin from another
+        thread must not take a slot the step counted on). The rows of requests that left go now, whatever
+        happens to the rest of the step (the output hands their ids over once)."""
+        self._insert_placeholders()
+        with self.adapters.step_lock:
+            sched = self.scheduler.schedule(place=self.adapters.place)
+        self.executor.forget(sched.left_ids)
+        now = time.monotonic()  # for the latency metrics (RequestTimes)
+        for scheduled in sched.scheduled:
+            scheduled.request.times.scheduled(now)
+        return sched
+
+    def _grammar(self, sched: SchedulerOutput) -> GrammarOutput | None:
+        """The step's structured-output mask over its sampled rows (filled on the step thread); None when
+        no row is constrained."""
+        rows, bitmask = self.structured.step_bitmask([s.request for s in sched.scheduled if s.samples])
+        return None if bitmask is None else GrammarOutput(tuple(rows), bitmask)
+
+    def _update(self, sched: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:
+        """The step's tokens appended (Scheduler.postprocess: stops, detokenizing, finished requests
+        removed), then one output per sampled request."""
+        return [self._report(request, error)
+                for request, error in self.scheduler.postprocess(sched.scheduled, result, self.output_processor)]
+
+    def _fail(self, request: Request) -> RequestOutput:
+        """A request the scheduler handed back failed: its own error, or its adapter's load error."""
+        error = request.error or self.adapters.failure(request)
+        logger.warning("request %r failed: %s", request.request_id, error)
+        return self._finish(request, "error", error)
 
     def _take_intake(self) -> list[RequestOutput]:
         """Hand the requests added since the last step to the scheduler; finish those aborted."""
@@ -463,18 +464,6 @@ class LLMEngine:
             self.scheduler.add(request, leader)
         return [self._finish(request, "abort") for request in aborts
                 if not request.is_finished]  # it may have finished since the abort was asked for
-
-    def _run(self, sched: SchedulerOutput, slot_of: dict, prompt_slot_of: dict) -> list[RequestOutput]:
-        # the runner keeps each running request's state in a row, its sampling settings included:
-        # the output says what changed; the structured-output mask is filled here, on the step thread
-        sched.grammar_rows, sched.grammar_bitmask = self.structured.step_bitmask(
-            [s.request for s in sched.scheduled if s.samples])
-        try:
-            result = self.executor.execute(sched, slot_of, prompt_slot_of)
-        except EngineDeadError as error:
-            return self._fail_everything(error)
-        return [self._report(request, error)
-                for request, error in self.scheduler.postprocess(sched.scheduled, result, self.output_processor)]
 
     def _fail_everything(self, error: EngineDeadError) -> list[RequestOutput]:
         """The executor died (a worker exited or hung): every request the engine holds finishes with

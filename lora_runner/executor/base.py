@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 
-from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
 from lora_runner.sample.sampler import SamplerOutput
 
 
@@ -20,9 +20,9 @@ class Executor(ABC):
     """
 
     @abstractmethod
-    def execute(self, sched: SchedulerOutput, lora_slot_of: Mapping[Hashable, int],
-                prompt_slot_of: Mapping[Hashable, int]) -> SamplerOutput:
-        """Forward the step and sample; the rows are updated from ``sched`` (see ModelRunner.execute)."""
+    def execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None) -> SamplerOutput:
+        """Forward the step and sample (under ``grammar``'s mask, if any); the rows are updated from
+        ``sched`` (see ModelRunner.execute)."""
 
     @abstractmethod
     def forget(self, request_ids: Iterable[str]) -> None:

@@ -57,7 +57,7 @@ class RankWorker:
         for new in sched.new_requests:
             if new.generator is not None:
                 new.generator = self._generator(new.request_id, new.generator)
-        return self.runner.execute(sched, message.lora_slot_of, message.prompt_slot_of)
+        return self.runner.execute(sched, message.grammar)
 
     def _generator(self, request_id: str, sent: torch.Generator) -> torch.Generator:
         """The request's generator on this rank: the one it used before a preemption, else the engine's

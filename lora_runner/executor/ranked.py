@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 
-from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
 from lora_runner.executor.base import Executor
 from lora_runner.executor.errors import EngineDeadError
 from lora_runner.executor.shared_weights import SharedWeights
@@ -49,15 +49,14 @@ class RankedExecutor(Executor):
         """Hand ``payload`` to every rank and return their replies in rank order (``_die`` on a dead rank)."""
 
     # ------------------------------------------------------------------------- Executor
-    def execute(self, sched: SchedulerOutput, lora_slot_of: Mapping[Hashable, int],
-                prompt_slot_of: Mapping[Hashable, int]) -> SamplerOutput:
+    def execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None) -> SamplerOutput:
         """Send the step to every rank (one encoding, the same bytes) and return rank 0's SamplerOutput."""
         self.counts["messages"] += 1
-        return self._send(sched, lora_slot_of, prompt_slot_of)
+        return self._send(sched, grammar)
 
     def flush(self) -> None:
         """Deliver the queued ops now, without a step (tests; a step delivers them otherwise)."""
-        self._send(None, {}, {})
+        self._send(None, None)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Queue: every rank frees these rows before the next step."""
@@ -85,11 +84,11 @@ class RankedExecutor(Executor):
         return SlotProxy(kind, num_slots, self.ops, self.shared, nbytes=self.slot_nbytes[kind])
 
     # ------------------------------------------------------------------------- one message
-    def _send(self, sched, lora_slot_of, prompt_slot_of) -> SamplerOutput | None:
+    def _send(self, sched: SchedulerOutput | None, grammar: GrammarOutput | None) -> SamplerOutput | None:
         if self._dead is not None:
             raise self._dead
         ops, keep = self.ops.take()
-        payload = encode(ops, sched, lora_slot_of, prompt_slot_of)
+        payload = encode(ops, sched, grammar)
         self.counts["pickles"] += 1
         replies = self._deliver(payload)
         del keep  # every rank has written the files these ops name into its slots

@@ -2,7 +2,8 @@
 
 It holds the ops queued since the previous message (slot writes and clears, freed rows, new end
 ids; lora_runner.executor.slot_proxy), then the step itself: the runner's part of the SchedulerOutput
-(its live ``scheduled`` / ``failed`` requests stay in the engine) and the step's adapter slot maps.
+(its live ``scheduled`` / ``failed`` requests stay in the engine; its adapter slot maps travel) and the
+step's structured-output mask.
 A message without a step (``sched is None``) only delivers ops.
 """
 
@@ -10,21 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
-from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
 from lora_runner.executor.slot_proxy import SlotOp
 
 
 @dataclass
 class StepMessage:
-    """What every rank applies, in order: ``ops``, then (unless None) ``sched`` with the slot maps."""
+    """What every rank applies, in order: ``ops``, then (unless None) ``sched`` under ``grammar``'s mask."""
 
     ops: list[SlotOp] = field(default_factory=list)
     sched: SchedulerOutput | None = None
-    lora_slot_of: dict[Hashable, int] = field(default_factory=dict)
-    prompt_slot_of: dict[Hashable, int] = field(default_factory=dict)
+    grammar: GrammarOutput | None = None
 
 
 def runner_view(sched: SchedulerOutput) -> SchedulerOutput:
@@ -32,11 +31,9 @@ def runner_view(sched: SchedulerOutput) -> SchedulerOutput:
     return dataclasses.replace(sched, scheduled=[], failed=[])
 
 
-def encode(ops: list[SlotOp], sched: SchedulerOutput | None, lora_slot_of: Mapping[Hashable, int],
-           prompt_slot_of: Mapping[Hashable, int]) -> bytes:
+def encode(ops: list[SlotOp], sched: SchedulerOutput | None, grammar: GrammarOutput | None = None) -> bytes:
     """The message's bytes: one pickle for all ranks."""
-    message = StepMessage(ops, None if sched is None else runner_view(sched), dict(lora_slot_of),
-                          dict(prompt_slot_of))
+    message = StepMessage(ops, None if sched is None else runner_view(sched), grammar)
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 
-from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
 from lora_runner.executor.base import Executor
 from lora_runner.sample.sampler import SamplerOutput
 from lora_runner.worker.model_runner import ModelRunner
@@ -19,10 +19,9 @@ class UniProcExecutor(Executor):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def execute(self, sched: SchedulerOutput, lora_slot_of: Mapping[Hashable, int],
-                prompt_slot_of: Mapping[Hashable, int]) -> SamplerOutput:
+    def execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None) -> SamplerOutput:
         """ModelRunner.execute."""
-        return self.runner.execute(sched, lora_slot_of, prompt_slot_of)
+        return self.runner.execute(sched, grammar)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """ModelRunner.forget."""

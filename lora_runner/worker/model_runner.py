@@ -15,12 +15,12 @@ profiling, tests) go through execute_chunks and are flattened as given.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from lora_runner.core.scheduler_output import SchedulerOutput
+from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
 from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model.vocab_lora import LMHeadLoRA, LMHeadLoRAContext
 from lora_runner.sample.prompt_logprobs import MAX_PROMPT_LOGIT_ROWS, PromptSpan, score_spans
@@ -105,21 +105,19 @@ class ModelRunner:
         self.sampling_state.eos_token_ids = ids
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, lora_slot_of: Mapping[Hashable, int],
-                prompt_slot_of: Mapping[Hashable, int]) -> SamplerOutput:
+    def execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None) -> SamplerOutput:
         """The engine's path: apply the scheduler's output to the persistent rows, forward the step
         and sample one token for each sequence that reaches its last token, with the settings its
-        row got when it was placed (SchedulerOutput.new_requests carry the params and generator).
-
-        lora_slot_of / prompt_slot_of: adapter ref -> device slot this step.
-        """
-        rows = self.input_batch.update(sched, lora_slot_of, prompt_slot_of)
+        row got when it was placed (SchedulerOutput.new_requests carry the params and generator) and
+        the step's structured-output mask (``grammar``; None: no row is constrained). The adapter
+        slots are the output's (``sched.lora_slots`` / ``sched.prompt_slots``)."""
+        rows = self.input_batch.update(sched, sched.lora_slots, sched.prompt_slots)
         shape = self.batch_builder.write_rows(self.input_batch.token_ids, self.input_batch.block_tables,
                                               rows.rows, rows.starts, rows.lens, rows.seqs)
         sampling = self.input_batch.sampling_batch(rows)
-        if sched.grammar_bitmask is not None:  # the step's structured-output mask, filled by the engine
-            sampling.grammar_rows = np.asarray(sched.grammar_rows, np.int64)
-            sampling.grammar_bitmask = sched.grammar_bitmask
+        if grammar is not None:
+            sampling.grammar_rows = np.asarray(grammar.rows, np.int64)
+            sampling.grammar_bitmask = grammar.bitmask
         result = self._forward_and_sample(shape, sampling, self.input_batch.prompt_spans(rows))
         # only after the step ran: a step that raised leaves the computed counts as they were
         self.input_batch.commit(rows, result.token_ids)
