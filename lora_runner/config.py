@@ -1,5 +1,5 @@
 """Engine configuration: what the user sets, validated on construction (the runtime sizes derived
-from it and the model are lora_runner.engine.limits)."""
+from it and the model are lora_runner.executor.limits)."""
 
 from __future__ import annotations
 

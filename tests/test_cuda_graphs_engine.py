@@ -10,7 +10,7 @@ import torch
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner import EngineConfig, LLMEngine, SamplingParams
-from lora_runner.engine.limits import step_sizes
+from lora_runner.executor.limits import step_sizes
 from lora_runner.worker.cuda_graphs import RerunGraph
 from engine_support import run_to_completion
 from test_engine_lora import NAMES
@@ -115,7 +115,7 @@ def test_memory_profile_steps_run_with_dummy_adapters(engine_checkpoint):
 
     engine = LLMEngine(engine_checkpoint[0], device="cpu", **ENGINE)
     max_model_len, max_batched, max_blocks = step_sizes(engine.config, engine.model_config.max_position_embeddings)
-    runner = engine._make_runner(max_blocks)
+    runner = engine.executor.make_runner(max_blocks)
     runner.kv_cache.zero_()  # the CPU cache is allocated uninitialized: only what the profile writes is checked
     tier = engine.adapters.manager.loras
     with resident_dummy_loras(tier, ENGINE["max_loras"], 16) as slots:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lora_runner import EngineConfig, SamplingParams
-from lora_runner.engine.limits import engine_limits
+from lora_runner.executor.limits import engine_limits
 from lora_runner.sample.sampler import Sampler
 from lora_runner.sampling_params import MAX_STOP_TOKEN_IDS
 

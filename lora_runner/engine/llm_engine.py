@@ -18,44 +18,29 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from functools import partial
 from itertools import count
 
-import torch
-
 from adapters import AdapterRef, LoRARequest, PromptAdapterRequest
-from adapters.manager import AdapterManager
-from adapters.sharding import check_splits
 from lora_runner.config import EngineConfig
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import VirtualTokenCounter
 from lora_runner.core.request import Request
 from lora_runner.core.scheduler import Scheduler
 from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
-from lora_runner.device import available_host_memory, set_cpu_threads
-from lora_runner.distributed import TensorParallel
+from lora_runner.device import set_cpu_threads
 from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.bad_words import bad_words_token_ids
 from lora_runner.engine.errors import EngineDeadError
 from lora_runner.engine.input_processor import InputProcessor, abort_ids
 from lora_runner.engine.intake import Intake
-from lora_runner.engine.limits import engine_limits, step_sizes
 from lora_runner.engine.output_processor import OutputProcessor
 from lora_runner.engine.stats import EngineStats
 from lora_runner.engine.structured import StructuredOutputs, grammar_state
 from lora_runner.engine.tokenizer import LazyTokenizer, eos_token_ids
-from lora_runner.executor import MultiprocExecutor, UniProcExecutor, WorkerSpec
-from lora_runner.model import ModelConfig, load_model
-from lora_runner.model.loader import resolve_model_dir
-from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
-from lora_runner.model.layers import lora_base_weights
+from lora_runner.executor.startup import start_executor
 from lora_runner.outputs import RequestOutput
 from lora_runner.sample.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
-from lora_runner.worker.cuda_graphs import cuda_graphs_available
-from lora_runner.worker.kv_cache import kv_block_bytes
-from lora_runner.worker.memory_profile import profile_kv_cache_budget
-from lora_runner.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +67,13 @@ class LLMEngine:
         cfg = self.config
         self.intake = Intake()
         self._dead: EngineDeadError | None = None  # set when the executor died: nothing can be served
-        device, dtype = cfg.torch_device(), cfg.torch_dtype()
-        threads = set_cpu_threads(cfg.cpu_threads) if device.type == "cpu" or cfg.cpu_threads is not None else 1
-        if cfg.executor_backend == "uni":
-            manager, use_graphs = self._start_in_process(cfg, device, dtype)
-        else:
-            manager, use_graphs = self._start_workers(cfg, device, dtype, threads)
+        threads = (set_cpu_threads(cfg.cpu_threads) if cfg.torch_device().type == "cpu" or cfg.cpu_threads is not None
+                   else 1)
+        started = start_executor(cfg, threads, on_load_done=self.intake.wake)
+        self.executor, self.limits = started.executor, started.limits
+        self.model_config, self.model_dir = started.model_config, started.model_dir
+        self.model, self.runner = started.model, started.runner  # in this process only (else None)
+        manager = started.manager
         self.adapters = EngineAdapters(manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
         self.block_manager = BlockManager(self.limits.num_kv_blocks, cfg.block_size,
                                           enable_caching=cfg.enable_prefix_caching)
@@ -101,11 +87,6 @@ class LLMEngine:
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
                                        cfg.fairness_prefill_weight, cfg.fairness_decode_weight),
                                    grammar_state=grammar_state)
-        if cfg.executor_backend == "uni":
-            self.runner = self._make_runner(self.limits.num_kv_blocks, self.limits.max_model_len)
-            if use_graphs:
-                self.runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
-            self.executor = UniProcExecutor(self.runner)
         self.tokenizer = LazyTokenizer(self.model_dir)
         # decode looked up per call, so a tokenizer swapped on the engine (tests) is the one used
         self.output_processor = OutputProcessor(lambda ids, **options: self.tokenizer.decode(ids, **options),
@@ -123,96 +104,6 @@ class LLMEngine:
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self._arrivals = count()
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
-
-    def _start_in_process(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
-        """The "uni" backend (tensor_parallel_size=1): the model, its adapter slots and the KV size in this
-        process; (manager, whether decode steps use CUDA graphs). The runner is made once the adapter seam
-        exists."""
-        self.model, self.model_config, self.model_dir = load_model(
-            cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only,
-            quantization=cfg.quantization)
-        manager = self._make_manager(device, lora_base_weights(self.model))
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-        use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
-        kv_budget = (self._profile_kv_budget(manager, use_graphs)
-                     if device.type == "cuda" and cfg.kv_cache_memory_bytes is None else None)
-        self.limits = engine_limits(cfg, self.model_config.max_position_embeddings,
-                                    kv_block_bytes(self.model_config, 1, dtype), free, kv_budget,
-                                    available_host_memory() if device.type == "cpu" else None)
-        return manager, use_graphs
-
-    def _start_workers(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype, threads: int):
-        """The "mp" and "ray" backends (tensor_parallel_size > 1, or 1 when asked for): one worker process (or Ray
-        actor) per rank
-        holds its model, KV cache and slots; this process keeps the scheduler and the adapter tiers, whose slots are proxies (lora_runner.executor).
-        ``threads``: the engine's CPU threads, split over the ranks."""
-        if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
-            raise ValueError("tensor_parallel_size > 1 on CUDA needs kv_cache_memory_bytes (per rank): the "
-                             "start-up memory profile runs in one process only")
-        self.model, self.runner = None, None
-        self.model_dir = resolve_model_dir(cfg.model, revision=cfg.revision, local_files_only=cfg.local_files_only)
-        self.model_config = ModelConfig.from_dir(self.model_dir, name_or_path=cfg.model,
-                                                 quantization=cfg.quantization)
-        check_splits(self.model_config.spec(), cfg.tensor_parallel_size)  # ValueError before any process starts
-        # a block on one rank (its KV heads); the host's memory holds every rank's blocks, a GPU one rank's
-        rank_block = kv_block_bytes(self.model_config, 1, dtype, TensorParallel(0, cfg.tensor_parallel_size))
-        self.limits = engine_limits(cfg, self.model_config.max_position_embeddings,
-                                    rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), None,
-                                    cfg.kv_cache_memory_bytes if device.type == "cuda" else None,
-                                    available_host_memory() if device.type == "cpu" else None)
-        _, max_batched, max_blocks_per_seq = step_sizes(cfg, self.model_config.max_position_embeddings,
-                                                        self.limits.max_model_len)
-        spec = WorkerSpec(
-            model=cfg.model, revision=cfg.revision, local_files_only=cfg.local_files_only,
-            quantization=cfg.quantization, dtype=dtype, device_type=device.type,
-            num_kv_blocks=self.limits.num_kv_blocks, block_size=cfg.block_size, max_num_tokens=max_batched,
-            max_num_seqs=cfg.max_num_seqs, max_blocks_per_seq=max_blocks_per_seq, max_loras=cfg.max_loras,
-            max_lora_rank=cfg.max_lora_rank, max_prompt_adapters=cfg.max_prompt_adapters,
-            max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, seed=cfg.seed,
-            eos_token_ids=eos_token_ids(self.model_config, self.model_dir),
-            threads_per_rank=max(1, threads // cfg.tensor_parallel_size), step_timeout_s=cfg.worker_step_timeout_s,
-            own_gpu_only=cfg.executor_backend == "ray")
-        self.executor = _rank_executor(cfg.executor_backend)(spec, cfg.tensor_parallel_size)
-        # DoRA's norms need whole rows of W, which no rank holds: read from the checkpoint (dequantized)
-        manager = self._make_manager(torch.device("cpu"), checkpoint_base_weights(self.model_dir, self.model_config,
-                                                                                  dtype),
-                                     make_slots=self.executor.slot_proxy)
-        return manager, False
-
-    def _make_manager(self, device: torch.device, base_weight, make_slots=None) -> AdapterManager:
-        """The adapter tiers; their weights live on `device` (the CPU when the slots are in worker processes)."""
-        cfg = self.config
-        return AdapterManager(
-            self.model_config.spec(), max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
-            max_cpu_loras=cfg.cpu_loras, max_prompt_adapters=cfg.max_prompt_adapters,
-            max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=cfg.torch_dtype(),
-            allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
-            max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=self.intake.wake, base_weight=base_weight,
-            make_slots=make_slots)
-
-    def _make_runner(self, num_kv_blocks: int, max_model_len: int | None = None, *,
-                     manager: AdapterManager | None = None) -> ModelRunner:
-        """A runner over the adapter slots of `manager` (default: the engine's; the start-up memory
-        profile runs before the engine's adapter seam exists)."""
-        cfg, manager = self.config, manager or self.adapters.manager
-        _, max_batched, max_blocks_per_seq = step_sizes(cfg, self.model_config.max_position_embeddings,
-                                                            max_model_len)
-        return ModelRunner(
-            self.model, self.model_config, manager.lora_slots, num_kv_blocks=num_kv_blocks,
-            block_size=cfg.block_size, max_num_tokens=max_batched, max_num_seqs=cfg.max_num_seqs,
-            max_blocks_per_seq=max_blocks_per_seq, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
-            dtype=cfg.torch_dtype(), device=cfg.torch_device(), seed=cfg.seed,
-            prompt_slots=manager.prompt_slots, vocab_slots=manager.vocab_slots)
-
-    def _profile_kv_budget(self, manager: AdapterManager, use_graphs: bool) -> int:
-        """CUDA start-up memory profile (lora_runner.worker.memory_profile): bytes left for the KV cache."""
-        cfg = self.config
-        max_model_len, max_batched, _ = step_sizes(cfg, self.model_config.max_position_embeddings)
-        return profile_kv_cache_budget(
-            partial(self._make_runner, manager=manager), manager.loras, max_loras=cfg.max_loras,
-            max_lora_rank=cfg.max_lora_rank, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched,
-            max_model_len=max_model_len,
-            block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -521,12 +412,3 @@ class LLMEngine:
                              metrics=dataclasses.replace(request.times))
 
 
-
-def _rank_executor(backend: str) -> type:
-    """The executor class of a backend with one worker per rank: "mp" or "ray"."""
-    if backend == "ray":
-        # imported here: Ray is an optional dependency (lora-runner[ray]), needed only by this backend
-        from lora_runner.executor.ray_executor import RayExecutor
-
-        return RayExecutor
-    return MultiprocExecutor

@@ -12,12 +12,12 @@ import torch
 
 from lora_runner.distributed import TensorParallel
 from lora_runner.executor.rank_model import build_rank_model, build_rank_slots, shard
+from lora_runner.executor.runner_factory import make_runner
 from lora_runner.executor.shared_weights import open_shared
 from lora_runner.executor.slot_proxy import SlotOp
 from lora_runner.executor.step_message import StepMessage
 from lora_runner.executor.worker_spec import WorkerSpec
 from lora_runner.sample.sampler import SamplerOutput
-from lora_runner.worker.model_runner import ModelRunner
 
 
 class RankWorker:
@@ -29,13 +29,9 @@ class RankWorker:
         model, model_config, _ = build_rank_model(spec, tp)
         self.model_spec = model_config.spec()  # the whole model's (the shard's sizes: adapters.sharding)
         self.slots = build_rank_slots(spec, self.model_spec, tp)
-        self.runner = ModelRunner(
-            model, model_config, self.slots["lora_only"], num_kv_blocks=spec.num_kv_blocks,
-            block_size=spec.block_size, max_num_tokens=spec.max_num_tokens, max_num_seqs=spec.max_num_seqs,
-            max_blocks_per_seq=spec.max_blocks_per_seq, max_loras=spec.max_loras,
-            max_lora_rank=spec.max_lora_rank, dtype=spec.dtype, device=self.device, seed=spec.seed,
-            prompt_slots=self.slots["prompt"], vocab_slots=self.slots["vocab"], tp=tp)
-        self.runner.eos_token_ids = spec.eos_token_ids
+        self.runner = make_runner(spec, model, model_config, lora_slots=self.slots["lora_only"],
+                                  prompt_slots=self.slots["prompt"], vocab_slots=self.slots["vocab"],
+                                  device=self.device, tp=tp)
         self._generators: dict[str, torch.Generator] = {}  # a seeded request's generator, across preemptions
         self.messages = 0
 

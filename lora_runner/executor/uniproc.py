@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -14,10 +14,13 @@ from lora_runner.worker.model_runner import ModelRunner
 
 class UniProcExecutor(Executor):
     """Calls ``runner`` directly: the path of a one-device engine, CUDA graphs and the memory profile included
-    (the engine builds and captures the runner; this only forwards)."""
+    (lora_runner.executor.startup builds and captures the runner; this only forwards). ``make_runner``
+    (num_kv_blocks) -> another runner of the same sizes over the same model and slots (the start-up memory
+    profile's throwaway one; tests), when start-up passed it."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, make_runner: Callable[[int], ModelRunner] | None = None) -> None:
         self.runner = runner
+        self.make_runner = make_runner
 
     def execute(self, sched: SchedulerOutput, grammar: GrammarOutput | None = None) -> SamplerOutput:
         """ModelRunner.execute."""

@@ -1,0 +1,170 @@
+"""Starting the executor: the process topology an EngineConfig asks for, and what each part holds.
+
+``start_executor`` is the engine's one call at start-up (vLLM's Executor owns its workers):
+
+- "uni" (tensor_parallel_size=1): the model, its adapter slots, the KV cache and the runner live in this
+  process; on CUDA the start-up memory profile sizes the KV cache and the decode graphs are captured.
+  DoRA's base weights come from the live model.
+- "mp" / "ray": one worker process (or Ray actor) per rank holds its model shard, KV cache, slots and runner
+  (lora_runner.executor.rank_worker); this process keeps the adapter tiers, whose slots are proxies, and
+  reads DoRA's base weights from the checkpoint (no rank holds a whole row).
+
+Either way the adapter manager's weights are validated once here, and the runtime sizes (EngineLimits) are
+decided here from the model and the device. The engine sets the end ids afterwards (the executor's setter).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from adapters.manager import AdapterManager
+from adapters.sharding import check_splits
+from lora_runner.config import EngineConfig
+from lora_runner.device import available_host_memory
+from lora_runner.distributed import TensorParallel
+from lora_runner.executor.base import Executor
+from lora_runner.executor.limits import EngineLimits, engine_limits, step_sizes
+from lora_runner.executor.multiproc import MultiprocExecutor
+from lora_runner.executor.runner_factory import make_runner
+from lora_runner.executor.uniproc import UniProcExecutor
+from lora_runner.executor.worker_spec import WorkerSpec
+from lora_runner.model import ModelConfig, load_model
+from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
+from lora_runner.model.layers import lora_base_weights
+from lora_runner.model.loader import resolve_model_dir
+from lora_runner.worker.cuda_graphs import cuda_graphs_available
+from lora_runner.worker.kv_cache import kv_block_bytes
+from lora_runner.worker.memory_profile import profile_kv_cache_budget
+from lora_runner.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StartedExecutor:
+    """What start-up made: the executor, the adapter manager over its slots, the model's config and
+    directory, the runtime sizes, and in this process ("uni") the model and its runner (else None)."""
+
+    executor: Executor
+    manager: AdapterManager
+    model_config: ModelConfig
+    model_dir: str
+    limits: EngineLimits
+    model: torch.nn.Module | None = None
+    runner: ModelRunner | None = None
+
+
+def start_executor(cfg: EngineConfig, threads: int, on_load_done=None) -> StartedExecutor:
+    """Start what ``cfg.executor_backend`` names (see the module docstring). ``threads``: the engine's CPU
+    threads (split over the ranks); ``on_load_done``: called when a background adapter load ends."""
+    if cfg.executor_backend == "uni":
+        return _start_in_process(cfg, on_load_done)
+    return _start_workers(cfg, threads, on_load_done)
+
+
+def worker_spec(cfg: EngineConfig, model_config: ModelConfig, limits: EngineLimits, threads: int) -> WorkerSpec:
+    """The sizes and sources every runner of this engine is built from (in this process or a worker's)."""
+    _, max_batched, max_blocks_per_seq = step_sizes(cfg, model_config.max_position_embeddings, limits.max_model_len)
+    return WorkerSpec(
+        model=cfg.model, revision=cfg.revision, local_files_only=cfg.local_files_only,
+        quantization=cfg.quantization, dtype=cfg.torch_dtype(), device_type=cfg.torch_device().type,
+        num_kv_blocks=limits.num_kv_blocks, block_size=cfg.block_size, max_num_tokens=max_batched,
+        max_num_seqs=cfg.max_num_seqs, max_blocks_per_seq=max_blocks_per_seq, max_loras=cfg.max_loras,
+        max_lora_rank=cfg.max_lora_rank, max_prompt_adapters=cfg.max_prompt_adapters,
+        max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, seed=cfg.seed, eos_token_ids=frozenset(),
+        threads_per_rank=max(1, threads // cfg.tensor_parallel_size), step_timeout_s=cfg.worker_step_timeout_s,
+        own_gpu_only=cfg.executor_backend == "ray")
+
+
+def _make_manager(cfg: EngineConfig, model_config: ModelConfig, device: torch.device, base_weight,
+                  on_load_done, make_slots=None) -> AdapterManager:
+    """The adapter tiers; their weights live on ``device`` (the CPU when the slots are in worker processes)."""
+    return AdapterManager(
+        model_config.spec(), max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+        max_cpu_loras=cfg.cpu_loras, max_prompt_adapters=cfg.max_prompt_adapters,
+        max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=cfg.torch_dtype(),
+        allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
+        max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=on_load_done, base_weight=base_weight,
+        make_slots=make_slots)
+
+
+def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
+    """The "uni" backend: model, slots, KV cache and runner in this process (see the module docstring)."""
+    device, dtype = cfg.torch_device(), cfg.torch_dtype()
+    model, model_config, model_dir = load_model(
+        cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only,
+        quantization=cfg.quantization)
+    manager = _make_manager(cfg, model_config, device, lora_base_weights(model), on_load_done)
+    runner_of = partial(_runner_of_manager, cfg, model, model_config, manager, device)
+    use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    kv_budget = None
+    if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
+        max_model_len, max_batched, _ = step_sizes(cfg, model_config.max_position_embeddings)
+        kv_budget = profile_kv_cache_budget(
+            runner_of(None), manager.loras, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+            block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs)
+    limits = engine_limits(cfg, model_config.max_position_embeddings, kv_block_bytes(model_config, 1, dtype), free,
+                           kv_budget, available_host_memory() if device.type == "cpu" else None)
+    make = runner_of(limits)
+    runner = make(limits.num_kv_blocks)
+    if use_graphs:
+        runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
+    return StartedExecutor(UniProcExecutor(runner, make), manager, model_config, model_dir, limits, model, runner)
+
+
+def _runner_of_manager(cfg: EngineConfig, model, model_config: ModelConfig, manager: AdapterManager,
+                       device: torch.device, limits: EngineLimits | None):
+    """make(num_kv_blocks) -> a runner over ``manager``'s slots, sized by ``limits`` (None: the defaults the
+    start-up memory profile runs with, before the limits exist)."""
+    if limits is None:
+        max_model_len, max_batched, max_blocks = step_sizes(cfg, model_config.max_position_embeddings)
+        limits = EngineLimits(max_model_len=max_model_len, max_num_batched_tokens=max_batched, num_kv_blocks=0,
+                              max_blocks_per_seq=max_blocks)
+    spec = worker_spec(cfg, model_config, limits, threads=1)
+    return partial(_make_in_process_runner, spec, model, model_config, manager, device)
+
+
+def _make_in_process_runner(spec: WorkerSpec, model, model_config: ModelConfig, manager: AdapterManager,
+                            device: torch.device, num_kv_blocks: int) -> ModelRunner:
+    return make_runner(spec, model, model_config, lora_slots=manager.lora_slots, prompt_slots=manager.prompt_slots,
+                       vocab_slots=manager.vocab_slots, device=device, num_kv_blocks=num_kv_blocks)
+
+
+def _start_workers(cfg: EngineConfig, threads: int, on_load_done) -> StartedExecutor:
+    """The "mp" and "ray" backends (tensor_parallel_size > 1, or 1 when asked for): one worker per rank."""
+    device, dtype = cfg.torch_device(), cfg.torch_dtype()
+    if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
+        raise ValueError("tensor_parallel_size > 1 on CUDA needs kv_cache_memory_bytes (per rank): the "
+                         "start-up memory profile runs in one process only")
+    model_dir = resolve_model_dir(cfg.model, revision=cfg.revision, local_files_only=cfg.local_files_only)
+    model_config = ModelConfig.from_dir(model_dir, name_or_path=cfg.model, quantization=cfg.quantization)
+    check_splits(model_config.spec(), cfg.tensor_parallel_size)  # ValueError before any process starts
+    # a block on one rank (its KV heads); the host's memory holds every rank's blocks, a GPU one rank's
+    rank_block = kv_block_bytes(model_config, 1, dtype, TensorParallel(0, cfg.tensor_parallel_size))
+    limits = engine_limits(cfg, model_config.max_position_embeddings,
+                           rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), None,
+                           cfg.kv_cache_memory_bytes if device.type == "cuda" else None,
+                           available_host_memory() if device.type == "cpu" else None)
+    executor = _rank_executor(cfg.executor_backend)(worker_spec(cfg, model_config, limits, threads),
+                                                    cfg.tensor_parallel_size)
+    # DoRA's norms need whole rows of W, which no rank holds: read from the checkpoint (dequantized)
+    manager = _make_manager(cfg, model_config, torch.device("cpu"),
+                            checkpoint_base_weights(model_dir, model_config, dtype), on_load_done,
+                            make_slots=executor.slot_proxy)
+    return StartedExecutor(executor, manager, model_config, model_dir, limits)
+
+
+def _rank_executor(backend: str) -> type:
+    """The executor class of a backend with one worker per rank: "mp" or "ray"."""
+    if backend == "ray":
+        # imported here: Ray is an optional dependency (lora-runner[ray]), needed only by this backend
+        from lora_runner.executor.ray_executor import RayExecutor
+
+        return RayExecutor
+    return MultiprocExecutor
