@@ -90,3 +90,23 @@ def test_every_gpu_test_collects_on_the_image():
     files = [str(path.relative_to(ROOT)) for path in image.gpu_test_files(ROOT / "tests")]
     got = _collected(limited(f"import pytest; sys.exit(pytest.main({args + files!r}))", timeout=600))
     assert len(want) > 50 and got == want
+
+
+@pytest.mark.slow  # the device run's plan at toy sizes (~15-40 s here)
+def test_the_device_run_dry_run_runs_every_part_under_the_limit(tmp_path):
+    """benchmarks/device/run.py --dry-run, its imports limited as on the device: every part but the tests
+    (collected by the test above) runs and reports; the JSON and the markdown table are written."""
+    parts = "setup,model,kernels,splitk,profile,graphs,prefix,quant"
+    code = (f"import os, runpy; os.environ['OUT'] = {str(tmp_path)!r}; "
+            f"sys.argv = ['run.py', '--dry-run', '--parts', {parts!r}]; "
+            "runpy.run_path('benchmarks/device/run.py', run_name='__main__')")
+    proc = limited(code, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = json.loads((tmp_path / "device_run.json").read_text())
+    assert {name: part["status"] for name, part in results["parts"].items()} == dict.fromkeys(parts.split(","), "ok")
+    assert results["copy_gbps"] > 0 and all(row["differing"] == 0 for row in results["splitk"])
+    assert all(row["repeat_identical"] and row["same_as_eager"] == 1 for row in results["graphs_vs_eager"])
+    assert {row["weights"] for row in results["quant_decode"]} == {"bf16", "fp8", "w4a16"}
+    assert results["prefix_cache"]["cold_ttft_ms"] > 0 and results["profile"]["decode"]
+    table = (tmp_path / "device_run.md").read_text()
+    assert "### targets" in table and "### decode by weight format" in table

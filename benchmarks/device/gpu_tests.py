@@ -31,8 +31,6 @@ def pytest_command(files: list[str], *, workers: int, per_test_timeout_s: int, j
     cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "gpu", "-p", "no:cacheprovider", "-n", str(workers)]
     if importlib.util.find_spec("pytest_timeout") is not None:  # the image has it; this CI machine may not
         cmd.append(f"--timeout={per_test_timeout_s}")
-    if workers > 0:
-        cmd += ["--dist", "loadfile"]  # one file's tests (and its session fixtures) on one worker
     if junit is not None:
         cmd.append(f"--junitxml={junit}")
     return cmd + files
