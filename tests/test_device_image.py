@@ -110,3 +110,24 @@ def test_the_device_run_dry_run_runs_every_part_under_the_limit(tmp_path):
     assert results["prefix_cache"]["cold_ttft_ms"] > 0 and results["profile"]["decode"]
     table = (tmp_path / "device_run.md").read_text()
     assert "### targets" in table and "### decode by weight format" in table
+
+
+def test_a_constraint_without_its_backend_is_a_400_naming_it_and_plain_requests_go_on(tmp_path, monkeypatch):
+    """Over HTTP, in this process, xgrammar made unimportable (None in sys.modules): the constrained
+    request is refused with 400 naming the package, and the server goes on serving."""
+    openai = pytest.importorskip("openai")
+    from serve_support import serve_args, start_server
+    from structured_support import save_byte_checkpoint
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    model_dir, _ = save_byte_checkpoint(tmp_path)
+    server, _ = start_server(serve_args(model_dir, {}))
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="xgrammar"):
+            client.completions.create(model="base", prompt="x", max_tokens=4,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]+"}})
+        ok = client.completions.create(model="base", prompt="x", max_tokens=4, temperature=0.0)
+        assert ok.choices[0].finish_reason == "length"
+    finally:
+        server.stop()
