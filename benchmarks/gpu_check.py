@@ -38,8 +38,6 @@ import gc
 import json
 import logging
 import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -227,7 +225,8 @@ def _attention_decode_rows(cfg: dict, batch: int, dtype: torch.dtype, device: to
         nbytes = 2 * batch * context * cfg["kv_heads"] * cfg["head_dim"] * element + 2 * query.numel() * element
         best_us = min(triton_us, graph_us or triton_us)
         rows.append(dict(kind="decode", batch=batch, context=context, triton_us=triton_us, graph_us=graph_us,
-                         torch_us=torch_us, gbps=nbytes / best_us / 1e3, bandwidth_fraction=nbytes / best_us / 1e3 / bandwidth,
+                         torch_us=torch_us, gbps=nbytes / best_us / 1e3,
+                         bandwidth_fraction=nbytes / best_us / 1e3 / bandwidth,
                          speedup_vs_torch=torch_us / best_us, max_abs_diff=float((got - expected).abs().max())))
         logger.info("attention decode B=%d ctx=%d: %s", batch, context, rows[-1])
     return rows
@@ -258,7 +257,8 @@ def attention_table(results: dict) -> list[str]:
              "diff |", "|---|---|---|---|---|---|---|---|---|"]
     for row in results.get("attention", []):
         graph = "n/a" if row["graph_us"] is None else f"{row['graph_us']:.1f}"
-        rate = f"{row['gbps']:.0f} ({row['bandwidth_fraction']:.0%})" if "gbps" in row else f"{row['tflops']:.1f} TFLOP/s"
+        rate = (f"{row['gbps']:.0f} ({row['bandwidth_fraction']:.0%})" if "gbps" in row
+                else f"{row['tflops']:.1f} TFLOP/s")
         lines.append(f"| {row['kind']} | {row['batch']} | {row['context']} | {row['triton_us']:.1f} | {graph} | "
                      f"{row['torch_us']:.1f} | {rate} | {row['speedup_vs_torch']:.2f} | {row['max_abs_diff']:.2g} |")
     return lines

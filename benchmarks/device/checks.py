@@ -64,9 +64,9 @@ def graphs_vs_eager(engine, sizes, points: list[tuple[int, int]], results: dict)
             eager = gpu_check.decode_run(engine, sizes, num_requests, num_adapters, tag + "-e")
         finally:
             engine.runner.decode_graphs = graphs
+        same = sum(a == b for a, b in zip(first["token_ids"], eager["token_ids"]))
         rows.append(dict(requests=num_requests, adapters=num_adapters, graph_replays=replayed,
-                         repeat_identical=first["token_ids"] == again["token_ids"],
-                         same_as_eager=sum(a == b for a, b in zip(first["token_ids"], eager["token_ids"])) / num_requests,
+                         repeat_identical=first["token_ids"] == again["token_ids"], same_as_eager=same / num_requests,
                          graphs_tok_s=first["tokens_per_s"], eager_tok_s=eager["tokens_per_s"]))
     bad = [row for row in rows if not row["repeat_identical"] or row["same_as_eager"] < 1 or not row["graph_replays"]]
     if bad:
