@@ -1,4 +1,7 @@
-"""The one GPU check: gpu-marked tests, kernel benchmark, engine decode benchmark; one table, one JSON.
+"""GPU check sections: gpu-marked tests, kernel benchmark, attention, quant GEMMs, engine eager vs graphs.
+
+benchmarks/device/run.py is the one device command (it reuses this module's model, engine and kernel
+pieces); this script still runs its own sections alone:
 
     python benchmarks/gpu_check.py               # one GPU, no network, < 8 minutes
     python benchmarks/gpu_check.py --cpu-smoke   # the same code paths at tiny sizes on CPU (torch backend)
@@ -9,7 +12,8 @@ Sections (each in its own try/except: a failure is recorded and the next section
           replay time, GB/s by design.md section 4's byte count, ratio to the gather+bmm baseline
   attention  Triton paged attention (lora_runner/model/paged_attention.py) vs the torch gather path: decode
           at batch 32/128 x context 1k/4k (GQA 32/8, head_dim 128, bf16), eager and replaying one CUDA graph
-          captured once per batch size (contexts change in place), GB/s of K/V + q + out against HBM_GBPS;
+          captured once per batch size (contexts change in place), GB/s of K/V + q + out against the
+          device's own copy rate (copy_gbps, measured first);
           one chunked-prefill point. With --cpu-smoke only when named in --sections (the interpreter).
   quant   W4A16 (punica_kernels.w4a16_matmul, symmetric group 128) and FP8 (fp8_linear: _scaled_mm, per-token
           activation scales) GEMMs vs bf16 F.linear at T = 1/32/128 for 4096x4096 and 14336x4096 (N x K) layers.
@@ -34,8 +38,6 @@ import gc
 import json
 import logging
 import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,12 +48,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # a script: the library and bench_kernels
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "device")]  # a script folder
+
+from gpu_tests import run_gpu_tests  # noqa: E402  (benchmarks/device, after the path setup)
 
 logger = logging.getLogger("gpu_check")
 
 ENGINE_SETUP_MARGIN_S = 60.0  # no new engine (model load, memory profile, graph capture) with less time left
-HBM_GBPS = 4800.0  # the H200's HBM3e bandwidth (NVIDIA: 4.8 TB/s); a device-to-device copy reaches about 4300
+# the H200's HBM3e bandwidth (NVIDIA: 4.8 TB/s), the reference of the README's 2026-12-01 attention table only:
+# runs now divide by the device's measured copy rate (copy_gbps), which an H100 or an H200 gives alike
+HBM_GBPS = 4800.0
 LM_HEAD_STD = 0.2  # logits ~ N(0, 0.2 * sqrt(hidden)): top-2 margins far above bf16 rounding
 HANG_GRACE_S = 90.0  # past the budget by this much: dump stacks and exit (a hung capture or kernel)
 
@@ -93,24 +99,37 @@ CPU_SMOKE = Sizes("cpu", torch.float32, ("tests/test_cuda_graphs_replay.py",), 1
                        prefill=(2, 16)), quant_shapes=((128, 256),), quant_tokens=(1, 4))
 
 
-def gpu_test_files(path: Path) -> list[Path]:
-    """The test files under `path` that hold gpu-marked tests: the device need not have what the
-    other modules import (the server's fastapi/openai, say) for pytest to collect them."""
-    files = sorted(path.glob("test_*.py")) if path.is_dir() else [path]
-    return [f for f in files if "mark.gpu" in f.read_text()]
-
-
 def run_tests(sizes: Sizes, results: dict) -> None:
-    """pytest -m gpu in a subprocess; records the summary counts."""
-    paths = [str(p) for path in sizes.test_paths for p in gpu_test_files(ROOT / path)]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *paths]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=sizes.test_timeout_s)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-40:]
-    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)",
-                                                     "\n".join(tail[-3:]))}
-    results["tests"] = dict(returncode=proc.returncode, counts=counts, tail=tail)
-    if proc.returncode not in (0, 5):  # 5: nothing collected (no gpu tests selected)
-        raise RuntimeError(f"gpu tests failed (exit {proc.returncode}): {tail[-1] if tail else ''}")
+    """pytest -m gpu over the gpu test files (benchmarks/device/gpu_tests.py); records the counts."""
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "results"
+    run = run_gpu_tests(workers=0, per_test_timeout_s=sizes.test_timeout_s, timeout_s=sizes.test_timeout_s,
+                        log_path=out_dir / "gpu_check-tests.log", paths=sizes.test_paths)
+    results["tests"] = run
+    if run["returncode"] not in (0, 5):  # 5: nothing collected (no gpu tests selected)
+        raise RuntimeError(f"gpu tests failed (exit {run['returncode']}): {run['tail'][-1] if run['tail'] else ''}")
+
+
+def copy_gbps(device: torch.device, nbytes: int | None = None, repeats: int = 10) -> float:
+    """The device's device-to-device copy rate in GB/s, counting bytes read and written (the device tool's
+    KINDS.md: about 3000 on an H100, 4300 on an H200): the bandwidth kernels are measured against."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dst.copy_(src)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    sync()
+    return 2 * nbytes * repeats / (time.perf_counter() - start) / 1e9
+
+
+def measured_gbps(results: dict, device: torch.device) -> float:
+    """results["copy_gbps"], measured now if no section measured it yet."""
+    if "copy_gbps" not in results:
+        results["copy_gbps"] = copy_gbps(device)
+    return results["copy_gbps"]
 
 
 def run_kernels(sizes: Sizes, results: dict, deadline: float) -> None:
@@ -120,6 +139,7 @@ def run_kernels(sizes: Sizes, results: dict, deadline: float) -> None:
     device, gen = torch.device(sizes.device), torch.Generator().manual_seed(0)
     rows = results.setdefault("kernels", [])
     min_seconds = 0.05 if device.type == "cuda" else 0.01
+    bandwidth = measured_gbps(results, device)
     for num_tokens in sizes.kernel_tokens:
         x = torch.randn(num_tokens, sizes.hidden, generator=gen).to(device, sizes.dtype)  # [T, K]
         weight = (torch.randn(sizes.hidden, sizes.hidden, generator=gen) * sizes.hidden ** -0.5).to(device, sizes.dtype)
@@ -129,8 +149,9 @@ def run_kernels(sizes: Sizes, results: dict, deadline: float) -> None:
                 if time.time() > deadline:
                     raise TimeoutError(f"kernel benchmark stopped at T={num_tokens}: out of time")
                 try:
-                    rows.append(bench_kernels.bench_point(num_tokens, rank, distinct, sizes.hidden, sizes.dtype,
-                                                          device, base_us, min_seconds, gen))
+                    row = bench_kernels.bench_point(num_tokens, rank, distinct, sizes.hidden, sizes.dtype, device,
+                                                    base_us, min_seconds, gen)
+                    rows.append(dict(row, bandwidth_fraction=row["lora_gbps"] / bandwidth))
                 except Exception as exc:  # noqa: BLE001 -- one bad point must not hide the others
                     logger.exception("kernel point T=%d r=%d n=%d failed", num_tokens, rank, distinct)
                     rows.append(dict(num_tokens=num_tokens, rank=rank, distinct=distinct, error=repr(exc)[:200]))
@@ -142,10 +163,11 @@ def run_attention(sizes: Sizes, results: dict, deadline: float) -> None:
     """Paged decode (eager, one graph replayed for every context, torch path) and one prefill point."""
     cfg, device = sizes.attention, torch.device(sizes.device)
     rows = results.setdefault("attention", [])
+    bandwidth = measured_gbps(results, device)
     for batch in cfg["batches"]:
         if time.time() > deadline:
             raise TimeoutError(f"attention benchmark stopped at batch {batch}: out of time")
-        rows.extend(_attention_decode_rows(cfg, batch, sizes.dtype, device))
+        rows.extend(_attention_decode_rows(cfg, batch, sizes.dtype, device, bandwidth))
     rows.append(_attention_prefill_row(cfg, sizes.dtype, device))
 
 
@@ -167,7 +189,8 @@ def _attention_inputs(cfg: dict, num_seqs: int, num_tokens: int, dtype: torch.dt
     return query, kv_layer, attn
 
 
-def _attention_decode_rows(cfg: dict, batch: int, dtype: torch.dtype, device: torch.device) -> list[dict]:
+def _attention_decode_rows(cfg: dict, batch: int, dtype: torch.dtype, device: torch.device,
+                           bandwidth: float) -> list[dict]:
     import dataclasses
 
     import bench_kernels
@@ -202,7 +225,8 @@ def _attention_decode_rows(cfg: dict, batch: int, dtype: torch.dtype, device: to
         nbytes = 2 * batch * context * cfg["kv_heads"] * cfg["head_dim"] * element + 2 * query.numel() * element
         best_us = min(triton_us, graph_us or triton_us)
         rows.append(dict(kind="decode", batch=batch, context=context, triton_us=triton_us, graph_us=graph_us,
-                         torch_us=torch_us, gbps=nbytes / best_us / 1e3, hbm_fraction=nbytes / best_us / 1e3 / HBM_GBPS,
+                         torch_us=torch_us, gbps=nbytes / best_us / 1e3,
+                         bandwidth_fraction=nbytes / best_us / 1e3 / bandwidth,
                          speedup_vs_torch=torch_us / best_us, max_abs_diff=float((got - expected).abs().max())))
         logger.info("attention decode B=%d ctx=%d: %s", batch, context, rows[-1])
     return rows
@@ -228,11 +252,13 @@ def _attention_prefill_row(cfg: dict, dtype: torch.dtype, device: torch.device) 
 
 
 def attention_table(results: dict) -> list[str]:
-    lines = [f"| kind | batch | context | triton us | graph us | torch us | GB/s (of {HBM_GBPS:.0f}) | x torch "
-             "| max diff |", "|---|---|---|---|---|---|---|---|---|"]
+    bandwidth = results.get("copy_gbps", 0.0)
+    lines = [f"| kind | batch | context | triton us | graph us | torch us | GB/s (of {bandwidth:.0f}) | x torch | max "
+             "diff |", "|---|---|---|---|---|---|---|---|---|"]
     for row in results.get("attention", []):
         graph = "n/a" if row["graph_us"] is None else f"{row['graph_us']:.1f}"
-        rate = f"{row['gbps']:.0f} ({row['hbm_fraction']:.0%})" if "gbps" in row else f"{row['tflops']:.1f} TFLOP/s"
+        rate = (f"{row['gbps']:.0f} ({row['bandwidth_fraction']:.0%})" if "gbps" in row
+                else f"{row['tflops']:.1f} TFLOP/s")
         lines.append(f"| {row['kind']} | {row['batch']} | {row['context']} | {row['triton_us']:.1f} | {graph} | "
                      f"{row['torch_us']:.1f} | {rate} | {row['speedup_vs_torch']:.2f} | {row['max_abs_diff']:.2g} |")
     return lines
@@ -312,21 +338,31 @@ def write_random_model(path: Path, sizes: Sizes) -> None:
     logger.info("random model: %.2fB parameters", sum(t.numel() for t in tensors.values()) / 1e9)
 
 
-def make_engine(model_dir: Path, sizes: Sizes, graphs: bool):
-    """An LLMEngine for the benchmark; on CPU "graphs" are emulated (RerunGraph) through the same hook."""
+def make_engine(model_dir: Path, sizes: Sizes, graphs: bool, *, max_num_batched_tokens: int = 8192,
+                max_loras: int | None = None, max_num_seqs: int | None = None, quantization: str | None = None):
+    """An LLMEngine for the benchmarks serving max_loras (default max(sizes.adapter_counts)) dummy rank-16
+    adapters "bench-<i>"; on CPU "graphs" are emulated (RerunGraph) through the same hook."""
     from lora_runner import LLMEngine
     from lora_runner.worker.cuda_graphs import RerunGraph
 
-    max_loras = max(sizes.adapter_counts)
-    engine = LLMEngine(str(model_dir), device=sizes.device, dtype=sizes.dtype, max_loras=max_loras, max_lora_rank=16,
-                       max_cpu_loras=2 * max_loras, max_num_seqs=max(sizes.num_requests),
-                       max_model_len=sizes.max_model_len, max_num_batched_tokens=8192,
-                       enforce_eager=not graphs, gpu_memory_utilization=0.8)
+    max_loras = max(sizes.adapter_counts) if max_loras is None else max_loras
+    engine = LLMEngine(str(model_dir), device=sizes.device, dtype=sizes.dtype, max_loras=max(1, max_loras),
+                       max_lora_rank=16, max_cpu_loras=2 * max(1, max_loras),
+                       max_num_seqs=max_num_seqs or max(sizes.num_requests), max_model_len=sizes.max_model_len,
+                       max_num_batched_tokens=max_num_batched_tokens, enforce_eager=not graphs,
+                       gpu_memory_utilization=0.8, quantization=quantization)
     if graphs and sizes.device == "cpu":
         engine.runner.capture_decode_graphs(engine.adapters.manager.loras, 16, make_graph=RerunGraph, progress=False)
     for i in range(max_loras):
         engine.adapters.manager.loras.add_dummy(f"bench-{i}", 16)
     return engine
+
+
+def free_device_memory() -> None:
+    """Give the memory of engines no longer referenced back to the device (the next engine profiles it)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def decode_run(engine, sizes: Sizes, num_requests: int, num_adapters: int, tag: str) -> dict:
@@ -386,9 +422,7 @@ def run_engine(sizes: Sizes, results: dict, deadline: float) -> None:
                                 num_adapters, run["tokens_per_s"])
             engine.adapters.manager.close()
             del engine, graphs
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_device_memory()
 
 
 def engine_table(results: dict) -> list[str]:
@@ -410,7 +444,8 @@ def engine_table(results: dict) -> list[str]:
 
 
 def kernel_table(results: dict) -> list[str]:
-    lines = ["| T | rank | adapters | add_lora us | graph us | GB/s | x faster than gather+bmm |",
+    lines = [f"| T | rank | adapters | add_lora us | graph us | GB/s (of {results.get('copy_gbps', 0):.0f}) "
+             "| x faster than gather+bmm |",
              "|---|---|---|---|---|---|---|"]
     for row in results.get("kernels", []):
         if "error" in row:
@@ -418,7 +453,7 @@ def kernel_table(results: dict) -> list[str]:
             continue
         graph = "n/a" if row["graph_us"] is None else f"{row['graph_us']:.1f}"
         lines.append(f"| {row['num_tokens']} | {row['rank']} | {row['distinct']} | {row['lora_us']:.1f} | {graph} | "
-                     f"{row['lora_gbps']:.1f} | {row['speedup_vs_gather']:.2f} |")
+                     f"{row['lora_gbps']:.1f} ({row['bandwidth_fraction']:.0%}) | {row['speedup_vs_gather']:.2f} |")
     return lines
 
 

@@ -1,4 +1,7 @@
-"""Multi-LoRA decode and prefill against the base model on one GPU, in one call (issue 26's device script).
+"""Multi-LoRA decode and prefill against the base model on one GPU: the profile sections of the device run.
+
+benchmarks/device/run.py (the one device command) runs these sections on its one model and engine;
+this script runs them alone:
 
     python benchmarks/lora_decode_profile.py                 # one GPU (H200 target), well under 5 minutes
     python benchmarks/lora_decode_profile.py --smoke         # the same code paths at tiny sizes on CPU, seconds
@@ -83,20 +86,9 @@ class AtenOps(TorchDispatchMode):
 
 
 def make_engine(model_dir: Path, plan: Plan):
-    """A graphed engine serving max(adapters) dummy rank-16 adapters (gpu_check's engine, bigger batches)."""
-    from lora_runner import LLMEngine
-    from lora_runner.worker.cuda_graphs import RerunGraph
-
-    sizes, max_loras = plan.sizes, max(plan.adapters)
-    engine = LLMEngine(str(model_dir), device=sizes.device, dtype=sizes.dtype, max_loras=max_loras, max_lora_rank=16,
-                       max_cpu_loras=2 * max_loras, max_num_seqs=max(plan.requests), max_model_len=sizes.max_model_len,
-                       max_num_batched_tokens=max(plan.prefill_tokens), enforce_eager=False,
-                       gpu_memory_utilization=0.8)
-    if sizes.device == "cpu":
-        engine.runner.capture_decode_graphs(engine.adapters.manager.loras, 16, make_graph=RerunGraph, progress=False)
-    for i in range(max_loras):
-        engine.adapters.manager.loras.add_dummy(f"bench-{i}", 16)
-    return engine
+    """A graphed engine serving max(adapters) dummy rank-16 adapters, its token budget the largest prefill."""
+    return gpu_check.make_engine(model_dir, plan.sizes, graphs=True, max_loras=max(plan.adapters),
+                                 max_num_seqs=max(plan.requests), max_num_batched_tokens=max(plan.prefill_tokens))
 
 
 def synchronize(device: str) -> None:
@@ -112,8 +104,10 @@ def run_decode(engine, plan: Plan, results: dict) -> None:
         for num_adapters in plan.adapters:
             run = gpu_check.decode_run(engine, plan.sizes, num_requests, num_adapters, f"d{num_requests}-{num_adapters}")
             base = run["tokens_per_s"] if num_adapters == 0 else base
+            steps = run["decode_tokens"] / num_requests
             rows.append(dict(requests=num_requests, adapters=num_adapters, tokens_per_s=run["tokens_per_s"],
-                             ratio_to_base=run["tokens_per_s"] / base if base else float("nan")))
+                             ratio_to_base=run["tokens_per_s"] / base if base else float("nan"),
+                             step_ms=run["seconds"] / steps * 1e3))
             logger.info("decode %d requests / %d adapters: %.0f tok/s", num_requests, num_adapters, run["tokens_per_s"])
 
 
@@ -242,9 +236,9 @@ def _kernel_summary(prof, device: str, repeats: int) -> dict:
                 per_kernel=per_kernel)
 
 
-def report(results: dict) -> str:
-    """The sections' markdown tables (common.markdown_table: (key, header, format spec) columns)."""
-    tables = [("kernels", results.get("kernels"), [
+def section_tables(results: dict) -> list[tuple[str, list | None, list]]:
+    """(section, its rows, common.markdown_table columns: (key, header, format spec)) of each section."""
+    return [("kernels", results.get("kernels"), [
         ("key", "graph", ""), ("kernels_per_replay", "kernels/replay", ".0f"),
         ("lora_kernels_per_replay", "LoRA kernels", ".0f"), ("step_us", "step us", ".1f"),
         ("lora_us", "LoRA us", ".1f"), ("lora_share_of_step", "LoRA share", ".1%")]),
@@ -254,12 +248,16 @@ def report(results: dict) -> str:
             ("device_prepare_ops", "its ops", "d")]),
         ("decode", results.get("decode"), [
             ("requests", "requests", "d"), ("adapters", "adapters", "d"), ("tokens_per_s", "decode tok/s", ".0f"),
-            ("ratio_to_base", "vs base", ".2f")]),
+            ("ratio_to_base", "vs base", ".2f"), ("step_ms", "ms/step", ".2f")]),
         ("prefill", results.get("prefill"), [
             ("tokens", "prefill T", "d"), ("adapters", "adapters", "d"), ("tokens_per_s", "tok/s", ".0f"),
             ("ratio_to_base", "vs base", ".2f")])]
+
+
+def report(results: dict) -> str:
+    """The sections' markdown tables."""
     lines = [f"## lora_decode_profile ({results['device']}, {results['seconds']:.0f} s)"]
-    for _, rows, columns in tables:
+    for _, rows, columns in section_tables(results):
         if rows:
             lines += ["", markdown_table(rows, columns)]
     lines += [f"{section}: FAILED {error}" for section, error in results.get("errors", {}).items()]

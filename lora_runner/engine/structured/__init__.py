@@ -5,7 +5,8 @@ At add_request a constrained request gets a RequestGrammar whose grammar compile
 it back failed. Each step the engine fills one bitmask row per sampled constrained request
 (``step_bitmask``: plain tensor data that travels with the step) and the sampler bans what the rows
 disallow; the output processor advances each matcher by its token, and a completed constraint ends
-its request with "stop". A step without constrained requests has no bitmask at all.
+its request with "stop". A step without constrained requests has no bitmask at all, and an engine that
+never sees a constraint never imports xgrammar (backend.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 import torch
-import xgrammar as xgr
 
 from lora_runner.core.request import Request
-from lora_runner.engine.structured.grammar_compiler import GrammarCompiler, StructuredOutputError
+from lora_runner.engine.structured.backend import StructuredOutputError, xgrammar
+from lora_runner.engine.structured.grammar_compiler import GrammarCompiler
 from lora_runner.engine.structured.request_grammar import RequestGrammar
 from lora_runner.sampling_params import SamplingParams
 
@@ -81,7 +82,7 @@ class StructuredOutputs:
         rows = [i for i, request in enumerate(sampled) if request.grammar is not None]
         if not rows:
             return [], None
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W] int32, all allowed
+        bitmask = xgrammar().allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W] int32, all allowed
         for index, row in enumerate(rows):
             sampled[row].grammar.fill(bitmask, index)
         return rows, bitmask

@@ -22,8 +22,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import xgrammar as xgr
-
+from lora_runner.engine.structured.backend import StructuredOutputError, compile_timeout_error, xgrammar
 from lora_runner.engine.structured.string_lengths import bounded_strings_as_patterns
 from lora_runner.structured_outputs_params import StructuredOutputsParams
 
@@ -35,17 +34,6 @@ CACHE_ENTRIES = 128  # compiled constraints kept (least recently used dropped fi
 XGRAMMAR_CACHE_BYTES = 64 << 20  # bound of xgrammar's own compiler cache
 # longest whitespace run between JSON tokens: unbounded, a model can stay in whitespace until max_tokens
 MAX_JSON_WHITESPACE = 8
-
-
-class StructuredOutputError(ValueError):
-    """A request's structured-output constraint cannot be used: its schema, regex or grammar does not
-    compile, or compiling it took longer than the engine allows. The request alone fails (a 400 over HTTP)."""
-
-
-def compile_timeout_error(timeout_s: float) -> StructuredOutputError:
-    """What a request gets when its constraint is still compiling past ``timeout_s``."""
-    return StructuredOutputError(f"structured_outputs took longer than {timeout_s:g} s to compile; simplify the "
-                                 "constraint")
 
 
 class GrammarCompiler:
@@ -61,6 +49,7 @@ class GrammarCompiler:
                  threads: int = COMPILE_THREADS, cache_entries: int = CACHE_ENTRIES,
                  timeout_s: float | None = None, max_stuck: int = MAX_STUCK_COMPILES) -> None:
         self.vocab_size = vocab_size
+        xgr = xgrammar()  # StructuredOutputError when it is not installed
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                  stop_token_ids=sorted(stop_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=True,
@@ -138,7 +127,7 @@ class GrammarCompiler:
                        self._timeout_s)
         future.set_exception(compile_timeout_error(self._timeout_s))
 
-    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+    def _compile(self, kind: str, text: str):  # -> xgrammar.CompiledGrammar
         try:
             return self._compile_kind(kind, text)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / MemoryError with the reason
@@ -146,7 +135,7 @@ class GrammarCompiler:
                                         f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
                                         ) from exc
 
-    def _compile_kind(self, kind: str, text: str) -> xgr.CompiledGrammar:
+    def _compile_kind(self, kind: str, text: str):  # -> xgrammar.CompiledGrammar
         compiler = self._compiler
         if kind in ("json", "json_compact"):
             text = json.dumps(bounded_strings_as_patterns(json.loads(text)))  # xgrammar's control characters

@@ -20,9 +20,8 @@ import time
 from concurrent.futures import Future
 
 import torch
-import xgrammar as xgr
 
-from lora_runner.engine.structured.grammar_compiler import StructuredOutputError, compile_timeout_error
+from lora_runner.engine.structured.backend import StructuredOutputError, compile_timeout_error, xgrammar
 from lora_runner.sample.token_masks import unpack_bitmask
 
 
@@ -34,7 +33,7 @@ class RequestGrammar:
         self._future = future
         self._deadline = deadline
         self._timeout_s = timeout_s
-        self.matcher: xgr.GrammarMatcher | None = None
+        self.matcher = None  # xgrammar.GrammarMatcher once the compilation is done
         self.error: StructuredOutputError | None = None
 
     def state(self) -> str:
@@ -45,7 +44,7 @@ class RequestGrammar:
             return "failed"
         if self._future.done():
             try:
-                self.matcher = xgr.GrammarMatcher(self._future.result())
+                self.matcher = xgrammar().GrammarMatcher(self._future.result())
                 return "ready"
             except StructuredOutputError as exc:
                 self.error = exc
@@ -85,7 +84,7 @@ class RequestGrammar:
         if not matcher.is_completed():  # cheap, and false for most states: no bitmask then
             return False
         vocab_size = self._future.result().tokenizer_info.vocab_size
-        bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+        bitmask = xgrammar().allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
         matcher.fill_next_token_bitmask(bitmask)
         allowed = unpack_bitmask(bitmask, vocab_size)[0]  # [V] bool
         allowed[list(matcher.stop_token_ids)] = False
