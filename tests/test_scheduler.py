@@ -31,7 +31,7 @@ def run_step(sched, out, next_token=7):
     """What the engine does after the model ran (the shared Scheduler.postprocess): advance, append
     sampled tokens, finish; returns the requests that finished."""
     num_sampled = sum(s.samples for s in out.scheduled)
-    sampled = SamplerOutput([next_token] * num_sampled, [None] * num_sampled)
+    sampled = SamplerOutput.one_per_row([next_token] * num_sampled, [None] * num_sampled)
     results = sched.postprocess(out.scheduled, sampled, OutputProcessor(None, eos_token_ids=(), max_model_len=10**6))
     assert all(error is None for _, error in results)
     return [request for request, _ in results if request.is_finished]
@@ -215,7 +215,7 @@ def test_postprocess_finishes_frees_and_leaves_a_failed_append_to_the_caller():
         return " ".join(map(str, ids))
 
     sampler_error = FloatingPointError("row 2")
-    sampled = SamplerOutput([7, 99, -1], [None] * 3, [None, None, sampler_error])
+    sampled = SamplerOutput.one_per_row([7, 99, -1], [None] * 3, [None, None, sampler_error])
     results = sched.postprocess(out.scheduled, sampled, OutputProcessor(decode, eos_token_ids=(), max_model_len=64))
     assert [r for r, _ in results] == [a, b, c]
     assert results[0][1] is None and a.finish_reason == "length" and bm.holders() == ["r1", "r2"]

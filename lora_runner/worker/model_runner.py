@@ -109,7 +109,8 @@ class ModelRunner:
                 prompt_slot_of: Mapping[Hashable, int]) -> SamplerOutput:
         """The engine's path: apply the scheduler's output to the persistent rows, forward the step
         and sample one token for each sequence that reaches its last token, with the settings its
-        row got when it was placed (SchedulerOutput.new_requests carry the params and generator).
+        row got when it was placed (SchedulerOutput.new_requests carry the params and generator);
+        the rows commit each sequence's sampled token list (InputBatch.commit).
 
         lora_slot_of / prompt_slot_of: adapter ref -> device slot this step.
         """
@@ -122,7 +123,7 @@ class ModelRunner:
             sampling.grammar_bitmask = sched.grammar_bitmask
         result = self._forward_and_sample(shape, sampling, self.input_batch.prompt_spans(rows))
         # only after the step ran: a step that raised leaves the computed counts as they were
-        self.input_batch.commit(rows, result.token_ids)
+        self.input_batch.commit(rows, result.sampled_token_ids)
         return result
 
     @torch.inference_mode()
