@@ -22,12 +22,14 @@ row's, a table that does not cover the step's tokens, more rows than there are) 
 RowsOutOfSyncError. tests/test_input_batch.py checks the rows against a from-scratch rebuild every step.
 
 Speculative decoding (not built) tells commit how many of a row's proposed tokens were accepted
-by the length of its list: a step that scheduled the row's last token and d draft tokens (written
-after it in the row) and accepted a of them samples a + 1 tokens, so commit would set the computed
-count to start + len - (d - a) (the rejected drafts' KV positions are written again later) and
-write the a + 1 tokens over the drafts. The scheduler subtracts the same d - a from the request's
-count in Scheduler.postprocess, so the next output's num_computed_tokens agrees with the row;
-when they disagree the rows raise RowsOutOfSyncError as for any other output.
+by the length of its list. A step that schedules the row's last token and d draft tokens (held in
+the row after its tokens, where the step's chunk reads them, but not yet counted in num_tokens)
+and accepts a of them samples a + 1 tokens; commit would then set the computed count to
+start + len - (d - a) (the rejected drafts' KV positions are written again later) and write the
+a + 1 tokens over the drafts: ScheduledRows would carry d per sequence (0 today, where the formula
+is today's start + len). Scheduler.postprocess would subtract the same d - a from the request's count,
+so the next output's num_computed_tokens agrees with the row; when they disagree the rows raise
+RowsOutOfSyncError as for any other output.
 """
 
 from __future__ import annotations
