@@ -21,7 +21,7 @@ has a row already, a continuing or scheduled one without a row, a computed count
 row's, a table that does not cover the step's tokens, more rows than there are) is a bug and raises
 RowsOutOfSyncError. tests/test_input_batch.py checks the rows against a from-scratch rebuild every step.
 
-Speculative decoding (not built) tells commit how many of a row's proposed tokens were accepted
+Speculative decoding (not built) would tell commit how many of a row's proposed tokens were accepted
 by the length of its list. A step that schedules the row's last token and d draft tokens (held in
 the row after its tokens, where the step's chunk reads them, but not yet counted in num_tokens)
 and accepts a of them samples a + 1 tokens; commit would then set the computed count to
