@@ -355,8 +355,8 @@ class Scheduler:
         appending its tokens raised; that request alone failed and is left for the caller to finish
         with "error" (it releases adapters too); the others go on.
         """
-        # speculative decoding (not built) subtracts here each row's rejected draft tokens from the
-        # chunk (draft tokens scheduled + 1 - len(row's tokens)), as InputBatch.commit does
+        # speculative decoding (not built) would subtract here, before cache_computed registers blocks,
+        # each row's rejected draft tokens (drafts scheduled + 1 - len(row's tokens)), as InputBatch.commit would
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_computed(s.request)  # its blocks that filled up now answer hits
