@@ -131,9 +131,10 @@ class Sim:
         return {ref: self.rng.randrange(4) for ref in refs}  # slots may move between steps
 
     def run(self, chunks, sampled):
-        """The step ran: count computed tokens, append sampled tokens, finish long requests."""
-        for chunk, token in zip([c for c in chunks if c.samples], sampled):
-            chunk.request.token_ids.append(token)
+        """The step ran: count computed tokens, append each sampling chunk's sampled tokens, finish
+        long requests."""
+        for chunk, tokens in zip([c for c in chunks if c.samples], sampled):
+            chunk.request.token_ids.extend(tokens)
         for chunk in chunks:
             chunk.request.num_computed += chunk.num_new_tokens
             if len(chunk.request.token_ids) >= self.width * self.block_size - 1:
@@ -180,7 +181,7 @@ def assert_same_batch(got, want):
                                                                   want.has_lora)
 
 
-def run_steps(seed, steps=60, **sim_args):
+def run_steps(seed, steps=60, max_sampled=1, **sim_args):
     """Random steps; the rows' batch must equal a from-scratch rebuild from the requests every step."""
     rng = random.Random(seed)
     sim = Sim(rng, **sim_args)
@@ -202,7 +203,9 @@ def run_steps(seed, steps=60, **sim_args):
                                                         step.lens, step.seqs))
         want = scratch.build(reference_chunks(sim, chunks, lora_slot_of, prompt_slot_of))
         assert_same_batch(got, want)
-        sampled = [rng.randrange(1, 500) for c in chunks if c.samples]
+        # a list per sampling chunk: one token, or up to max_sampled (a multi-token step)
+        sampled = [[rng.randrange(1, 500) for _ in range(rng.randint(1, max_sampled) if max_sampled > 1 else 1)]
+                   for c in chunks if c.samples]
         rows.commit(step, sampled)
         sim.run(chunks, sampled)
         num_steps += 1
@@ -219,6 +222,36 @@ def test_rows_equal_a_rebuild_over_random_adds_continues_finishes_preemptions(se
             held = int(rows.num_tokens[row])
             assert rows.token_ids[row, :held].tolist() == request.token_ids[:held]
             assert int(rows.num_computed[row]) == request.num_computed
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_equal_a_rebuild_with_several_sampled_tokens_per_row(seed):
+    """Steps that sample 1 to 3 tokens per row (speculative decoding's verified tokens): each row
+    holds all of them, uncomputed until later chunks compute them, and the batch still equals a rebuild."""
+    sim, rows = run_steps(200 + seed, max_sampled=3)
+    for request in sim.running:
+        row = rows.row_of(request.request_id)
+        assert int(rows.num_tokens[row]) == len(request.token_ids)
+        assert rows.token_ids[row, :len(request.token_ids)].tolist() == request.token_ids
+        assert int(rows.num_computed[row]) == request.num_computed
+
+
+def test_commit_appends_each_rows_token_list_in_order():
+    rows = InputBatch(max_num_seqs=3, max_blocks_per_seq=2, block_size=4)
+    a, b, c = FakeRequest("a", [1, 2, 3]), FakeRequest("b", [4, 5]), FakeRequest("c", [6, 7, 8, 9, 10, 11])
+    step = one_step(rows, (True, a, 0, 3, [0]), (True, b, 0, 2, [1]), (True, c, 0, 6, [2, 3]))
+    rows.commit(step, [[20, 21, 22], [], [30, 31, 32, 33]])  # b's row failed: it gets no token
+    held = {r.request_id: rows.token_ids[rows.row_of(r.request_id), :rows.num_tokens[rows.row_of(r.request_id)]]
+            for r in (a, b, c)}
+    assert {k: v.tolist() for k, v in held.items()} == {
+        "a": [1, 2, 3, 20, 21, 22], "b": [4, 5],
+        "c": [6, 7, 8, 9, 10, 11, 30, 31, 32]}  # c's row holds 2 * 4 + 1 tokens: the 4th is past max_model_len
+    assert [int(rows.num_computed[rows.row_of(r)]) for r in "abc"] == [3, 2, 6]
+    step = one_step(rows, (False, a, 3, 3, [4]))  # the sampled tokens are computed by the next chunk
+    assert step.seqs.sample.tolist() == [True]
+    rows.commit(step, [[23]])
+    assert rows.token_ids[rows.row_of("a"), :7].tolist() == [1, 2, 3, 20, 21, 22, 23]
+    assert int(rows.num_computed[rows.row_of("a")]) == 6
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -240,7 +273,7 @@ def one_step(rows, *entries, finished=()):
 def test_rows_raise_when_the_output_disagrees_with_them():
     rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=3, block_size=4)
     a, b = FakeRequest("a", [1, 2, 3, 4, 5]), FakeRequest("b", [6, 7])
-    rows.commit(one_step(rows, (True, a, 0, 5, [3, 4])), [9])  # a holds 6 tokens, 5 computed, blocks 3 4
+    rows.commit(one_step(rows, (True, a, 0, 5, [3, 4])), [[9]])  # a holds 6 tokens, 5 computed, blocks 3 4
     a.token_ids.append(9)
     with pytest.raises(RowsOutOfSyncError, match="continues but has no row"):
         one_step(rows, (False, b, 0, 2, [0]))
@@ -276,9 +309,9 @@ def test_commit_refuses_a_token_count_that_does_not_match():
     rows = InputBatch(max_num_seqs=2, max_blocks_per_seq=2, block_size=4)
     request = FakeRequest("x", [1, 2, 3])
     step = one_step(rows, (True, request, 0, 3, [5]))
-    with pytest.raises(ValueError, match="sampled tokens"):
+    with pytest.raises(ValueError, match="sampled token lists"):
         rows.commit(step, [])
-    rows.commit(step, [9])
+    rows.commit(step, [[9]])
     assert rows.token_ids[rows.row_of("x"), :4].tolist() == [1, 2, 3, 9]
     assert np.array_equal(rows.block_tables[rows.row_of("x")], [5, 0])
 

@@ -40,7 +40,7 @@ def make_scheduler(num_blocks=32, max_tokens=64, max_num_seqs=4, caching=True):
 
 def run_step(sched, out):
     num_sampled = sum(s.samples for s in out.scheduled)
-    sampled = SamplerOutput([7] * num_sampled, [None] * num_sampled)
+    sampled = SamplerOutput.one_per_row([7] * num_sampled, [None] * num_sampled)
     results = sched.postprocess(out.scheduled, sampled, OutputProcessor(None, eos_token_ids=(), max_model_len=10**6))
     assert all(error is None for _, error in results)
     return [request for request, _ in results if request.is_finished]

@@ -35,7 +35,7 @@ def test_output_text_keeps_special_tokens_as_asked(tokenizer, skip, spaces, want
     request = Request("r", [5], params, arrival=0)
     streamed = ""
     for token in ids:  # one token a step, as the engine appends them
-        assert processor.append(request, token) is None
+        assert processor.append(request, [token]) is None
         streamed += processor.completion(request).text_delta
     processor.finish(request, "length")
     final = processor.completion(request)

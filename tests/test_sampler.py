@@ -1,9 +1,11 @@
 """Sampler: greedy, temperature / top-k / top-p distributions, per-request seeds, logprobs."""
 
+import pickle
+
 import pytest
 import torch
 
-from lora_runner.sample.sampler import Sampler
+from lora_runner.sample.sampler import Sampler, SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 
 V = 8
@@ -144,3 +146,22 @@ def test_huge_finite_logits_whose_sum_overflows_are_sampled_not_failed():
     assert out.token_ids[:2] == [5, 2]
     assert out.errors[:2] == [None, None]
     assert out.errors[2] is not None
+
+
+def test_each_row_holds_a_token_list_and_a_failed_row_an_empty_one():
+    """The step's currency (SamplerOutput): a list per row, one token from the Sampler, none for a
+    row that failed; it crosses processes as a pickle (tensor-parallel ranks) unchanged."""
+    logits = torch.randn(3, V)
+    logits[1, 2] = float("nan")
+    params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.0, logprobs=1),
+              SamplingParams(temperature=0.0)]
+    out = sample(Sampler(V, "cpu"), logits, params)
+    best = logits.argmax(-1).tolist()
+    assert out.sampled_token_ids == [[best[0]], [], [best[2]]]
+    assert [len(entries) for entries in out.sampled_logprobs] == [1, 0, 1] and out.sampled_logprobs[2] == [None]
+    assert isinstance(out.errors[1], FloatingPointError) and out.token_ids == [best[0], -1, best[2]]
+    again = pickle.loads(pickle.dumps(out))
+    assert (again.sampled_token_ids, again.sampled_logprobs) == (out.sampled_token_ids, out.sampled_logprobs)
+    several = SamplerOutput([[4, 5], [6]], [[None, None], [None]])
+    with pytest.raises(AssertionError, match="row 0 holds 2 tokens"):
+        several.token_ids  # the one-token view refuses a multi-token step

@@ -216,18 +216,18 @@ def test_input_batch_writes_and_frees_the_sampling_row_with_its_token_row():
     generator = torch.Generator().manual_seed(3)
     scheduled, batch = step(new=[("a", [5, 6], 2, LOADED, generator)])
     assert rows.row_of("a") == 0 and batch.seeded == [(0, generator)] and batch.has_penalties.tolist() == [True]
-    rows.commit(scheduled, [7])
+    rows.commit(scheduled, [[7]])
     resumed = SamplingParams(min_tokens=3, presence_penalty=1.0)  # preempted after generating 20, 21
     scheduled, batch = step(new=[("b", [8, 9, 20, 21], 2, resumed, None)], continuing=[("a", 2)])
     # batch order: b (new), a (continuing)
     assert list(batch.history(0)[0]) == [8, 9] and list(batch.history(0)[1]) == [20, 21]
     assert list(batch.history(1)[1]) == [7]  # a generated 7
     assert batch.ban_ids[batch.ban_rows == 0].tolist() == [EOS]  # b: 2 of its min_tokens 3 generated
-    rows.commit(scheduled, [EOS + 1, 11])
+    rows.commit(scheduled, [[EOS + 1], [11]])
     scheduled, batch = step(finished=["a"], continuing=[("b", 4)])
     assert sampling.generators[0] is None and sampling.params[0] is None  # a's row lets go of a
     assert batch.ban_ids.size == 0  # b reached min_tokens
-    rows.commit(scheduled, [30])
+    rows.commit(scheduled, [[30]])
     _, batch = step(new=[("c", [12], 1, PLAIN, None)], continuing=[("b", 5)])
     assert rows.row_of("c") == 0  # a's row, reused by c: nothing of a's
     assert batch.seeded == [] and batch.has_penalties.tolist() == [False, True] and batch.ban_ids.size == 0

@@ -31,7 +31,7 @@ def run_step(sched, out, next_token=7):
     """What the engine does after the model ran (the shared Scheduler.postprocess): advance, append
     sampled tokens, finish; returns the requests that finished."""
     num_sampled = sum(s.samples for s in out.scheduled)
-    sampled = SamplerOutput([next_token] * num_sampled, [None] * num_sampled)
+    sampled = SamplerOutput.one_per_row([next_token] * num_sampled, [None] * num_sampled)
     results = sched.postprocess(out.scheduled, sampled, OutputProcessor(None, eos_token_ids=(), max_model_len=10**6))
     assert all(error is None for _, error in results)
     return [request for request, _ in results if request.is_finished]
@@ -215,13 +215,34 @@ def test_postprocess_finishes_frees_and_leaves_a_failed_append_to_the_caller():
         return " ".join(map(str, ids))
 
     sampler_error = FloatingPointError("row 2")
-    sampled = SamplerOutput([7, 99, -1], [None] * 3, [None, None, sampler_error])
+    sampled = SamplerOutput.one_per_row([7, 99, -1], [None] * 3, [None, None, sampler_error])
     results = sched.postprocess(out.scheduled, sampled, OutputProcessor(decode, eos_token_ids=(), max_model_len=64))
     assert [r for r, _ in results] == [a, b, c]
     assert results[0][1] is None and a.finish_reason == "length" and bm.holders() == ["r1", "r2"]
     assert isinstance(results[1][1], RuntimeError) and not b.is_finished  # the caller finishes it with "error"
     assert results[2][1] is sampler_error and c.token_ids == [1, 2, 3]  # a failed row appends nothing
     assert all(r.num_computed_tokens == 3 for r in (a, b, c))
+
+
+def test_postprocess_takes_each_rows_tokens_in_order_and_drops_those_after_a_finish():
+    """Rows of several tokens (speculative decoding's verified tokens): a request that reaches
+    max_tokens on the 2nd of 3 keeps 2 and is freed; one that does not keeps all; a failed row none."""
+    sched, bm = make_scheduler()
+    a, b, c = make_request(0, 3, max_tokens=2), make_request(1, 3, max_tokens=8), make_request(2, 3, max_tokens=8)
+    for r in (a, b, c):
+        sched.add(r)
+    out = sched.schedule()
+    error = FloatingPointError("row 2")
+    sampled = SamplerOutput([[7, 8, 9], [10, 11, 12], []], [[None] * 3, [None] * 3, []], [None, None, error])
+    results = sched.postprocess(out.scheduled, sampled, OutputProcessor(None, eos_token_ids=(), max_model_len=64))
+    assert [(r, e) for r, e in results] == [(a, None), (b, None), (c, error)]
+    assert a.output_token_ids == [7, 8] and a.finish_reason == "length" and bm.holders() == ["r1", "r2"]
+    assert b.output_token_ids == [10, 11, 12] and not b.is_finished and c.output_token_ids == []
+    assert [r.num_computed_tokens for r in (a, b, c)] == [3, 3, 3]
+    sched.remove(c)  # what the engine does with a failed request
+    out = sched.schedule()  # b's 3 sampled tokens, none computed yet, are its next chunk
+    assert [(s.request, s.start, s.num_new_tokens, s.samples) for s in out.scheduled] == [(b, 3, 3, True)]
+    assert out.finished_ids == ["r0", "r2"]
 
 
 def test_output_says_what_is_new_what_continues_and_what_left():

@@ -33,11 +33,11 @@ def test_output_processor_does_not_stop_on_eos_or_stop_ids_before_min_tokens():
     end the request; the same ids end it once min_tokens tokens came before them."""
     processor = OutputProcessor(None, eos_token_ids={EOS}, max_model_len=100)
     r = request(min_tokens=2, stop_token_ids=[STOP])
-    assert processor.append(r, EOS) is None
-    assert processor.append(r, STOP) is None
-    assert processor.append(r, STOP) == "stop" and r.stop_reason == STOP
+    assert processor.append(r, [EOS]) is None
+    assert processor.append(r, [STOP]) is None
+    assert processor.append(r, [STOP]) == "stop" and r.stop_reason == STOP
     r = request(min_tokens=1)
-    assert processor.append(r, EOS) is None and processor.append(r, EOS) == "stop" and r.stop_reason is None
+    assert processor.append(r, [EOS]) is None and processor.append(r, [EOS]) == "stop" and r.stop_reason is None
 
 
 def test_the_sampler_ban_covers_stop_ids_until_min_tokens_and_not_after():
@@ -52,4 +52,4 @@ def test_the_sampler_ban_covers_stop_ids_until_min_tokens_and_not_after():
         banned = [sorted(processor.stop_tokens(r).banned)]
         token = sampler(logits, sampler.make_batch([r.params], [None], banned=banned)).token_ids[0]
         assert token == expected
-        processor.append(r, token)
+        processor.append(r, [token])

@@ -169,11 +169,11 @@ def test_output_processor_cuts_across_tokens_and_holds_back():
     """Without a model: a decode that joins ids with spaces; the stop string spans two tokens."""
     processor = OutputProcessor(lambda ids: " ".join(map(str, ids)), eos_token_ids=(), max_model_len=64)
     request = Request("r", [1, 2], SamplingParams(stop=["6 7"]), arrival=0)
-    assert processor.append(request, 5) is None
+    assert processor.append(request, [5]) is None
     assert processor.completion(request).text_delta == ""  # the last 2 characters are held back
-    assert processor.append(request, 6) is None
+    assert processor.append(request, [6]) is None
     assert processor.completion(request).text_delta == "5"  # " 6" may still be the stop string
-    assert processor.append(request, 7) == "stop" and request.stop_reason == "6 7"
+    assert processor.append(request, [7]) == "stop" and request.stop_reason == "6 7"
     request.finish("stop")
     final = processor.completion(request)
     assert (final.text, final.text_delta, final.stop_reason) == ("5 ", " ", "6 7")

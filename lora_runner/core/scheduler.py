@@ -384,13 +384,17 @@ class Scheduler:
     def postprocess(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
                     processor: OutputProcessor) -> list[tuple[Request, BaseException | None]]:
         """After the model ran: count each scheduled chunk as computed, append every sampled token
-        (processor.append: detokenize, check stops) and finish and remove (free the blocks of) the
-        requests that stopped. sampled: one row per chunk with samples=True, in order.
+        (processor.append: detokenize, check stops, each token of a row in order) and finish and
+        remove (free the blocks of) the requests that stopped. sampled: one row per chunk with
+        samples=True, in order, holding that row's tokens (one from the Sampler); a request that
+        stops on one of its row's tokens drops the tokens after it.
 
         Returns (request, error) per sampled request. error: the sampler's error for its row, or what
-        appending its token raised; that request alone failed and is left for the caller to finish
+        appending its tokens raised; that request alone failed and is left for the caller to finish
         with "error" (it releases adapters too); the others go on.
         """
+        # speculative decoding (not built) would subtract here, before cache_computed registers blocks,
+        # each row's rejected draft tokens (drafts scheduled + 1 - len(row's tokens)), as InputBatch.commit would
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_computed(s.request)  # its blocks that filled up now answer hits
@@ -399,11 +403,14 @@ class Scheduler:
             for request_id, chunk in sampled.prompt_logprobs.items():
                 processor.append_prompt_logprobs(by_id[request_id], chunk)
         sampling = [s.request for s in scheduled if s.samples]
+        assert len(sampling) == len(sampled.sampled_token_ids), \
+            f"{len(sampled.sampled_token_ids)} sampled rows for {len(sampling)} sampling requests"
         results = []
-        for request, token, logprobs, error in zip(sampling, sampled.token_ids, sampled.logprobs, sampled.errors):
+        for request, tokens, logprobs, error in zip(sampling, sampled.sampled_token_ids, sampled.sampled_logprobs,
+                                                    sampled.errors):
             if error is None:
                 try:
-                    reason = processor.append(request, token, logprobs)
+                    reason = processor.append(request, tokens, logprobs)
                     if reason is not None:
                         request.finish(processor.finish(request, reason))
                         self.remove(request)

@@ -1,4 +1,4 @@
-"""After the model ran: append each request's sampled token, detokenize it, and decide whether it is
+"""After the model ran: append each request's sampled tokens, detokenize them, and decide whether it is
 finished. This is the one definition of "finished" that the engine, LLM, the server and the tests
 share (Scheduler.postprocess calls it for every sampled request of a step).
 
@@ -13,6 +13,10 @@ A request finishes with
   allows nothing but an end token next (vLLM's outcome: the constraint wins over min_tokens).
 - "length": max_tokens generated, or the sequence reached max_model_len.
 
+A row may bring several tokens in one step (a list per row, lora_runner.sample.sampler.SamplerOutput):
+they are taken in order, each under the rules above at its own position, and a request that finishes
+on one of them drops the rest (they are not appended, detokenized or counted).
+
 Each output is cumulative (everything so far) or, with SamplingParams.output_kind DELTA, only what
 is new since the request's previous output: then a step costs what it adds, not what the request
 holds (the async engine asks for deltas and merges those its consumer has not read yet).
@@ -21,7 +25,7 @@ holds (the async engine asks for deltas and merges those its consumer has not re
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from lora_runner.core.request import Request
 from lora_runner.core.stop_rule import StopTokens, stop_tokens
@@ -51,10 +55,23 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def append(self, request: Request, token_id: int, logprobs: dict | None = None) -> str | None:
-        """Append one sampled token (and its logprobs); returns the finish reason, or None to go on.
-        Sets request.stop_reason for a stop token or stop string. Does not free anything: the caller
-        (Scheduler.postprocess) finishes the request."""
+    def append(self, request: Request, token_ids: Sequence[int],
+               logprobs: Sequence[dict | None] | None = None) -> str | None:
+        """Append a row's sampled tokens (and each one's logprobs dict) in order; returns the finish
+        reason, or None to go on. Each token is checked as if it came alone (stop ids and min_tokens
+        at its own count, its text against the stop strings, max_tokens and max_model_len, the
+        grammar advanced by it); the first that finishes the request ends it, and the tokens after it
+        are dropped: not appended, detokenized or counted. Sets request.stop_reason for a stop token
+        or stop string. Does not free anything: the caller (Scheduler.postprocess) finishes the
+        request. StructuredOutputError for a token the grammar rejects (the tokens before it stay)."""
+        for i, token_id in enumerate(token_ids):
+            reason = self._append_one(request, token_id, None if logprobs is None else logprobs[i])
+            if reason is not None:
+                return reason
+        return None
+
+    def _append_one(self, request: Request, token_id: int, logprobs: dict | None) -> str | None:
+        """Append one token (see append)."""
         request.token_ids.append(token_id)
         if request.logprobs is not None:
             request.logprobs.append(logprobs)

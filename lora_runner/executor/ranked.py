@@ -100,8 +100,9 @@ class RankedExecutor(Executor):
         """Every rank must have sampled the same tokens: each commits its own into its rows, and ranks whose
         rows differ can never be brought back in step."""
         for rank, result in enumerate(results[1:], start=1):
-            if result.token_ids != results[0].token_ids:
-                self._die(f"tensor-parallel rank {rank} sampled {result.token_ids}, rank 0 {results[0].token_ids}: "
+            if result.sampled_token_ids != results[0].sampled_token_ids:
+                self._die(f"tensor-parallel rank {rank} sampled {result.sampled_token_ids}, "
+                          f"rank 0 {results[0].sampled_token_ids}: "
                           "the ranks are out of step")
 
     def _die(self, reason: str):

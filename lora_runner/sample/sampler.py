@@ -15,7 +15,7 @@ and the structured-output bitmask of the step's constrained rows; a step without
 
 Faults stay in their row: a row with NaN/inf logits, whose sampling raises, or whose settings could not
 be written (SamplingBatch.errors), comes back with an error in SamplerOutput.errors (its request
-fails) while every other row gets its usual token.
+fails, and its row holds no token) while every other row gets its usual token.
 """
 
 from __future__ import annotations
@@ -60,18 +60,61 @@ class _RowSettings:
 
 @dataclass
 class SamplerOutput:
-    """Sampled token per row, its logprobs dict where asked, and per row the exception that kept it
-    from being sampled (None when it was; the token of a failed row is -1 and means nothing)."""
+    """The step's sampled tokens: per row a list of token ids in order and a parallel list of their
+    logprob dicts (vLLM's sampled_token_ids), and per row the exception that kept it from being
+    sampled (None when it was; a failed row has no tokens).
 
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
+    The Sampler gives every row one token. A step that yields several tokens per row (speculative
+    decoding's verified tokens) uses the same lists: InputBatch.commit, Scheduler.postprocess and
+    OutputProcessor.append take each row's tokens in order, and a request that finishes on one of
+    them drops the rest.
+    """
+
+    sampled_token_ids: list[list[int]]  # [S][k_s] tokens of row s, in order; [] for a failed row
+    sampled_logprobs: list[list[dict[int, float] | None]]  # [S][k_s] each token's top-k dict, None where not asked
     errors: list[BaseException | None] = field(default_factory=list)  # [] on construction = none failed
     # request id -> the prompt logprobs its chunk computed this step (lora_runner.sample.prompt_logprobs)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.errors:
-            self.errors = [None] * len(self.token_ids)
+            self.errors = [None] * len(self.sampled_token_ids)
+        assert len(self.sampled_logprobs) == len(self.sampled_token_ids) == len(self.errors), \
+            "one token list, logprob list and error per row"
+
+    @classmethod
+    def one_per_row(cls, token_ids: Sequence[int], logprobs: Sequence[dict[int, float] | None],
+                    errors: Sequence[BaseException | None] = ()) -> SamplerOutput:
+        """One token per row (the Sampler's case); a row with an error gets no token."""
+        errors = list(errors) or [None] * len(token_ids)
+        return cls([[] if error is not None else [token] for token, error in zip(token_ids, errors)],
+                   [[] if error is not None else [entry] for entry, error in zip(logprobs, errors)], errors)
+
+    def fail(self, row: int, error: BaseException) -> None:
+        """Row `row` failed with `error`: its tokens and logprobs are gone."""
+        self.sampled_token_ids[row], self.sampled_logprobs[row], self.errors[row] = [], [], error
+
+    def extend(self, other: SamplerOutput) -> None:
+        """Append `other`'s rows after this one's."""
+        self.sampled_token_ids += other.sampled_token_ids
+        self.sampled_logprobs += other.sampled_logprobs
+        self.errors += other.errors
+
+    # the single-position view: callers that sample one position per row (explicit chunks, tests)
+    @property
+    def token_ids(self) -> list[int]:
+        """The one token of each row, -1 for a failed row; a step with several tokens in a row raises."""
+        return [self._single(row, tokens, -1) for row, tokens in enumerate(self.sampled_token_ids)]
+
+    @property
+    def logprobs(self) -> list[dict[int, float] | None]:
+        """The logprob dict of each row's one token, None for a failed row or one that asked for none."""
+        return [self._single(row, entries, None) for row, entries in enumerate(self.sampled_logprobs)]
+
+    @staticmethod
+    def _single(row: int, values: list, empty):
+        assert len(values) <= 1, f"row {row} holds {len(values)} tokens: read sampled_token_ids / sampled_logprobs"
+        return values[0] if values else empty
 
 
 def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -91,7 +134,8 @@ def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Samples one token per row of a [S, vocab] float32 logits tensor.
+    """Samples one token per row of a [S, vocab] float32 logits tensor (a SamplerOutput whose rows
+    each hold one token, none for a failed row).
 
     A row whose logits are not finite fails alone (NonFiniteLogitsError); the other rows are sampled
     as if it were not there. Should sampling the rows together raise, they are sampled again one at
@@ -126,7 +170,7 @@ class Sampler:
             self._restore_generators(states)
             result = self._sample_one_at_a_time(logits, batch)
         for row, error in batch.errors.items():  # settings that could not be written: sampled harmlessly, failed
-            result.token_ids[row], result.logprobs[row], result.errors[row] = -1, None, error
+            result.fail(row, error)
         return result
 
     def _sample_together(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -155,7 +199,7 @@ class Sampler:
         errors = [None if ok else NonFiniteLogitsError("the model's logits for this request hold NaN or inf "
                                                        "(an adapter's weights may be too large)")
                   for ok in packed[:, 1].bool().tolist()]
-        return SamplerOutput(token_ids, dicts, errors)
+        return SamplerOutput.one_per_row(token_ids, dicts, errors)
 
     def _sample_one_at_a_time(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         result = SamplerOutput([], [], [])
@@ -164,10 +208,8 @@ class Sampler:
                 one = self._sample_together(logits[row:row + 1], batch.row(row))
             except Exception as error:  # this row alone fails: its request gets the error
                 logger.warning("sampling row %d failed: %r", row, error)
-                one = SamplerOutput([-1], [None], [error])
-            result.token_ids += one.token_ids
-            result.logprobs += one.logprobs
-            result.errors += one.errors
+                one = SamplerOutput([[]], [[]], [error])
+            result.extend(one)
         return result
 
     def _apply_bans(self, penalized: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -109,8 +109,9 @@ class ModelRunner:
         """The engine's path: apply the scheduler's output to the persistent rows, forward the step
         and sample one token for each sequence that reaches its last token, with the settings its
         row got when it was placed (SchedulerOutput.new_requests carry the params and generator) and
-        the step's structured-output mask (``grammar``; None: no row is constrained). The adapter
-        slots are the output's (``sched.lora_slots`` / ``sched.prompt_slots``)."""
+        the step's structured-output mask (``grammar``; None: no row is constrained); the rows commit each
+        sequence's sampled token list (InputBatch.commit). The adapter slots are the output's
+        (``sched.lora_slots`` / ``sched.prompt_slots``)."""
         rows = self.input_batch.update(sched, sched.lora_slots, sched.prompt_slots)
         shape = self.batch_builder.write_rows(self.input_batch.token_ids, self.input_batch.block_tables,
                                               rows.rows, rows.starts, rows.lens, rows.seqs)
@@ -120,7 +121,7 @@ class ModelRunner:
             sampling.grammar_bitmask = grammar.bitmask
         result = self._forward_and_sample(shape, sampling, self.input_batch.prompt_spans(rows))
         # only after the step ran: a step that raised leaves the computed counts as they were
-        self.input_batch.commit(rows, result.token_ids)
+        self.input_batch.commit(rows, result.sampled_token_ids)
         return result
 
     @torch.inference_mode()

@@ -10,7 +10,8 @@ the rows read the scheduler's explicit data (lora_runner.core.scheduler_output.S
   when the rows keep them, its sampling settings in the same row of a
   lora_runner.sample.sampling_state.SamplingState);
 - each of `continuing` appends the block ids its table gained, nothing else;
-- after sampling, ``commit`` advances every row's computed count and appends the sampled tokens.
+- after sampling, ``commit`` advances every row's computed count and appends each row's sampled
+  tokens (a list per row: one from the Sampler, several from a multi-token step).
 
 The step's flat batch is then gathered from the rows by ``BatchBuilder.write_rows`` and adapter
 slots come from the step's ref -> slot maps through the interned keys, all with numpy ops.
@@ -19,10 +20,21 @@ The rows trust the scheduler and repair nothing: data that disagree with them (a
 has a row already, a continuing or scheduled one without a row, a computed count that is not the
 row's, a table that does not cover the step's tokens, more rows than there are) is a bug and raises
 RowsOutOfSyncError. tests/test_input_batch.py checks the rows against a from-scratch rebuild every step.
+
+Speculative decoding (not built) would tell commit how many of a row's proposed tokens were accepted
+by the length of its list. A step that schedules the row's last token and d draft tokens (held in
+the row after its tokens, where the step's chunk reads them, but not yet counted in num_tokens)
+and accepts a of them samples a + 1 tokens; commit would then set the computed count to
+start + len - (d - a) (the rejected drafts' KV positions are written again later) and write the
+a + 1 tokens over the drafts: ScheduledRows would carry d per sequence (0 today, where the formula
+is today's start + len). Scheduler.postprocess would subtract the same d - a from the request's count,
+so the next output's num_computed_tokens agrees with the row; when they disagree the rows raise
+RowsOutOfSyncError as for any other output.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -162,17 +174,31 @@ class InputBatch:
                          prompt_slots=self._prompts.slots(prompt_slot_of or {})[self.prompt_keys[rows]])
         return ScheduledRows(rows, starts, lens, seqs)
 
-    def commit(self, step: ScheduledRows, sampled: Sequence[int]) -> None:
-        """The step ran: its tokens are computed and `sampled` (one token per sampling sequence,
-        in batch order) are appended to their rows."""
+    def commit(self, step: ScheduledRows, sampled: Sequence[Sequence[int]]) -> None:
+        """The step ran: its tokens are computed, and each sampling sequence's sampled tokens
+        (`sampled`: one list per sampling sequence in batch order, its tokens in order; the Sampler
+        gives one, a failed row none) are appended to its row.
+
+        Every token of a list is appended, also those after one that finishes the request (a stop
+        string is found only when the engine detokenizes): such a request's row is freed with the
+        next output's finished_ids, and no live row holds a token its request dropped. Tokens past
+        the row's capacity are left out: the request ends at max_model_len before them.
+        The computed count covers the step's scheduled tokens (see the module docstring for what a
+        speculative step changes).
+        """
         rows = step.rows
         self.num_computed[rows] = step.starts + step.lens
-        sampling = rows[step.seqs.sample]
+        sampling = rows[step.seqs.sample]  # [S]
         if sampling.shape[0] != len(sampled):
-            raise ValueError(f"{len(sampled)} sampled tokens for {sampling.shape[0]} sampling sequences")
-        at = self.num_tokens[sampling]
-        self.token_ids[sampling, at] = sampled
-        self.num_tokens[sampling] = at + 1
+            raise ValueError(f"{len(sampled)} sampled token lists for {sampling.shape[0]} sampling sequences")
+        counts = np.fromiter(map(len, sampled), np.int64, len(sampled))  # [S] k per row
+        tokens = np.fromiter(itertools.chain.from_iterable(sampled), np.int64, int(counts.sum()))  # [N]
+        at = self.num_tokens[sampling]  # [S] where each row's first new token goes
+        first = np.cumsum(counts) - counts  # [S] each row's first entry in `tokens`
+        positions = np.repeat(at - first, counts) + np.arange(tokens.shape[0])  # [N]
+        fits = positions < self.max_tokens  # [N]
+        self.token_ids[np.repeat(sampling, counts)[fits], positions[fits]] = tokens[fits]
+        self.num_tokens[sampling] = np.minimum(at + counts, self.max_tokens)
 
     def sampling_batch(self, step: ScheduledRows) -> SamplingBatch:
         """The sampling settings of the step's sampling sequences, in batch order (their min_tokens
