@@ -24,6 +24,13 @@ requests hold it (they all fail alike; no reload storm), then is dropped. A reti
 dropped once no request holds it; ``remove`` is deferred the same way. Dropping a version frees its
 CPU tensors and its slot.
 
+Served names (the server's model list) live in the same version table, as one
+:class:`ServedAdapter` per name: ``publish`` serves a name, ``withdraw`` stops serving it, ``served``
+reads it. A served name outlives the CPU cache's eviction of its weights (the next request reloads
+them from its request). ``stage`` loads a version that serves no name until ``publish`` makes it the
+name's version (taking over the old one's pin); released unpublished, it is dropped and nothing
+changed, so a load whose caller gave up needs no undo.
+
 Pins live on the version record only, on the version a name serves (``AdapterVersion.pinned``): a
 replacement inherits the pin once it takes over; a failed, removed or retired version holds none.
 At most ``num_slots - 1`` versions are pinned, so unpinned adapters always keep a slot;

@@ -8,6 +8,10 @@ A request holds an AdapterRef per adapter kind it names (``request.lora_ref``,
     activate(scheduled)         make the step's adapters resident: (LoRA ref -> slot, prompt ref -> slot)
     release(request)            exactly once, when the request is reported finished
 
+Served names (what the server offers: one namespace for both kinds) live in the tiers' version tables
+too: ``serve`` loads, validates and publishes an adapter under its name, ``withdraw`` stops serving
+it, ``served`` / ``served_all`` read them (``adapters.versions.ServedAdapter``).
+
 Pins, reservations and load state live in the adapter tiers only (``adapters.tier``): the scheduler
 asks each tier's ``state`` and ``reserved_slots`` directly. ``step_lock`` is held by the engine from
 scheduling to activation; pins and removals take it, so a pin from another thread can never take a
