@@ -259,7 +259,10 @@ class AdapterTier:
             if claim is not None and not claim():
                 return False
             if ref is not None:
-                self._versions.publish(self._get(ref))
+                version = self._get(ref)
+                if version.state == FAILED:  # a slot write failed since it was staged
+                    raise copy.copy(version.error) from version.error
+                self._versions.publish(version)
             self._versions.serve(served, replace)
             return True
 

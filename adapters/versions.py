@@ -20,11 +20,12 @@ Not thread-safe on purpose: the owning ``AdapterTier`` holds its lock around eve
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from adapters.request import LoRARequest
@@ -55,7 +56,7 @@ class ServedAdapter:
     name: str
     request: Any  # LoRARequest | PromptAdapterRequest: what a request for the name runs (and reloads)
     owner: str | None = None  # the tenant that loaded it at runtime; None: the operator (startup)
-    created: int = field(default_factory=lambda: int(time.time()))  # unix seconds it was first served
+    created: int = field(default_factory=lambda: int(time.time()))  # unix seconds it was served (or replaced)
     version: AdapterRef | None = None
 
     @property
@@ -130,19 +131,18 @@ class VersionTable:
         if served is None:
             return None
         version = self.serving(name)
-        return replace(served, version=None if version is None or version.state == FAILED else version.ref)
+        return dataclasses.replace(served, version=None if version is None or version.state == FAILED else version.ref)
 
     def served_all(self) -> list[ServedAdapter]:
         """Every served adapter, in the order its name was first served."""
         return [self.served(name) for name in self._served]
 
-    def serve(self, served: ServedAdapter, replace_served: bool) -> None:
-        """Serve ``served`` under its name (keeping the first ``created`` of a name served on); ValueError
-        when the name is served already and ``replace_served`` is False."""
-        old = self._served.get(served.name)
-        if old is not None and not replace_served:
+    def serve(self, served: ServedAdapter, replace: bool) -> None:
+        """Serve ``served`` under its name; ValueError when the name is served already and ``replace``
+        is False."""
+        if served.name in self._served and not replace:
             raise ValueError(f"an adapter named {served.name!r} is already loaded")
-        self._served[served.name] = served if old is None else replace(served, created=old.created)
+        self._served[served.name] = served
 
     def unserve(self, name: str) -> ServedAdapter | None:
         """Stop serving ``name`` (its versions stay for the tier to retire); the record, or None."""
@@ -159,7 +159,6 @@ class VersionTable:
     def publish(self, version: AdapterVersion) -> None:
         """A staged (or already serving) ready version becomes the version its name serves; the versions
         it replaces are retired and it takes over their pin."""
-        assert version.state == READY, f"{version.ref} is {version.state}, not ready"
         if version.retired:
             version.pinned = self.retire_name(version.ref.name)
             version.retired = False
