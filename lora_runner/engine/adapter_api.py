@@ -8,6 +8,7 @@ so no layer forwards these calls by hand to the next.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from adapters import AdapterRef, LoRARequest, PromptAdapterRequest
@@ -69,7 +70,8 @@ class AdapterAPI:
 
     # ---- served adapters: the one registry of names clients may select (adapters.versions)
     def serve_adapter(self, request: LoRARequest | PromptAdapterRequest, owner: str | None = None,
-                      replace: bool = False, load: bool = True, claim=None) -> ServedAdapter | None:
+                      replace: bool = False, load: bool = True,
+                      claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
         """Serve an adapter under its name, loaded and validated first (EngineAdapters.serve)."""
         return self._adapter_seam().serve(request, owner=owner, replace=replace, load=load, claim=claim)
 
