@@ -18,11 +18,12 @@ from adapters.request import LoRARequest, PromptAdapterRequest
 from adapters.slots import LoRASlots, PromptSlots
 from adapters.spec import ModelSpec
 from adapters.tier import AdapterRef, AdapterTier
+from adapters.versions import ServedAdapter
 
 __all__ = [
     "AdapterCapacityError", "AdapterError", "AdapterNotFoundError", "AdapterTooLargeError",
     "InvalidAdapterError", "UnknownAdapterError", "UnsafeAdapterError", "UnsupportedAdapterError",
     "LoRARequest", "PromptAdapterRequest", "ModelSpec",
     "AdapterManager", "AdapterRef", "AdapterStats", "AdapterTier", "LoRAPair", "LoRASlots", "LoRAWeights", "PromptSlots",
-    "PromptWeights", "load_lora", "load_prompt_adapter", "parse_lora", "parse_prompt_adapter", "resolve",
+    "PromptWeights", "ServedAdapter", "load_lora", "load_prompt_adapter", "parse_lora", "parse_prompt_adapter", "resolve",
 ]

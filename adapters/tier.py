@@ -24,6 +24,13 @@ requests hold it (they all fail alike; no reload storm), then is dropped. A reti
 dropped once no request holds it; ``remove`` is deferred the same way. Dropping a version frees its
 CPU tensors and its slot.
 
+Served names (the server's model list) live in the same version table, as one
+:class:`ServedAdapter` per name: ``publish`` serves a name, ``withdraw`` stops serving it, ``served``
+reads it. A served name outlives the CPU cache's eviction of its weights (the next request reloads
+them from its request). ``stage`` loads a version that serves no name until ``publish`` makes it the
+name's version (taking over the old one's pin); released unpublished, it is dropped and nothing
+changed, so a load whose caller gave up needs no undo.
+
 Pins live on the version record only, on the version a name serves (``AdapterVersion.pinned``): a
 replacement inherits the pin once it takes over; a failed, removed or retired version holds none.
 At most ``num_slots - 1`` versions are pinned, so unpinned adapters always keep a slot;
@@ -51,9 +58,10 @@ from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterEr
 from adapters.load_queue import LoadQueue
 from adapters.lru import LRUCache
 from adapters.slot_pool import SlotPool
-from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, VersionTable
+from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
 
-__all__ = ["FAILED", "LOADING", "READY", "AdapterRef", "AdapterTier", "PromptAdapterTier", "TierClosedError"]
+__all__ = ["FAILED", "LOADING", "READY", "AdapterRef", "AdapterTier", "PromptAdapterTier", "ServedAdapter",
+           "TierClosedError"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,22 +158,9 @@ class AdapterTier:
         the old version keeps serving. Raises the adapter's AdapterError (not found, invalid, too
         large, unsupported, unsafe), or TierClosedError after close().
         """
-        self._check_request(request)
-        with self._lock:
-            version = self._hold(request)
-            run_here = not version.started  # queued: load it now rather than wait for room
-            if run_here:
-                self._loads.begin(version)
-        try:
-            if run_here:
-                self._load(version)
-            version.done.wait()
-            with self._lock:
-                if version.state == FAILED:  # a fresh exception per caller, chained to the loader's
-                    raise copy.copy(version.error) from version.error
-            return version.ref
-        finally:
-            self.release(version.ref)
+        ref = self._load_held(request, staged=False)
+        self.release(ref)
+        return ref
 
     def prefetch(self, request) -> AdapterRef:
         """Queue a background load of ``request`` and return at once."""
@@ -241,6 +236,59 @@ class AdapterTier:
         with self._lock:
             serving = self._versions.serving_versions()
             return [v.ref.name for v in self._cpu if v in serving]
+
+    # ---- served names: the one registry (adapters.versions.ServedAdapter) -------------------------
+    def stage(self, request) -> AdapterRef:
+        """Load and validate ``request`` now, like add(), into a version that serves no name yet (the
+        version its name serves, when that has the same source) and that the caller holds: ``publish``
+        it, then ``release`` it; released unpublished, it is dropped and nothing changed."""
+        return self._load_held(request, staged=True)
+
+    def publish(self, served: ServedAdapter, replace: bool, ref: AdapterRef | None = None,
+                claim: Callable[[], bool] | None = None) -> bool:
+        """Serve ``served`` under its name; with ``ref`` (a staged version, see ``stage``) that version
+        serves the name from now on, taking over the replaced version's pin. ``claim`` is asked last,
+        under the lock: False (its caller gave up waiting) changes nothing. Returns whether it was served.
+
+        Raises:
+            ValueError: the name is served already and ``replace`` is False.
+        """
+        with self._lock:
+            if self._versions.served(served.name) is not None and not replace:
+                raise ValueError(f"an adapter named {served.name!r} is already loaded")
+            if claim is not None and not claim():
+                return False
+            if ref is not None:
+                version = self._get(ref)
+                if version.state == FAILED:  # a slot write failed since it was staged
+                    raise copy.copy(version.error) from version.error
+                self._versions.publish(version)
+            self._versions.serve(served, replace)
+            return True
+
+    def withdraw(self, name: str) -> ServedAdapter:
+        """Stop serving ``name`` and retire its versions (requests running on them finish first).
+
+        Raises:
+            UnknownAdapterError: ``name`` is not served.
+        """
+        with self._lock:
+            served = self._versions.unserve(name)
+            if served is None:
+                raise UnknownAdapterError(f"{self.kind} {name!r} is not served")
+            self._versions.retire_name(name)
+            self._start_queued()
+            return served
+
+    def served(self, name: str) -> ServedAdapter | None:
+        """The served adapter ``name`` with the version serving it now, or None."""
+        with self._lock:
+            return self._versions.served(name)
+
+    def served_all(self) -> list[ServedAdapter]:
+        """Every served adapter, in the order its name was first served."""
+        with self._lock:
+            return self._versions.served_all()
 
     def close(self) -> None:
         """Start no more loads: queued and running loads fail now with an AdapterError ("cancelled");
@@ -343,6 +391,38 @@ class AdapterTier:
     def _serving(self, name: str) -> AdapterVersion | None:
         """The version that serves ``name`` now: the fallback while a replacement loads, else the newest."""
         return self._versions.serving(name)
+
+    def _load_held(self, request, staged: bool) -> AdapterRef:
+        """add() and stage(): the request's version loaded in this thread (unless a worker has it) and
+        held; raises its AdapterError, releasing it."""
+        self._check_request(request)
+        with self._lock:
+            version = self._hold_staged(request) if staged else self._hold(request)
+            run_here = not version.started  # queued: load it now rather than wait for room
+            if run_here:
+                self._loads.begin(version)
+        try:
+            if run_here:
+                self._load(version)
+            version.done.wait()
+            with self._lock:
+                if version.state == FAILED:  # a fresh exception per caller, chained to the loader's
+                    raise copy.copy(version.error) from version.error
+            return version.ref
+        except BaseException:
+            self.release(version.ref)
+            raise
+
+    def _hold_staged(self, request) -> AdapterVersion:
+        self._check_open()
+        serving = self._serving(request.name)
+        if serving is not None and serving.source == request.source and serving.state != FAILED:
+            version = serving  # publishing it changes only the served record
+        else:
+            version = self._versions.stage(request)
+        version.holders += 1
+        self._touch_cpu(version)
+        return version
 
     def _hold(self, request) -> AdapterVersion:
         self._check_open()

@@ -1,4 +1,5 @@
-"""Adapter versions: the record of one version, and the table of which version serves each name.
+"""Adapter versions: the record of one version, the table of which version serves each name, and the
+names the server offers.
 
 An :class:`AdapterRef` is the immutable handle a request holds; an :class:`AdapterVersion` is the
 mutable record behind it (load state, weights, holders, slot, and ``pinned``: as SGLang keeps
@@ -9,16 +10,25 @@ ready one that keeps serving while a replacement loads; it retires, falls back a
 once it is retired or failed and no request holds it; the table then calls ``on_drop`` so the tier
 frees its CPU tensors and its slot.
 
+The table is also the one registry of served adapters (SGLang's ``LoRARegistry``): a
+:class:`ServedAdapter` per name clients may select, with the request that (re)loads it, its kind,
+when it was first served and the tenant that loaded it. A served name outlives its versions: when the
+CPU cache evicts its weights it stays served, and the next request reloads it from its request.
+
 Not thread-safe on purpose: the owning ``AdapterTier`` holds its lock around every call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
+
+from adapters.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +45,26 @@ class AdapterRef:
     version: int  # unique per manager tier: re-adding the same source after removal is a new version
 
 
+@dataclass(frozen=True)
+class ServedAdapter:
+    """One adapter clients may select by name: the record the server lists and resolves requests with.
+
+    ``version`` is filled in by the table's readers: the version serving the name when it was read,
+    None while no version is live (never loaded, or its weights were evicted: a request reloads it).
+    """
+
+    name: str
+    request: Any  # LoRARequest | PromptAdapterRequest: what a request for the name runs (and reloads)
+    owner: str | None = None  # the tenant that loaded it at runtime; None: the operator (startup)
+    created: int = field(default_factory=lambda: int(time.time()))  # unix seconds it was served (or replaced)
+    version: AdapterRef | None = None
+
+    @property
+    def kind(self) -> str:
+        """"lora" or "prompt_adapter"."""
+        return "lora" if isinstance(self.request, LoRARequest) else "prompt_adapter"
+
+
 class AdapterVersion:
     """The state of one adapter version (guarded by the tier's lock)."""
 
@@ -44,7 +74,7 @@ class AdapterVersion:
         self.done = threading.Event()  # set once state leaves LOADING
         self.holders = 0  # live requests (acquire minus release)
         self.slot: int | None = None  # its device slot while resident (the tier's SlotPool sets it)
-        self.retired = False  # removed or replaced: dropped when holders reaches 0
+        self.retired = False  # removed, replaced or staged unpublished: dropped when holders reaches 0
         self.pinned = False  # the one record of a pin; never True once failed or retired
         self.started = False  # its load was handed to a worker (or runs in an add() caller)
 
@@ -67,6 +97,7 @@ class VersionTable:
         self._current: dict[str, AdapterVersion] = {}  # name -> the newest version (loading or ready)
         self._fallback: dict[str, AdapterVersion] = {}  # name -> the ready version serving while the newest loads
         self._versions: dict[AdapterRef, AdapterVersion] = {}  # every live version (current or retired but held)
+        self._served: dict[str, ServedAdapter] = {}  # name -> what clients may select (outlives its versions)
         self._ids = itertools.count()
 
     def __iter__(self) -> Iterator[AdapterVersion]:
@@ -93,6 +124,47 @@ class VersionTable:
         """How many live versions are pinned."""
         return sum(v.pinned for v in self._versions.values())
 
+    # ---- served names: what clients may select ------------------------------------------------------
+    def served(self, name: str) -> ServedAdapter | None:
+        """The served adapter ``name``, with the version serving it now (None when not served)."""
+        served = self._served.get(name)
+        if served is None:
+            return None
+        version = self.serving(name)
+        return dataclasses.replace(served, version=None if version is None or version.state == FAILED else version.ref)
+
+    def served_all(self) -> list[ServedAdapter]:
+        """Every served adapter, in the order its name was first served."""
+        return [self.served(name) for name in self._served]
+
+    def serve(self, served: ServedAdapter, replace: bool) -> None:
+        """Serve ``served`` under its name; ValueError when the name is served already and ``replace``
+        is False."""
+        if served.name in self._served and not replace:
+            raise ValueError(f"an adapter named {served.name!r} is already loaded")
+        self._served[served.name] = served
+
+    def unserve(self, name: str) -> ServedAdapter | None:
+        """Stop serving ``name`` (its versions stay for the tier to retire); the record, or None."""
+        return self._served.pop(name, None)
+
+    def stage(self, request) -> AdapterVersion:
+        """A new version of ``request`` that serves no name yet (``retired`` until ``publish``): dropped
+        when its last holder releases it unpublished."""
+        version = AdapterVersion(self.new_ref(request.name, request.path, request.revision), request)
+        version.retired = True
+        self._versions[version.ref] = version
+        return version
+
+    def publish(self, version: AdapterVersion) -> None:
+        """A staged (or already serving) ready version becomes the version its name serves; the versions
+        it replaces are retired and it takes over their pin."""
+        if version.retired:
+            version.pinned = self.retire_name(version.ref.name)
+            version.retired = False
+            self.register(version)
+
+    # ---- versions --------------------------------------------------------------------------------
     def version_for(self, request) -> tuple[AdapterVersion, bool]:
         """(the version of request.name with the request's source, whether it was created now).
 

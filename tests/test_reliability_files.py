@@ -114,7 +114,7 @@ def bystander(served):
 
 
 def _served_names(served) -> set[str]:
-    return set(served[1].engine.list_loras()) | {a.name for a in served[1].registry.visible(
+    return set(served[1].engine.list_loras()) | {a.name for a in served[1].adapters(
         served[1].keys.authenticate(f"Bearer {A}"))}
 
 
@@ -139,13 +139,13 @@ def test_a_fifo_config_answers_at_once_and_never_freezes_anyone(served, bystande
 
 def test_loads_that_hang_are_capped_per_tenant_timed_out_and_undone(served, bystander, monkeypatch):
     state = served[1]
-    gate, real_add = threading.Event(), state.engine.add_lora
+    gate, real_serve = threading.Event(), state.engine.serve_adapter
 
-    def hanging_add(request):  # a load stuck on a slow disk, whatever the reason
+    def hanging_serve(request, **kwargs):  # a load stuck on a slow disk, whatever the reason
         gate.wait(60)
-        return real_add(request)
+        return real_serve(request, **kwargs)
 
-    monkeypatch.setattr(state.engine, "add_lora", hanging_add)
+    monkeypatch.setattr(state.engine, "serve_adapter", hanging_serve)
     try:
         responses = _flood(served, bystander, "a2", "good")
     finally:

@@ -310,8 +310,8 @@ def test_adapter_that_fails_to_load_is_422_and_others_go_on(served, client, tmp_
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "adapter_config.json").write_text("{not json")
-    registry = served[1].registry
-    registry.add(LoRARequest("broken", str(broken)))  # registered, then its files went bad
+    engine = served[1].engine
+    engine.serve_adapter(LoRARequest("broken", str(broken)), load=False)  # served, then its files went bad
     try:
         with pytest.raises(openai.UnprocessableEntityError) as info:
             list(client.completions.create(model="broken", prompt=PROMPTS[0], max_tokens=4, stream=stream)) \
@@ -319,7 +319,7 @@ def test_adapter_that_fails_to_load_is_422_and_others_go_on(served, client, tmp_
         assert "adapter_config.json" in info.value.body["message"]
         assert client.completions.create(model="r4", prompt=PROMPTS[0], max_tokens=2).choices[0].text
     finally:
-        registry.remove("broken")
+        engine.unserve_adapter("broken")
 
 
 def test_no_capacity_is_503_with_retry_after(served):

@@ -77,6 +77,12 @@ class CannedEngine:
     def decode(self, token_ids):
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def served_adapter(self, name):
+        return None  # the base model only
+
+    def served_adapters(self):
+        return []
+
     def get_stats(self):
         return EngineStats(running=0, waiting=0, kv_blocks_used=0, kv_blocks_total=1, preemptions=0, steps=0)
 

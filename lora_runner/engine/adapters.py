@@ -9,6 +9,10 @@ A request holds an AdapterRef per adapter kind it names (``request.lora_ref``,
     place(scheduled)            activate, as Scheduler.schedule asks for it: a Placement (slots, unplaced)
     release(request)            exactly once, when the request is reported finished
 
+Served names (what the server offers: one namespace for both kinds) live in the tiers' version tables
+too: ``serve`` loads, validates and publishes an adapter under its name, ``withdraw`` stops serving
+it, ``served`` / ``served_all`` read them (``adapters.versions.ServedAdapter``).
+
 Pins, reservations and load state live in the adapter tiers only (``adapters.tier``): the scheduler
 asks each tier's ``state`` and ``reserved_slots`` directly. ``step_lock`` is held by the engine from
 scheduling to activation; pins and removals take it, so a pin from another thread can never take a
@@ -28,11 +32,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 from adapters.manager import AdapterManager
+from adapters.request import LoRARequest
 from adapters.tier import AdapterRef, AdapterTier, TierClosedError
+from adapters.versions import ServedAdapter
 from lora_runner.core.request import Request
 from lora_runner.core.scheduler_output import Placement, ScheduledRequest
 from lora_runner.engine.errors import EngineClosedError
@@ -57,7 +63,8 @@ class EngineAdapters:
         self.step_lock = threading.Lock()
 
     # ------------------------------------------------------------------ user side, per kind
-    # kind: "lora" or "prompt"; LLMEngine's add_lora, pin_prompt_adapter, ... call these.
+    # kind: "lora" or "prompt"; AdapterAPI's add_lora, pin_prompt_adapter, ... (lora_runner.engine.adapter_api)
+    # call these for LLMEngine, LLM and AsyncLLMEngine.
     def add(self, kind: str, request) -> AdapterRef:
         """Load and validate now (hot-load). A new path under a known name replaces it once it
         loaded (running requests keep the old weights); if it fails, the old version keeps serving.
@@ -87,6 +94,53 @@ class EngineAdapters:
     def list(self, kind: str) -> list[str]:
         """Names of the CPU-cached adapters of ``kind``, least recently used first."""
         return self.tiers[kind].list()
+
+    # ------------------------------------------------------------------ served names (the one registry)
+    def serve(self, request, owner: str | None = None, replace: bool = False, load: bool = True,
+              claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
+        """Serve ``request`` (a LoRA or prompt-adapter request) under its name, one namespace for both kinds.
+
+        With ``load``, the adapter is loaded and validated first (its AdapterError raised, nothing
+        served) into a version no request sees until it serves the name; without, the first request
+        for it loads it. ``replace`` serves it in place of an adapter of the same kind under that name:
+        that one keeps serving until this one loaded, and its pin moves over. ``claim`` is asked
+        right before the adapter becomes visible: False (the caller gave up waiting) leaves
+        everything as it was. ``owner``: the tenant that loads it (None: the operator).
+
+        Returns the served adapter, or None when ``claim`` said no. Raises ValueError when the name is
+        served already (and ``replace`` is False, or it is served as the other kind).
+        """
+        kind = "lora" if isinstance(request, LoRARequest) else "prompt"
+        if kind == "prompt":
+            check_prompt_adapter_request(request, self.prompts_enabled)
+        tier, other = self.tiers[kind], self.tiers["prompt" if kind == "lora" else "lora"]
+        with _closed_as_engine_error():
+            ref = tier.stage(request) if load else None
+        try:
+            with self.step_lock:  # publishing retires the replaced version, which may free its slot
+                if other.served(request.name) is not None:
+                    raise ValueError(f"an adapter named {request.name!r} is already loaded (as a {other.kind})")
+                if not tier.publish(ServedAdapter(request.name, request, owner), replace, ref, claim):
+                    return None
+        finally:
+            if ref is not None:
+                tier.release(ref)
+        return tier.served(request.name)
+
+    def withdraw(self, name: str) -> ServedAdapter:
+        """Stop serving ``name`` and retire its versions (running requests finish on their weights);
+        UnknownAdapterError when it is not served."""
+        with self.step_lock:
+            tier = self.tiers["prompt"] if self.tiers["prompt"].served(name) is not None else self.tiers["lora"]
+            return tier.withdraw(name)
+
+    def served(self, name: str) -> ServedAdapter | None:
+        """The adapter served under ``name`` (either kind), or None."""
+        return self.tiers["lora"].served(name) or self.tiers["prompt"].served(name)
+
+    def served_all(self) -> list[ServedAdapter]:
+        """Every served adapter: LoRAs, then prompt adapters, each in the order first served."""
+        return self.tiers["lora"].served_all() + self.tiers["prompt"].served_all()
 
     def close(self) -> None:
         """Cancel loads (their requests fail at the next step) and stop the loader threads, at once."""

@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 
 from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.engine.adapter_api import AdapterAPI
+from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.errors import EngineDeadError
 from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.engine.stats import EngineStats
@@ -122,7 +124,7 @@ class _OutputCollector:
             logger.debug("dropped an output for a closed event loop")
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(AdapterAPI):
     """Serve an LLMEngine to asyncio code: ``async for output in engine.generate(...)``.
 
     It is the server's EngineClient (lora_runner.engine.protocol): the model, limits, tokenizer,
@@ -199,21 +201,9 @@ class AsyncLLMEngine:
         """Text of `token_ids` without special tokens ("" without a tokenizer)."""
         return self.engine.tokenizer.decode(token_ids)
 
-    def add_lora(self, lora_request: LoRARequest):
-        """Load and validate a LoRA now (blocks while it loads); see LLMEngine.add_lora."""
-        return self.engine.add_lora(lora_request)
-
-    def remove_lora(self, name: str) -> None:
-        """Forget a LoRA; see LLMEngine.remove_lora."""
-        self.engine.remove_lora(name)
-
-    def list_loras(self) -> list[str]:
-        """Names of the LoRAs in the engine's CPU cache, least recently used first."""
-        return self.engine.list_loras()
-
-    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest):
-        """Load and validate a soft prompt now (blocks while it loads); see LLMEngine.add_prompt_adapter."""
-        return self.engine.add_prompt_adapter(prompt_adapter_request)
+    def _adapter_seam(self, check_open: bool = True) -> EngineAdapters:
+        """The engine's EngineAdapters: add_lora, serve_adapter, ... (AdapterAPI) block while an adapter loads."""
+        return self.engine._adapter_seam(check_open)
 
     def get_stats(self) -> EngineStats:
         """The engine after its latest step (LLMEngine.stats; safe from any thread)."""

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable
 from itertools import count
 
-from adapters import AdapterRef, LoRARequest, PromptAdapterRequest
+from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.config import EngineConfig
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import VirtualTokenCounter
@@ -28,6 +28,7 @@ from lora_runner.core.request import Request
 from lora_runner.core.scheduler import Scheduler
 from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
 from lora_runner.device import set_cpu_threads
+from lora_runner.engine.adapter_api import AdapterAPI
 from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.bad_words import bad_words_token_ids
 from lora_runner.engine.errors import EngineDeadError
@@ -45,7 +46,7 @@ from lora_runner.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(AdapterAPI):
     """The serving engine: ``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``.
 
     Build it from an EngineConfig or from the same keyword arguments
@@ -217,51 +218,12 @@ class LLMEngine:
         return self.intake.has_unfinished()
 
     # ----------------------------------------------------------------------------- adapters (any thread)
-    # README's adapter API: each call forwards to the seam, EngineAdapters (lora_runner.engine.adapters),
-    # whose add / remove / pin / unpin / list document what they do; all but list_* raise
-    # EngineClosedError after close().
-    def add_lora(self, lora_request: LoRARequest) -> AdapterRef:
-        """Load and validate a LoRA now (hot-load or replace); raises its adapters.AdapterError."""
-        return self._open_adapters().add("lora", lora_request)
-
-    def remove_lora(self, name: str) -> None:
-        """Forget a LoRA and its pin; deferred while running requests use it."""
-        self._open_adapters().remove("lora", name)
-
-    def pin_lora(self, name: str) -> None:
-        """Keep a LoRA cached and, once resident, in its device slot (at most max_loras - 1 pins)."""
-        self._open_adapters().pin("lora", name)
-
-    def unpin_lora(self, name: str) -> None:
-        """Make a pinned LoRA evictable again."""
-        self._open_adapters().unpin("lora", name)
-
-    def list_loras(self) -> list[str]:
-        """Names of the LoRAs in the CPU cache, least recently used first."""
-        return self.adapters.list("lora")
-
-    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest) -> AdapterRef:
-        """Load and validate a prompt adapter now, like add_lora (ValueError when they are disabled)."""
-        return self._open_adapters().add("prompt", prompt_adapter_request)
-
-    def remove_prompt_adapter(self, name: str) -> None:
-        """Forget a prompt adapter and its pin; deferred while running requests use it."""
-        self._open_adapters().remove("prompt", name)
-
-    def pin_prompt_adapter(self, name: str) -> None:
-        """Keep a prompt adapter cached and resident (at most max_prompt_adapters - 1 pins)."""
-        self._open_adapters().pin("prompt", name)
-
-    def unpin_prompt_adapter(self, name: str) -> None:
-        """Make a pinned prompt adapter evictable again."""
-        self._open_adapters().unpin("prompt", name)
-
-    def list_prompt_adapters(self) -> list[str]:
-        """Names of the prompt adapters in the CPU cache, least recently used first."""
-        return self.adapters.list("prompt")
-
-    def _open_adapters(self) -> EngineAdapters:
-        self.intake.check_open()
+    # add_lora, pin_prompt_adapter, serve_adapter, ... come from AdapterAPI (lora_runner.engine.adapter_api),
+    # each one call on the seam, EngineAdapters (lora_runner.engine.adapters).
+    def _adapter_seam(self, check_open: bool = True) -> EngineAdapters:
+        """The engine's EngineAdapters (AdapterAPI's hook); with ``check_open``, EngineClosedError after close()."""
+        if check_open:
+            self.intake.check_open()
         return self.adapters
 
     # ----------------------------------------------------------------------------- the step loop

@@ -3,17 +3,19 @@
 
 ``AsyncLLMEngine`` implements it; the entrypoints (``lora_runner.entrypoints``) type their engine
 with it and use nothing else, so the server never reaches into the engine's tokenizer, limits,
-scheduler or block manager. Requests stream through ``generate``; adapter management and the
-tokenizer are plain calls (the adapter ones block while an adapter loads: call them from a thread
-pool on an event loop); ``get_stats`` is the snapshot the engine publishes after each step.
+scheduler or block manager. Requests stream through ``generate``; adapter management (the served
+adapters included: the engine's version table is the server's registry) and the tokenizer are plain
+calls (the loading ones block while an adapter loads: call them from a thread pool on an event loop);
+``get_stats`` is the snapshot the engine publishes after each step.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from adapters import LoRARequest, PromptAdapterRequest
+from adapters.versions import ServedAdapter
 from lora_runner.engine.stats import EngineStats
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
@@ -70,18 +72,37 @@ class EngineClient(Protocol):
     def decode(self, token_ids: list[int]) -> str:
         """Text of `token_ids` without special tokens ("" when the model has no tokenizer)."""
 
-    # ---- adapters
+    # ---- adapters (AdapterAPI, lora_runner.engine.adapter_api, implements these)
     def add_lora(self, lora_request: LoRARequest) -> Any:
         """Load and validate a LoRA now (adapters.AdapterError when it cannot serve)."""
 
     def remove_lora(self, name: str) -> None:
-        """Forget a LoRA (adapters.UnknownAdapterError when the engine does not hold it)."""
+        """Free a LoRA's versions (adapters.UnknownAdapterError when the engine does not hold it); a
+        served name stays served and the next request reloads it."""
 
     def list_loras(self) -> list[str]:
         """Names of the LoRAs the engine holds in its CPU cache, least recently used first."""
 
     def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest) -> Any:
         """Load and validate a soft prompt now (adapters.AdapterError, ValueError when disabled)."""
+
+    # ---- served adapters: the one registry of the names clients may select (the server keeps no copy)
+    def serve_adapter(self, request: LoRARequest | PromptAdapterRequest, owner: str | None = None,
+                      replace: bool = False, load: bool = True,
+                      claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
+        """Serve an adapter under its name, loaded and validated first unless ``load`` is False; visible
+        only once loaded, and only if ``claim()`` (asked last) says yes, else None and nothing changed.
+        ``replace`` serves it in place of the same name's adapter (which serves until this one loaded).
+        Raises its AdapterError, or ValueError when the name is taken."""
+
+    def unserve_adapter(self, name: str) -> ServedAdapter:
+        """Stop serving ``name`` (adapters.UnknownAdapterError when it is not served)."""
+
+    def served_adapter(self, name: str) -> ServedAdapter | None:
+        """The adapter served under ``name``: its request, kind, owner, created time and current version."""
+
+    def served_adapters(self) -> list[ServedAdapter]:
+        """Every served adapter: LoRAs, then prompt adapters, each in the order first served."""
 
     # ---- health, stats, shutdown
     @property

@@ -35,10 +35,8 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig, adapte
         logger.warning("runtime adapter loading is enabled without API keys: any caller may load adapters")
     state = ServerState(AsyncLLMEngine(LLMEngine(engine_config)), server_config, keys)
     try:
-        for lora in adapters.loras:
-            state.add_lora(lora)
-        for prompt_adapter in adapters.prompt_adapters:
-            state.add_prompt_adapter(prompt_adapter)
+        for adapter in (*adapters.loras, *adapters.prompt_adapters):
+            state.serve(adapter)
     except BaseException:
         state.engine.shutdown()
         raise

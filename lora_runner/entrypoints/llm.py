@@ -10,6 +10,8 @@ import torch
 from tqdm.auto import tqdm
 
 from adapters import LoRARequest, PromptAdapterRequest
+from lora_runner.engine.adapter_api import AdapterAPI
+from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.chat import as_conversations, chat_token_ids, encoding_token_ids, tensor_token_ids
 from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.outputs import RequestOutput
@@ -21,7 +23,7 @@ Prompt = str | list[int]  # a tokenizer output (BatchEncoding / dict) or a 1-D i
 _IDLE_WAIT_S = 1.0  # longest sleep of generate() between steps while every request waits for a load
 
 
-class LLM:
+class LLM(AdapterAPI):
     """One base model serving many LoRA and prompt adapters: ``LLM(model, **EngineConfig kwargs)``.
 
     ``generate(prompts, sampling_params, lora_request, prompt_adapter_request)`` returns one
@@ -127,45 +129,9 @@ class LLM:
         """Release the engine's background loader threads."""
         self.engine.close()
 
-    def add_lora(self, lora_request: LoRARequest):
-        """Load and validate an adapter now; a new path under an existing name replaces it for new requests."""
-        return self.engine.add_lora(lora_request)
-
-    def remove_lora(self, name: str) -> None:
-        """Remove an adapter by name (deferred while running requests still use it)."""
-        self.engine.remove_lora(name)
-
-    def pin_lora(self, name: str) -> None:
-        """Keep an adapter cached and, once resident, in its device slot."""
-        self.engine.pin_lora(name)
-
-    def unpin_lora(self, name: str) -> None:
-        """Make a pinned adapter evictable again."""
-        self.engine.unpin_lora(name)
-
-    def list_loras(self) -> list[str]:
-        """Names of the LoRAs in the CPU cache, least recently used first."""
-        return self.engine.list_loras()
-
-    def add_prompt_adapter(self, prompt_adapter_request: PromptAdapterRequest):
-        """Load and validate a prompt adapter now; a new path under an existing name replaces it."""
-        return self.engine.add_prompt_adapter(prompt_adapter_request)
-
-    def remove_prompt_adapter(self, name: str) -> None:
-        """Remove a prompt adapter by name (deferred while running requests still use it)."""
-        self.engine.remove_prompt_adapter(name)
-
-    def pin_prompt_adapter(self, name: str) -> None:
-        """Keep a prompt adapter cached and, once resident, in its device slot."""
-        self.engine.pin_prompt_adapter(name)
-
-    def unpin_prompt_adapter(self, name: str) -> None:
-        """Make a pinned prompt adapter evictable again."""
-        self.engine.unpin_prompt_adapter(name)
-
-    def list_prompt_adapters(self) -> list[str]:
-        """Names of the prompt adapters in the CPU cache, least recently used first."""
-        return self.engine.list_prompt_adapters()
+    def _adapter_seam(self, check_open: bool = True) -> EngineAdapters:
+        """The engine's EngineAdapters, behind add_lora, pin_lora, list_loras, ... (AdapterAPI)."""
+        return self.engine._adapter_seam(check_open)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

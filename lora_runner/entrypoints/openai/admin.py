@@ -13,15 +13,13 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-from adapters import LoRARequest, UnknownAdapterError
+from adapters import UnknownAdapterError
+from adapters.versions import ServedAdapter
 from lora_runner.entrypoints.openai.adapter_root import PathNotAllowed, runtime_lora_request
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from, model_not_found
 from lora_runner.entrypoints.openai.protocol import LoadLoRARequest, UnloadLoRARequest
-from lora_runner.entrypoints.openai.registry import ServedAdapter
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
-
-_ANYONE = Tenant("registry-lookup", None)  # sees every registered name
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +37,13 @@ def _check_allowed(state: ServerState, tenant: Tenant, name: str) -> None:
 async def load_lora_adapter(state: ServerState, tenant: Tenant, body: LoadLoRARequest) -> str:
     """Load, validate and serve an adapter from inside the caller's adapter root (or an allowed absolute
     directory). With load_inplace, replace the LoRA served under that name: the engine keeps serving its
-    old version until the new one has loaded; a new version that fails leaves the old one serving."""
+    old version until the new one has loaded; a new version that fails leaves the old one serving. A
+    load whose caller was answered 504 serves nothing (the engine asks the load executor's claim
+    before the adapter becomes visible)."""
     _check_allowed(state, tenant, body.lora_name)
-    if body.lora_name == state.registry.base_name:
+    if body.lora_name == state.base_name:
         raise APIError(400, f"{body.lora_name!r} is the base model's name", "invalid_value")
-    old = state.registry.get(body.lora_name, tenant)
+    old = state.adapter(body.lora_name, tenant)
     if old is not None and not body.load_inplace:
         raise APIError(400, f"an adapter named {body.lora_name!r} is already loaded (load_inplace: true "
                        "replaces it)", "invalid_value")
@@ -51,65 +51,35 @@ async def load_lora_adapter(state: ServerState, tenant: Tenant, body: LoadLoRARe
         raise APIError(400, f"{body.lora_name!r} is a prompt adapter; load_inplace replaces LoRAs only",
                        "invalid_value")
     try:
-        request = await state.loads.run(tenant.name, partial(_load_in_engine, state, tenant, body),
-                                        abandon=partial(_undo_abandoned, state, old))
+        served = await state.loads.run(tenant.name, partial(_load_and_serve, state, tenant, body))
     except PathNotAllowed as exc:
         raise APIError(403, str(exc), "forbidden") from None
     except Exception as exc:  # noqa: BLE001 - mapped to its status (422 for an adapter that fails)
         state.metrics.runtime_loads.labels("failed").inc()
         raise api_error_from(exc) from exc
-    _serve_loaded(state, old, request)
+    logger.info("serving LoRA %r from %s%s", served.name, served.request.path, " (in place)" if old else "")
     state.metrics.runtime_loads.labels("replaced" if old is not None else "loaded").inc()
     verb = "replaced" if old is not None else "added"
     return f"Success: LoRA adapter '{body.lora_name}' {verb} successfully."
 
 
-def _serve_loaded(state: ServerState, old: ServedAdapter | None, request: LoRARequest) -> None:
-    """Register a loaded LoRA (in old's place for an in-place load; 409 when old was unloaded or
-    replaced by someone else while this one loaded)."""
-    try:
-        if old is not None:
-            state.registry.replace(old, request)
-        else:
-            state.registry.add(request)
-    except ValueError as exc:
-        raise APIError(409, str(exc), "conflict") from None
-    logger.info("serving LoRA %r from %s%s", request.name, request.path, " (in place)" if old is not None else "")
-
-
-def _load_in_engine(state: ServerState, tenant: Tenant, body: LoadLoRARequest) -> LoRARequest:
-    """On a load thread: the confined request (PathNotAllowed), loaded and validated in the engine."""
+def _load_and_serve(state: ServerState, tenant: Tenant, body: LoadLoRARequest, claim) -> ServedAdapter | None:
+    """On a load thread: the confined request (PathNotAllowed), loaded, validated and served by the engine
+    (None when ``claim`` said its caller gave up: then nothing changed)."""
     request = runtime_lora_request(state.config.adapter_root, tenant, body.lora_name, body.lora_path,
                                    state.config.allow_hub_adapters, state.config.allowed_adapter_paths)
-    state.engine.add_lora(request)
-    return request
-
-
-def _undo_abandoned(state: ServerState, old: ServedAdapter | None, request: LoRARequest) -> None:
-    """A load that succeeded after its client got 504: forget it, unless the name is served by now; an
-    in-place load puts the version the registry still serves back in the engine."""
-    served = state.registry.get(request.name, _ANYONE)
-    if old is not None:
-        if served is old:
-            state.engine.add_lora(old.request)
-        return
-    if served is None:
-        try:
-            state.engine.remove_lora(request.name)
-        except UnknownAdapterError:
-            logger.debug("abandoned LoRA %r was not in the engine's cache", request.name)
+    return state.engine.serve_adapter(request, owner=tenant.name, replace=body.load_inplace, claim=claim)
 
 
 async def unload_lora_adapter(state: ServerState, tenant: Tenant, body: UnloadLoRARequest) -> str:
     """Stop serving an adapter; requests running on it finish on its weights."""
     _check_allowed(state, tenant, body.lora_name)
-    served = state.registry.get(body.lora_name, tenant)
+    served = state.adapter(body.lora_name, tenant)
     if served is None or served.kind != "lora":
         raise model_not_found(body.lora_name)
-    state.registry.remove(body.lora_name)
     try:
-        state.engine.remove_lora(body.lora_name)
-    except UnknownAdapterError:  # already evicted from the engine's CPU cache: nothing to free
-        logger.debug("LoRA %r was not in the engine's cache", body.lora_name)
+        state.engine.unserve_adapter(body.lora_name)
+    except UnknownAdapterError:  # unloaded by another call meanwhile
+        raise model_not_found(body.lora_name) from None
     logger.info("stopped serving LoRA %r", body.lora_name)
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -113,11 +113,11 @@ def list_models(state: ServerState, tenant: Tenant) -> dict:
     """OpenAI's model list: the base model (when the tenant may use it) and the tenant's adapters.
     An admin sees each adapter's path relative to the folder it was loaded from (a runtime load: the
     loading tenant's folder of the adapter root; public_path), never a server path."""
-    base = state.registry.base_name
+    base = state.base_name
     entries = []
     if tenant.base:
         entries.append(_model_card(base, root=base, parent=None))
-    for adapter in state.registry.visible(tenant):
+    for adapter in state.adapters(tenant):
         root = public_path(adapter.request.path, adapter.request.root or state.config.adapter_root,
                            adapter.name) if tenant.admin \
             else adapter.name

@@ -58,19 +58,19 @@ class Target:
 
 def resolve_target(state: ServerState, tenant: Tenant, model: str, prompt_adapter: str | None) -> Target:
     """404 (the same for unknown names and names the tenant may not use) unless both names resolve."""
-    if model == state.registry.base_name:
+    if model == state.base_name:
         if not tenant.base:
             raise model_not_found(model)
         target = Target(model)
     else:
-        served = state.registry.get(model, tenant)
+        served = state.adapter(model, tenant)
         if served is None:
             raise model_not_found(model)
         is_lora = served.kind == "lora"
         target = Target(model, served.request if is_lora else None, None if is_lora else served.request)
     if prompt_adapter is None:
         return target
-    served = state.registry.get(prompt_adapter, tenant)
+    served = state.adapter(prompt_adapter, tenant)
     if served is None or served.kind != "prompt_adapter":
         raise model_not_found(prompt_adapter)
     if target.prompt_adapter is not None:

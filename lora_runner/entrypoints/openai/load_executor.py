@@ -5,8 +5,11 @@ as authentication also run), loads that hang would stop every route of every ten
 runs on a daemon thread of its own, at most ``max_loads`` at once and ``max_loads_per_tenant`` for one
 tenant (more is a 503 / 429 answered at once, nothing queued), and the caller waits at most
 ``timeout`` seconds (then 504). A thread cannot be killed: a load past its deadline keeps counting
-against its tenant and the total until it really ends, so a tenant cannot pile up stuck threads,
-and if it then succeeds ``abandon(result)`` undoes it (the client was told it failed).
+against its tenant and the total until it really ends, so a tenant cannot pile up stuck threads.
+A load is handed ``claim``, which it calls right before its result becomes visible (under the lock
+that publishes it): True once and for all when its caller still waits (the caller then waits for the
+result past the deadline, which only the publishing itself can delay), False when the caller was
+already answered 504 (the load must then change nothing: nothing to undo).
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ logger = logging.getLogger(__name__)
 
 
 class _Load:
-    """One load's outcome, handed from its thread to the waiting route (or to ``abandon``)."""
+    """One load's outcome, handed from its thread to the waiting route; claimed or abandoned, never both."""
 
-    def __init__(self, abandon: Callable[[Any], None] | None) -> None:
+    def __init__(self) -> None:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
-        self.abandon, self.abandoned = abandon, False
+        self.claimed = self.abandoned = False
 
 
 class LoadExecutor:
@@ -50,8 +53,8 @@ class LoadExecutor:
         with self._lock:
             return self._running
 
-    async def run(self, tenant: str, load: Callable[[], Any], abandon: Callable[[Any], None] | None = None) -> Any:
-        """``load()`` on a thread of its own; its result, or what it raised.
+    async def run(self, tenant: str, load: Callable[[Callable[[], bool]], Any]) -> Any:
+        """``load(claim)`` on a thread of its own (see the module docstring); its result, or what it raised.
 
         Raises:
             APIError: 429 when ``tenant`` already runs ``max_loads_per_tenant`` loads, 503 when
@@ -65,23 +68,29 @@ class LoadExecutor:
                 raise APIError(503, "the server runs its most adapter loads at once; retry later", "server_busy")
             self._running += 1
             self._per_tenant[tenant] += 1
-        job = _Load(abandon)
+        job = _Load()
         threading.Thread(target=self._work, args=(tenant, load, job), name=f"runtime-load-{tenant}",
                          daemon=True).start()
+        result = asyncio.wrap_future(job.future)
         try:  # shield: a timeout or a client that went away must not cancel the thread's future
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), self.timeout)
+            return await asyncio.wait_for(asyncio.shield(result), self.timeout)
         except asyncio.TimeoutError:
             with self._lock:
-                job.abandoned = not job.future.done()
-            if not job.abandoned:  # it ended just now
-                return job.future.result()
+                job.abandoned = not job.claimed and not job.future.done()
+            if not job.abandoned:  # it ended, or publishes its result, just now
+                return await result
             logger.warning("a runtime adapter load of tenant %r passed its %g s deadline; abandoned", tenant,
                            self.timeout)
             raise APIError(504, f"the adapter load did not finish within {self.timeout:g} s", "load_timeout") from None
 
-    def _work(self, tenant: str, load: Callable[[], Any], job: _Load) -> None:
+    def _work(self, tenant: str, load: Callable[[Callable[[], bool]], Any], job: _Load) -> None:
+        def claim() -> bool:
+            with self._lock:
+                job.claimed = job.claimed or not job.abandoned
+                return job.claimed
+
         try:
-            result = load()
+            result = load(claim)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting route, which maps it
             outcome = (False, exc)
         else:
@@ -92,8 +101,6 @@ class LoadExecutor:
             abandoned = job.abandoned
             if not abandoned:
                 (job.future.set_result if outcome[0] else job.future.set_exception)(outcome[1])
-        if abandoned and outcome[0] and job.abandon is not None:
-            try:
-                job.abandon(outcome[1])
-            except Exception:  # noqa: BLE001 - nobody waits for this thread; log and end
-                logger.exception("undoing an abandoned adapter load failed")
+        if abandoned:
+            logger.info("an abandoned runtime adapter load of tenant %r ended (%s); nothing was published", tenant,
+                        "loaded" if outcome[0] else f"failed: {outcome[1]!r}")

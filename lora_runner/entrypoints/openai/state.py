@@ -1,4 +1,5 @@
-"""What every route needs: the async engine, server settings, keys, adapter registry, metrics."""
+"""What every route needs: the async engine (whose version table is the adapter registry), server settings,
+keys, metrics."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from adapters import LoRARequest, PromptAdapterRequest
+from adapters.versions import ServedAdapter
 from lora_runner.engine.protocol import EngineClient
 from lora_runner.entrypoints.openai.connections import ConnectionLimits
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.load_executor import LoadExecutor
 from lora_runner.entrypoints.openai.metrics import ServerMetrics
-from lora_runner.entrypoints.openai.registry import AdapterRegistry
 from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
 
 logger = logging.getLogger(__name__)
@@ -113,11 +114,12 @@ class ServerConfig:
 
 class ServerState:
     """Shared by all routes of one app; lives on ``app.state.server``. The engine is used only
-    through its EngineClient protocol."""
+    through its EngineClient protocol; the adapters it serves are read from it (``adapter``,
+    ``adapters``), never copied here."""
 
     def __init__(self, engine: EngineClient, config: ServerConfig, keys: KeyRing) -> None:
         self.engine, self.config, self.keys = engine, config, keys
-        self.registry = AdapterRegistry(config.served_model_name)
+        self.base_name = config.served_model_name  # reserved: no adapter may be served under it
         self.metrics = ServerMetrics(engine)
         self.metrics.label_model(config.served_model_name)
         self.loads = LoadExecutor(config.max_concurrent_loads, config.max_loads_per_tenant,
@@ -155,19 +157,24 @@ class ServerState:
         """A fresh response/request id."""
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    def add_lora(self, request: LoRARequest) -> None:
-        """Load and validate a LoRA in the engine, then serve it (AdapterError / ValueError)."""
-        self.engine.add_lora(request)
-        self.registry.add(request)
-        self.metrics.label_model(request.name)  # named at start-up: its own latency series
-        logger.info("serving LoRA %r from %s", request.name, request.path)
+    def adapter(self, name: str, tenant: Tenant) -> ServedAdapter | None:
+        """The adapter served as ``name`` when it exists and ``tenant`` may use it, else None (the two look
+        alike)."""
+        served = self.engine.served_adapter(name)
+        return served if served is not None and tenant.may_use(name) else None
 
-    def add_prompt_adapter(self, request: PromptAdapterRequest) -> None:
-        """Load and validate a soft prompt in the engine, then serve it."""
-        self.engine.add_prompt_adapter(request)
-        self.registry.add(request)
-        self.metrics.label_model(request.name)
-        logger.info("serving prompt adapter %r from %s", request.name, request.path)
+    def adapters(self, tenant: Tenant) -> list[ServedAdapter]:
+        """The served adapters ``tenant`` may see (LoRAs, then soft prompts, each in the order first served)."""
+        return [a for a in self.engine.served_adapters() if tenant.may_use(a.name)]
+
+    def serve(self, request: LoRARequest | PromptAdapterRequest, load: bool = True) -> None:
+        """Serve a startup adapter, loaded and validated now unless ``load`` is False (then the first
+        request for it loads it); AdapterError, ValueError for a taken name."""
+        if request.name == self.base_name:
+            raise ValueError(f"adapter name {request.name!r} is the base model's served name")
+        served = self.engine.serve_adapter(request, load=load)
+        self.metrics.label_model(request.name)  # named at start-up: its own latency series
+        logger.info("serving %s %r from %s", served.kind, request.name, request.path)
 
     async def off_loop(self, fn: Callable, *args):
         """``fn(*args)`` on the bounded prompt pool (tokenizing, rendering a chat template), so one

@@ -28,7 +28,6 @@ from lora_runner.entrypoints.launch import StartupAdapters
 from lora_runner.entrypoints.openai.authentication import require_operator, require_tenant
 from lora_runner.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from lora_runner.entrypoints.openai.formatting import sse
-from lora_runner.entrypoints.openai.registry import AdapterRegistry
 from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
 from lora_runner.entrypoints.openai.state import ServerConfig
 from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
@@ -61,9 +60,8 @@ class Ingress:
         self.keys = KeyRing.from_options(list(server_config.api_keys), server_config.tenant_keys)
         self.max_body_bytes = server_config.max_body_bytes
         self.send_timeout = server_config.stream_send_timeout  # a client that stops reading is given up
-        self.registry = AdapterRegistry(server_config.served_model_name)
-        for adapter in (*adapters.loras, *adapters.prompt_adapters):
-            self.registry.add(adapter)
+        # the LoRA names the replicas serve (fixed at startup: no runtime loads on Ray): the multiplexed ids
+        self.loras = frozenset(lora.name for lora in adapters.loras)
         self.requests: Counter[tuple[str, str]] = Counter()  # (replica, model) -> generation requests
         self.reports: dict[str, dict] = {}  # replica -> its latest report
 
@@ -88,8 +86,7 @@ class Ingress:
         if len(body) > self.max_body_bytes:
             raise APIError(413, f"request body over {self.max_body_bytes} bytes", "request_too_large")
         model = _model_field(body)
-        served = self.registry.get(model, tenant) if model else None
-        adapter = served.name if served is not None and served.kind == "lora" else None
+        adapter = model if model in self.loras and tenant.may_use(model) else None
         return await self.forward(request, adapter, body=body, model=model)
 
     async def forward(self, request: Request, adapter: str | None, body: bytes | None = None,

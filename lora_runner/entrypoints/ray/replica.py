@@ -54,7 +54,7 @@ def lazy_state(engine_config: EngineConfig, server_config: ServerConfig, adapter
     """A replica's ServerState: prompt adapters loaded now, LoRAs only registered (loaded on demand)."""
     state = build_state(engine_config, server_config, StartupAdapters(prompt_adapters=adapters.prompt_adapters))
     for lora in adapters.loras:
-        state.registry.add(lora)
+        state.serve(lora, load=False)
     return state
 
 
@@ -70,7 +70,7 @@ class EngineReplicaBase:
         self.unloads: Counter[str] = Counter()
 
     async def _load(self, name: str) -> _LoadedAdapter:
-        served = self.state.registry.get(name, _ADMIN)
+        served = self.state.engine.served_adapter(name)  # any served name: the ingress checked the tenant
         if served is None or served.kind != "lora":
             raise APIError(404, f"The model `{name}` does not exist.", "model_not_found")
         await run_in_threadpool(self.state.engine.add_lora, served.request)
@@ -123,16 +123,3 @@ def engine_deployment(max_adapters: int, max_ongoing_requests: int):
             return await self._load(name)
 
     return serve.deployment(name=ENGINE_DEPLOYMENT, max_ongoing_requests=max_ongoing_requests)(LoRAEngine)
-
-
-class _Admin:
-    """The registry lookups of a replica see every adapter (the ingress checked the tenant)."""
-
-    base = admin = True
-
-    @staticmethod
-    def may_use(name: str) -> bool:
-        return True
-
-
-_ADMIN = _Admin()
