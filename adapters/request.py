@@ -114,7 +114,7 @@ class PromptAdapterRequest(_AdapterRequest):
 def _check_int_id(name, int_id) -> None:
     """vLLM's integer adapter id: checked as vLLM does (an int >= 1), then dropped."""
     if not isinstance(int_id, int) or isinstance(int_id, bool) or int_id < 1:
-        raise ValueError(f"adapter {name!r}: the integer id of LoRARequest(name, int_id, path) must be an integer "
+        raise ValueError(f"adapter {name!r}: the integer id of LoRARequest(name, int_id, path) must be "
                          f">= 1, got {int_id!r}")
 
 
