@@ -6,9 +6,12 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-from lora_runner.structured_outputs_params import StructuredOutputsParams
+from lora_runner.structured_outputs_params import (GuidedDecodingParams, StructuredOutputsParams,
+                                                   as_structured_outputs)
+
+__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "GuidedDecodingParams"]
 
 MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids one request may give (each is checked every token)
 MAX_N = 16  # most parallel samples (SamplingParams.n) of one prompt
@@ -88,6 +91,8 @@ class SamplingParams:
     output so far). Both are checked with the engine's vocabulary at add_request.
     output_kind: RequestOutputKind.CUMULATIVE (each output holds everything so far) or DELTA (each
     holds only what is new since the previous one).
+    guided_decoding (vLLM's older spelling, read at construction only): a GuidedDecodingParams (or a dict of
+    its fields) that becomes structured_outputs; ValueError when both are given.
 
     Raises ValueError naming the field for a wrong type or an out-of-range value (``bool`` is not
     an integer). ``LLMEngine.add_request`` checks a copy again with the engine's limits (see
@@ -126,8 +131,14 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # CUMULATIVE (the whole output so far in every RequestOutput) or DELTA (only the new part)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's older name of structured_outputs (a GuidedDecodingParams), turned into it by __post_init__
+    guided_decoding: InitVar[GuidedDecodingParams | StructuredOutputsParams | dict | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding=None) -> None:
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("pass structured_outputs or guided_decoding (vLLM's older name), not both")
+            self.structured_outputs = as_structured_outputs(guided_decoding)
         if self.top_k is None:
             self.top_k = -1
         if self.stop_token_ids is None:
