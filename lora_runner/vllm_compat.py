@@ -190,6 +190,11 @@ _REFUSED_PROMPT_KEYS = {
 }
 
 
+# keys that make a dict vLLM's prompt dict rather than a tokenizer output (whose key is input_ids)
+VLLM_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "prompt_embeds", "encoder_prompt",
+                              "decoder_prompt"})
+
+
 def prompt_from_dict(prompt: Mapping, index: int) -> tuple[Any, str | None]:
     """(prompt, cache salt) of vLLM's prompt dict: ``{"prompt": text}`` (TextPrompt) or
     ``{"prompt_token_ids": ids}`` (TokensPrompt; a "prompt" text beside them is only a label, as in

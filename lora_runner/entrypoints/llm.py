@@ -15,7 +15,7 @@ from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.structured_outputs_params import StructuredOutputsParams
-from lora_runner.vllm_compat import engine_kwargs, prompt_from_dict
+from lora_runner.vllm_compat import VLLM_PROMPT_KEYS, engine_kwargs, prompt_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def _as_prompt_list(prompts) -> tuple[list[Prompt], list[str | None]]:
     """(prompts, the cache salt each prompt dict names) of generate()'s `prompts` argument."""
     if isinstance(prompts, str):
         return [prompts], [None]
-    if isinstance(prompts, Mapping) and "input_ids" in prompts:
+    if isinstance(prompts, Mapping) and ("input_ids" in prompts or not VLLM_PROMPT_KEYS & prompts.keys()):
         rows = encoding_token_ids(prompts)
         return rows, [None] * len(rows)
     if isinstance(prompts, (Mapping, torch.Tensor)):
