@@ -15,7 +15,7 @@ from lora_runner.engine.llm_engine import LLMEngine
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.structured_outputs_params import StructuredOutputsParams
-from lora_runner.vllm_compat import VLLM_PROMPT_KEYS, engine_kwargs, prompt_from_dict
+from lora_runner.entrypoints.vllm_compat import VLLM_PROMPT_KEYS, engine_kwargs, prompt_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ _IDLE_WAIT_S = 1.0  # longest sleep of generate() between steps while every requ
 class LLM:
     """One base model serving many LoRA and prompt adapters: ``LLM(model, **EngineConfig kwargs)``.
 
-    vLLM's keywords are read too (lora_runner.vllm_compat.VLLM_OPTIONS): ``enable_lora=True`` and other
+    vLLM's keywords are read too (lora_runner.entrypoints.vllm_compat.VLLM_OPTIONS): ``enable_lora=True`` and other
     settings that ask for what this engine always does are accepted, ``max_prompt_adapter_token`` is
     max_prompt_adapter_tokens, and a feature this engine lacks (``trust_remote_code=True``, say) or an
     unknown keyword is a ValueError naming it.

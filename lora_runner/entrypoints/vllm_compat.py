@@ -175,7 +175,7 @@ def _unknown(name: str, fields: set[str]) -> str:
     close = difflib.get_close_matches(name, sorted(fields | VLLM_OPTIONS.keys()), n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     return (f"LLM got an unknown keyword {name!r}{hint}: not an EngineConfig field, nor a vLLM option this engine "
-            "knows (lora_runner.vllm_compat.VLLM_OPTIONS)")
+            "knows (lora_runner.entrypoints.vllm_compat.VLLM_OPTIONS)")
 
 
 # vLLM prompt-dict keys (TextPrompt, TokensPrompt and their relatives) this engine cannot serve, and why
