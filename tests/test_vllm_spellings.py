@@ -193,3 +193,14 @@ def test_a_constraint_that_does_not_compile_raises_before_anything_runs(llm, mon
     done = llm.generate([[5], [6]], [plain, fine], use_tqdm=False)  # the others still run, the engine serves on
     assert [o.outputs[0].finish_reason for o in done] == ["length", "length"]
     assert set("".join(done[1].outputs[0].text.split())) <= set("ab")  # this tokenizer decodes with spaces
+
+
+def test_vllm_sampling_options_that_ask_for_nothing_pass_and_the_rest_are_named(llm):
+    params = SamplingParams(**GREEDY)
+    _same(llm.generate([[5, 6, 7]], params, use_tqdm=False),
+          llm.generate([[5, 6, 7]], SamplingParams(**GREEDY, best_of=1, detokenize=True, logits_processors=None,
+                                                   extra_args=None), use_tqdm=False))
+    for name, value in (("best_of", 2), ("logits_processors", [lambda ids, logits: logits]), ("extra_args", {"k": 1}),
+                        ("best_of", True)):
+        with pytest.raises(ValueError, match=rf"SamplingParams\({name}=.*\) is not supported"):
+            SamplingParams(**{name: value})
