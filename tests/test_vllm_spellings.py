@@ -204,3 +204,9 @@ def test_vllm_sampling_options_that_ask_for_nothing_pass_and_the_rest_are_named(
                         ("best_of", True)):
         with pytest.raises(ValueError, match=rf"SamplingParams\({name}=.*\) is not supported"):
             SamplingParams(**{name: value})
+
+
+def test_vllms_quantization_names_of_a_quantized_checkpoint_say_it_is_detected(engine_checkpoint):
+    path, _, _ = engine_checkpoint
+    with pytest.raises(ValueError, match="got 'awq' .*detected from its config.json: leave quantization None"):
+        LLM(path, device="cpu", quantization="awq")
