@@ -12,10 +12,10 @@ from tqdm.auto import tqdm
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.engine.chat import as_conversations, chat_token_ids, encoding_token_ids, tensor_token_ids
 from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.entrypoints.vllm_compat import VLLM_PROMPT_KEYS, engine_kwargs, prompt_from_dict
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.structured_outputs_params import StructuredOutputsParams
-from lora_runner.entrypoints.vllm_compat import VLLM_PROMPT_KEYS, engine_kwargs, prompt_from_dict
 
 logger = logging.getLogger(__name__)
 

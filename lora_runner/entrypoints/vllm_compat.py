@@ -97,10 +97,10 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "skip_tokenizer_init": VllmOption(_none_or(False), "the tokenizer is loaded when first needed anyway; a model "
                                       "directory without one serves token-id prompts"),
     "download_dir": VllmOption(_none_or(), _HF_CACHE),
-    "hf_token": VllmOption(_none_or(), "the Hub token is huggingface_hub's (set HF_TOKEN or run hf auth login)"),
+    "hf_token": VllmOption(_none_or(), "the Hub token is huggingface_hub's: set HF_TOKEN"),
     "hf_overrides": VllmOption(_none_or(), "config.json is read as it is: " + _CUSTOM_CODE),
-    "load_format": VllmOption(_none_or("auto", "safetensors"), "weights are read from safetensors files "
-                              "(lora_runner.model); a .gguf model is converted once"),
+    "load_format": VllmOption(_none_or("auto", "safetensors"), "weights are read from the checkpoint's "
+                              "safetensors files (lora_runner.model)"),
     "kv_cache_dtype": VllmOption(_none_or("auto"), "the KV cache is kept in the model's dtype"),
     "cpu_offload_gb": VllmOption(_none_or(0), "weights are not offloaded to the CPU"),
     "pipeline_parallel_size": VllmOption(_none_or(1), "tensor parallelism only (tensor_parallel_size)"),
