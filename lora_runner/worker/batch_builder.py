@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from lora_runner.model.forward_context import ALL_LORA_FEATURES, LoRAFeatures
+from lora_runner.model.vocab_lora import LMHeadLoRA
 from lora_runner.worker.staging import StagedUpload, packed_bytes
 from punica_kernels import HostTileTable, TileTable
 
@@ -154,7 +155,7 @@ class BatchBuilder:
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device | str, staged: bool | None = None,
-                 lora_table: HostTileTable | None = None, lm_head=None,
+                 lora_table: HostTileTable | None = None, lm_head: LMHeadLoRA | None = None,
                  lora_features: Callable[[np.ndarray], LoRAFeatures] | None = None) -> None:
         device = torch.device(device)
         self.max_num_tokens = max_num_tokens
