@@ -21,7 +21,7 @@ from factories import (build_tiny_model, edit_adapter_config, edit_adapter_tenso
 from lora_runner import SamplingParams
 from lora_runner.model.layers import lora_base_weights
 from lora_runner.model.loader import load_model
-from punica_kernels import LoRAMeta, add_lora
+from punica_kernels import LoRAMeta, add_lora, load_table
 from engine_support import assert_exact, make_engine, run_to_completion
 from test_model_harness import randomize_biases
 
@@ -83,7 +83,7 @@ def test_dora_modules_equal_peft_through_slots_and_kernels(checkpoint):
     slots.write(2, dora)  # over another DoRA tenant
     slots.write(0, load_lora("p", adapters["plain"][0], spec, max_lora_rank=8))
     meta = LoRAMeta(3, 3, "cpu")
-    meta.prepare(torch.tensor([2, 0, -1]))
+    load_table(meta, torch.tensor([2, 0, -1]))
     linears = {(m.layer, m.packed): m for m in model.modules() if hasattr(m, "packed")}
     oracles = (adapters["dora-patterns"][1], adapters["plain"][1], hf)
     for (layer, packed), linear in linears.items():

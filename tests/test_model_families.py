@@ -289,7 +289,7 @@ def test_mixed_adapter_batch_logits_match_peft_forward(family, tmp_path):
     meta, driver = punica_kernels.LoRAMeta(64, 4, "cpu"), PagedDriver(ckpt.model, ckpt.config, block_size=4, seed=1)
     for start, end in ((0, 6), (6, 7), (7, 8), (8, 9)):
         chunks = [(s, full[s][start:end]) for s in seq_adapter]
-        meta.prepare(torch.tensor([slot_of.get(seq_adapter[s], -1) for s, t in chunks for _ in t]))
+        punica_kernels.load_table(meta, torch.tensor([slot_of.get(seq_adapter[s], -1) for s, t in chunks for _ in t]))
         for (s, _), got in zip(chunks, driver.step(chunks, lora=LoRAContext(meta, slots))):
             assert_close(got, expected[s][start:end], f"tokens {start}..{end}, {seq_adapter[s] or 'base'}")
 

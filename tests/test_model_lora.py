@@ -104,7 +104,7 @@ def test_mixed_lora_batch_matches_peft(tmp_path, arch):
         chunks = [(s, full[s][start[s]:start[s] + n]) for s, n in plan]
         num_padding = 2 if step == 1 else 0
         token_slots = [ADAPTERS[seq_adapter[s]][0] if seq_adapter[s] else -1 for s, n in plan for _ in range(n)]
-        meta.prepare(torch.tensor(token_slots + [-1] * num_padding))
+        punica_kernels.load_table(meta, torch.tensor(token_slots + [-1] * num_padding))
         for (s, tokens), got in zip(chunks, driver.step(chunks, lora=lora, num_padding=num_padding)):
             assert_close(got, expected[s][start[s]:start[s] + len(tokens)],
                          f"step {step}, sequence {s} ({seq_adapter[s] or 'base'})")
@@ -121,7 +121,7 @@ def test_lora_changes_logits_and_empty_slot_is_base(tmp_path):
     base = hf_logits(ckpt.hf, tokens)
     results = {}
     for slot in (2, 1):  # slot 1 was never written: zero weights
-        meta.prepare(torch.full((6,), slot))
+        punica_kernels.load_table(meta, torch.full((6,), slot))
         (results[slot],) = PagedDriver(ckpt.model, ckpt.config).step([(0, tokens)], lora=LoRAContext(meta, slots))
     assert (results[2] - base).abs().max() > 1e-2
     assert_close(results[1], base, "empty slot")

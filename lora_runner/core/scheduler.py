@@ -33,17 +33,13 @@ import logging
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from adapters.errors import AdapterCapacityError
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import POLICIES, FairQueue, FcfsQueue, VirtualTokenCounter, served_tokens, tenant_of
 from lora_runner.core.request import Request, RequestStatus
 from lora_runner.core.scheduler_output import Placement, ScheduledRequest, SchedulerOutput
-
-if TYPE_CHECKING:
-    from lora_runner.engine.output_processor import OutputProcessor
-    from lora_runner.sample.sampler import SamplerOutput
+from lora_runner.core.step_result import OutputSink, SampledRows
 
 logger = logging.getLogger(__name__)
 
@@ -381,8 +377,8 @@ class Scheduler:
         if request in self._tenants:
             self.fairness.leave(self._tenants.pop(request))
 
-    def postprocess(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
-                    processor: OutputProcessor) -> list[tuple[Request, BaseException | None]]:
+    def postprocess(self, scheduled: list[ScheduledRequest], sampled: SampledRows,
+                    processor: OutputSink) -> list[tuple[Request, BaseException | None]]:
         """After the model ran: count each scheduled chunk as computed, append every sampled token
         (processor.append: detokenize, check stops, each token of a row in order) and finish and
         remove (free the blocks of) the requests that stopped. sampled: one row per chunk with
