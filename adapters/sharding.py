@@ -19,6 +19,8 @@ callers pass a ModelSpec whose modules the model declared.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from adapters.lora import LoRAPair, LoRAWeights
@@ -68,13 +70,13 @@ def shard_spec(spec: ModelSpec, rank: int, world_size: int) -> ModelSpec:
     check_splits(spec, world_size)
     if world_size == 1:
         return spec
-    k0, k1 = kv_head_range(spec.num_kv_heads, rank, world_size)
+    decoder = {}
+    if spec.num_heads is not None:  # a Llama-family decoder's sizes (the KV cache reads them)
+        k0, k1 = kv_head_range(spec.num_kv_heads, rank, world_size)
+        decoder = dict(num_heads=spec.num_heads // world_size, num_kv_heads=k1 - k0,
+                       intermediate_size=spec.intermediate_size // world_size)
     vocab = None if spec.vocab_size is None else vocab_share(spec.vocab_size, world_size)
-    return ModelSpec(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-                     num_heads=spec.num_heads // world_size, num_kv_heads=k1 - k0, head_dim=spec.head_dim,
-                     intermediate_size=spec.intermediate_size // world_size, model_name=spec.model_name,
-                     vocab_size=vocab, fused_projections=spec.fused_projections,
-                     modules=tuple(m.shard(rank, world_size) for m in spec.modules))
+    return replace(spec, **decoder, vocab_size=vocab, modules=tuple(m.shard(rank, world_size) for m in spec.modules))
 
 
 def _rows(tensor: torch.Tensor | None, rows: Range) -> torch.Tensor | None:

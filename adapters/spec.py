@@ -143,16 +143,16 @@ class ModelSpec:
     vocabulary (embed_tokens / lm_head LoRA; None: refused) and name.
 
     ``num_heads``, ``num_kv_heads``, ``head_dim``, ``intermediate_size`` and ``fused_projections``
-    are the decoder's sizes, kept for the code that reads them (the KV cache, the kernels' shape
-    tables); the adapter code reads ``modules`` only.
+    are a Llama-family decoder's sizes (None for another model), kept for the code that reads them
+    (the KV cache, the kernels' shape tables); the adapter code reads ``modules`` only.
     """
 
     num_layers: int
     hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
     model_name: str | None = None  # for the "adapter trained on another base" warning
     vocab_size: int | None = None  # embed_tokens / lm_head rows; None: LoRA on them is refused
     fused_projections: bool = False  # Phi-3: modules are named qkv_proj / gate_up_proj
@@ -161,7 +161,10 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                       "intermediate_size"):
-            if getattr(self, field) <= 0:
+            value = getattr(self, field)
+            if value is None and field not in ("num_layers", "hidden_size"):
+                continue
+            if value <= 0:
                 raise ValueError(f"ModelSpec.{field} must be positive")
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ValueError("ModelSpec.vocab_size must be positive or None")
@@ -200,10 +203,6 @@ class ModelSpec:
         raise KeyError(f"no LoRA-capable module {name!r} in this ModelSpec (modules: "
                        f"{sorted({m.name for m in self.modules})})")
 
-    def shard(self, rank: int, world_size: int) -> ModelSpec:
-        """The sizes ``rank`` holds: each module's share; the decoder's heads, KV heads and intermediate
-        size divided as the modules divide them (see adapters.sharding.shard_spec)."""
-        return replace(self, modules=tuple(m.shard(rank, world_size) for m in self.modules))
 
 
 # Compatibility, for punica_kernels.aot only: its kernel shape tables are ModelSpecs built from the
