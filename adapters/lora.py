@@ -93,7 +93,8 @@ class LoRAWeights:
     name: str
     rank: int  # max rank over the adapter's modules
     modules: dict[tuple[int, str], tuple[LoRAPair | None, ...]]  # LoRAModule.key (layer, name) -> per-slice pair
-    vocab: dict[str, LoRAPair] = dataclass_field(default_factory=dict)  # "embed_tokens" / "lm_head" (adapters.vocab_lora)
+    # "embed_tokens" / "lm_head" (adapters.vocab_lora)
+    vocab: dict[str, LoRAPair] = dataclass_field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,8 @@
 """Device slots: persistent tensors the kernels read, allocated once at their maximum size.
 
 LoRA layout (design.md section 3), per LoRA-capable module (adapters.spec.LoRAModule: one layer's
-packed q,k,v, say) with slices j of widths N_j at offsets off_j, for slot s holding an adapter whose slice j has rank r_j:
+packed q,k,v, say; :class:`ModuleSlots`) with slices j of widths N_j at offsets off_j, for slot s
+holding an adapter whose slice j has rank r_j:
 ``lora_a[s, j, :r_j, :] = A_j`` and ``lora_b[s, off_j:off_j+N_j, :r_j] = B_j``; everything
 else of the slot is zero (untargeted modules, ranks above r_j), so zero-padding to R costs nothing
 in the result. Beside them, float32 scales the expand applies (punica_kernels.scales):
