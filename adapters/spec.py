@@ -204,7 +204,6 @@ class ModelSpec:
                        f"{sorted({m.name for m in self.modules})})")
 
 
-
 # Compatibility, for punica_kernels.aot only: its kernel shape tables are ModelSpecs built from the
 # decoder's sizes alone (no modules), read through slice_sizes / in_features. The adapter code never
 # reaches this; the served layout is the model's (lora_runner.model.lora_linear.decoder_lora_modules).
