@@ -25,7 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -38,8 +38,9 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from adapters.spec import PACKED_MODULES, ModelSpec
+from adapters.spec import ModelSpec
 from lora_runner.model import paged_attention
+from lora_runner.model.lora_linear import decoder_lora_modules
 from punica_kernels import embedding_triton, triton_ops, w4a16_triton
 from punica_kernels.host_tiles import TableLoader
 from punica_kernels.meta import LoRAMeta
@@ -348,13 +349,24 @@ class Driver:
     launch: Callable[[], None]
 
 
+# the decoder's LoRA modules per layer, in order (lora_runner.model.lora_linear declares them)
+PACKED_MODULES: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+
+
+def _decoder(**sizes) -> ModelSpec:
+    """A decoder's ModelSpec from its sizes, with the LoRA modules its layers declare (their shapes are the
+    kernels' shapes)."""
+    spec = ModelSpec(**sizes)
+    return replace(spec, modules=decoder_lora_modules(spec))
+
+
 # packed modules whose base linear has a bias (Qwen2's q, k, v): the expand reads it (DoRA)
 BIASED_MODULES = {"qwen2-0.5b": ("qkv",)}
-MODELS = {  # the packed LoRA module shapes (qkv, o, gate_up, down) come from ModelSpec
-    "llama-7b": ModelSpec(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
-                          intermediate_size=11008, vocab_size=32000),
-    "qwen2-0.5b": ModelSpec(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64,
-                            intermediate_size=4864, vocab_size=151936),
+MODELS = {  # the packed LoRA module shapes (qkv, o, gate_up, down) come from the decoder's LoRA modules
+    "llama-7b": _decoder(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
+                         intermediate_size=11008, vocab_size=32000),
+    "qwen2-0.5b": _decoder(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64,
+                           intermediate_size=4864, vocab_size=151936),
 }
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LORA_RANKS = (8, 16, 64)
@@ -494,8 +506,8 @@ SLIDING_WINDOWS = (None, 1024)
 ATTENTION_MODELS = {
     "llama-7b": (MODELS["llama-7b"], (None, 50.0)),
     "qwen2-0.5b": (MODELS["qwen2-0.5b"], (None,)),
-    "gemma2-2b": (ModelSpec(num_layers=26, hidden_size=2304, num_heads=8, num_kv_heads=4, head_dim=256,
-                            intermediate_size=9216), (50.0,)),
+    "gemma2-2b": (_decoder(num_layers=26, hidden_size=2304, num_heads=8, num_kv_heads=4, head_dim=256,
+                           intermediate_size=9216), (50.0,)),
 }
 # block-table capacities in tokens: a short one (at most 2 splits; its width in blocks is not a multiple
 # of 16, a variant the JIT specializes separately) and a long one that lets decode reach MAX_SPLITS
@@ -563,8 +575,8 @@ def collect_configs(drivers: list[Driver]) -> dict[str, KernelConfig]:
 
 # The GPU run's model (benchmarks/gpu_check.py): hidden 4096, MLP 11008, 32/8 heads, rank-16 adapters,
 # max_loras 32, max_num_batched_tokens 8192, bf16.
-GPU_CHECK = ModelSpec(num_layers=8, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                      intermediate_size=11008, vocab_size=32000)
+GPU_CHECK = _decoder(num_layers=8, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                     intermediate_size=11008, vocab_size=32000)
 GPU_CHECK_MAX_LORAS, GPU_CHECK_RANK, GPU_CHECK_MAX_TOKENS = 32, 16, 8192
 
 
