@@ -89,18 +89,20 @@ class EngineAdapters:
             tier.release(ref)
         return ref
 
-    def update(self, name: str, state_dict, config, owner: str | None = None) -> ServedAdapter:
+    def update(self, name: str, state_dict, config, owner: str | None = None,
+               claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
         """Serve a new version of the LoRA ``name`` from tensors in memory (a PEFT state dict and its
         LoraConfig or adapter_config dict, adapters.memory_source), validated as a file load is. The
         version serves the name from the next step on; running requests finish on theirs. ``owner``:
         the tenant updating it (None keeps the served record's owner). Returns the served adapter with
-        ``version`` the new version and ``request`` what later requests for it pass. Raises its
-        AdapterError (the current version keeps serving), ValueError when a prompt adapter has the name."""
+        ``version`` the new version and ``request`` what later requests for it pass (None when ``claim``,
+        asked as in ``serve``, said no). Raises its AdapterError (the current version keeps serving),
+        ValueError when a prompt adapter has the name."""
         request = memory_lora_request(name, state_dict, config, max_bytes=self.manager.max_adapter_bytes)
         if owner is None:
             old = self.tiers["lora"].served(name)
             owner = None if old is None else old.owner
-        return self.serve(request, owner=owner, replace=True)
+        return self.serve(request, owner=owner, replace=True, claim=claim)
 
     def remove(self, kind: str, name: str) -> None:
         """Forget ``name`` and its pin; deferred while running requests use it (they finish on its weights)."""

@@ -96,8 +96,8 @@ class EngineClient(Protocol):
         always as a new version read from what its source holds now.
         Raises its AdapterError, or ValueError when the name is taken."""
 
-    def update_lora(self, name: str, state_dict: Mapping[str, Any], config: Any,
-                    owner: str | None = None) -> ServedAdapter:
+    def update_lora(self, name: str, state_dict: Mapping[str, Any], config: Any, owner: str | None = None,
+                    claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
         """Serve a new version of the LoRA ``name`` from a PEFT state dict and its LoraConfig (or
         adapter_config dict), validated as a file load is; its ``version`` serves from the next step on."""
 
