@@ -16,7 +16,9 @@ the engine the tensors (PEFT key names, as in ``adapter_model.safetensors``, e.g
   finite values, DoRA), so an update is refused for exactly what the same files would be refused for.
 
 The snapshot lives as long as the request does (the served record keeps it): a version whose
-weights the CPU cache evicted reloads from it, as a file adapter reloads from its folder.
+weights the CPU cache evicted reloads from it, as a file adapter reloads from its folder, and keeps
+its version (the weights are the same), so the version ``update_lora`` returned is the one outputs
+name.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -53,6 +55,8 @@ class MemoryLoRARequest(LoRARequest):
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # its source never changes: a reload after eviction keeps the version (adapters.versions)
+    immutable: ClassVar[bool] = True
 
 
 def memory_lora_request(name: str, state_dict: Mapping[str, torch.Tensor], config, *,

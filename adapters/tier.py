@@ -29,7 +29,11 @@ Served names (the server's model list) live in the same version table, as one
 reads it. A served name outlives the CPU cache's eviction of its weights (the next request reloads
 them from its request). ``stage`` loads a version that serves no name until ``publish`` makes it the
 name's version (taking over the old one's pin); released unpublished, it is dropped and nothing
-changed, so a load whose caller gave up needs no undo.
+changed, so a load whose caller gave up needs no undo. ``stage(fresh=True)`` (load_inplace) never
+reuses a version: the same path may hold retrained files, so the new version is read from what is
+there now, and its number (hence its prefix-cache keys) is new. Adapters handed over in memory
+(``adapters.memory_source``) are a new source per update; a request naming an update that a later
+one replaced is refused (``SupersededAdapterError``) rather than loaded back over it.
 
 Pins live on the version record only, on the version a name serves (``AdapterVersion.pinned``): a
 replacement inherits the pin once it takes over; a failed, removed or retired version holds none.

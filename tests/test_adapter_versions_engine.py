@@ -187,3 +187,43 @@ def test_outputs_without_an_adapter_name_none(kit):
     engine = make_engine(path)
     output = _generate(engine, "base", None)
     assert output.lora_version is None and output.prompt_adapter_version is None
+
+
+def test_twenty_updates_while_other_tenants_stream_stay_exact(kit, greedy_oracle, engine_checkpoint):
+    path, _, policies = kit
+    _, _, loras = engine_checkpoint
+    engine = make_engine(path)
+    long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    bystanders = [("tenant-lora", [3, 4, 5, 6], long, LoRARequest("r4", loras["r4"][0])),
+                  ("tenant-base", [7, 8, 9], long)]
+    done, updates = {}, []
+    for request_id, prompt, params, *lora in bystanders:
+        engine.add_request(request_id, prompt, params, lora_request=(lora or [None])[0])
+    for step in range(20):
+        policy = policies[step % len(policies)]
+        served = engine.update_lora("policy", _state(policy), _config(policy))
+        engine.add_request(f"u{step}", PROMPT, GREEDY, lora_request=served.request)
+        updates.append((f"u{step}", policy, served.version))
+        done.update({o.request_id: o for o in engine.step() if o.finished})  # one step per update
+    done = run_to_completion(engine, done=done)
+    assert all(output.error is None for output in done.values())
+    assert_exact(done["tenant-lora"], loras["r4"][1], [3, 4, 5, 6], greedy_oracle, 24)
+    assert_exact(done["tenant-base"], engine_checkpoint[1], [7, 8, 9], greedy_oracle, 24)
+    for request_id, policy, version in updates:
+        assert_exact(done[request_id], policy, PROMPT, greedy_oracle, MAX_TOKENS)
+        assert done[request_id].lora_version == version
+
+
+def test_llm_update_lora_and_generate_name_the_version(kit, greedy_oracle):
+    from lora_runner import LLM
+
+    path, _, policies = kit
+    llm = LLM(path, **ENGINE_DEFAULTS)
+    try:
+        for policy in policies[:2]:
+            served = llm.update_lora("policy", _state(policy), _config(policy))
+            output = llm.generate([PROMPT], GREEDY, lora_request=served.request, use_tqdm=False)[0]
+            assert_exact(output, policy, PROMPT, greedy_oracle, MAX_TOKENS)
+            assert output.lora_version == served.version == llm.served_adapter("policy").version
+    finally:
+        llm.close()
