@@ -2,7 +2,8 @@
 
 An RL trainer pushes its policy adapter after every step without sharing a folder with the server:
 the body is the ``adapter_model.safetensors`` bytes (``Content-Type: application/octet-stream``) and
-the ``X-Adapter-Config`` header the ``adapter_config.json`` object (compact JSON). The answer names
+the ``X-Adapter-Config`` header the ``adapter_config.json`` object (compact JSON, on one line; the
+server's header limit bounds it, 16 KiB with uvicorn's defaults). The answer names
 the new version: ``{"object": "lora_adapter_version", "name": ..., "version": ...}``.
 
 Who may: with --allow-runtime-lora-updating only, a key that may use the name, and either the
@@ -47,12 +48,13 @@ async def upload_lora_version(state: ServerState, tenant: Tenant, name: str, req
     _check_may_update(state, tenant, name)
     config = _config_from_header(request.headers.get(CONFIG_HEADER))
     weights = await request.body()  # bounded by BodyLimitMiddleware before it was read
+    existed = state.engine.served_adapter(name) is not None
     try:
         served = await state.loads.run(tenant.name, partial(_update, state, tenant, name, weights, config))
     except Exception as exc:  # noqa: BLE001 - mapped to its status (422 for an update that fails)
         state.metrics.runtime_loads.labels("failed").inc()
         raise api_error_from(exc) from exc
-    state.metrics.runtime_loads.labels("replaced").inc()
+    state.metrics.runtime_loads.labels("replaced" if existed else "loaded").inc()
     logger.info("serving LoRA %r version %d (uploaded by %s)", name, served.version.version, tenant.name)
     return {"object": "lora_adapter_version", "name": name, "version": served.version.version}
 
