@@ -227,3 +227,20 @@ def test_llm_update_lora_and_generate_name_the_version(kit, greedy_oracle):
             assert output.lora_version == served.version == llm.served_adapter("policy").version
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_updates_from_memory_reach_every_rank_at_tp2(kit, greedy_oracle):
+    path, _, policies = kit
+    engine = make_engine(path, tensor_parallel_size=2)  # every rank must sample the same tokens, or the engine dies
+    try:
+        files = engine.executor.shared.files_created
+        for step, policy in enumerate(policies):
+            served = engine.update_lora("policy", _state(policy), _config(policy))
+            output = _generate(engine, f"tp{step}", served.request)
+            assert_exact(output, policy, PROMPT, greedy_oracle, MAX_TOKENS)
+            assert output.lora_version == served.version
+        assert engine.executor.shared.files_created - files <= len(policies)  # one shared file per version at most
+        assert engine.is_alive
+    finally:
+        engine.close()
