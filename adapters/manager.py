@@ -32,6 +32,7 @@ from adapters.file_limits import default_max_adapter_bytes
 from adapters.files import AdapterDir
 from adapters.hub import adapter_file_patterns, resolve
 from adapters.lora import dummy_lora, load_lora
+from adapters.memory_source import MemoryLoRARequest, load_memory_lora
 from adapters.prompt import dummy_prompt_adapter, load_prompt_adapter
 from adapters.request import LoRARequest, PromptAdapterRequest
 from adapters.sharding import shard_spec
@@ -196,6 +197,10 @@ class AdapterManager:
             raise type(exc)(f"adapter {request.name!r}: {exc}") from exc
 
     def _load_lora(self, request: LoRARequest):
+        if isinstance(request, MemoryLoRARequest):  # handed over in memory: the same validation, no file
+            weights = load_memory_lora(request, self.spec, max_lora_rank=self.max_lora_rank, dtype=self.dtype,
+                                       base_weight=self._base_weight)
+            return weights.pin_memory() if self._pin_memory else weights
         with self._open_dir(request) as directory:
             weights = load_lora(request.name, directory, self.spec, max_lora_rank=self.max_lora_rank,
                                 dtype=self.dtype, allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes,
