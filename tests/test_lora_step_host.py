@@ -192,11 +192,11 @@ class HeadSlots:
     """VocabLoRASlots' lm_head bookkeeping as LMHeadLoRA reads it: slots 0 and 2 hold an lm_head LoRA."""
 
     def __init__(self, ranks=(4, 0, 8)) -> None:
-        self._host_lm_head_ranks = list(ranks)
+        self.host_lm_head_ranks = np.array(ranks, dtype=np.int32)
         self.lm_head_ranks = torch.tensor(ranks, dtype=torch.int32)
 
     def lm_head_in_use(self) -> bool:
-        return any(self._host_lm_head_ranks)
+        return bool(self.host_lm_head_ranks.any())
 
 
 def test_lm_head_table_rides_last_in_the_same_copy():
@@ -223,12 +223,12 @@ def test_lm_head_table_rides_last_in_the_same_copy():
     load_table(oracle, torch.tensor([0, -1, 2, -1, 0]))
     assert [a.tolist() for a in (oracle.token_slots, oracle.sorted_tokens, oracle.slot_starts)] == [
         a.tolist() for a in rows[:3]]
-    slots._host_lm_head_ranks = [0, 4, 0]  # only slot 1 (row 3's adapter) has one now
+    slots.host_lm_head_ranks = np.array([0, 4, 0], dtype=np.int32)  # only slot 1 (row 3's adapter) has one now
     again = builder.upload(step)
     assert again.lm_head_table.arrays[0].tolist() == [-1, -1, -1, 1, -1]
     assert again.block_tables.data_ptr() == batch.block_tables.data_ptr()
     assert [v.data_ptr() for v in again.lora_table.arrays] == [v.data_ptr() for v in batch.lora_table.arrays]
-    slots._host_lm_head_ranks = [0, 0, 0]
+    slots.host_lm_head_ranks = np.zeros(3, dtype=np.int32)
     plain = builder.upload(step)
     assert plain.lm_head_table is None and lm_head.context(plain.lm_head_table) is None
     assert plain.block_tables.data_ptr() == batch.block_tables.data_ptr()

@@ -78,8 +78,7 @@ class LMHeadLoRA:
         has no lm_head LoRA, or None when no row has one (host bookkeeping: no sync, no work)."""
         if not self.slots.lm_head_in_use():
             return None
-        # the slots' host copy of their lm_head ranks (adapters.vocab_slots keeps it for lm_head_in_use)
-        has_lm_head = np.asarray(self.slots._host_lm_head_ranks) > 0  # [max_loras]
+        has_lm_head = self.slots.host_lm_head_ranks > 0  # [max_loras], the slots' host copy
         rows = np.where((token_slots >= 0) & has_lm_head[np.maximum(token_slots, 0)], token_slots, -1)  # [S]
         return rows if (rows >= 0).any() else None
 
