@@ -54,7 +54,7 @@ def graphed_engine(path: str, dtype, **kwargs) -> LLMEngine:
 def test_decode_graph_forward_and_lora_table_have_no_host_sync(engine_checkpoint, monkeypatch):
     """What a CUDA graph records must not read device data on the host. The LoRA kernels are
     Triton on CUDA (their no-sync test is gpu-marked); here the rest of the forward, on every key."""
-    import lora_runner.model.layers as layers
+    import punica_kernels
 
     path, _, adapters = engine_checkpoint
     engine = graphed_engine(path, torch.float32)
@@ -64,10 +64,10 @@ def test_decode_graph_forward_and_lora_table_have_no_host_sync(engine_checkpoint
         calls.append(meta.num_tokens == x.shape[0] == y.shape[0])
         return y
 
-    monkeypatch.setattr(layers.punica_kernels, "add_lora", lora_stub)
+    monkeypatch.setattr(punica_kernels, "add_lora", lora_stub)
     # embed_tokens LoRA's gather + expand: Triton on CUDA too (gpu-marked no-sync test in test_vocab_lora.py)
-    monkeypatch.setattr(layers.punica_kernels, "embedding_shrink", lambda input_ids, lora_a, meta, out: out)
-    monkeypatch.setattr(layers.punica_kernels, "lora_expand", lambda y, *args, **kwargs: y)
+    monkeypatch.setattr(punica_kernels, "embedding_shrink", lambda input_ids, lora_a, meta, out: out)
+    monkeypatch.setattr(punica_kernels, "lora_expand", lambda y, *args, **kwargs: y)
     graphs, meta = engine.runner.decode_graphs, engine.runner.lora_meta
     engine.adapters.manager.loras.activate([engine.add_lora(LoRARequest("r4", adapters["r4"][0]))])
     for key, captured in graphs._graphs.items():
