@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from lora_runner.entrypoints.launch import StartupAdapters
-from lora_runner.entrypoints.openai.authentication import require_operator, require_tenant
+from lora_runner.entrypoints.openai.authentication import require_operator, require_tenant, single_header
 from lora_runner.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from lora_runner.entrypoints.openai.formatting import sse
 from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
@@ -71,7 +71,7 @@ class Ingress:
         return Response(render_metrics(self.requests, self.reports), media_type=CONTENT_TYPE_LATEST)
 
     def _tenant(self, request: Request) -> Tenant:
-        return require_tenant(self.keys, request.headers.get("authorization"))
+        return require_tenant(self.keys, single_header(request.scope.get("headers") or [], b"authorization"))
 
     def no_runtime_updates(self, request: Request) -> Response:
         """The load/unload routes: one replica cannot change what all replicas serve."""
