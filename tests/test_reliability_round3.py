@@ -105,3 +105,53 @@ def test_two_authorization_headers_are_refused_whatever_their_order(served, pair
         assert got.status_code in (400, 401), (listing, got.text)
     one = _raw(served, "/v1/completions", body, [("Authorization", f"Bearer {pair[0]}")])
     assert one.status_code in (200, 401)  # one header: the usual answer for that key
+
+
+# -- 9: two keys may not share a tenant's name ---------------------------------------------------------------
+
+NAME_CLASHES = {  # keys-file entries -> what the error line names
+    "derived equals explicit": ({"key-first-00000": {}, "key-second-0000": {"name": "tenant-0"}}, "tenant-0"),
+    "explicit twice": ({"key-first-00000": {"name": "acme"}, "key-second-0000": {"name": "acme"}}, "acme"),
+    "explicit equals an --api-key name": ({"key-first-00000": {"name": "api-key-0"}}, "api-key-0"),
+}
+
+
+@pytest.mark.parametrize("case", list(NAME_CLASHES))
+def test_keys_naming_one_tenant_twice_are_refused_at_start(tmp_path, case):
+    import yaml
+
+    from lora_runner.entrypoints.openai.tenants import KeyRing
+
+    entries, name = NAME_CLASHES[case]
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump(entries))
+    with pytest.raises(ValueError, match=name) as refused:
+        KeyRing.from_options(["operator-key-0000"], str(path))
+    assert "\n" not in str(refused.value) and "key-first" not in str(refused.value)  # one line, no key
+
+
+def test_unnamed_entries_get_distinct_names_that_no_explicit_name_takes(tmp_path):
+    import yaml
+
+    from lora_runner.entrypoints.openai.tenants import KeyRing, load_tenant_keys
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump({"key-first-00000": {}, "key-second-0000": {"name": "b"}, "key-third-00000": {}}))
+    tenants = load_tenant_keys(path)
+    assert len({tenant.name for tenant in tenants.values()}) == 3
+    assert KeyRing.from_options(["operator-key-0000"], str(path)).num_tenants == 4
+
+
+def test_the_cli_says_the_clash_in_one_line_before_loading_the_model(engine_checkpoint, tmp_path, capsys, monkeypatch):
+    import yaml
+
+    from lora_runner.entrypoints.cli import main
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump({"key-first-00000": {}, "key-second-0000": {"name": "tenant-0"}}))
+    monkeypatch.setattr("lora_runner.entrypoints.launch.LLMEngine", None)  # reaching the model is a failure
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", engine_checkpoint[0], "--device", "cpu", "--port", "0", "--tenant-keys", str(path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "tenant-0" in err, err
