@@ -155,3 +155,33 @@ def test_the_cli_says_the_clash_in_one_line_before_loading_the_model(engine_chec
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "tenant-0" in err, err
+
+
+# -- 12: a soft prompt's virtual tokens count against the context ------------------------------------------
+
+def _word_ids(served, count: int) -> list[int]:
+    return served[1].tokenizer.encode(" ".join(["cat"] * count), add_special_tokens=False)[:count]
+
+
+@pytest.mark.parametrize("model_field", [{"model": "soft"}, {"model": "base", "prompt_adapter": "soft"}])
+def test_virtual_tokens_count_in_the_context_length_check(served, model_field):
+    prompt = _word_ids(served, 500)
+    fits = MAX_MODEL_LEN - len(prompt) - NUM_VIRTUAL
+    headers = {"Authorization": f"Bearer {A}"}
+    over = httpx.post(served[0].base_url + "/v1/completions", headers=headers, timeout=BOUND_S,
+                      json={**model_field, "prompt": prompt, "max_tokens": fits + 1})
+    error = _assert_openai_400(over)
+    assert error["code"] == "context_length_exceeded" and str(NUM_VIRTUAL) in error["message"], error
+    ok = httpx.post(served[0].base_url + "/v1/completions", headers=headers, timeout=BOUND_S,
+                    json={**model_field, "prompt": prompt, "max_tokens": fits, "ignore_eos": True})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == fits  # every token asked for, none cut by the soft prompt
+
+
+def test_a_chat_without_max_tokens_gets_the_context_left_after_the_virtual_tokens(served):
+    response = httpx.post(served[0].base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {A}"},
+                          timeout=BOUND_S, json={"model": "soft", "ignore_eos": True,
+                                                 "messages": [{"role": "user", "content": "cat " * 480}]})
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] + NUM_VIRTUAL + usage["completion_tokens"] == MAX_MODEL_LEN, usage
