@@ -1,6 +1,6 @@
-"""The Ray ingress's request counter is labelled only with names it serves (issue 39 item 12): a body
-naming any other model (a 404 at the replica, or one of 100 KB) counts as "other", so the operator's
-/metrics stays bounded. The ingress runs on a stand-in replica handle, without a Ray cluster."""
+"""The Ray ingress refuses two Authorization headers as the server does (issue 39 item 8), and labels
+its request counter only with names it serves (issue 39 item 12): a body naming any other model (a
+404 at the replica, or one of 100 KB) counts as "other", so the operator's /metrics stays bounded. The ingress runs on a stand-in replica handle, without a Ray cluster."""
 
 import asyncio
 import json
@@ -50,7 +50,7 @@ class _Replicas:
         return _Stream(200 if json.loads(body)["model"] in self.served else 404)
 
 
-def _request(body: bytes):
+def _request(body: bytes, keys: tuple[str, ...] = (OPERATOR,)):
     from starlette.requests import Request
 
     sent = False
@@ -63,7 +63,8 @@ def _request(body: bytes):
         return {"type": "http.request", "body": body, "more_body": False}
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "query_string": b"",
-             "headers": [(b"authorization", f"Bearer {OPERATOR}".encode()), (b"content-type", b"application/json")]}
+             "headers": [*((b"authorization", f"Bearer {key}".encode()) for key in keys),
+                         (b"content-type", b"application/json")]}
     return Request(scope, receive)
 
 
@@ -86,3 +87,20 @@ def test_only_served_names_label_the_request_counter():
     assert labels == {"base", "r4", "soft", "other"}, sorted(label[:20] for label in labels)
     assert ingress.requests[("r0", "other")] == len(hostile)
     assert len(render_metrics(ingress.requests, ingress.reports)) < 10_000
+
+
+def _ingress():
+    from lora_runner.entrypoints.ray.ingress import Ingress
+
+    return Ingress(_Replicas({"base"}), ServerConfig("base", api_keys=(OPERATOR,)), StartupAdapters())
+
+
+def test_two_authorization_headers_are_refused_by_the_ingress():
+    from lora_runner.entrypoints.openai.errors import APIError
+
+    body = json.dumps({"model": "base", "prompt": "hi"}).encode()
+    for keys in [(OPERATOR, OPERATOR), (OPERATOR, "no-such-key-0000"), ("no-such-key-0000", OPERATOR)]:
+        with pytest.raises(APIError) as refused:
+            asyncio.run(_ingress().generate(_request(body, keys)))
+        assert refused.value.status in (400, 401)
+    asyncio.run(_ingress().generate(_request(body)))  # one header: forwarded
