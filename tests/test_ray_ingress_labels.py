@@ -1,6 +1,7 @@
 """The Ray ingress refuses two Authorization headers as the server does (issue 39 item 8), and labels
 its request counter only with names it serves (issue 39 item 12): a body naming any other model (a
-404 at the replica, or one of 100 KB) counts as "other", so the operator's /metrics stays bounded. The ingress runs on a stand-in replica handle, without a Ray cluster."""
+404 at the replica, or one of 100 KB) counts as "other", so the operator's /metrics stays bounded.
+The ingress runs on a stand-in replica handle, without a Ray cluster."""
 
 import asyncio
 import json
