@@ -1,10 +1,10 @@
-"""The HTTP door, round three (issue 39 items 7, 8, 12), through the real server.
+"""The HTTP door, round three (issue 39 items 7, 8, 9, 12), through the real server.
 
 One server with an operator key and two tenants: bodies whose bytes decode to something the server
 cannot carry (a lone UTF-16 surrogate, nesting deeper than any parser should recurse) are 400 in
-the OpenAI error shape, never a 5xx (7); a request with two Authorization headers is refused, whichever
-comes first (8); a soft prompt's virtual tokens count against the context like prompt tokens (12).
-A bystander's exact tokens after each attack show the server kept serving.
+the OpenAI error shape, never a 5xx (7); a request with two Authorization headers is refused,
+whichever comes first (8); two keys may not name one tenant (9, at start); a soft prompt's virtual
+tokens count against the context like prompt tokens (12). A bystander's exact tokens after each attack show the server kept serving.
 """
 
 import httpx
@@ -14,7 +14,8 @@ from serve_support import PROMPTS, model_with_chat_template, offline_greedy, ser
 
 OPERATOR = "operator-key-0000"
 A, B = "key-tenant-a-0000", "key-tenant-b-0000"
-KEYS = {A: {"name": "a", "adapters": ["r4", "soft"], "base": True}, B: {"name": "b", "adapters": ["r8-qv"], "base": True}}
+KEYS = {A: {"name": "a", "adapters": ["r4", "soft"], "base": True},
+        B: {"name": "b", "adapters": ["r8-qv"], "base": True}}
 NUM_VIRTUAL, MAX_MODEL_LEN = 8, 512
 BOUND_S = 60
 
