@@ -4,7 +4,8 @@ One server with an operator key and two tenants: bodies whose bytes decode to so
 cannot carry (a lone UTF-16 surrogate, nesting deeper than any parser should recurse) are 400 in
 the OpenAI error shape, never a 5xx (7); a request with two Authorization headers is refused,
 whichever comes first (8); two keys may not name one tenant (9, at start); a soft prompt's virtual
-tokens count against the context like prompt tokens (12). A bystander's exact tokens after each attack show the server kept serving.
+tokens count against the context like prompt tokens (12). A bystander's exact tokens after each
+attack show the server kept serving.
 """
 
 import httpx
