@@ -9,6 +9,7 @@ from lora_runner.entrypoints.openai.tool_calls.deltas import join_calls
 from lora_runner.entrypoints.openai.tool_calls.forced_parsers import NamedFunctionParser, RequiredCallsParser
 from lora_runner.entrypoints.openai.tool_calls.hermes_parser import HermesToolParser
 
+OFFERED = ("get_weather", "search", "f", "g")  # the functions the tests' requests offer
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 NESTED_ARGS = {"query": {"filters": [{"field": "città", "op": "=", "value": "東京 🙂"},
                                      {"nested": {"deep": [1, [2, {}]]}}],
@@ -56,7 +57,7 @@ def _random_split(text, rng):
 @pytest.mark.parametrize("case", list(CASES))
 def test_whole_text_parses_to_the_expected_calls_and_content(case):
     text, content, expected = CASES[case]
-    got_content, calls, _ = _run(HermesToolParser(), [text])
+    got_content, calls, _ = _run(HermesToolParser(OFFERED), [text])
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
     assert all(c.id.startswith("call_") and len(c.id) == 29 for c in calls)
@@ -66,11 +67,11 @@ def test_whole_text_parses_to_the_expected_calls_and_content(case):
 @pytest.mark.parametrize("case", [case for case in CASES if case != "malformed arguments"])
 def test_every_split_streams_the_same_calls_in_openai_shape(case):
     text, content, expected = CASES[case]
-    whole_content, whole_calls, _ = _run(HermesToolParser(), [text])
+    whole_content, whole_calls, _ = _run(HermesToolParser(OFFERED), [text])
     rng = random.Random(case)
     pieces_list = [list(text), *(_random_split(text, rng) for _ in range(20))]  # one character at a time, then random
     for pieces in pieces_list:
-        got_content, calls, deltas = _run(HermesToolParser(), pieces + [""])
+        got_content, calls, deltas = _run(HermesToolParser(OFFERED), pieces + [""])
         assert got_content == whole_content
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
         if expected:
@@ -82,7 +83,7 @@ def test_every_split_streams_the_same_calls_in_openai_shape(case):
 
 
 def test_arguments_stream_as_they_arrive_not_at_the_end():
-    parser = HermesToolParser()
+    parser = HermesToolParser(OFFERED)
     head = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     first = parser.feed(head)
     assert [(d.name, d.arguments) for d in first.calls] == [("get_weather", ""), (None, '{"city": "Par')]
@@ -93,7 +94,7 @@ def test_arguments_stream_as_they_arrive_not_at_the_end():
 def test_arguments_malformed_after_the_call_started_streaming_end_the_call_without_markup_in_content():
     # a stream cannot take back the call's first delta (module docstring): what was sent stays a call
     text = CASES["malformed arguments"][0]
-    content, calls, _ = _run(HermesToolParser(), list(text))
+    content, calls, _ = _run(HermesToolParser(OFFERED), list(text))
     assert content == "I will call"
     assert [(c.name, c.arguments) for c in calls] == [("f", '{"x": }')]  # sent as it came
 
@@ -108,9 +109,9 @@ def test_named_function_output_is_the_arguments():
 
 def test_required_output_is_a_list_of_calls():
     text = '[{"name": "f", "arguments": {"a": "ü"}}, {"name": "g", "arguments": {}}]'
-    content, calls, _ = _run(RequiredCallsParser(), [text[:10], text[10:]])
+    content, calls, _ = _run(RequiredCallsParser(OFFERED), [text[:10], text[10:]])
     assert content == ""
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": "ü"}), ("g", {})]
     for bad in ("not json", '{"name": "f", "arguments": {}}', '[{"name": "f"}]', "[]"):
-        parser = RequiredCallsParser()
+        parser = RequiredCallsParser(OFFERED)
         assert _run(parser, [bad]) == (bad, [], []) and not parser.called

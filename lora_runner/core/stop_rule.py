@@ -5,6 +5,10 @@ yet (so an early EOS or stop token is never generated, as vLLM does), and the ou
 (lora_runner.engine.output_processor) ends a request on a sampled stop id only when the same rule
 allowed it. A token's rule is the one at the count of tokens generated before it: min_tokens
 tokens come before any EOS or stop id.
+
+A structured-output constraint ends on its end token, which is EOS: while ignore_eos or min_tokens
+holds, EOS may not end the request, so the constraint's mask leaves it out (``eos_allowed``) and
+the constraint ends only where it allows nothing else (vLLM's semantics).
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ class StopTokens:
     def banned(self) -> frozenset[int]:
         """The ids the next token may not be: every stop id while the request may not stop yet."""
         return frozenset() if self.may_stop else self.ids
+
+    @property
+    def eos_allowed(self) -> bool:
+        """Whether EOS may end the request now: it generated min_tokens tokens and has no ignore_eos."""
+        return self.may_stop and not self.params.ignore_eos
 
     def stops(self, token_id: int) -> bool:
         """True when `token_id` ends the request (`token_id in ids` once it may stop)."""

@@ -98,6 +98,10 @@ class AdapterAPI:
         """The adapter served under ``name`` (with the version serving it now), or None."""
         return self._adapter_seam(check_open=False).served(name)
 
+    def num_virtual_tokens(self, name: str) -> int | None:
+        """The virtual tokens of the prompt adapter served as ``name`` (None: none, or not loaded now)."""
+        return self._adapter_seam(check_open=False).num_virtual_tokens(name)
+
     def served_adapters(self) -> list[ServedAdapter]:
         """Every served adapter: LoRAs, then prompt adapters, each in the order first served."""
         return self._adapter_seam(check_open=False).served_all()

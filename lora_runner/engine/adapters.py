@@ -172,6 +172,18 @@ class EngineAdapters:
         """The adapter served under ``name`` (either kind), or None."""
         return self.tiers["lora"].served(name) or self.tiers["prompt"].served(name)
 
+    def num_virtual_tokens(self, name: str) -> int | None:
+        """The virtual tokens of the prompt adapter served as ``name``; None when none is, or its weights
+        are not loaded now (the count is read from them)."""
+        tier = self.tiers["prompt"]
+        served = tier.served(name)
+        if served is None or served.version is None:
+            return None
+        try:
+            return tier.num_virtual_tokens(served.version)
+        except ValueError:  # evicted or replaced since it was read
+            return None
+
     def served_all(self) -> list[ServedAdapter]:
         """Every served adapter: LoRAs, then prompt adapters, each in the order first served."""
         return self.tiers["lora"].served_all() + self.tiers["prompt"].served_all()

@@ -9,7 +9,8 @@ A request finishes with
   before min_tokens tokens were generated (one rule, shared with the sampler's ban:
   lora_runner.core.stop_rule). stop_reason is the stop string or the stop token id (None for EOS).
 - "stop" too: the request's structured-output constraint is complete (its grammar matcher, advanced
-  by every token here, accepted an end token: lora_runner.engine.structured), or, before min_tokens,
+  by every token here, accepted an end token: lora_runner.engine.structured), or, while EOS may not
+  end it (min_tokens or ignore_eos: StopTokens.eos_allowed, under which its mask leaves EOS out),
   allows nothing but an end token next (vLLM's outcome: the constraint wins over min_tokens).
 - "length": max_tokens generated, or the sequence reached max_model_len.
 
@@ -79,7 +80,7 @@ class OutputProcessor:
         params = request.params
         # the matcher follows every token (a stop below must not leave it behind); StructuredOutputError
         # for a token its mask did not allow fails this request alone (Scheduler.postprocess)
-        if request.grammar is not None and request.grammar.accept(token_id, self.stop_tokens(request).may_stop) and \
+        if request.grammar is not None and request.grammar.accept(token_id, self.stop_tokens(request).eos_allowed) and \
                 not stop_tokens(params, request.num_output_tokens - 1, self.eos_token_ids).stops(token_id):
             text.add(token_id, match_stop=False)
             return "stop"

@@ -113,6 +113,9 @@ class EngineClient(Protocol):
     def served_adapters(self) -> list[ServedAdapter]:
         """Every served adapter: LoRAs, then prompt adapters, each in the order first served."""
 
+    def num_virtual_tokens(self, name: str) -> int | None:
+        """The virtual tokens of the prompt adapter served as ``name`` (None: none, or not loaded now)."""
+
     # ---- health, stats, shutdown
     @property
     def is_running(self) -> bool:

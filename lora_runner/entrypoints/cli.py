@@ -24,6 +24,7 @@ from lora_runner.entrypoints.openai.app import build_app
 from lora_runner.entrypoints.openai.connections import ConnectionLimits
 from lora_runner.entrypoints.openai.shutdown import GracefulServer
 from lora_runner.entrypoints.openai.state import ServerConfig
+from lora_runner.entrypoints.openai.tenants import KeyRing
 from lora_runner.entrypoints.ray.config import RayConfig, check_ray_serving
 from lora_runner.entrypoints.startup_check import check_startup
 
@@ -183,6 +184,7 @@ def serve(args: argparse.Namespace) -> None:
     port is bound (Ray: checked) before the model loads, so a taken port is said at once."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, server, adapters = engine_config(args), server_config(args), startup_adapters(args)
+    KeyRing.from_options(list(server.api_keys), server.tenant_keys)  # bad keys are said now, also for Ray
     layout = ray_config(args)
     if layout.enabled:
         check_ray_serving(server)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from lora_runner.core.request import Request
+from lora_runner.core.stop_rule import stop_tokens
 from lora_runner.engine.structured.backend import StructuredOutputError, xgrammar
 from lora_runner.engine.structured.grammar_compiler import GrammarCompiler
 from lora_runner.engine.structured.request_grammar import RequestGrammar
@@ -84,7 +85,8 @@ class StructuredOutputs:
             return [], None
         bitmask = xgrammar().allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W] int32, all allowed
         for index, row in enumerate(rows):
-            sampled[row].grammar.fill(bitmask, index)
+            request = sampled[row]
+            request.grammar.fill(bitmask, index, stop_tokens(request.params, request.num_output_tokens, ()).eos_allowed)
         return rows, bitmask
 
     def close(self) -> None:

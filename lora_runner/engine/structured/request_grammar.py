@@ -56,14 +56,19 @@ class RequestGrammar:
             return "failed"
         return "loading"
 
-    def fill(self, bitmask: torch.Tensor, index: int) -> None:
-        """Write the ids the constraint allows next into row `index` of `bitmask` [C, ceil(V / 32)] int32."""
+    def fill(self, bitmask: torch.Tensor, index: int, eos_allowed: bool = True) -> None:
+        """Write the ids the constraint allows next into row `index` of `bitmask` [C, ceil(V / 32)] int32;
+        without its end tokens unless `eos_allowed` (ignore_eos and min_tokens: lora_runner.core.stop_rule)."""
         assert self.matcher is not None, "a request is sampled before its grammar is ready"
         self.matcher.fill_next_token_bitmask(bitmask, index)
+        if not eos_allowed:
+            for token_id in self.matcher.stop_token_ids:
+                bit = token_id % 32  # int32 words: bit 31 is the sign bit
+                bitmask[index, token_id // 32] &= (1 << 31) - 1 if bit == 31 else ~(1 << bit)
 
     def accept(self, token_id: int, may_stop: bool = True) -> bool:
         """Advance by the sampled token; True when the constraint is complete: its end token was
-        sampled or, while the request may not stop yet (`may_stop` False: min_tokens), it allows
+        sampled or, while EOS may not end the request (`may_stop` False: min_tokens, ignore_eos), it allows
         nothing but an end token next (see the module docstring). StructuredOutputError when the
         token breaks the constraint (it was masked)."""
         assert self.matcher is not None, "a token is appended before the grammar is ready"

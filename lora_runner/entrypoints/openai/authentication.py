@@ -4,6 +4,10 @@
 wrong key is a 401 at once, so a keyless 1 MiB body is neither received nor parsed (FastAPI parses
 a route's body model before it runs the route's dependencies). The tenant it found rides on the
 ASGI scope to the routes' ``authenticate`` dependency.
+
+A request with more than one Authorization header is a 400: servers and proxies disagree on which
+one counts (the first, the last, both joined), so accepting either would let a proxy that checked
+one key pass a request the server runs as another.
 """
 
 from __future__ import annotations
@@ -40,16 +44,17 @@ class KeyCheckMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        authorization = _header(scope, b"authorization")
         try:
+            authorization = single_header(scope.get("headers") or [], b"authorization")
             scope[TENANT_SCOPE_KEY] = require_tenant(self.keys, authorization)
         except APIError as err:
             return await err.response()(scope, receive, send)
         await self.app(scope, receive, send)
 
 
-def _header(scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers") or []:
-        if key == name:
-            return value.decode("latin-1")
-    return None
+def single_header(headers, name: bytes) -> str | None:
+    """The value of header `name` (lower-case bytes) in ASGI `headers`; None when absent, 400 when repeated."""
+    values = [value for key, value in headers if key.lower() == name]
+    if len(values) > 1:
+        raise APIError(400, f"{len(values)} {name.decode()} headers: send exactly one", "ambiguous_credentials")
+    return values[0].decode("latin-1") if values else None

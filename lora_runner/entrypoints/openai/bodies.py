@@ -6,6 +6,11 @@ other tenant's stream waits. Here the JSON is decoded on the prompt pool, the nu
 messages is checked on the decoded value (400, before any validation), and only then is the body
 model validated, still on the pool. Fields the model does not know are dropped and reported
 (ignored_fields), unless the server was started with --strict-request-fields.
+
+JSON can say things no later stage can carry: an escaped lone UTF-16 surrogate decodes to a string
+no tokenizer encodes, and nesting deeper than Python's recursion limit breaks the decoder with a
+RecursionError (which the rest of the server reads as a stopped engine). Both are 400 here, before
+any other stage sees the body; so is nesting deeper than MAX_BODY_DEPTH, which no request needs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from lora_runner.entrypoints.openai.tool_calls.definitions import MAX_TOOLS
 
 logger = logging.getLogger(__name__)
 
+MAX_BODY_DEPTH = 128  # nesting of objects and arrays in a body (a 32-deep schema is about 64 of them)
+
 
 async def parse_body(state: ServerState, request: Request, model: type[BaseModel]) -> BaseModel:
     """The request's body as `model` (400 for bad JSON, too many prompts or messages, invalid fields)."""
@@ -43,6 +50,10 @@ def parse_raw_body(config: ServerConfig, raw: bytes, model: type[BaseModel]) -> 
         decoded = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise APIError(400, f"the body is not valid JSON: {exc}", "invalid_request") from None
+    except RecursionError:
+        raise APIError(400, f"the body nests objects or arrays more than {MAX_BODY_DEPTH} deep",
+                       "invalid_request") from None
+    check_decoded(decoded)
     ignored: list[str] = []
     if isinstance(decoded, dict):
         check_counts(config, decoded)
@@ -67,3 +78,29 @@ def check_counts(config: ServerConfig, decoded: dict) -> None:
     if isinstance(messages, list) and len(messages) > config.max_chat_messages:
         raise APIError(400, f"{len(messages)} messages, more than the limit of {config.max_chat_messages} "
                        "(--max-chat-messages)", "too_many_messages")
+
+
+def check_decoded(decoded) -> None:
+    """400 for nesting deeper than MAX_BODY_DEPTH or a string (value or key) that is no valid Unicode
+    text (a lone surrogate). Walks the value iteratively: a deep value must not exhaust the stack."""
+    stack = [(decoded, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_BODY_DEPTH:
+                raise APIError(400, f"the body nests objects or arrays more than {MAX_BODY_DEPTH} deep",
+                               "invalid_request")
+            if isinstance(value, dict):
+                for key in value:
+                    _check_text(key)
+            stack += [(item, depth + 1) for item in (value.values() if isinstance(value, dict) else value)]
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # only a surrogate can fail: JSON joins valid pairs into one character
+        raise APIError(400, f"the body holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}), which is "
+                       "no valid text", "invalid_request") from None

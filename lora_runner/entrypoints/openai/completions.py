@@ -15,7 +15,7 @@ from fastapi import Request
 from lora_runner.entrypoints.openai.echo import ChoiceExtras
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.formatting import ChatFormat, CompletionFormat
-from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation
+from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation, virtual_tokens
 from lora_runner.entrypoints.openai.prompts import chat_prompt, check_chat, completion_prompt_list, encode_prompts
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from lora_runner.entrypoints.openai.sampling import (check_supported, requested_logprobs, requested_prompt_logprobs,
@@ -55,7 +55,7 @@ async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatC
     try:
         prompt = await state.off_loop(chat_prompt, state, body.messages, tools.tools)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(
-            state.max_tokens_limit, state.max_model_len - len(prompt)))
+            state.max_tokens_limit, state.max_model_len - len(prompt) - virtual_tokens(state, target)))
         last = body.messages[-1]
         echo = [last.text()] if body.echo and last.role == "assistant" else None
         return await _generate(state, tenant, body, request, target, [prompt], max_tokens, logprobs, started,
@@ -86,7 +86,7 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     keep = body.truncate_prompt_tokens
     if keep is not None and keep != 0:  # 0 is refused by SamplingParams below
         prompts = [ids[-(state.max_model_len if keep == -1 else keep):] for ids in prompts]
-    check_lengths(state, prompts, max_tokens)
+    check_lengths(state, prompts, max_tokens, virtual_tokens(state, target))
     prompt_logprobs = requested_prompt_logprobs(body, state.max_logprobs)
     params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
     tools = tools or ToolPlan()

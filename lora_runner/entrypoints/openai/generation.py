@@ -88,17 +88,28 @@ def resolve_target(state: ServerState, tenant: Tenant, model: str, prompt_adapte
     return Target(model, target.lora, served.request)
 
 
-def check_lengths(state: ServerState, prompts: list[list[int]], max_tokens: int) -> None:
-    """400 for a prompt over the prompt-token limit or a max_tokens that does not fit the context."""
+def virtual_tokens(state: ServerState, target: Target) -> int:
+    """The placeholder tokens the target's prompt adapter puts before each prompt (0: none, or its
+    weights are not loaded now; the engine checks the prompt with them once they are)."""
+    if target.prompt_adapter is None:
+        return 0
+    return state.engine.num_virtual_tokens(target.prompt_adapter.name) or 0
+
+
+def check_lengths(state: ServerState, prompts: list[list[int]], max_tokens: int, num_virtual: int = 0) -> None:
+    """400 for a prompt over the prompt-token limit or a max_tokens that does not fit the context
+    (num_virtual: a prompt adapter's placeholder tokens, which take context like prompt tokens)."""
     if max_tokens > state.max_tokens_limit:
         raise APIError(400, f"max_tokens must be <= {state.max_tokens_limit}, got {max_tokens}", "invalid_value")
+    virtual = f" + {num_virtual} virtual tokens of the prompt adapter" if num_virtual else ""
     for ids in prompts:
         if len(ids) > state.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(ids)} tokens, more than the limit of "
                            f"{state.max_prompt_tokens}", "prompt_too_long")
-        if len(ids) + max_tokens > state.max_model_len:
+        if len(ids) + num_virtual + max_tokens > state.max_model_len:
             raise APIError(400, f"this model's maximum context length is {state.max_model_len} tokens, but "
-                           f"{len(ids)} prompt tokens + {max_tokens} max_tokens were requested", "context_length_exceeded")
+                           f"{len(ids)} prompt tokens{virtual} + {max_tokens} max_tokens were requested",
+                           "context_length_exceeded")
 
 
 @dataclass

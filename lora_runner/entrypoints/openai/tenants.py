@@ -3,7 +3,8 @@
 A tenant-keys file (JSON or YAML) maps each key to a tenant::
 
     sk-acme-123:
-      name: acme            # optional; shown in logs and passed to the engine's fair scheduling
+      name: acme            # optional (default tenant-<entry index>); unique; shown in logs and
+                            # passed to the engine's fair scheduling
       adapters: [acme-support, acme-sql]   # names this key may list and use ("*": every adapter)
       base: true            # may use the base model (default false)
       admin: false          # may load/unload its own adapters at run time (default false)
@@ -14,6 +15,10 @@ A tenant-keys file (JSON or YAML) maps each key to a tenant::
 Keys given with ``--api-key`` are the operator's: they may use everything, are admins, load from the
 whole adapter root and alone may read ``/metrics`` (which names every tenant's adapters). Keys are
 compared in constant time (hmac.compare_digest) against every configured key.
+
+A tenant's name keys its prefix-cache salt, fair-share counter and adapter folder, so no two keys
+may share one: names (explicit, or the ``tenant-<index>`` of an unnamed entry, or the
+``api-key-<index>`` of an --api-key key) that repeat are refused at start.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ def load_tenant_keys(path: str | Path) -> dict[str, Tenant]:
         name = parsed.name or f"tenant-{index}"
         tenants[key] = Tenant(name, adapters, parsed.base, parsed.admin, parsed.max_concurrent_requests,
                               _sub_root(path, index, name, parsed.adapter_root))
+    check_unique_names(tenants, path)
     return tenants
 
 
@@ -96,6 +102,17 @@ def _sub_root(path, index: int, name: str, adapter_root: str | None) -> str:
     except PathEscapeError as exc:
         raise ValueError(f"tenant keys file {path}: entry {index} ({name}): adapter_root: {exc} (set adapter_root "
                          "to a folder name, or '.' for the whole root)") from None
+
+
+def check_unique_names(tenants: dict[str, Tenant], tenant_file: str | Path | None) -> None:
+    """ValueError naming the first tenant name two keys share (never a key)."""
+    seen = set()
+    for tenant in tenants.values():
+        if tenant.name in seen:
+            raise ValueError(f"tenant keys file {tenant_file}: two keys are both tenant {tenant.name!r} (an --api-key "
+                             "key is api-key-<i>, an entry without a name tenant-<entry index>): give each entry "
+                             "its own name; tenants share no prefix cache, fair share or adapter folder")
+        seen.add(tenant.name)
 
 
 def parsed_name(entry) -> str:
@@ -120,6 +137,7 @@ class KeyRing:
             if clash:
                 raise ValueError("a key is given both with --api-key and in --tenant-keys")
             tenants.update(file_tenants)
+        check_unique_names(tenants, tenant_file)
         return cls(tenants)
 
     @property

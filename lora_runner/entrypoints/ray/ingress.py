@@ -25,9 +25,10 @@ from ray.exceptions import RayActorError, RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from lora_runner.entrypoints.launch import StartupAdapters
-from lora_runner.entrypoints.openai.authentication import require_operator, require_tenant
+from lora_runner.entrypoints.openai.authentication import require_operator, require_tenant, single_header
 from lora_runner.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from lora_runner.entrypoints.openai.formatting import sse
+from lora_runner.entrypoints.openai.metrics import OTHER_MODEL
 from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
 from lora_runner.entrypoints.openai.state import ServerConfig
 from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
@@ -62,6 +63,10 @@ class Ingress:
         self.send_timeout = server_config.stream_send_timeout  # a client that stops reading is given up
         # the LoRA names the replicas serve (fixed at startup: no runtime loads on Ray): the multiplexed ids
         self.loras = frozenset(lora.name for lora in adapters.loras)
+        # the request counter's model labels: served names only, anything else is "other" (a body may name
+        # any string, 100 KB of it; each would be a series of the operator's /metrics forever)
+        self.labelled = frozenset({server_config.served_model_name, *self.loras,
+                                   *(adapter.name for adapter in adapters.prompt_adapters)})
         self.requests: Counter[tuple[str, str]] = Counter()  # (replica, model) -> generation requests
         self.reports: dict[str, dict] = {}  # replica -> its latest report
 
@@ -71,7 +76,7 @@ class Ingress:
         return Response(render_metrics(self.requests, self.reports), media_type=CONTENT_TYPE_LATEST)
 
     def _tenant(self, request: Request) -> Tenant:
-        return require_tenant(self.keys, request.headers.get("authorization"))
+        return require_tenant(self.keys, single_header(request.scope.get("headers") or [], b"authorization"))
 
     def no_runtime_updates(self, request: Request) -> Response:
         """The load/unload routes: one replica cannot change what all replicas serve."""
@@ -104,7 +109,7 @@ class Ingress:
             raise _replica_error(exc) from exc
         self.reports[head["replica"]] = head
         if model is not None:
-            self.requests[(head["replica"], model)] += 1
+            self.requests[(head["replica"], model if model in self.labelled else OTHER_MODEL)] += 1
         headers = {k: v for k, v in head["headers"] if k.lower() in _FORWARDED_HEADERS}
         headers[REPLICA_HEADER] = head["replica"]
         if "text/event-stream" in headers.get("content-type", ""):

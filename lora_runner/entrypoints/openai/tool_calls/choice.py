@@ -71,10 +71,11 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan:
     parameters = {tool.function.name: tool.function.parameters or ANY_OBJECT for tool in body.tools}
     if choice == "none":
         return ToolPlan(tools)
+    offered = frozenset(parameters)  # only these names become tool calls
     if choice in (None, "auto"):
-        return ToolPlan(tools, None, HermesToolParser)
+        return ToolPlan(tools, None, lambda: HermesToolParser(offered))
     if choice == "required":
-        return ToolPlan(tools, _structured(required_calls_schema(parameters)), RequiredCallsParser)
+        return ToolPlan(tools, _structured(required_calls_schema(parameters)), lambda: RequiredCallsParser(offered))
     return _named(tools, parameters, choice)
 
 

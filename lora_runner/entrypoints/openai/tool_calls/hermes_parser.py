@@ -4,7 +4,9 @@
 Text outside the markup is content; whitespace right before a call (and trailing whitespace, once a
 call was made) is dropped, so content never ends in the newline that separated it from the markup. A
 call whose JSON is not a {"name": str, "arguments": object or str} stays in the content as the model
-wrote it, markup included: malformed output is shown, never an error.
+wrote it, markup included: malformed output is shown, never an error. So does a call of a function
+the request did not offer, and one whose JSON repeats a key (``"name"`` twice: JSON readers disagree on
+which one counts): an agent runs what it gets as ``tool_calls``, so only offered names go there.
 
 The parser sees the text in whatever pieces the engine hands over (one token, or many merged when a
 client reads slowly) and answers the same calls and content for every split of a well-formed output.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Collection
 
 from lora_runner.entrypoints.openai.tool_calls.deltas import Extracted, ToolCallDelta, new_call_id
 
@@ -37,16 +40,29 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-def call_arguments(body: str) -> tuple[str, str] | None:
-    """(name, arguments as a JSON string) of one call's JSON text; None when it is no valid call.
+def loads_unique(text: str):
+    """json.loads, but ValueError for an object that repeats a key (JSON readers disagree on which wins)."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        raise ValueError("an object repeats a key")
+    return found
+
+
+def call_arguments(body: str, offered: Collection[str]) -> tuple[str, str] | None:
+    """(name, arguments as a JSON string) of one call's JSON text; None when it is no valid call of
+    an `offered` function (or its JSON repeats a key).
 
     The arguments are the model's own text of the object when the call starts with the name (as
     streamed), else (another key order, extra keys) the object re-serialized."""
     try:
-        call = json.loads(body)
+        call = loads_unique(body)
     except ValueError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in offered:
         return None
     arguments = call.get("arguments", call.get("parameters"))
     if isinstance(arguments, str):
@@ -75,9 +91,11 @@ def _loads(text: str):
 
 
 class HermesToolParser:
-    """Feeds of one choice's text -> Extracted (content, tool-call deltas); see the module docstring."""
+    """Feeds of one choice's text -> Extracted (content, tool-call deltas); see the module docstring.
+    offered: the names of the functions the request offered (only these become calls)."""
 
-    def __init__(self) -> None:
+    def __init__(self, offered: Collection[str]) -> None:
+        self.offered = frozenset(offered)
         self.num_calls = 0
         self._buffer = ""  # text not handled yet: a possible tag start, or the open call's body
         self._inside = False
@@ -127,7 +145,7 @@ class HermesToolParser:
         body = self._buffer if end < 0 else self._buffer[:end]
         self._buffer = "" if end < 0 else self._buffer[end + len(CLOSE):]
         self._inside = False
-        parsed = call_arguments(body)
+        parsed = call_arguments(body, self.offered)
         if parsed is None:
             if self._streamed is not None:
                 logger.warning("tool call %s turned out malformed after its start was streamed", self._streamed.id)
@@ -152,7 +170,7 @@ class HermesToolParser:
             return
         if self._streamed is None:
             name = _loads(f'"{match.group(1)}"')
-            if not isinstance(name, str) or not name:
+            if name not in self.offered:  # stays in the buffer: content once the call closes
                 return
             self._streamed = ToolCallDelta(self.num_calls, new_call_id(), name, "")
             self.num_calls += 1
