@@ -138,7 +138,7 @@ def _supported_text(spec: ModelSpec, dora: bool = False) -> str:
     single, fused = {}, {}
     for module in spec.modules:
         for path, indices in module.peft_modules:
-            (single if len(indices) == 1 else fused)[_layer_free(path)[0]] = None
+            (single if len(indices) == 1 and module.dora else fused)[_layer_free(path)[0]] = None
     if dora:
         return ", ".join(single)
     text = "plain LoRA or DoRA on " + (", ".join(single) or "no module")
@@ -369,7 +369,7 @@ def _check_dora(name: str, config: dict, targeted: dict, spec: ModelSpec, base_w
         return False
     targets = spec.peft_targets()
     for key in targeted:
-        if key not in targets or len(targets[key][1]) != 1:
+        if key not in targets or len(targets[key][1]) != 1 or not targets[key][0].dora:
             raise UnsupportedAdapterError(f"adapter {name!r}: DoRA on {key} is not supported; DoRA is served on "
                                           f"{_supported_text(spec, dora=True)}")
     if base_weight is None:

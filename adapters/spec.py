@@ -67,7 +67,8 @@ class LoRAModule:
     ``peft_modules``: (PEFT module path from the model root, e.g. "model.layers.0.self_attn.q_proj",
     indices of the slices it covers). ``parallel``: COLUMN (output rows split: per slice
     ``out_splits``), ROW (input columns split: ``in_split``; outputs all-reduced) or REPLICATED. A
-    rank's own descriptor (:meth:`shard`) has the rank's sizes and no splits."""
+    rank's own descriptor (:meth:`shard`) has the rank's sizes and no splits. ``dora``: False for a
+    layer that applies plain LoRA only (a mixture-of-experts' experts)."""
 
     layer: int
     name: str  # the module's slot key within its layer ("qkv")
@@ -77,6 +78,7 @@ class LoRAModule:
     parallel: str = REPLICATED
     out_splits: tuple[Split, ...] = ()
     in_split: Split | None = None
+    dora: bool = True  # whether the layer applies DoRA's column scales (False: DoRA on it is refused)
 
     def __post_init__(self) -> None:
         assert self.in_features > 0 and self.slice_sizes and all(s > 0 for s in self.slice_sizes), self

@@ -141,11 +141,38 @@ def _packed_names(config, prefix: str, fused: str, leaves: tuple[str, ...]) -> t
     return tuple((f"{prefix}.{leaf}", (j,)) for j, leaf in enumerate(leaves))
 
 
+# checkpoint / PEFT names of a sparse-MoE block: (parent, gate (slice 0 of gate_up), up (slice 1), down)
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+              "qwen_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def moe_lora_modules(config, layer: int) -> tuple[LoRAModule, ...]:
+    """(router, then per expert e: gate_up, down) of one sparse-MoE layer (lora_runner.model.moe), one
+    module per expert per projection, named "router", "experts.<e>.gate_up", "experts.<e>.down"; PEFT /
+    checkpoint paths as Hub checkpoints name them per expert (Mixtral ``block_sparse_moe.experts.<e>.w1``
+    (gate) / ``w3`` (up) / ``w2`` (down) and ``block_sparse_moe.gate``; Qwen3-MoE ``mlp.experts.<e>.
+    gate_proj`` / ``up_proj`` / ``down_proj`` and ``mlp.gate``). Not split over ranks (the block refuses
+    tensor parallelism); the experts apply plain LoRA only (``dora=False``)."""
+    parent, gate, up, down = _MOE_NAMES[config.moe_naming]
+    prefix, hidden, rows = f"model.layers.{layer}.{parent}", config.hidden_size, config.moe_intermediate_size
+    modules = [LoRAModule(layer, "router", hidden, (config.num_experts,), ((f"{prefix}.gate", (0,)),))]
+    for e in range(config.num_experts):
+        expert = f"{prefix}.experts.{e}"
+        modules.append(LoRAModule(layer, f"experts.{e}.gate_up", hidden, (rows, rows),
+                                  ((f"{expert}.{gate}", (0,)), (f"{expert}.{up}", (1,))), dora=False))
+        modules.append(LoRAModule(layer, f"experts.{e}.down", rows, (hidden,), ((f"{expert}.{down}", (0,)),),
+                                  dora=False))
+    return tuple(modules)
+
+
 def decoder_lora_modules(config) -> tuple[LoRAModule, ...]:
     """Every LoRA-capable module of a Llama-family decoder of ``config`` (a ModelConfig), as its
-    layers build them: per layer qkv, o, gate_up, down."""
+    layers build them: per layer qkv, o, then gate_up, down (a sparse-MoE layer: :func:`moe_lora_modules`)."""
+    moe_layers = set(getattr(config, "moe_layers", ()))
     return tuple(module for layer in range(config.num_layers)
-                 for module in (*attention_lora_modules(config, layer), *mlp_lora_modules(config, layer)))
+                 for module in (*attention_lora_modules(config, layer),
+                                *(moe_lora_modules(config, layer) if layer in moe_layers
+                                  else mlp_lora_modules(config, layer))))
 
 
 def collect_spec(model: nn.Module, spec: ModelSpec) -> ModelSpec:
