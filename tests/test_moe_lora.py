@@ -7,8 +7,9 @@ PEFT's file format, and the oracle is transformers with the merged weights (W_e 
 the router's and attention's likewise). The attention-only adapter is written by PEFT and its oracle
 is PEFT's forward. One mixed batch holds the base model, an adapter on every expert (and q/v), one on
 two experts only, a router adapter and the attention-only one, over prefill and decodes; an engine
-with fewer slots than adapters serves them in mixed batches. DoRA on an expert and PEFT's
-``target_parameters`` (fused expert LoRA, not served yet) are refused naming the module / field.
+with fewer slots than adapters serves them in mixed batches. PEFT's ``target_parameters`` LoRA on
+the fused experts (written by PEFT) matches PEFT's forward. DoRA on an expert and target_parameters
+naming a parameter that is not a stacked expert one (the router's) are refused naming it.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def test_engine_serves_expert_adapters_over_fewer_slots(tmp_path, greedy_oracle)
             assert abs(got[tokens[step]] - want) <= ATOL, (request_id, name, step)
 
 
-def test_dora_on_an_expert_and_target_parameters_are_refused(tmp_path):
+def test_dora_on_an_expert_and_other_target_parameters_are_refused(tmp_path):
     save_moe(tmp_path / "model", "mixtral", seed=23)
     spec = load_model(str(tmp_path / "model"))[1].spec()
     write_adapter(tmp_path / "dora", spec, ["w2"], 2, 4, seed=0)
@@ -161,9 +162,36 @@ def test_dora_on_an_expert_and_target_parameters_are_refused(tmp_path):
     config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"use_dora": True}))
     with pytest.raises(UnsupportedAdapterError, match=r"DoRA on model\.layers\.0\.block_sparse_moe\.experts\.0\.w2"):
         load_lora("dora", str(tmp_path / "dora"), spec, max_lora_rank=8, base_weight=lambda layer, name: None)
-    write_adapter(tmp_path / "fused", spec, ["q_proj"], 2, 4, seed=0)
-    config_path = tmp_path / "fused" / "adapter_config.json"
-    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {
-        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}))
-    with pytest.raises(UnsupportedAdapterError, match="target_parameters"):
-        load_lora("fused", str(tmp_path / "fused"), spec, max_lora_rank=8)
+    write_adapter(tmp_path / "router-param", spec, ["q_proj"], 2, 4, seed=0)
+    config_path = tmp_path / "router-param" / "adapter_config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"target_parameters": ["mlp.gate.weight"]}))
+    with pytest.raises(UnsupportedAdapterError, match=r"target_parameters 'mlp.gate.weight' names no stacked"):
+        load_lora("router-param", str(tmp_path / "router-param"), spec, max_lora_rank=8)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's own warnings on target_parameters
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_target_parameters_on_fused_experts_match_peft(family, tmp_path):
+    """PEFT's target_parameters LoRA on transformers 5's fused experts (lora_A [E*r, in], lora_B
+    [out, E*r], nested ParamWrapper keys) beside a per-expert adapter and the base model in one batch,
+    vs PEFT's own forward."""
+    hf = save_moe(tmp_path / "model", family, seed=24)
+    model, config, _ = load_model(str(tmp_path / "model"))
+    spec = config.spec()
+    oracles = {"fused": save_lora(hf, tmp_path / "fused", seed=1, r=3, lora_alpha=6, target_modules=["q_proj"],
+                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+               "per-expert": family_adapters(tmp_path, hf, spec)["all-experts"][1]}
+    slots, slot_of = LoRASlots(spec, 2, 8), {"fused": 1, "per-expert": 0}
+    slots.write(1, load_lora("fused", str(tmp_path / "fused"), spec, max_lora_rank=8))
+    slots.write(0, load_lora("all-experts", str(tmp_path / "all-experts"), spec, max_lora_rank=8))
+    seq_adapter = dict(enumerate([None, "fused", "per-expert"]))
+    gen = torch.Generator().manual_seed(4)
+    full = {s: torch.randint(3, 256, (8,), generator=gen) for s in seq_adapter}
+    expected = {s: hf_logits(oracles[a] if a else hf, full[s]) for s, a in seq_adapter.items()}
+    assert (expected[1] - hf_logits(hf, full[1])).abs().max() > 1e-2  # the fused adapter moves the logits
+    meta, driver = punica_kernels.LoRAMeta(64, 2, "cpu"), PagedDriver(model, config, block_size=4, seed=1)
+    for start, end in ((0, 6), (6, 7), (7, 8)):
+        chunks = [(s, full[s][start:end]) for s in seq_adapter]
+        punica_kernels.load_table(meta, torch.tensor([slot_of.get(seq_adapter[s], -1) for s, t in chunks for _ in t]))
+        for (s, _), got in zip(chunks, driver.step(chunks, lora=LoRAContext(meta, slots))):
+            assert_close(got, expected[s][start:end], f"tokens {start}..{end}, {seq_adapter[s] or 'base'}")

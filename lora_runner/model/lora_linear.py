@@ -152,16 +152,20 @@ def moe_lora_modules(config, layer: int) -> tuple[LoRAModule, ...]:
     checkpoint paths as Hub checkpoints name them per expert (Mixtral ``block_sparse_moe.experts.<e>.w1``
     (gate) / ``w3`` (up) / ``w2`` (down) and ``block_sparse_moe.gate``; Qwen3-MoE ``mlp.experts.<e>.
     gate_proj`` / ``up_proj`` / ``down_proj`` and ``mlp.gate``). Not split over ranks (the block refuses
-    tensor parallelism); the experts apply plain LoRA only (``dora=False``)."""
+    tensor parallelism); the experts apply plain LoRA only (``dora=False``). Each expert module is also
+    entry e of transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj``, which PEFT's
+    ``target_parameters`` adapters target (``stacked``, adapters.stacked)."""
     parent, gate, up, down = _MOE_NAMES[config.moe_naming]
     prefix, hidden, rows = f"model.layers.{layer}.{parent}", config.hidden_size, config.moe_intermediate_size
     modules = [LoRAModule(layer, "router", hidden, (config.num_experts,), ((f"{prefix}.gate", (0,)),))]
-    for e in range(config.num_experts):
+    stacked, count = f"model.layers.{layer}.mlp.experts", config.num_experts  # transformers 5's fused parameters
+    for e in range(count):
         expert = f"{prefix}.experts.{e}"
         modules.append(LoRAModule(layer, f"experts.{e}.gate_up", hidden, (rows, rows),
-                                  ((f"{expert}.{gate}", (0,)), (f"{expert}.{up}", (1,))), dora=False))
+                                  ((f"{expert}.{gate}", (0,)), (f"{expert}.{up}", (1,))), dora=False,
+                                  stacked=(f"{stacked}.gate_up_proj", e, count)))
         modules.append(LoRAModule(layer, f"experts.{e}.down", rows, (hidden,), ((f"{expert}.{down}", (0,)),),
-                                  dora=False))
+                                  dora=False, stacked=(f"{stacked}.down_proj", e, count)))
     return tuple(modules)
 
 
