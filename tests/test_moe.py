@@ -1,10 +1,11 @@
-"""Mixtral and Qwen3-MoE base models against transformers (fp32 CPU).
+"""Mixtral, Qwen3-MoE and Qwen2-MoE base models against transformers (fp32 CPU).
 
 Tiny random checkpoints written by transformers' save_pretrained (the per-expert layout it writes)
 and, from the same model's state dict, in transformers 5's fused layout (``mlp.experts.gate_up_proj``
 [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]); our logits within 1e-5 of transformers' forward over
 a prefill and decodes on a scattered paged cache; an LLMEngine's greedy tokens equal transformers';
-the routing renormalisation and the router's top-k matter (dropping one is caught).
+the routing renormalisation, the router's top-k and the shared expert's gate matter (breaking one is
+caught).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ MOE_MODELS = {
                                                   num_experts=5, num_experts_per_tok=3, norm_topk_prob=False)),
     "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, intermediate_size=48, num_local_experts=4,
                                       num_experts_per_tok=2)),
+    # shared expert with its sigmoid gate, q/k/v biases, layer 0 dense
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=40,
+                                         shared_expert_intermediate_size=56, num_experts=4, num_experts_per_tok=2,
+                                         norm_topk_prob=False, mlp_only_layers=[0], qkv_bias=True)),
 }
 
 
@@ -46,7 +51,12 @@ def build_moe(name: str, seed: int = 0):
     config_class, sizes = MOE_MODELS[name]
     config = getattr(transformers, config_class)(**SIZES, **sizes)
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers zeroes biases and sets norms to 1, where a dropped one would hide
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(torch.randn(param.shape) * 0.3)
+    return model
 
 
 def save_moe(path, name: str, seed: int = 0, fused: bool = False):
@@ -111,9 +121,13 @@ def test_routing_details_matter(ckpt, monkeypatch):
     tokens = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(3))
     expected = hf_logits(ckpt.hf, tokens)
     blocks = [layer.mlp for layer in ckpt.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
-    for attribute, broken in (("renormalize", not blocks[0].renormalize), ("top_k", blocks[0].top_k - 1)):
+    breaks = [("renormalize", not blocks[0].renormalize), ("top_k", blocks[0].top_k - 1)]
+    if hasattr(blocks[0], "shared_expert"):  # Qwen2-MoE: the shared expert's gate always open
+        breaks.append(("shared_expert_gate", lambda x, lora: torch.full((x.shape[0], 1), 30.0)))
+    for attribute, broken in breaks:
         for block in blocks:
-            monkeypatch.setattr(block, attribute, broken)
+            owner = block.shared_expert_gate if attribute == "shared_expert_gate" else block
+            monkeypatch.setattr(owner, "forward" if attribute == "shared_expert_gate" else attribute, broken)
         (got,) = PagedDriver(ckpt.model, ckpt.config).step([(0, tokens)])
         assert (got - expected).abs().max() > 1e-2, attribute
         monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""LoRA on Mixtral and Qwen3-MoE: per-expert module LoRA, router LoRA and attention LoRA, exact.
+"""LoRA on Mixtral, Qwen3-MoE and Qwen2-MoE: per-expert module, router, shared-expert and attention LoRA, exact.
 
 Per-expert adapters (``mlp.experts.<e>.gate_proj/up_proj/down_proj``, Mixtral's ``block_sparse_moe.
 experts.<e>.w1/w3/w2``) are what tools trained against transformers 4's per-expert modules write;
@@ -40,7 +40,7 @@ EXPERT_LEAVES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1"
 ADAPTERS = {
     "all-experts": (["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"], 4, 8),
     "two-experts": (r".*experts\.(0|2)\.(up_proj|down_proj|w3|w2)", 6, 12),
-    "router": (["gate"], 2, 4),
+    "router": (["gate", "shared_expert_gate"], 2, 4),
 }
 
 
@@ -103,7 +103,7 @@ def family_adapters(root, hf, spec, seed: int = 0) -> dict[str, tuple[str, torch
     return adapters
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_mixed_batch_matches_merged_and_peft_oracles(family, tmp_path):
     hf = save_moe(tmp_path / "model", family, seed=21)
     model, config, _ = load_model(str(tmp_path / "model"))
@@ -170,7 +170,7 @@ def test_dora_on_an_expert_and_other_target_parameters_are_refused(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's own warnings on target_parameters
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_target_parameters_on_fused_experts_match_peft(family, tmp_path):
     """PEFT's target_parameters LoRA on transformers 5's fused experts (lora_A [E*r, in], lora_B
     [out, E*r], nested ParamWrapper keys) beside a per-expert adapter and the base model in one batch,

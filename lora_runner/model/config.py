@@ -63,8 +63,8 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes and options of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3; Mixtral and
-    Qwen3-MoE: sparse-MoE MLPs)."""
+    """Sizes and options of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3; Mixtral,
+    Qwen3-MoE and Qwen2-MoE: sparse-MoE MLPs)."""
 
     architecture: str
     vocab_size: int
@@ -104,6 +104,7 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse-MoE block (the others: dense MLP)
     moe_naming: str = ""  # checkpoint / PEFT names: "mixtral" (block_sparse_moe, w1/w3/w2) or "qwen_moe"
     router_weights_in_float: bool = False  # Mixtral: the routing weights stay float32 (Qwen3-MoE: model dtype)
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's shared expert (None: none)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -214,6 +215,8 @@ def _check_moe(config: ModelConfig) -> None:
         raise ValueError(f"moe_intermediate_size must be a positive int, got {config.moe_intermediate_size!r}")
     if any(not 0 <= layer < config.num_layers for layer in config.moe_layers):
         raise ValueError(f"moe_layers {config.moe_layers} outside 0..{config.num_layers - 1}")
+    if config.shared_expert_intermediate_size is not None and not config.shared_expert_intermediate_size > 0:
+        raise ValueError(f"shared_expert_intermediate_size must be positive, got {config.shared_expert_intermediate_size!r}")
     if config.moe_naming not in ("mixtral", "qwen_moe"):
         raise ValueError(f"moe_naming must be 'mixtral' or 'qwen_moe', got {config.moe_naming!r}")
     if config.quantization is not None:

@@ -18,6 +18,8 @@ architecture's config keys onto those options and refuses what is not implemente
   ``moe_intermediate_size`` (Mixtral: ``intermediate_size``) rows, top-``num_experts_per_tok``
   routing, renormalised always (Mixtral) or with ``norm_topk_prob`` (Qwen3-MoE); Qwen3-MoE's dense
   layers (``mlp_only_layers``, ``decoder_sparse_step``) keep the dense MLP of ``intermediate_size``.
+* Qwen2-MoE: Qwen2's attention (q/k/v bias: ``qkv_bias``), Qwen3-MoE's routing, plus a shared expert of
+  ``shared_expert_intermediate_size`` every token takes, scaled by sigmoid(``shared_expert_gate``(x)).
 * Phi-3: fused ``qkv_proj`` / ``gate_up_proj`` in checkpoints and adapters, a sliding window on every
   layer, and LongRoPE ("longrope"; old configs say "su" or "yarn" for it).
 """
@@ -30,7 +32,7 @@ from typing import Any, Callable
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
-    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; GeGLU with the tanh approximation of GELU
@@ -128,10 +130,21 @@ def _mixtral(raw: dict[str, Any]) -> dict[str, Any]:
                 moe_layers=tuple(range(raw["num_hidden_layers"])), moe_naming="mixtral", router_weights_in_float=True)
 
 
+def _qwen_sparse_layers(raw: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen MoE layers: every decoder_sparse_step-th, but those mlp_only_layers keeps dense."""
+    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    return tuple(i for i in range(raw["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+def _qwen2_moe(raw: dict[str, Any]) -> dict[str, Any]:
+    return dict(**_qwen2(raw) | {"qkv_bias": bool(raw.get("qkv_bias", True))}, num_experts=_num_experts(raw),
+                num_experts_per_tok=raw.get("num_experts_per_tok", 4), moe_intermediate_size=raw.get("moe_intermediate_size"),
+                norm_topk_prob=bool(raw.get("norm_topk_prob")), moe_layers=_qwen_sparse_layers(raw),
+                moe_naming="qwen_moe", shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size"))
+
+
 def _qwen3_moe(raw: dict[str, Any]) -> dict[str, Any]:
-    experts, step = _num_experts(raw), raw.get("decoder_sparse_step", 1)
-    dense = set(raw.get("mlp_only_layers") or ())
-    sparse = tuple(i for i in range(raw["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    experts, sparse = _num_experts(raw), _qwen_sparse_layers(raw)
     # transformers' Qwen3-MoE slides every layer when the config keeps a window (unlike Qwen3's per-layer rule)
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     options = dict(_qwen3(raw), sliding_windows=() if window is None else (window,) * raw["num_hidden_layers"])
@@ -143,7 +156,7 @@ def _qwen3_moe(raw: dict[str, Any]) -> dict[str, Any]:
 _FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3, "Gemma2ForCausalLM": _gemma2, "Phi3ForCausalLM": _phi3,
-    "MixtralForCausalLM": _mixtral, "Qwen3MoeForCausalLM": _qwen3_moe,
+    "MixtralForCausalLM": _mixtral, "Qwen3MoeForCausalLM": _qwen3_moe, "Qwen2MoeForCausalLM": _qwen2_moe,
 }
 assert set(_FAMILIES) == set(SUPPORTED_ARCHITECTURES)
 

@@ -1,11 +1,12 @@
-"""The sparse mixture-of-experts block of Mixtral and Qwen3-MoE, with LoRA on its router and experts.
+"""The sparse mixture-of-experts block of Mixtral, Qwen3-MoE and Qwen2-MoE, with LoRA on its router and experts.
 
 Routing as transformers computes it: router logits x @ W_r.T in the model dtype, softmax in float32,
 top-k experts per token, the k probabilities renormalised to sum 1 (Mixtral always; Qwen3-MoE with
 ``norm_topk_prob``), then cast to the model dtype (Qwen3-MoE; Mixtral keeps them float32 until the
 weighted expert output is cast). Tokens are grouped by expert; each expert hit makes one GEMM per
 projection (gate,up packed -> "gate_up"; down) over its tokens, and the weighted outputs are summed
-per token in ascending expert order (transformers' order). A clear torch path: no fused kernel yet.
+per token in ascending expert order (transformers' order). Qwen2-MoE adds a shared expert every token
+takes, weighted by sigmoid(shared_expert_gate(x)). A clear torch path: no fused kernel yet.
 
 Every projection is a :class:`LoRALinear` of its own, built from the descriptors
 lora_runner.model.lora_linear.moe_lora_modules declares (one per expert per projection, PEFT /
@@ -53,6 +54,11 @@ class Expert(nn.Module):
             add_expert_lora(out, hidden, token_slots, lora, self.down)
         return out
 
+    def forward_all(self, x: torch.Tensor, lora: LoRAContext | None) -> torch.Tensor:
+        """The expert over every token x [T, hidden] (a shared expert), each token's LoRA through its linears."""
+        gate, up = self.gate_up(x, lora).chunk(2, dim=-1)  # [T, I] each
+        return self.down(F.silu(gate) * up, lora)  # [T, hidden]
+
 
 class SparseMoeBlock(nn.Module):
     """Router + ``num_experts`` experts of one layer; ``forward(hidden [T, H], ctx) -> [T, H]``."""
@@ -63,10 +69,15 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"tensor parallelism is not supported for mixture-of-experts models "
                              f"({config.architecture}); serve it with tensor_parallel_size=1")
         router, *projections = moe_lora_modules(config, layer)
+        projections, shared = projections[:2 * config.num_experts], projections[2 * config.num_experts:]
         self.router = LoRALinear(router, False, dtype, device)
         self.experts = nn.ModuleList(
             Expert(LoRALinear(gate_up, False, dtype, device), LoRALinear(down, False, dtype, device))
             for gate_up, down in zip(projections[0::2], projections[1::2]))
+        if config.shared_expert_intermediate_size:  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            gate_up, down, gate = shared
+            self.shared_expert = Expert(LoRALinear(gate_up, False, dtype, device), LoRALinear(down, False, dtype, device))
+            self.shared_expert_gate = LoRALinear(gate, False, dtype, device)
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.weights_in_float = config.router_weights_in_float
 
@@ -87,6 +98,9 @@ class SparseMoeBlock(nn.Module):
             token_idx, k_pos = torch.where(experts == expert)  # [M] each
             y = self.experts[expert](hidden[token_idx], None if slots is None else slots[token_idx], ctx.lora)
             out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
+        if hasattr(self, "shared_expert"):  # every token, its LoRA as any linear's
+            shared = self.shared_expert.forward_all(hidden, ctx.lora)  # [T, H]
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden, ctx.lora)) * shared
         return out
 
 
@@ -123,6 +137,7 @@ def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]], config) -> 
             yield name, tensor
             continue
         router, *projections = moe_lora_modules(config, int(match.group(1)))
+        projections = projections[:2 * config.num_experts]  # the routed experts' (not the shared expert's)
         if match.group(2) == "gate.weight":
             yield f"{router.peft_modules[0][0]}.weight", tensor
             continue
