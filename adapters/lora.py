@@ -139,7 +139,8 @@ def _supported_text(spec: ModelSpec, dora: bool = False) -> str:
     single, fused = {}, {}
     for module in spec.modules:
         for path, indices in module.peft_modules:
-            (single if len(indices) == 1 and module.dora else fused)[_layer_free(path)[0]] = None
+            # every index written N (layer, and expert: one entry for a MoE's experts, not one per expert)
+            (single if len(indices) == 1 and module.dora else fused)[_LAYER_INDEX_RE.sub(".N.", path)] = None
     if dora:
         return ", ".join(single)
     text = "plain LoRA or DoRA on " + (", ".join(single) or "no module")

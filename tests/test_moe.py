@@ -122,7 +122,7 @@ def test_routing_details_matter(ckpt, monkeypatch):
     expected = hf_logits(ckpt.hf, tokens)
     blocks = [layer.mlp for layer in ckpt.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
     breaks = [("renormalize", not blocks[0].renormalize), ("top_k", blocks[0].top_k - 1)]
-    if hasattr(blocks[0], "shared_expert"):  # Qwen2-MoE: the shared expert's gate always open
+    if blocks[0].shared_expert is not None:  # Qwen2-MoE: the shared expert's gate always open
         breaks.append(("shared_expert_gate", lambda x, lora: torch.full((x.shape[0], 1), 30.0)))
     for attribute, broken in breaks:
         for block in blocks:

@@ -126,6 +126,10 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
     (lora_runner.model.quant); anything this code does not implement is refused before any weight is
     allocated.
 
+    A mixture-of-experts checkpoint (Mixtral, Qwen3-MoE, Qwen2-MoE) may hold its experts per expert (as
+    Hub checkpoints and transformers' save_pretrained write them) or fused per layer (transformers 5's
+    in-memory ``mlp.experts.gate_up_proj`` / ``down_proj``): lora_runner.model.moe.split_fused_experts.
+
     Returns (LlamaForCausalLM or a subclass, ModelConfig, model_dir). Raises FileNotFoundError for a missing
     dir/repo/config/weights and ValueError for an unsupported architecture or option.
     """

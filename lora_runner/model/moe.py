@@ -74,7 +74,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             Expert(LoRALinear(gate_up, False, dtype, device), LoRALinear(down, False, dtype, device))
             for gate_up, down in zip(projections[0::2], projections[1::2]))
-        if config.shared_expert_intermediate_size:  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared:  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             gate_up, down, gate = shared
             self.shared_expert = Expert(LoRALinear(gate_up, False, dtype, device), LoRALinear(down, False, dtype, device))
             self.shared_expert_gate = LoRALinear(gate, False, dtype, device)
@@ -98,7 +99,7 @@ class SparseMoeBlock(nn.Module):
             token_idx, k_pos = torch.where(experts == expert)  # [M] each
             y = self.experts[expert](hidden[token_idx], None if slots is None else slots[token_idx], ctx.lora)
             out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
-        if hasattr(self, "shared_expert"):  # every token, its LoRA as any linear's
+        if self.shared_expert is not None:  # every token, its LoRA as any linear's
             shared = self.shared_expert.forward_all(hidden, ctx.lora)  # [T, H]
             out = out + torch.sigmoid(self.shared_expert_gate(hidden, ctx.lora)) * shared
         return out
