@@ -162,3 +162,32 @@ def test_tensor_parallel_and_quantized_moe_are_refused():
         ModelConfig.from_dict(raw, quantization="fp8")
     with pytest.raises(ValueError, match="tensor parallelism is not supported for mixture-of-experts"):
         SparseMoeBlock(ModelConfig.from_dict(raw), 0, torch.float32, "cpu", TensorParallel(rank=0, world_size=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_lora_delta_is_the_dense_kernels_over_the_routed_rows(dtype):
+    """add_expert_lora over a subset of rows equals punica_kernels.add_lora (the dense linears' LoRA:
+    scaling on the float32 intermediate, slot -1 rows untouched) over the same rows."""
+    import punica_kernels
+    from adapters.spec import LoRAModule, ModelSpec
+    from adapters.slots import LoRASlots
+    from lora_runner.model.forward_context import LoRAContext
+    from lora_runner.model.lora_linear import LoRALinear
+    from lora_runner.model.moe import add_expert_lora
+
+    module = LoRAModule(0, "experts.0.gate_up", 24, (8, 16), (("e.gate", (0,)), ("e.up", (1,))), dora=False)
+    slots = LoRASlots(ModelSpec(num_layers=1, hidden_size=24, modules=(module,)), 3, 4, dtype=dtype)
+    gen = torch.Generator().manual_seed(7)
+    for tensor in (*slots.weights(0, module.name), slots.scales(0, module.name)[0]):
+        tensor.copy_(torch.randn(tensor.shape, generator=gen))
+    token_slots = torch.tensor([2, -1, 0, 2, 1, -1, 0])  # [M]
+    x = torch.randn(7, 24, generator=gen).to(dtype)  # [M, K]
+    y = torch.randn(7, 24, generator=gen).to(dtype)  # [M, N]
+    meta = punica_kernels.LoRAMeta(16, 3, "cpu")
+    punica_kernels.load_table(meta, token_slots)
+    expected = punica_kernels.add_lora(y.clone(), x, *slots.weights(0, module.name), meta, module.slice_sizes,
+                                       slice_scales=slots.scales(0, module.name)[0], backend="torch")
+    linear = LoRALinear(module, False, dtype, "cpu")
+    got = add_expert_lora(y.clone(), x, token_slots, LoRAContext(meta, slots), linear)
+    assert torch.equal(got[token_slots < 0], y[token_slots < 0])
+    torch.testing.assert_close(got, expected)  # the dtype's default tolerances

@@ -124,7 +124,8 @@ def add_expert_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor,
         for j, (offset, size) in enumerate(zip(linear.slice_offsets(), linear.slice_sizes)):
             inter = (x_rows @ lora_a[slot, j].to(compute).T) * slice_scales[slot, j].to(compute)  # [m, R]
             delta = inter @ lora_b[slot, offset:offset + size].to(compute).T  # [m, N_j]
-            y[rows, offset:offset + size] += delta.to(y.dtype)
+            # added in the compute dtype and rounded once, as the dense linears' LoRA (punica_kernels.add_lora)
+            y[rows, offset:offset + size] = (y[rows, offset:offset + size].to(compute) + delta).to(y.dtype)
     return y
 
 
