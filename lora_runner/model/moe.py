@@ -92,6 +92,9 @@ class SparseMoeBlock(nn.Module):
         return (weights if self.weights_in_float else weights.to(logits.dtype)), experts
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # the grouping below reads experts on the host
+            raise RuntimeError("mixture-of-experts layers do not run in CUDA graphs yet: serve this model with "
+                               "enforce_eager=True")
         weights, experts = self.route(hidden, ctx.lora)  # [T, k] each
         slots = None if ctx.lora is None else ctx.lora.meta.token_slots[:hidden.shape[0]]  # [T]
         out = torch.zeros_like(hidden)  # [T, H]
