@@ -96,14 +96,14 @@ class ModelConfig:
     pad_token_id: int | None = None
     name_or_path: str | None = None
     quantization: QuantConfig | None = None  # quantized decoder linears (config.json or quantization="fp8")
-    # Sparse mixture of experts (Mixtral, Qwen3-MoE; lora_runner/model/moe.py); num_experts 0: dense
+    # Sparse mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE; lora_runner/model/moe.py); num_experts 0: dense
     num_experts: int = 0  # routed experts of each sparse layer
     num_experts_per_tok: int = 0  # top-k
     moe_intermediate_size: int | None = None  # each expert's intermediate rows
     norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1 (Mixtral: always)
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse-MoE block (the others: dense MLP)
     moe_naming: str = ""  # checkpoint / PEFT names: "mixtral" (block_sparse_moe, w1/w3/w2) or "qwen_moe"
-    router_weights_in_float: bool = False  # Mixtral: the routing weights stay float32 (Qwen3-MoE: model dtype)
+    router_weights_in_float: bool = False  # Mixtral: the routing weights stay float32 (Qwen MoEs: model dtype)
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's shared expert (None: none)
 
     def __post_init__(self) -> None:

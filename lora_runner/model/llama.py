@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3; Mixtral and Qwen3-MoE with the
-sparse-MoE block of lora_runner.model.moe) over a flat batch and a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3; Mixtral, Qwen3-MoE and Qwen2-MoE
+with the sparse-MoE block of lora_runner.model.moe) over a flat batch and a paged KV cache.
 
 Projections sharing an input are packed (q,k,v -> "qkv"; gate,up -> "gate_up") so each layer makes
 four LoRA-aware matmuls, each built from the LoRA module it declares (lora_runner.model.lora_linear:
@@ -115,7 +115,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(config, config.hidden_size, dtype, device)
         self.self_attn = Attention(config, layer, dtype, device, tp)
         self.post_attention_layernorm = make_norm(config, config.hidden_size, dtype, device)
-        mlp = SparseMoeBlock if layer in config.moe_layers else MLP  # Mixtral, Qwen3-MoE: lora_runner.model.moe
+        mlp = SparseMoeBlock if layer in config.moe_layers else MLP  # MoE families: lora_runner.model.moe
         self.mlp = mlp(config, layer, dtype, device, tp)
         self.sandwich_norms = config.sandwich_norms
         if config.sandwich_norms:
