@@ -20,7 +20,8 @@ slice, and plain LoRA on embed_tokens / lm_head
 exclude_modules; rank_pattern; alpha_pattern; use_rslora; keys with or without the ".default"
 adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA on any other module or without
 the base weights (``base_weight``), modules_to_save, bias terms (bias != "none", lora_bias), tied
-embed_tokens/lm_head LoRAs, layer_replication, target_parameters,
+embed_tokens/lm_head LoRAs, layer_replication, target_parameters on anything but a stacked parameter
+the model declares (adapters.stacked: a MoE's fused experts, served as the per-expert LoRA they equal),
 trainable tokens, aLoRA, QALoRA, BD-LoRA, Arrow, KaSA, MonteCLoRA, MiCA, and un-converted
 PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA adapters (they need a modified base model). Everything is validated
 before any slot is touched.
@@ -47,6 +48,7 @@ from adapters.dora import BaseWeight, dora_column_scale
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.patterns import PeftTargets
 from adapters.spec import LoRAModule, ModelSpec
+from adapters.stacked import unstack_config, unstack_parameters
 from adapters.vocab_lora import VOCAB_MODULES, check_vocab_target, vocab_factor_shapes, vocab_key_parts
 from adapters.files import AdapterDir
 from adapters.weights import check_peft_type, held_dir, read_adapter_config, read_adapter_tensors
@@ -64,7 +66,6 @@ _REFUSED_FIELDS = (
     ("bias", lambda v: v not in (None, "none"), "bias terms"),
     ("lora_bias", bool, "a bias on lora_B"),
     ("layer_replication", bool, "layer_replication"),
-    ("target_parameters", bool, "target_parameters (LoRA on raw parameters)"),
     ("trainable_token_indices", bool, "trainable tokens"),
     ("alora_invocation_tokens", bool, "activated LoRA (aLoRA)"),
     ("use_qalora", bool, "QALoRA"),
@@ -138,7 +139,8 @@ def _supported_text(spec: ModelSpec, dora: bool = False) -> str:
     single, fused = {}, {}
     for module in spec.modules:
         for path, indices in module.peft_modules:
-            (single if len(indices) == 1 else fused)[_layer_free(path)[0]] = None
+            # every index written N (layer, and expert: one entry for a MoE's experts, not one per expert)
+            (single if len(indices) == 1 and module.dora else fused)[_LAYER_INDEX_RE.sub(".N.", path)] = None
     if dora:
         return ", ".join(single)
     text = "plain LoRA or DoRA on " + (", ".join(single) or "no module")
@@ -293,6 +295,7 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
         AdapterTooLargeError: a module's rank exceeds ``max_lora_rank``.
         InvalidAdapterError: bad config, missing/extra keys, wrong shapes, non-float or non-finite weights.
     """
+    config, tensors = unstack_parameters(name, config, tensors, spec)  # target_parameters: per-module LoRA
     _check_config(name, config, spec)
     targeted = _targeted_ranks(name, config, spec, max_lora_rank)
     use_dora = _check_dora(name, config, targeted, spec, base_weight)
@@ -337,8 +340,9 @@ def load_lora(name: str, local_dir: str | AdapterDir, spec: ModelSpec, *, max_lo
     """
     with held_dir(local_dir) as directory:
         config = read_adapter_config(name, directory, max_bytes)
-        _check_config(name, config, spec)
-        _check_dora(name, config, _targeted_ranks(name, config, spec, max_lora_rank), spec, base_weight)
+        checked = unstack_config(name, config, spec)
+        _check_config(name, checked, spec)
+        _check_dora(name, checked, _targeted_ranks(name, checked, spec, max_lora_rank), spec, base_weight)
         tensors = read_adapter_tensors(name, directory, allow_pickle=allow_pickle, max_bytes=max_bytes)
     return parse_lora(name, config, tensors, spec, max_lora_rank=max_lora_rank, dtype=dtype,
                       base_weight=base_weight)
@@ -369,7 +373,7 @@ def _check_dora(name: str, config: dict, targeted: dict, spec: ModelSpec, base_w
         return False
     targets = spec.peft_targets()
     for key in targeted:
-        if key not in targets or len(targets[key][1]) != 1:
+        if key not in targets or len(targets[key][1]) != 1 or not targets[key][0].dora:
             raise UnsupportedAdapterError(f"adapter {name!r}: DoRA on {key} is not supported; DoRA is served on "
                                           f"{_supported_text(spec, dora=True)}")
     if base_weight is None:

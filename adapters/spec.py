@@ -67,7 +67,9 @@ class LoRAModule:
     ``peft_modules``: (PEFT module path from the model root, e.g. "model.layers.0.self_attn.q_proj",
     indices of the slices it covers). ``parallel``: COLUMN (output rows split: per slice
     ``out_splits``), ROW (input columns split: ``in_split``; outputs all-reduced) or REPLICATED. A
-    rank's own descriptor (:meth:`shard`) has the rank's sizes and no splits."""
+    rank's own descriptor (:meth:`shard`) has the rank's sizes and no splits. ``dora``: False for a
+    layer that applies plain LoRA only (a mixture-of-experts' experts). ``stacked``: the entry of a
+    stacked parameter this module is (adapters.stacked), None for a module of its own."""
 
     layer: int
     name: str  # the module's slot key within its layer ("qkv")
@@ -77,6 +79,10 @@ class LoRAModule:
     parallel: str = REPLICATED
     out_splits: tuple[Split, ...] = ()
     in_split: Split | None = None
+    dora: bool = True  # whether the layer applies DoRA's column scales (False: DoRA on it is refused)
+    # (PEFT parameter path, entry, entries): this module is one entry of a stacked parameter [entries, N, K]
+    # PEFT can target with target_parameters (adapters.stacked), e.g. one expert of mlp.experts.gate_up_proj
+    stacked: tuple[str, int, int] | None = None
 
     def __post_init__(self) -> None:
         assert self.in_features > 0 and self.slice_sizes and all(s > 0 for s in self.slice_sizes), self

@@ -63,7 +63,8 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes and options of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3)."""
+    """Sizes and options of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3; Mixtral,
+    Qwen3-MoE and Qwen2-MoE: sparse-MoE MLPs)."""
 
     architecture: str
     vocab_size: int
@@ -95,6 +96,15 @@ class ModelConfig:
     pad_token_id: int | None = None
     name_or_path: str | None = None
     quantization: QuantConfig | None = None  # quantized decoder linears (config.json or quantization="fp8")
+    # Sparse mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE; lora_runner/model/moe.py); num_experts 0: dense
+    num_experts: int = 0  # routed experts of each sparse layer
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int | None = None  # each expert's intermediate rows
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1 (Mixtral: always)
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse-MoE block (the others: dense MLP)
+    moe_naming: str = ""  # checkpoint / PEFT names: "mixtral" (block_sparse_moe, w1/w3/w2) or "qwen_moe"
+    router_weights_in_float: bool = False  # Mixtral: the routing weights stay float32 (Qwen MoEs: model dtype)
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's shared expert (None: none)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -119,6 +129,8 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")
+        if self.num_experts:
+            _check_moe(self)
         if self.quantization is not None:
             self.quantization.check_in_features({m.name: m.in_features for m in decoder_lora_modules(self)})
 
@@ -192,6 +204,24 @@ class ModelConfig:
             quantization=parse_quantization(raw, quantization),
             **family_options(architecture, raw),
         )
+
+
+def _check_moe(config: ModelConfig) -> None:
+    """ValueError for MoE sizes that cannot route, or a quantized MoE (not implemented)."""
+    if not 0 < config.num_experts_per_tok <= config.num_experts:
+        raise ValueError(f"num_experts_per_tok ({config.num_experts_per_tok}) must be in 1..num_experts "
+                         f"({config.num_experts})")
+    if not isinstance(config.moe_intermediate_size, int) or config.moe_intermediate_size <= 0:
+        raise ValueError(f"moe_intermediate_size must be a positive int, got {config.moe_intermediate_size!r}")
+    if any(not 0 <= layer < config.num_layers for layer in config.moe_layers):
+        raise ValueError(f"moe_layers {config.moe_layers} outside 0..{config.num_layers - 1}")
+    if config.shared_expert_intermediate_size is not None and not config.shared_expert_intermediate_size > 0:
+        raise ValueError(f"shared_expert_intermediate_size must be positive, got {config.shared_expert_intermediate_size!r}")
+    if config.moe_naming not in ("mixtral", "qwen_moe"):
+        raise ValueError(f"moe_naming must be 'mixtral' or 'qwen_moe', got {config.moe_naming!r}")
+    if config.quantization is not None:
+        raise ValueError(f"quantized mixture-of-experts models are not supported ({config.quantization.kind} "
+                         f"on {config.architecture}): serve the float checkpoint")
 
 
 def _require(raw: dict[str, Any], key: str) -> Any:

@@ -13,6 +13,13 @@ architecture's config keys onto those options and refuses what is not implemente
   (``cap * tanh(x / cap)``), ``query_pre_attn_scalar ** -0.5`` as the softmax scale, sliding-window
   layers from ``layer_types`` (default: even layers slide), and norms before and after both the
   attention and the feed-forward block.
+* Mixtral and Qwen3-MoE: Mistral's / Qwen3's attention, and a sparse mixture of experts in place of the
+  MLP (lora_runner/model/moe.py): ``num_local_experts`` (Qwen3-MoE: ``num_experts``) SwiGLU experts of
+  ``moe_intermediate_size`` (Mixtral: ``intermediate_size``) rows, top-``num_experts_per_tok``
+  routing, renormalised always (Mixtral) or with ``norm_topk_prob`` (Qwen3-MoE); Qwen3-MoE's dense
+  layers (``mlp_only_layers``, ``decoder_sparse_step``) keep the dense MLP of ``intermediate_size``.
+* Qwen2-MoE: Qwen2's attention (q/k/v bias: ``qkv_bias``), Qwen3-MoE's routing, plus a shared expert of
+  ``shared_expert_intermediate_size`` every token takes, scaled by sigmoid(``shared_expert_gate``(x)).
 * Phi-3: fused ``qkv_proj`` / ``gate_up_proj`` in checkpoints and adapters, a sliding window on every
   layer, and LongRoPE ("longrope"; old configs say "su" or "yarn" for it).
 """
@@ -25,6 +32,7 @@ from typing import Any, Callable
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; GeGLU with the tanh approximation of GELU
@@ -108,9 +116,47 @@ def _phi3(raw: dict[str, Any]) -> dict[str, Any]:
                 sliding_windows=() if window is None else (window,) * raw["num_hidden_layers"])
 
 
+def _num_experts(raw: dict[str, Any]) -> int:
+    # Hub Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts for both families
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    if not experts:
+        raise ValueError("config.json lacks 'num_local_experts' / 'num_experts'")
+    return experts
+
+
+def _mixtral(raw: dict[str, Any]) -> dict[str, Any]:
+    return dict(**_mistral(raw), num_experts=_num_experts(raw), num_experts_per_tok=raw.get("num_experts_per_tok", 2),
+                moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
+                moe_layers=tuple(range(raw["num_hidden_layers"])), moe_naming="mixtral", router_weights_in_float=True)
+
+
+def _qwen_sparse_layers(raw: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen MoE layers: every decoder_sparse_step-th, but those mlp_only_layers keeps dense."""
+    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    return tuple(i for i in range(raw["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+def _qwen2_moe(raw: dict[str, Any]) -> dict[str, Any]:
+    return dict(**_qwen2(raw) | {"qkv_bias": bool(raw.get("qkv_bias", True))}, num_experts=_num_experts(raw),
+                num_experts_per_tok=raw.get("num_experts_per_tok", 4), moe_intermediate_size=raw.get("moe_intermediate_size"),
+                norm_topk_prob=bool(raw.get("norm_topk_prob")), moe_layers=_qwen_sparse_layers(raw),
+                moe_naming="qwen_moe", shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size"))
+
+
+def _qwen3_moe(raw: dict[str, Any]) -> dict[str, Any]:
+    experts, sparse = _num_experts(raw), _qwen_sparse_layers(raw)
+    # transformers' Qwen3-MoE slides every layer when the config keeps a window (unlike Qwen3's per-layer rule)
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    options = dict(_qwen3(raw), sliding_windows=() if window is None else (window,) * raw["num_hidden_layers"])
+    return dict(**options, num_experts=experts, num_experts_per_tok=raw.get("num_experts_per_tok", 8),
+                moe_intermediate_size=raw.get("moe_intermediate_size"), norm_topk_prob=bool(raw.get("norm_topk_prob")),
+                moe_layers=sparse, moe_naming="qwen_moe")
+
+
 _FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3, "Gemma2ForCausalLM": _gemma2, "Phi3ForCausalLM": _phi3,
+    "MixtralForCausalLM": _mixtral, "Qwen3MoeForCausalLM": _qwen3_moe, "Qwen2MoeForCausalLM": _qwen2_moe,
 }
 assert set(_FAMILIES) == set(SUPPORTED_ARCHITECTURES)
 

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3 checkpoints) over a flat
-batch and a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3; Mixtral, Qwen3-MoE and Qwen2-MoE
+with the sparse-MoE block of lora_runner.model.moe) over a flat batch and a paged KV cache.
 
 Projections sharing an input are packed (q,k,v -> "qkv"; gate,up -> "gate_up") so each layer makes
 four LoRA-aware matmuls, each built from the LoRA module it declares (lora_runner.model.lora_linear:
@@ -29,6 +29,7 @@ from lora_runner.model.config import ModelConfig
 from lora_runner.model.forward_context import ForwardContext, LoRAContext, PromptAdapterContext
 from lora_runner.model.layers import RMSNorm, RotaryEmbedding
 from lora_runner.model.lora_linear import LoRALinear, attention_lora_modules, mlp_lora_modules
+from lora_runner.model.moe import SparseMoeBlock
 from lora_runner.model.quant.linear import linear_method
 from lora_runner.model.vocab_lora import LMHeadLoRAContext, add_embedding_lora, add_lm_head_lora
 
@@ -114,7 +115,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(config, config.hidden_size, dtype, device)
         self.self_attn = Attention(config, layer, dtype, device, tp)
         self.post_attention_layernorm = make_norm(config, config.hidden_size, dtype, device)
-        self.mlp = MLP(config, layer, dtype, device, tp)
+        mlp = SparseMoeBlock if layer in config.moe_layers else MLP  # MoE families: lora_runner.model.moe
+        self.mlp = mlp(config, layer, dtype, device, tp)
         self.sandwich_norms = config.sandwich_norms
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, dtype, device)

@@ -17,6 +17,7 @@ from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.gemma2 import model_class
 from lora_runner.model.gguf import gguf_model_dir, is_gguf_file
+from lora_runner.model.moe import split_fused_experts
 from lora_runner.model.tp_shards import TensorShard, check_int4_split, checkpoint_shard, read_shard
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,10 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
     (lora_runner.model.quant); anything this code does not implement is refused before any weight is
     allocated.
 
+    A mixture-of-experts checkpoint (Mixtral, Qwen3-MoE, Qwen2-MoE) may hold its experts per expert (as
+    Hub checkpoints and transformers' save_pretrained write them) or fused per layer (transformers 5's
+    in-memory ``mlp.experts.gate_up_proj`` / ``down_proj``): lora_runner.model.moe.split_fused_experts.
+
     Returns (LlamaForCausalLM or a subclass, ModelConfig, model_dir). Raises FileNotFoundError for a missing
     dir/repo/config/weights and ValueError for an unsupported architecture or option.
     """
@@ -135,7 +140,8 @@ def load_model(model: str, revision: str | None = None, dtype: torch.dtype | str
     weight_files(model_dir)  # fail on missing weights before allocating the model
     check_int4_split(config, tp)  # before any weight is read, as the model's own split checks
     net = model_class(config)(config, dtype=dtype, device=device, tp=tp)
-    net.load_weights(iter_weights(model_dir, partial(checkpoint_shard, net) if tp.is_parallel else None))
+    weights = iter_weights(model_dir, partial(checkpoint_shard, net) if tp.is_parallel else None)
+    net.load_weights(split_fused_experts(weights, config) if config.num_experts else weights)
     net.after_loading()
     quant = config.quantization
     logger.info("loaded %s (%s, %d layers) as %s on %s%s%s", model, config.architecture, config.num_layers, dtype,

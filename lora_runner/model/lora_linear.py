@@ -121,15 +121,18 @@ def attention_lora_modules(config, layer: int) -> tuple[LoRAModule, LoRAModule]:
     return qkv, o
 
 
-def mlp_lora_modules(config, layer: int) -> tuple[LoRAModule, LoRAModule]:
+def mlp_lora_modules(config, layer: int, parent: str = "mlp", size: int | None = None,
+                     name: str = "") -> tuple[LoRAModule, LoRAModule]:
     """(gate_up, down) of one decoder layer: gate,up packed and column-parallel by intermediate rows,
-    down row-parallel by the same rows. ``config``: a ModelConfig."""
-    rows = Split(config.intermediate_size, 1, "intermediate_size")
-    prefix = f"model.layers.{layer}.mlp"
-    gate_up = LoRAModule(layer, "gate_up", config.hidden_size, (rows.size, rows.size),
+    down row-parallel by the same rows. ``config``: a ModelConfig. A gated MLP elsewhere in the layer
+    (Qwen2-MoE's shared expert) passes its ``parent`` module path, intermediate ``size`` and a ``name``
+    prefix for its slot keys ("shared_expert." -> "shared_expert.gate_up")."""
+    rows = Split(size or config.intermediate_size, 1, "intermediate_size")
+    prefix = f"model.layers.{layer}.{parent}"
+    gate_up = LoRAModule(layer, f"{name}gate_up", config.hidden_size, (rows.size, rows.size),
                          _packed_names(config, prefix, "gate_up_proj", ("gate_proj", "up_proj")), COLUMN,
                          out_splits=(rows, rows))
-    down = LoRAModule(layer, "down", rows.size, (config.hidden_size,), ((f"{prefix}.down_proj", (0,)),), ROW,
+    down = LoRAModule(layer, f"{name}down", rows.size, (config.hidden_size,), ((f"{prefix}.down_proj", (0,)),), ROW,
                       in_split=rows)
     return gate_up, down
 
@@ -141,11 +144,48 @@ def _packed_names(config, prefix: str, fused: str, leaves: tuple[str, ...]) -> t
     return tuple((f"{prefix}.{leaf}", (j,)) for j, leaf in enumerate(leaves))
 
 
+# checkpoint / PEFT names of a sparse-MoE block: (parent, gate (slice 0 of gate_up), up (slice 1), down)
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+              "qwen_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def moe_lora_modules(config, layer: int) -> tuple[LoRAModule, ...]:
+    """(router, then per expert e: gate_up, down, then Qwen2-MoE's shared expert: gate_up, down and its
+    sigmoid gate) of one sparse-MoE layer (lora_runner.model.moe), one module per expert per projection,
+    named "router", "experts.<e>.gate_up", "experts.<e>.down", "shared_expert.gate_up",
+    "shared_expert.down", "shared_expert_gate"; PEFT /
+    checkpoint paths as Hub checkpoints name them per expert (Mixtral ``block_sparse_moe.experts.<e>.w1``
+    (gate) / ``w3`` (up) / ``w2`` (down) and ``block_sparse_moe.gate``; Qwen3-MoE ``mlp.experts.<e>.
+    gate_proj`` / ``up_proj`` / ``down_proj`` and ``mlp.gate``). Not split over ranks (the block refuses
+    tensor parallelism); the experts apply plain LoRA only (``dora=False``). Each expert module is also
+    entry e of transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj``, which PEFT's
+    ``target_parameters`` adapters target (``stacked``, adapters.stacked)."""
+    parent, gate, up, down = _MOE_NAMES[config.moe_naming]
+    prefix, hidden, rows = f"model.layers.{layer}.{parent}", config.hidden_size, config.moe_intermediate_size
+    modules = [LoRAModule(layer, "router", hidden, (config.num_experts,), ((f"{prefix}.gate", (0,)),))]
+    stacked, count = f"model.layers.{layer}.mlp.experts", config.num_experts  # transformers 5's fused parameters
+    for e in range(count):
+        expert = f"{prefix}.experts.{e}"
+        modules.append(LoRAModule(layer, f"experts.{e}.gate_up", hidden, (rows, rows),
+                                  ((f"{expert}.{gate}", (0,)), (f"{expert}.{up}", (1,))), dora=False,
+                                  stacked=(f"{stacked}.gate_up_proj", e, count)))
+        modules.append(LoRAModule(layer, f"experts.{e}.down", rows, (hidden,), ((f"{expert}.{down}", (0,)),),
+                                  dora=False, stacked=(f"{stacked}.down_proj", e, count)))
+    if getattr(config, "shared_expert_intermediate_size", None):  # Qwen2-MoE: a dense expert every token takes
+        modules.extend(mlp_lora_modules(config, layer, "mlp.shared_expert", config.shared_expert_intermediate_size,
+                                        "shared_expert."))
+        modules.append(LoRAModule(layer, "shared_expert_gate", hidden, (1,), ((f"{prefix}.shared_expert_gate", (0,)),)))
+    return tuple(modules)
+
+
 def decoder_lora_modules(config) -> tuple[LoRAModule, ...]:
     """Every LoRA-capable module of a Llama-family decoder of ``config`` (a ModelConfig), as its
-    layers build them: per layer qkv, o, gate_up, down."""
+    layers build them: per layer qkv, o, then gate_up, down (a sparse-MoE layer: :func:`moe_lora_modules`)."""
+    moe_layers = set(getattr(config, "moe_layers", ()))
     return tuple(module for layer in range(config.num_layers)
-                 for module in (*attention_lora_modules(config, layer), *mlp_lora_modules(config, layer)))
+                 for module in (*attention_lora_modules(config, layer),
+                                *(moe_lora_modules(config, layer) if layer in moe_layers
+                                  else mlp_lora_modules(config, layer))))
 
 
 def collect_spec(model: nn.Module, spec: ModelSpec) -> ModelSpec:

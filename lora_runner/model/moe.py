@@ -1,0 +1,157 @@
+"""The sparse mixture-of-experts block of Mixtral, Qwen3-MoE and Qwen2-MoE, with LoRA on its router and experts.
+
+Routing as transformers computes it: router logits x @ W_r.T in the model dtype, softmax in float32,
+top-k experts per token, the k probabilities renormalised to sum 1 (Mixtral always; Qwen3-MoE with
+``norm_topk_prob``), then cast to the model dtype (Qwen3-MoE; Mixtral keeps them float32 until the
+weighted expert output is cast). Tokens are grouped by expert; each expert hit makes one GEMM per
+projection (gate,up packed -> "gate_up"; down) over its tokens, and the weighted outputs are summed
+per token in ascending expert order (transformers' order). Qwen2-MoE adds a shared expert every token
+takes, weighted by sigmoid(shared_expert_gate(x)). A clear torch path: no fused kernel yet.
+
+Every projection is a :class:`LoRALinear` of its own, built from the descriptors
+lora_runner.model.lora_linear.moe_lora_modules declares (one per expert per projection, PEFT /
+checkpoint names per expert), so the loader, the adapter code and the slots need nothing MoE-specific.
+The router's LoRA runs over every token as any linear's (punica_kernels.add_lora); an expert's
+LoRA delta runs over the tokens routed to it (:func:`add_expert_lora`) before the activation (gate_up)
+or the routing weight (down), as PEFT's per-expert modules do. Checkpoints in transformers 5's fused
+layout (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) are read through
+:func:`split_fused_experts`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_runner.distributed import SINGLE, TensorParallel
+from lora_runner.model.forward_context import ForwardContext, LoRAContext
+from lora_runner.model.lora_linear import LoRALinear, moe_lora_modules
+
+_FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts\.gate_up_proj|experts\.down_proj"
+                        r"|gate\.weight)")
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: down(silu(gate(x)) * up(x)), gate and up packed into ``gate_up``."""
+
+    def __init__(self, gate_up: LoRALinear, down: LoRALinear):
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+
+    def forward(self, x: torch.Tensor, token_slots: torch.Tensor | None, lora: LoRAContext | None) -> torch.Tensor:
+        """x [M, hidden] (the tokens routed here), token_slots [M] their adapter slots (None: no LoRA)."""
+        gate_up = self.gate_up(x, None)  # [M, 2I]
+        if token_slots is not None:
+            add_expert_lora(gate_up, x, token_slots, lora, self.gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # [M, I] each
+        hidden = F.silu(gate) * up  # [M, I]
+        out = self.down(hidden, None)  # [M, hidden]
+        if token_slots is not None:
+            add_expert_lora(out, hidden, token_slots, lora, self.down)
+        return out
+
+    def forward_all(self, x: torch.Tensor, lora: LoRAContext | None) -> torch.Tensor:
+        """The expert over every token x [T, hidden] (a shared expert), each token's LoRA through its linears."""
+        gate, up = self.gate_up(x, lora).chunk(2, dim=-1)  # [T, I] each
+        return self.down(F.silu(gate) * up, lora)  # [T, hidden]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + ``num_experts`` experts of one layer; ``forward(hidden [T, H], ctx) -> [T, H]``."""
+
+    def __init__(self, config, layer: int, dtype: torch.dtype, device, tp: TensorParallel = SINGLE):
+        super().__init__()
+        if tp.is_parallel:
+            raise ValueError(f"tensor parallelism is not supported for mixture-of-experts models "
+                             f"({config.architecture}); serve it with tensor_parallel_size=1")
+        router, *projections = moe_lora_modules(config, layer)
+        projections, shared = projections[:2 * config.num_experts], projections[2 * config.num_experts:]
+        self.router = LoRALinear(router, False, dtype, device)
+        self.experts = nn.ModuleList(
+            Expert(LoRALinear(gate_up, False, dtype, device), LoRALinear(down, False, dtype, device))
+            for gate_up, down in zip(projections[0::2], projections[1::2]))
+        self.shared_expert = self.shared_expert_gate = None
+        if shared:  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            gate_up, down, gate = shared
+            self.shared_expert = Expert(LoRALinear(gate_up, False, dtype, device), LoRALinear(down, False, dtype, device))
+            self.shared_expert_gate = LoRALinear(gate, False, dtype, device)
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.weights_in_float = config.router_weights_in_float
+
+    def route(self, hidden: torch.Tensor, lora: LoRAContext | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights [T, k], expert ids [T, k]) as transformers' router computes them."""
+        logits = self.router(hidden, lora)  # [T, E], model dtype
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.weights_in_float else weights.to(logits.dtype)), experts
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # the grouping below reads experts on the host
+            raise RuntimeError("mixture-of-experts layers do not run in CUDA graphs yet: serve this model with "
+                               "enforce_eager=True")
+        weights, experts = self.route(hidden, ctx.lora)  # [T, k] each
+        slots = None if ctx.lora is None else ctx.lora.meta.token_slots[:hidden.shape[0]]  # [T]
+        out = torch.zeros_like(hidden)  # [T, H]
+        for expert in experts.unique().tolist():  # ascending: each token sums its experts in transformers' order
+            token_idx, k_pos = torch.where(experts == expert)  # [M] each
+            y = self.experts[expert](hidden[token_idx], None if slots is None else slots[token_idx], ctx.lora)
+            out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
+        if self.shared_expert is not None:  # every token, its LoRA as any linear's
+            shared = self.shared_expert.forward_all(hidden, ctx.lora)  # [T, H]
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden, ctx.lora)) * shared
+        return out
+
+
+def add_expert_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora: LoRAContext,
+                    linear: LoRALinear) -> torch.Tensor:
+    """Add each row's adapter delta to an expert projection's output, in place.
+
+    Semantics: y[i, off_j:off_j+N_j] += slice_scales[s, j] * (x[i] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T
+    for s = token_slots[i] >= 0, with ``linear``'s slots (lora_a [max_loras, n, R, K], lora_b
+    [max_loras, N, R]); rows of slot -1 stay as they are. x [M, K], y [M, N] the rows routed to this
+    expert; computed in float32 for half dtypes (as punica_kernels.add_lora)."""
+    lora_a, lora_b = lora.slots.weights(linear.layer, linear.name)
+    slice_scales, _ = lora.slots.scales(linear.layer, linear.name)  # [max_loras, n]; experts have no DoRA
+    compute = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)  # [m]
+        x_rows = x[rows].to(compute)  # [m, K]
+        for j, (offset, size) in enumerate(zip(linear.slice_offsets(), linear.slice_sizes)):
+            inter = (x_rows @ lora_a[slot, j].to(compute).T) * slice_scales[slot, j].to(compute)  # [m, R]
+            delta = inter @ lora_b[slot, offset:offset + size].to(compute).T  # [m, N_j]
+            # added in the compute dtype and rounded once, as the dense linears' LoRA (punica_kernels.add_lora)
+            y[rows, offset:offset + size] = (y[rows, offset:offset + size].to(compute) + delta).to(y.dtype)
+    return y
+
+
+def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]], config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors with transformers 5's fused expert tensors of each MoE layer (``experts.gate_up_proj``
+    [E, 2I, H]: gate rows then up rows; ``experts.down_proj`` [E, H, I]; the router as ``mlp.gate``) renamed
+    and split into the per-expert tensors the layers declare (moe_lora_modules); other tensors pass through."""
+    for name, tensor in weights:
+        match = _FUSED_KEY.fullmatch(name)
+        if match is None or int(match.group(1)) not in config.moe_layers:
+            yield name, tensor
+            continue
+        router, *projections = moe_lora_modules(config, int(match.group(1)))
+        projections = projections[:2 * config.num_experts]  # the routed experts' (not the shared expert's)
+        if match.group(2) == "gate.weight":
+            yield f"{router.peft_modules[0][0]}.weight", tensor
+            continue
+        fused_gate_up = match.group(2) == "experts.gate_up_proj"
+        modules = projections[0::2] if fused_gate_up else projections[1::2]
+        if tensor.shape[0] != len(modules):
+            raise ValueError(f"checkpoint tensor {name!r} holds {tensor.shape[0]} experts, config.json says "
+                             f"{len(modules)}")
+        for module, expert_weight in zip(modules, tensor):
+            rows = expert_weight.split(module.slice_sizes) if fused_gate_up else (expert_weight,)
+            for (path, _), part in zip(module.peft_modules, rows):
+                yield f"{path}.weight", part
