@@ -26,7 +26,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 # ------------------------------------------------------------------ config
 def test_config_parses_vllm_spelling_and_json_text():
-    config = EngineConfig(model="m", device="cpu", speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    text = '{"method": "ngram", "num_speculative_tokens": 2}'
+    config = EngineConfig(model="m", device="cpu", speculative_config=text)
     assert config.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
     assert config.speculative() == SpeculativeConfig("ngram", 2, 5, 5)  # vLLM's default lookup size
     assert SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": None}) == SpeculativeConfig("ngram", 3, 3, 3)

@@ -103,5 +103,6 @@ def test_seeded_sampling_with_speculation_reproduces(engine_checkpoint):
     prompts = grounded_prompts(4, seed=9)
     first, engine = run(engine_checkpoint, ngram(3), prompts, seeded=True)
     again, _ = run(engine_checkpoint, ngram(3), prompts, seeded=True)
-    assert {i: o.outputs[0].token_ids for i, o in first.items()} == {i: o.outputs[0].token_ids for i, o in again.items()}
+    assert ({i: o.outputs[0].token_ids for i, o in first.items()}
+            == {i: o.outputs[0].token_ids for i, o in again.items()})
     assert engine.stats.spec_decode.num_draft_tokens > 0

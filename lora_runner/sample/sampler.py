@@ -174,13 +174,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample from `logits` [S, vocab]; returns host lists (one device->host sync)."""
         logits = logits.float()  # [S, V]
-        states = self._generator_states(batch)
+        states = self.generator_states(batch)
         try:
             result = self._sample_together(logits, batch)
         except Exception as error:  # one row broke the batch: find it below
             logger.warning("sampling %d rows together failed (%r): sampling them one at a time",
                            batch.num_rows, error)
-            self._restore_generators(states)
+            self.restore_generators(states)
             result = self._sample_one_at_a_time(logits, batch)
         for row, error in batch.errors.items():  # settings that could not be written: sampled harmlessly, failed
             result.fail(row, error)
@@ -257,12 +257,14 @@ class Sampler:
         return apply_penalties(logits, rows, batch.presence_penalty[rows], batch.frequency_penalty[rows],
                                batch.repetition_penalty[rows], [batch.history(i) for i in rows.tolist()])
 
-    def _generator_states(self, batch: SamplingBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
+    def generator_states(self, batch: SamplingBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The states of the generators sampling `batch` draws from (to rewind them before a retry)."""
         generators = [self.generator, *(g for _, g in batch.seeded)]
         return [(g, g.get_state()) for g in generators]
 
     @staticmethod
-    def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    def restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        """Rewind generators to the states generator_states took."""
         for generator, state in states:
             generator.set_state(state)
 

@@ -48,12 +48,12 @@ class RejectionSampler:
         fails alone; should verifying them together raise, each is verified alone."""
         counts = np.fromiter((len(d) + 1 for d in drafts), np.int64, len(drafts))  # [S]
         assert int(counts.sum()) == logits.shape[0] == batch.num_rows, "one logits row and setting per position"
-        states = self.sampler._generator_states(batch)
+        states = self.sampler.generator_states(batch)
         try:
             result = self._verify(logits.float(), batch, drafts, counts)
         except Exception as error:  # one sequence broke the batch: find it
             logger.warning("verifying %d sequences together failed (%r): one at a time", len(drafts), error)
-            self.sampler._restore_generators(states)
+            self.sampler.restore_generators(states)
             result = self._verify_one_at_a_time(logits.float(), batch, drafts, counts)
         seq_of = np.repeat(np.arange(len(drafts)), counts)  # [N] sequence of each position
         for position, error in batch.errors.items():  # settings that could not be written
@@ -117,7 +117,8 @@ class RejectionSampler:
         return torch.where(accepted, draft, recovered), accepted
 
 
-def _walk(chosen: list[int], finite: list[bool], accepted: list[bool], dicts: list, counts: np.ndarray) -> SamplerOutput:
+def _walk(chosen: list[int], finite: list[bool], accepted: list[bool], dicts: list,
+          counts: np.ndarray) -> SamplerOutput:
     """Each sequence's tokens: its positions' tokens up to the first one not accepted (a rejected
     draft's replacement, or the bonus token at its last position)."""
     tokens, logprobs, errors = [], [], []
