@@ -1,5 +1,5 @@
 """Speculative decoding end to end: with n-gram drafts, greedy requests across a mixed batch of
-adapters get exactly the tokens and logprobs they get without speculation (prefix caching on,
+adapters (base, LoRAs of two ranks, DoRA, a soft prompt) get exactly the tokens and logprobs they get without speculation (prefix caching on,
 chunked prefill, a KV cache tight enough to preempt, stop strings), and seeded sampled requests
 reproduce."""
 
@@ -11,13 +11,14 @@ import random
 import pytest
 import torch
 
-from adapters import LoRARequest
+from adapters import LoRARequest, PromptAdapterRequest
+from factories import save_lora, save_prompt_adapter
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.model import ModelConfig
 from lora_runner.worker.kv_cache import kv_block_bytes
 
 NUM_BLOCKS = 24  # 4 requests of ~40 tokens need ~40 blocks of 4: preemption
-LORAS = (None, "r4", "r8-rslora")  # base and LoRAs of two ranks, mixed in every step
+KINDS = ("base", "r4", "r8-rslora", "dora", "soft-prompt")  # mixed in every step
 
 
 def ngram(k: int) -> dict:
@@ -35,10 +36,25 @@ def grounded_prompts(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
+@pytest.fixture(scope="module")
+def checkpoint(engine_checkpoint, tmp_path_factory):
+    """(model dir, request id -> its adapter requests) with a DoRA and a soft prompt added."""
+    path, hf, adapters = engine_checkpoint
+    root = tmp_path_factory.mktemp("spec")
+    save_lora(hf, root / "dora", seed=7, r=4, lora_alpha=8, use_dora=True, scale=0.15)
+    save_prompt_adapter(hf, root / "soft", num_virtual_tokens=4, seed=7, scale=0.5)
+    requests = {"base": {}, "soft-prompt": {"prompt_adapter_request": PromptAdapterRequest("soft", str(root / "soft"))},
+                "dora": {"lora_request": LoRARequest("dora", str(root / "dora"))}}
+    for name in ("r4", "r8-rslora"):
+        requests[name] = {"lora_request": LoRARequest(name, adapters[name][0])}
+    return path, requests
+
+
 def run(checkpoint, spec, prompts, stop_words=(), seeded=False):
     """Finished outputs {index: RequestOutput} and the engine, requests added two per step."""
-    path, _, adapters = checkpoint
+    path, adapter_requests = checkpoint
     engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=64, block_size=4, max_loras=2,
+                       max_prompt_adapters=1, max_prompt_adapter_tokens=4,
                        max_logprobs=3, max_num_batched_tokens=16, enable_prefix_caching=True,
                        kv_cache_memory_bytes=NUM_BLOCKS * kv_block_bytes(ModelConfig.from_dir(path), 4, torch.float32),
                        speculative_config=spec)
@@ -48,13 +64,11 @@ def run(checkpoint, spec, prompts, stop_words=(), seeded=False):
         for _ in range(2):
             if pending:
                 i, prompt = pending.pop(0)
-                name = LORAS[i % len(LORAS)]
-                params = (SamplingParams(temperature=0.9, top_k=40, seed=100 + i, max_tokens=16, ignore_eos=True)
+                params = (SamplingParams(temperature=0.5, top_k=40, seed=100 + i, max_tokens=16, ignore_eos=True)
                           if seeded else
                           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2,
                                          stop=list(stop_words) if i % 2 == 0 else []))
-                engine.add_request(f"r{i}", prompt, params,
-                                   lora_request=None if name is None else LoRARequest(name, adapters[name][0]))
+                engine.add_request(f"r{i}", prompt, params, **adapter_requests[KINDS[i % len(KINDS)]])
         for out in engine.step():
             if out.finished:
                 done[int(out.request_id[1:])] = out
@@ -62,20 +76,19 @@ def run(checkpoint, spec, prompts, stop_words=(), seeded=False):
 
 
 @pytest.fixture(scope="module")
-def plain(engine_checkpoint):
+def plain(checkpoint):
     """The run without speculation, and a stop word its first request generates mid-way."""
-    prompts = grounded_prompts(8, seed=5)
-    reference, _ = run(engine_checkpoint, None, prompts)
-    engine = LLMEngine(engine_checkpoint[0], device="cpu", max_model_len=64)
+    prompts = grounded_prompts(10, seed=5)
+    reference, engine = run(checkpoint, None, prompts)
     stop = engine.tokenizer.decode([reference[0].outputs[0].token_ids[8]]).strip()
-    done, engine = run(engine_checkpoint, None, prompts, stop_words=[stop])
+    done, engine = run(checkpoint, None, prompts, stop_words=[stop])
     return prompts, stop, done, engine
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_with_speculation_equals_greedy_without(engine_checkpoint, plain, k):
+def test_greedy_with_speculation_equals_greedy_without(checkpoint, plain, k):
     prompts, stop, expected, plain_engine = plain
-    done, engine = run(engine_checkpoint, ngram(k), prompts, stop_words=[stop])
+    done, engine = run(checkpoint, ngram(k), prompts, stop_words=[stop])
     assert plain_engine.scheduler.num_preemptions > 0 and engine.scheduler.num_preemptions > 0
     assert engine.stats.prefix_cache_hits > 0
     assert expected[0].outputs[0].finish_reason == "stop"  # the stop word cut a request
@@ -99,10 +112,14 @@ def test_greedy_with_speculation_equals_greedy_without(engine_checkpoint, plain,
     assert plain_engine.stats.spec_decode is None and expected[0].spec_decode is None
 
 
-def test_seeded_sampling_with_speculation_reproduces(engine_checkpoint):
-    prompts = grounded_prompts(4, seed=9)
-    first, engine = run(engine_checkpoint, ngram(3), prompts, seeded=True)
-    again, _ = run(engine_checkpoint, ngram(3), prompts, seeded=True)
-    assert ({i: o.outputs[0].token_ids for i, o in first.items()}
-            == {i: o.outputs[0].token_ids for i, o in again.items()})
-    assert engine.stats.spec_decode.num_draft_tokens > 0
+def test_seeded_sampling_keeps_its_tokens_with_speculation(checkpoint):
+    """A seeded request's k-th token uses the k-th draws of its generator, speculating or not (the
+    verifier rewinds past the positions it did not keep): the same tokens as without speculation,
+    whatever else is batched."""
+    prompts = grounded_prompts(6, seed=9)
+    plain, _ = run(checkpoint, None, prompts, seeded=True)
+    first, engine = run(checkpoint, ngram(3), prompts, seeded=True)
+    tokens = {i: o.outputs[0].token_ids for i, o in plain.items()}
+    assert {i: o.outputs[0].token_ids for i, o in first.items()} == tokens
+    spec = engine.stats.spec_decode
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens

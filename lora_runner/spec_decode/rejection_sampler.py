@@ -9,11 +9,15 @@ distribution the one-token sampler would draw from at that position.
 
 - greedy: x_{j+1} is accepted while it equals argmax p_j; the first mismatch yields the argmax
   instead, and when all d match the bonus token argmax p_d follows (the tokens of plain decoding);
-- sampled (rejection sampling, Leviathan et al. 2023): the n-gram draft distribution is a point
-  mass, so x_{j+1} is accepted with probability p_j(x_{j+1}); a rejection yields a sample of
-  p_j with x_{j+1} removed (normalize(max(p_j - onehot(x_{j+1}), 0))), and after d acceptances a
-  sample of p_d follows. Each yielded token is then distributed as p (the output distribution
-  is unchanged); seeded requests draw every number from their own generator, so they reproduce.
+- sampled: rejection sampling (Leviathan et al. 2023) with the n-gram's point-mass draft accepts
+  x_{j+1} with probability p_j(x_{j+1}) and, on rejection, yields a sample of
+  normalize(max(p_j - onehot(x_{j+1}), 0)). For a point mass that is the same as sampling
+  t ~ p_j and accepting while t == x_{j+1} (P(accept) = p_j(x), and a rejected t is p_j given
+  t != x), which is how it is done here: each position samples p_j by the Sampler's exponential
+  race, a seeded request drawing position j's numbers from its own generator, and after the step the
+  generator is rewound past the positions whose tokens were not kept. A seeded request's k-th token
+  thus uses the k-th draws of its generator with or without speculation, whatever else is batched:
+  it gets the same tokens as without speculation (up to float roundoff deciding a near-tie).
 
 Sequences without drafts in the same step have one position: argmax, or a sample of p_0. Logprobs
 are the raw model log-probabilities at each yielded token's position, as the Sampler's.
@@ -84,13 +88,11 @@ class RejectionSampler:
         for start, tokens in zip(first.tolist(), drafts):
             draft_ids[start:start + len(tokens)] = tokens
         draft = torch.from_numpy(draft_ids).to(raw.device)  # [N]
-        has_draft = draft >= 0  # [N]
-        targets = penalized.max(dim=-1).indices  # [N] greedy tokens (first maximum, as the Sampler's)
-        chosen, accepted = targets, has_draft & (draft == targets)  # [N] each
+        chosen = penalized.max(dim=-1).indices  # [N] greedy tokens (first maximum, as the Sampler's)
+        rewind: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         if not settings.all_greedy:
-            sampled_chosen, sampled_accepted = self._rejection_sample(penalized, settings, draft, has_draft)
-            chosen = torch.where(settings.greedy, chosen, sampled_chosen)
-            accepted = torch.where(settings.greedy, accepted, sampled_accepted)
+            chosen = torch.where(settings.greedy, chosen, self._sample(penalized, settings, rewind))
+        accepted = (draft >= 0) & (chosen == draft)  # [N]
         columns = [chosen[:, None].float(), finite[:, None].float()]  # Sampler.logprob_dicts' layout
         wanted = [k for k in settings.num_logprobs if k is not None]
         if wanted:
@@ -99,22 +101,24 @@ class RejectionSampler:
             columns += [logprobs.gather(1, chosen[:, None]), top_vals, top_ids.float()]
         packed = torch.cat(columns + [accepted[:, None].float()], dim=1).cpu()  # the step's one transfer
         dicts = (self.sampler.logprob_dicts(packed[:, :-1], settings) if wanted else [None] * num_positions)
-        return _walk(packed[:, 0].long().tolist(), packed[:, 1].bool().tolist(), packed[:, -1].bool().tolist(),
-                     dicts, counts)
+        result = _walk(packed[:, 0].long().tolist(), packed[:, 1].bool().tolist(), packed[:, -1].bool().tolist(),
+                       dicts, counts)
+        for start, count, tokens in zip(first.tolist(), counts.tolist(), result.sampled_token_ids):
+            if tokens and len(tokens) < count and start + len(tokens) in rewind:  # its unused draws come again
+                generator, state = rewind[start + len(tokens)]
+                generator.set_state(state)
+        return result
 
-    def _rejection_sample(self, penalized: torch.Tensor, settings, draft: torch.Tensor,
-                          has_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token, accepted) [N] each for random rows: accept the draft with probability p(draft), else
-        a sample of p without it; a position without a draft gets a sample of p."""
+    def _sample(self, penalized: torch.Tensor, settings, rewind: dict) -> torch.Tensor:
+        """A sample [N] of each position's distribution p by the Sampler's exponential race; a seeded
+        position draws from its generator in position order, and `rewind` gets each one's generator
+        state before its draw (position -> (generator, state))."""
         probs = self.sampler.probs(penalized, settings)  # [N, V]
-        uniform = torch.rand(probs.shape[0], generator=self.sampler.generator, device=probs.device)  # [N]
-        for row, generator in settings.generators:
-            uniform[row] = torch.rand(1, generator=generator, device=probs.device)
-        index = draft.clamp(min=0)[:, None]  # [N, 1]
-        accepted = has_draft & (uniform < probs.gather(1, index)[:, 0])  # [N]
-        residual = probs.scatter(1, index, 0.0)  # [N, V] p without the draft (the race ignores the scale)
-        recovered = self.sampler.race(torch.where(has_draft[:, None], residual, probs), settings.generators)
-        return torch.where(accepted, draft, recovered), accepted
+        q = torch.empty_like(probs).exponential_(generator=self.sampler.generator)  # [N, V]
+        for position, generator in settings.generators:
+            rewind[position] = generator, generator.get_state()
+            q[position].exponential_(generator=generator)
+        return (probs / q.clamp_min_(1e-20)).max(dim=-1).indices  # [N] as Sampler.race
 
 
 def _walk(chosen: list[int], finite: list[bool], accepted: list[bool], dicts: list,
