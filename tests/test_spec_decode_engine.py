@@ -19,6 +19,10 @@ from lora_runner.worker.kv_cache import kv_block_bytes
 
 NUM_BLOCKS = 24  # 4 requests of ~40 tokens need ~40 blocks of 4: preemption
 KINDS = ("base", "r4", "r8-rslora", "dora", "soft-prompt")  # mixed in every step
+# settings whose logits change per position: these requests decode one token per step (min_tokens: until
+# reached), in the same verify steps as the speculating ones
+GREEDY_EXTRAS = {3: dict(repetition_penalty=1.3, frequency_penalty=0.2), 5: dict(min_tokens=8, stop_token_ids=[7]),
+                 7: dict(bad_words=["w100 w101", "w7"])}
 
 
 def ngram(k: int) -> dict:
@@ -67,7 +71,8 @@ def run(checkpoint, spec, prompts, stop_words=(), seeded=False):
                 params = (SamplingParams(temperature=0.5, top_k=40, seed=100 + i, max_tokens=16, ignore_eos=True)
                           if seeded else
                           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2,
-                                         stop=list(stop_words) if i % 2 == 0 else [], n=2 if i == 1 else 1))
+                                         stop=list(stop_words) if i % 2 == 0 else [], n=2 if i == 1 else 1,
+                                         **GREEDY_EXTRAS.get(i, {})))
                 engine.add_request(f"r{i}", prompt, params, **adapter_requests[KINDS[i % len(KINDS)]])
         for out in engine.step():
             if out.finished:
@@ -107,6 +112,7 @@ def test_greedy_with_speculation_equals_greedy_without(checkpoint, plain, k):
     for i in range(len(prompts)):
         for want, got in zip(expected[i].outputs, done[i].outputs, strict=True):
             assert_same_completion(want, got, f"request {i} sample {want.index}")
+    assert done[3].spec_decode.num_drafts == done[7].spec_decode.num_drafts == 0  # penalties, bad words
     spec = engine.stats.spec_decode
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, "both paths: some drafts accepted, some rejected"
     per_request = [done[i].spec_decode for i in done if len(done[i].outputs) == 1]  # n = 2 merged: none
