@@ -239,3 +239,21 @@ def test_a_non_finite_position_fails_its_sequence_alone():
     out = _verify(logits, [[0, 1], [3]], [SamplingParams(temperature=0.0)] * 2)
     assert out.sampled_token_ids[0] == [] and out.errors[0] is not None
     assert out.sampled_token_ids[1] == [0] and out.errors[1] is None  # draft 3 is not the argmax (0)
+
+
+def test_select_repeats_each_rows_settings_bans_generator_and_grammar_row():
+    sampler = Sampler(VOCAB, "cpu", seed=0)
+    generator = torch.Generator().manual_seed(1)
+    batch = sampler.make_batch([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+                                SamplingParams(temperature=0.5, allowed_token_ids=[1, 2])],
+                               [None, generator, None], banned=[{4}, None, {0, 5}])
+    batch.grammar_rows = np.asarray([2], np.int64)
+    batch.grammar_bitmask = torch.tensor([[0b110]], dtype=torch.int32)
+    batch.errors = {1: ValueError("broken")}
+    picked = batch.select(np.asarray([0, 0, 2, 1, 1, 1]))
+    assert picked.greedy.tolist() == [True, True, False, False, False, False]
+    assert picked.temperature.tolist() == pytest.approx([1.0, 1.0, 0.5, 1.0, 1.0, 1.0])
+    assert sorted(zip(picked.ban_rows.tolist(), picked.ban_ids.tolist())) == [(0, 4), (1, 4), (2, 0), (2, 5)]
+    assert picked.seeded == [(3, generator), (4, generator), (5, generator)]
+    assert picked.grammar_rows.tolist() == [2] and picked.grammar_bitmask.tolist() == [[0b110]]
+    assert list(picked.allowed) == [2] and set(picked.errors) == {3, 4, 5}

@@ -5,6 +5,9 @@ The meta is prepared once per step and read by every LoRA-aware layer; when no t
 uses an adapter, ctx.lora is None and the model skips the LoRA path entirely. Likewise ctx.prompt_adapter
 is set only in steps with soft-prompt placeholders (prefill of prompt-adapter requests).
 After capture_decode_graphs (CUDA), decode-only steps replay CUDA graphs (lora_runner.worker.cuda_graphs).
+A step with draft tokens (speculative decoding, lora_runner.spec_decode) computes the logits at every
+position of each speculating sequence (its own adapter's lm_head LoRA included) and verifies them with
+the RejectionSampler; such a step has more than one token per sequence and runs eagerly.
 
 The engine's steps come as the scheduler's SchedulerOutput (execute): each running request keeps a
 persistent row (lora_runner.worker.request_rows) that the output's diffs update, so a decode step writes
