@@ -54,14 +54,14 @@ def checkpoint(engine_checkpoint, tmp_path_factory):
     return path, requests
 
 
-def run(checkpoint, spec, prompts, stop_words=(), seeded=False):
+def run(checkpoint, spec, prompts, stop_words=(), seeded=False, tp=1):
     """Finished outputs {index: RequestOutput} and the engine, requests added two per step."""
     path, adapter_requests = checkpoint
     engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=64, block_size=4, max_loras=2,
                        max_prompt_adapters=1, max_prompt_adapter_tokens=4,
                        max_logprobs=3, max_num_batched_tokens=16, enable_prefix_caching=True,
                        kv_cache_memory_bytes=NUM_BLOCKS * kv_block_bytes(ModelConfig.from_dir(path), 4, torch.float32),
-                       speculative_config=spec)
+                       speculative_config=spec, tensor_parallel_size=tp)
     pending = list(enumerate(prompts))
     done = {}
     while pending or engine.has_unfinished_requests():
@@ -77,6 +77,7 @@ def run(checkpoint, spec, prompts, stop_words=(), seeded=False):
         for out in engine.step():
             if out.finished:
                 done[int(out.request_id[1:])] = out
+    engine.close()
     return done, engine
 
 
@@ -121,6 +122,16 @@ def test_greedy_with_speculation_equals_greedy_without(checkpoint, plain, k):
     blocks = engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks and blocks.holders() == []
     assert plain_engine.stats.spec_decode is None and expected[0].spec_decode is None
+
+
+def test_tensor_parallel_ranks_verify_alike(checkpoint, plain):
+    """At tp=2 every rank verifies the same drafts to the same tokens (the executor checks each step)."""
+    prompts, stop, expected, _ = plain
+    done, engine = run(checkpoint, ngram(3), prompts[:6], stop_words=[stop], tp=2)
+    for i in range(6):
+        for want, got in zip(expected[i].outputs, done[i].outputs, strict=True):
+            assert_same_completion(want, got, f"request {i} sample {want.index}")
+    assert engine.stats.spec_decode.num_accepted_tokens > 0
 
 
 def test_seeded_sampling_keeps_its_tokens_with_speculation(checkpoint):
