@@ -126,6 +126,19 @@ def test_scheduler_budgets_drafts_and_rolls_back_rejected_ones():
     assert out.continuing[0].num_computed_tokens == 12
 
 
+def test_prefix_cache_registers_only_blocks_of_accepted_tokens():
+    scheduler = _scheduler()
+    request = _request([5, 6, 7, 8, 5, 6, 7, 8, 5], max_tokens=20)
+    scheduler.add(request)
+    out = scheduler.schedule()
+    scheduler.postprocess(out.scheduled, SamplerOutput([[6]], [[None]]), _Appender())
+    assert scheduler.block_manager.num_cached_blocks == 2  # tokens 0..7
+    out = scheduler.schedule()  # verifies tokens 9..12: the block of tokens 8..11 fills up with 2 drafts
+    assert out.scheduled_spec_decode_tokens == {"r": (7, 8, 5)}
+    scheduler.postprocess(out.scheduled, SamplerOutput([[9]], [[None]]), _Appender())  # all 3 rejected
+    assert request.num_computed_tokens == 10 and scheduler.block_manager.num_cached_blocks == 2
+
+
 def test_speculation_never_preempts_and_a_small_budget_shortens_drafts():
     scheduler = _scheduler(num_blocks=3, budget=2)
     request = _request([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], max_tokens=20)
