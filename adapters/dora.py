@@ -6,7 +6,7 @@ PEFT's ``DoraLinearLayer`` (eval mode; dropout is the identity there) computes, 
     result = base(x) + (c - 1) * (x @ W.T) + c * s * B(A(x)),   c = m / ||W + s * B @ A||_row
 
 where the row norm is a constant (detached) and the base bias is not scaled: the output is
-``c * (x @ W.T + s * B A x) + bias``. This module computes c, one packed module's slice at a time
+``c * (x @ W.T + s * B A x) + bias``. This module computes c, one module's slice at a time
 on the base weight's device, in row chunks, so no more than one chunk of one merged weight exists
 at a time. The expand kernel then applies c in its epilogue (punica_kernels.scales).
 """
@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-# (layer, packed module) -> that LoRA-aware linear's base weight [N, K], on the serving device
+# (layer, module name) -> that LoRA-capable module's base weight [N, K] (LoRAModule.key), on the serving device
 BaseWeight = Callable[[int, str], torch.Tensor]
 
 # Elements of the merged weight W + s * B @ A materialized at once (fp32). On a CPU a chunk that

@@ -12,7 +12,7 @@ larger. A valid adapter is never over it (a float64 one at full rank can be: rai
 
 from __future__ import annotations
 
-from adapters.spec import PACKED_MODULES, ModelSpec
+from adapters.spec import ModelSpec
 
 _BYTES_PER_ELEMENT = 4  # float32
 _FIXED_ALLOWANCE = 1 << 20  # header / metadata / archive directory
@@ -22,13 +22,11 @@ _PER_TENSOR_ALLOWANCE = 1 << 10  # one header entry or zip entry per tensor
 def default_max_adapter_bytes(spec: ModelSpec, max_lora_rank: int, max_prompt_adapter_tokens: int = 0) -> int:
     """Bytes of the largest adapter file a valid adapter of ``spec`` can need (see module docstring)."""
     elements, tensors = 0, 0
-    for packed in PACKED_MODULES:
-        slices = spec.slice_sizes(packed)
+    for module in spec.modules:
+        slices = module.slice_sizes
         # each slice its own A [r, K] and B [N_j, r] (split projections), plus a DoRA magnitude [N_j]
-        elements += len(slices) * max_lora_rank * spec.in_features(packed) + sum(slices) * (max_lora_rank + 1)
+        elements += len(slices) * max_lora_rank * module.in_features + sum(slices) * (max_lora_rank + 1)
         tensors += 3 * len(slices)
-    elements *= spec.num_layers
-    tensors *= spec.num_layers
     if spec.vocab_size is not None:  # embed_tokens and lm_head: A and B of each
         elements += 2 * max_lora_rank * (spec.vocab_size + spec.hidden_size)
         tensors += 4

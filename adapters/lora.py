@@ -1,7 +1,7 @@
 """PEFT LoRA checkpoints -> validated per-module A, B and scaling (DoRA: column scale), in the engine's layout.
 
-CPU format (:class:`LoRAWeights`): for each (layer, packed module) the adapter targets, one entry
-per slice of the packed module (q,k,v for "qkv"; gate,up for "gate_up"; one for "o" and "down"):
+CPU format (:class:`LoRAWeights`): for each LoRAModule (layer, name) the adapter targets, one entry
+per slice of the module (q,k,v for a packed "qkv"; one for "o"):
 ``LoRAPair(a [r_j, K], b [N_j, r_j], scaling, column_scale)`` with the slice's scaling
 (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA; per module with rank_pattern /
 alpha_pattern) kept apart from ``b`` (the kernels apply it to the fp32 intermediate: folding it
@@ -11,9 +11,11 @@ of slice j is ``scaling * x @ a.T @ b.T``, exactly PEFT's ``lora_B(lora_A(x)) * 
 (adapters.dora), computed at load from the base weights; the output is then
 ``column_scale * (x @ W.T + delta) + bias``.
 
-Supported: plain LoRA (peft_type LORA) and DoRA on q/k/v/o/gate/up/down projections of
-Llama-family decoder layers (on Phi-3, plain LoRA on the fused qkv_proj / gate_up_proj, whose shared
-A goes to every slice and whose B rows are split by slice), and plain LoRA on embed_tokens / lm_head
+Which modules an adapter may target, and their shapes, is the model's: ``spec.modules``
+(adapters.spec.LoRAModule, declared by the model's layers). Supported: plain LoRA (peft_type LORA) on
+every PEFT module a LoRAModule answers to (a fused one, as Phi-3's qkv_proj, covers several slices:
+its shared A goes to every slice and its B rows are split by slice), DoRA on those covering one
+slice, and plain LoRA on embed_tokens / lm_head
 (adapters.vocab_lora); target_modules as a list (suffix match) or regex; layers_to_transform / layers_pattern;
 exclude_modules; rank_pattern; alpha_pattern; use_rslora; keys with or without the ".default"
 adapter segment. Refused with :class:`UnsupportedAdapterError`: DoRA on any other module or without
@@ -44,21 +46,17 @@ import torch
 from adapters.dora import BaseWeight, dora_column_scale
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.patterns import PeftTargets
-from adapters.spec import FUSED_TO_PACKED, PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
+from adapters.spec import LoRAModule, ModelSpec
 from adapters.vocab_lora import VOCAB_MODULES, check_vocab_target, vocab_factor_shapes, vocab_key_parts
 from adapters.files import AdapterDir
 from adapters.weights import check_peft_type, held_dir, read_adapter_config, read_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODULES = tuple(PEFT_TO_PACKED)  # q_proj ... down_proj
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # every scaling is applied in float32 (adapters.slots)
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?:(?P<ab>lora_A|lora_B)(?:\.default)?\.weight"
                      r"|(?P<magnitude>lora_magnitude_vector)(?:\.default)?(?:\.weight)?)$")
-_MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<leaf>\w+)$")
-_SUPPORTED_TEXT = ("plain LoRA or DoRA on " + ", ".join(SUPPORTED_MODULES) + " (Phi-3: plain LoRA on "
-                   + ", ".join(FUSED_TO_PACKED) + ") of model.layers.N.self_attn / model.layers.N.mlp, "
-                   "and plain LoRA on embed_tokens and lm_head")
+_LAYER_INDEX_RE = re.compile(r"\.(\d+)\.")  # a module path's first index: its layer (model.layers.3.mlp...)
 
 # Config fields that change what the adapter computes; (field, is-refused predicate, feature name)
 _REFUSED_FIELDS = (
@@ -94,8 +92,9 @@ class LoRAWeights:
 
     name: str
     rank: int  # max rank over the adapter's modules
-    modules: dict[tuple[int, str], tuple[LoRAPair | None, ...]]  # (layer, packed) -> per-slice pair
-    vocab: dict[str, LoRAPair] = dataclass_field(default_factory=dict)  # "embed_tokens" / "lm_head" (adapters.vocab_lora)
+    modules: dict[tuple[int, str], tuple[LoRAPair | None, ...]]  # LoRAModule.key (layer, name) -> per-slice pair
+    # "embed_tokens" / "lm_head" (adapters.vocab_lora)
+    vocab: dict[str, LoRAPair] = dataclass_field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -121,20 +120,40 @@ class LoRAWeights:
 
 
 def _candidate_modules(spec: ModelSpec) -> list[str]:
-    """Every module of a Llama-family causal LM that PEFT LoRA can attach to."""
-    keys = ["model.embed_tokens", "lm_head"]
-    for layer in range(spec.num_layers):
-        keys += [f"model.layers.{layer}.{PEFT_PARENT[leaf]}.{leaf}" for leaf in spec.peft_modules]
-    return keys
+    """Every module of the model that PEFT LoRA can attach to: the vocabulary ones and those its
+    LoRA-capable layers answer to."""
+    return ["model.embed_tokens", "lm_head", *spec.peft_targets()]
+
+
+def _layer_free(path: str) -> tuple[str, int | None]:
+    """(``path`` with its layer index written N, that index or None): "model.layers.N.mlp.up_proj", 3."""
+    match = _LAYER_INDEX_RE.search(path)
+    if match is None:
+        return path, None
+    return f"{path[:match.start()]}.N.{path[match.end():]}", int(match.group(1))
+
+
+def _supported_text(spec: ModelSpec, dora: bool = False) -> str:
+    """What this model serves, for messages: its PEFT modules (layer index as N)."""
+    single, fused = {}, {}
+    for module in spec.modules:
+        for path, indices in module.peft_modules:
+            (single if len(indices) == 1 else fused)[_layer_free(path)[0]] = None
+    if dora:
+        return ", ".join(single)
+    text = "plain LoRA or DoRA on " + (", ".join(single) or "no module")
+    if fused:
+        text += " and plain LoRA on " + ", ".join(fused)
+    return text + ", and plain LoRA on embed_tokens and lm_head"
 
 
 def _check_config(name: str, config: dict, spec: ModelSpec) -> None:
     """Refuse configs this engine cannot run; warn if the adapter was trained on another base model."""
-    check_peft_type(name, config, "LORA", "a LoRA", _SUPPORTED_TEXT)
+    check_peft_type(name, config, "LORA", "a LoRA", _supported_text(spec))
     for field, refused, feature in _REFUSED_FIELDS:
         if refused(config.get(field)):
             raise UnsupportedAdapterError(f"adapter {name!r}: {feature} ({field}={config[field]!r}) is not "
-                                          f"supported; supported: {_SUPPORTED_TEXT}")
+                                          f"supported; supported: {_supported_text(spec)}")
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_REFUSED_INITS):
         raise UnsupportedAdapterError(
@@ -164,10 +183,6 @@ def _targeted_ranks(name: str, config: dict, spec: ModelSpec, max_lora_rank: int
             continue
         if key in VOCAB_MODULES:
             check_vocab_target(name, key, config, spec)
-        elif not _MODULE_RE.match(key):
-            raise UnsupportedAdapterError(f"adapter {name!r}: LoRA on {key} (target_modules="
-                                          f"{config['target_modules']!r}) is not supported; "
-                                          f"supported: {_SUPPORTED_TEXT}")
         rank, alpha = targets.rank(key, config["r"]), targets.alpha(key, None)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise InvalidAdapterError(f"adapter {name!r}: rank of {key} must be a positive int, got {rank!r}")
@@ -179,7 +194,7 @@ def _targeted_ranks(name: str, config: dict, spec: ModelSpec, max_lora_rank: int
         targeted[key] = (rank, _checked_scaling(name, key, field, alpha, rank, bool(config.get("use_rslora"))))
     if not targeted:
         raise InvalidAdapterError(f"adapter {name!r}: target_modules={config['target_modules']!r} matches no "
-                                  f"module of this model; supported: {_SUPPORTED_TEXT}")
+                                  f"module of this model; supported: {_supported_text(spec)}")
     return targeted
 
 
@@ -205,7 +220,7 @@ def _checked_scaling(name: str, key: str, field: str, alpha, rank: int, use_rslo
     return scaling
 
 
-def _group_keys(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+def _group_keys(name: str, tensors: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, dict[str, torch.Tensor]]:
     """module key -> {"lora_A": tensor, "lora_B": tensor}, refusing keys of unsupported features."""
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -217,7 +232,7 @@ def _group_keys(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[s
                        "LoRA on embeddings" if "lora_embedding" in key else
                        "a bias on lora_B" if key.endswith("lora_B.bias") else "this weight")
             raise UnsupportedAdapterError(f"adapter {name!r}: key {key!r}: {feature} is not supported; "
-                                          f"supported: {_SUPPORTED_TEXT}")
+                                          f"supported: {_supported_text(spec)}")
         module, ab = parts
         if ab in grouped.setdefault(module, {}):
             raise InvalidAdapterError(f"adapter {name!r}: duplicate weights for {module}.{ab}")
@@ -244,23 +259,24 @@ def _checked_factor(name: str, key: str, tensor: torch.Tensor, shape: tuple[int,
 
 def _untargeted_module_error(name: str, module: str, config: dict, spec: ModelSpec) -> Exception:
     """The error for weights of a module the config does not target (or this model does not have)."""
-    match = _MODULE_RE.match(module)
-    if module not in VOCAB_MODULES and (match is None or match.group("leaf") not in spec.peft_modules):
+    if module not in VOCAB_MODULES and module not in spec.peft_targets():
+        pattern, layer = _layer_free(module)
+        known = {_layer_free(path)[0] for path in spec.peft_targets()}
+        if layer is not None and layer >= spec.num_layers and pattern in known:
+            return InvalidAdapterError(f"adapter {name!r}: weights for {module}, but the base model has only "
+                                       f"{spec.num_layers} layers (adapter trained on a different model?)")
         return UnsupportedAdapterError(f"adapter {name!r}: weights for {module} are not supported; "
-                                       f"supported: {_SUPPORTED_TEXT}")
-    if match is not None and int(match.group("layer")) >= spec.num_layers:
-        return InvalidAdapterError(f"adapter {name!r}: weights for {module}, but the base model has only "
-                                   f"{spec.num_layers} layers (adapter trained on a different model?)")
+                                       f"supported: {_supported_text(spec)}")
     return InvalidAdapterError(f"adapter {name!r}: weights for {module}, which adapter_config.json does not "
                                f"target (target_modules={config['target_modules']!r})")
 
 
-def _slice_rows(spec: ModelSpec, packed: str, indices: tuple[int, ...], b: torch.Tensor) -> list[torch.Tensor]:
+def _slice_rows(module: LoRAModule, indices: tuple[int, ...], b: torch.Tensor) -> list[torch.Tensor]:
     """B's rows of each slice: a fused module's B (Phi-3 qkv_proj / gate_up_proj) holds the slices' rows
     in slot order, so slice j's delta is (x @ A.T) @ B[rows_j].T exactly, with A shared by the slices."""
     if len(indices) == 1:
         return [b]
-    sizes = [spec.slice_sizes(packed)[i] for i in indices]
+    sizes = [module.slice_sizes[i] for i in indices]
     return [rows.contiguous() for rows in b.split(sizes)]
 
 
@@ -269,7 +285,7 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
                base_weight: BaseWeight | None = None) -> LoRAWeights:
     """Validate a PEFT LoRA (config + state dict) against ``spec`` and convert it to :class:`LoRAWeights`.
 
-    ``base_weight`` (layer, packed) -> base weight [N, K] is needed for DoRA only: its column scales
+    ``base_weight`` (layer, module name) -> base weight [N, K] is needed for DoRA only: its column scales
     are computed from it (on its device) once everything else has been validated.
 
     Raises:
@@ -279,34 +295,34 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
     """
     _check_config(name, config, spec)
     targeted = _targeted_ranks(name, config, spec, max_lora_rank)
-    use_dora = _check_dora(name, config, targeted, base_weight)
-    grouped = _group_keys(name, tensors)
+    use_dora = _check_dora(name, config, targeted, spec, base_weight)
+    grouped = _group_keys(name, tensors, spec)
     extra = sorted(set(grouped) - set(targeted))
     if extra:
         raise _untargeted_module_error(name, extra[0], config, spec)
     modules: dict[tuple[int, str], list[LoRAPair | None]] = {}
     vocab: dict[str, LoRAPair] = {}
+    targets = spec.peft_targets()
     for key, (rank, scaling) in targeted.items():
         factors = grouped.get(key, {})
         for ab in ("lora_A", "lora_B"):
             if ab not in factors:
                 raise InvalidAdapterError(f"adapter {name!r}: missing key base_model.model.{key}.{ab}.weight")
-        match = _MODULE_RE.match(key)
-        shape_a, shape_b = (vocab_factor_shapes(name, key, factors, rank, spec) if match is None
-                            else spec.peft_shapes(match.group("leaf"), rank))
+        target = targets.get(key)
+        shape_a, shape_b = (vocab_factor_shapes(name, key, factors, rank, spec) if target is None
+                            else target[0].peft_shapes(target[1], rank))
         a = _checked_factor(name, f"{key}.lora_A", factors["lora_A"], shape_a, 1.0, dtype)  # [r, K]
         b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b, 1.0, dtype)  # [N_j, r]
-        if match is None:
+        if target is None:
             vocab[VOCAB_MODULES[key]] = LoRAPair(a, b, scaling)
             continue
         _check_magnitude(name, key, factors, shape_b[0], use_dora)
-        layer, leaf = int(match.group("layer")), match.group("leaf")
-        packed, indices = spec.peft_slices(leaf)
-        slices = modules.setdefault((layer, packed), [None] * len(spec.slice_sizes(packed)))
-        for index, rows in zip(indices, _slice_rows(spec, packed, indices, b)):
+        module, indices = target
+        slices = modules.setdefault(module.key, [None] * len(module.slice_sizes))
+        for index, rows in zip(indices, _slice_rows(module, indices, b)):
             slices[index] = LoRAPair(a, rows, scaling)
     if use_dora:
-        _add_dora_scales(name, modules, grouped, spec, base_weight)
+        _add_dora_scales(name, modules, grouped, targets, base_weight)
     rank = max(r for r, _ in targeted.values())
     return LoRAWeights(name, rank, {k: tuple(v) for k, v in sorted(modules.items())}, vocab)
 
@@ -322,7 +338,7 @@ def load_lora(name: str, local_dir: str | AdapterDir, spec: ModelSpec, *, max_lo
     with held_dir(local_dir) as directory:
         config = read_adapter_config(name, directory, max_bytes)
         _check_config(name, config, spec)
-        _check_dora(name, config, _targeted_ranks(name, config, spec, max_lora_rank), base_weight)
+        _check_dora(name, config, _targeted_ranks(name, config, spec, max_lora_rank), spec, base_weight)
         tensors = read_adapter_tensors(name, directory, allow_pickle=allow_pickle, max_bytes=max_bytes)
     return parse_lora(name, config, tensors, spec, max_lora_rank=max_lora_rank, dtype=dtype,
                       base_weight=base_weight)
@@ -330,36 +346,32 @@ def load_lora(name: str, local_dir: str | AdapterDir, spec: ModelSpec, *, max_lo
 
 def dummy_lora(name: str, spec: ModelSpec, rank: int, dtype: torch.dtype = torch.float32,
                scale: float = 0.01, seed: int = 0) -> LoRAWeights:
-    """An adapter of the right shapes on every module of every layer (small random values; no file)."""
+    """An adapter of the right shapes on every LoRA-capable module (small random values; no file)."""
     gen = torch.Generator().manual_seed(seed)
     modules = {}
-    for layer in range(spec.num_layers):
-        for packed in PACKED_MODULES:
-            k = spec.in_features(packed)
-            modules[(layer, packed)] = tuple(
-                LoRAPair((torch.randn(rank, k, generator=gen) * scale).to(dtype),  # [r, K]
-                         (torch.randn(n, rank, generator=gen) * scale).to(dtype))  # [N_j, r]
-                for n in spec.slice_sizes(packed))
+    for module in spec.modules:
+        modules[module.key] = tuple(
+            LoRAPair((torch.randn(rank, module.in_features, generator=gen) * scale).to(dtype),  # [r, K]
+                     (torch.randn(n, rank, generator=gen) * scale).to(dtype))  # [N_j, r]
+            for n in module.slice_sizes)
     return LoRAWeights(name, rank, modules)
 
 
 # ------------------------------------------------------------------ DoRA (adapters.dora)
 
-_DORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _check_dora(name: str, config: dict, targeted: dict, base_weight: BaseWeight | None) -> bool:
-    """Whether the adapter is DoRA; refuses DoRA where it cannot be served."""
+def _check_dora(name: str, config: dict, targeted: dict, spec: ModelSpec, base_weight: BaseWeight | None) -> bool:
+    """Whether the adapter is DoRA; refuses DoRA where it cannot be served: anywhere but a PEFT module
+    covering one slice of a LoRA-capable module (its norms are per row of that slice's base weight)."""
     use_dora = config.get("use_dora")
     if use_dora not in (None, False, True):
         raise InvalidAdapterError(f"adapter {name!r}: use_dora must be true or false, got {use_dora!r}")
     if not use_dora:
         return False
+    targets = spec.peft_targets()
     for key in targeted:
-        match = _MODULE_RE.match(key)
-        if match is None or match.group("leaf") not in _DORA_MODULES:
+        if key not in targets or len(targets[key][1]) != 1:
             raise UnsupportedAdapterError(f"adapter {name!r}: DoRA on {key} is not supported; DoRA is served on "
-                                          f"{', '.join(_DORA_MODULES)} of model.layers.N")
+                                          f"{_supported_text(spec, dora=True)}")
     if base_weight is None:
         raise UnsupportedAdapterError(f"adapter {name!r}: DoRA (use_dora=True) needs the base model's weights "
                                       "to compute its weight norms: load it through an engine (AdapterManager("
@@ -385,19 +397,17 @@ def _check_magnitude(name: str, key: str, factors: dict, out_features: int, use_
         raise InvalidAdapterError(f"adapter {name!r}: {key}.lora_magnitude_vector contains NaN or inf")
 
 
-def _add_dora_scales(name: str, modules: dict, grouped: dict, spec: ModelSpec, base_weight: BaseWeight) -> None:
+def _add_dora_scales(name: str, modules: dict, grouped: dict, targets: dict, base_weight: BaseWeight) -> None:
     """Fill each DoRA slice's column scale (one slice's merged weight at a time, on the base's device)."""
     for key, factors in grouped.items():
-        match = _MODULE_RE.match(key)
-        layer, (packed, index) = int(match.group("layer")), PEFT_TO_PACKED[match.group("leaf")]
-        sizes = spec.slice_sizes(packed)
-        weight = base_weight(layer, packed)  # [N, K]
-        assert tuple(weight.shape) == (sum(sizes), spec.in_features(packed)), f"base weight of {key}: {weight.shape}"
-        offset = sum(sizes[:index])
-        pair = modules[(layer, packed)][index]
-        scale = dora_column_scale(weight[offset:offset + sizes[index]], factors["lora_A"], factors["lora_B"],
+        module, (index,) = targets[key]  # one slice each (_check_dora)
+        weight = base_weight(module.layer, module.name)  # [N, K]
+        assert tuple(weight.shape) == (module.out_features, module.in_features), f"base weight of {key}: {weight.shape}"
+        offset, rows = module.slice_offsets[index], module.slice_sizes[index]
+        pair = modules[module.key][index]
+        scale = dora_column_scale(weight[offset:offset + rows], factors["lora_A"], factors["lora_B"],
                                   pair.scaling, factors["lora_magnitude_vector"])  # [N_j]
         if not torch.isfinite(scale).all():
             raise InvalidAdapterError(f"adapter {name!r}: {key}: a row of the merged weight W + scaling * B @ A has "
                                       "norm 0 (or overflows), so DoRA's scale is not finite")
-        modules[(layer, packed)][index] = pair._replace(column_scale=scale)
+        modules[module.key][index] = pair._replace(column_scale=scale)

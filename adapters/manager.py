@@ -32,15 +32,17 @@ from adapters.file_limits import default_max_adapter_bytes
 from adapters.files import AdapterDir
 from adapters.hub import adapter_file_patterns, resolve
 from adapters.lora import dummy_lora, load_lora
+from adapters.memory_source import MemoryLoRARequest, load_memory_lora
 from adapters.prompt import dummy_prompt_adapter, load_prompt_adapter
 from adapters.request import LoRARequest, PromptAdapterRequest
+from adapters.sharding import shard_spec
 from adapters.slots import LoRASlots, PromptSlots
 from adapters.spec import ModelSpec
 from adapters.tier import FAILED, LOADING, READY, AdapterRef, AdapterTier, PromptAdapterTier, TierClosedError
 from adapters.vocab_slots import SlotGroup, VocabLoRASlots
 
-__all__ = ["FAILED", "LOADING", "READY", "AdapterManager", "AdapterRef", "AdapterStats", "AdapterTier",
-           "PromptAdapterTier", "TierClosedError"]
+__all__ = ["FAILED", "LOADING", "READY", "AdapterManager", "AdapterRef", "AdapterSlots", "AdapterStats",
+           "AdapterTier", "PromptAdapterTier", "TierClosedError", "build_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,30 @@ class AdapterStats:
     lora_cpu_evictions: int  # LoRAs dropped from the CPU cache (LRU)
     prompt_loads: int
     prompt_evictions: int
+
+
+@dataclass(frozen=True)
+class AdapterSlots:
+    """The device slots of one model, or of one tensor-parallel rank's share of it (:func:`build_slots`)."""
+
+    lora: LoRASlots  # the LoRA-capable modules' slots
+    vocab: VocabLoRASlots | None  # embed_tokens / lm_head LoRA slots; None without a vocabulary or LoRA slots
+    prompt: PromptSlots  # soft prompts (whole on every rank)
+    lora_set: LoRASlots | SlotGroup  # what the LoRA tier writes: the LoRA slots with the vocabulary ones
+
+
+def build_slots(spec: ModelSpec, *, max_loras: int, max_lora_rank: int, max_prompt_adapters: int,
+                max_prompt_adapter_tokens: int, device, dtype: torch.dtype, rank: int = 0,
+                world_size: int = 1) -> AdapterSlots:
+    """Allocate the adapter slots of ``spec`` (the whole model's) at ``rank``'s share of it: LoRA and
+    vocabulary slots at the shard's sizes (adapters.sharding.shard_spec), soft prompts whole. The one
+    construction, for an AdapterManager's own slots and for each worker rank's."""
+    local = shard_spec(spec, rank, world_size)
+    lora = LoRASlots(local, max_loras, max_lora_rank, device, dtype)
+    vocab = (VocabLoRASlots(local, max_loras, max_lora_rank, device, dtype)
+             if spec.vocab_size is not None and max_loras > 0 else None)
+    prompt = PromptSlots(spec, max_prompt_adapters, max_prompt_adapter_tokens, device, dtype)
+    return AdapterSlots(lora, vocab, prompt, lora if vocab is None else SlotGroup(lora, vocab))
 
 
 class AdapterManager:
@@ -113,14 +139,12 @@ class AdapterManager:
         self._pin_memory = self.device.type == "cuda"
         self._base_weight = base_weight
         if make_slots is None:
-            self.lora_slots = LoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
-            # embed_tokens / lm_head LoRA slots (per model), written and cleared with the LoRA slots
-            self.vocab_slots = (VocabLoRASlots(spec, max_loras, max_lora_rank, self.device, dtype)
-                                if spec.vocab_size is not None and max_loras > 0 else None)
-            lora_slot_sets = (self.lora_slots if self.vocab_slots is None
-                              else SlotGroup(self.lora_slots, self.vocab_slots))
-            self.prompt_slots = PromptSlots(spec, max_prompt_adapters, max_prompt_adapter_tokens, self.device, dtype)
-            prompt_slot_set = self.prompt_slots
+            slots = build_slots(spec, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                max_prompt_adapters=max_prompt_adapters,
+                                max_prompt_adapter_tokens=max_prompt_adapter_tokens, device=self.device, dtype=dtype)
+            # embed_tokens / lm_head LoRA slots (per model) are written and cleared with the LoRA slots
+            self.lora_slots, self.vocab_slots, self.prompt_slots = slots.lora, slots.vocab, slots.prompt
+            lora_slot_sets, prompt_slot_set = slots.lora_set, slots.prompt
         else:  # the device slots live elsewhere (worker processes): the tiers drive them through these
             self.lora_slots = self.vocab_slots = self.prompt_slots = None
             lora_slot_sets, prompt_slot_set = make_slots("lora"), make_slots("prompt")
@@ -173,6 +197,10 @@ class AdapterManager:
             raise type(exc)(f"adapter {request.name!r}: {exc}") from exc
 
     def _load_lora(self, request: LoRARequest):
+        if isinstance(request, MemoryLoRARequest):  # handed over in memory: the same validation, no file
+            weights = load_memory_lora(request, self.spec, max_lora_rank=self.max_lora_rank, dtype=self.dtype,
+                                       base_weight=self._base_weight)
+            return weights.pin_memory() if self._pin_memory else weights
         with self._open_dir(request) as directory:
             weights = load_lora(request.name, directory, self.spec, max_lora_rank=self.max_lora_rank,
                                 dtype=self.dtype, allow_pickle=self.allow_pickle, max_bytes=self.max_adapter_bytes,

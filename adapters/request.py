@@ -36,11 +36,9 @@ class _AdapterRequest:
                 raise ValueError(f"adapter {self.name!r}: path must lie beneath root: {exc}") from None
 
     def _from_vllm_positional(self) -> None:
-        """vLLM's positional form ``LoRARequest(lora_name, lora_int_id, lora_path)``: the int id is checked
+        """vLLM's positional form ``PromptAdapterRequest(name, int_id, path)``: the int id is checked
         (vLLM requires it >= 1) and not kept; adapters are identified by name here."""
-        if self.path < 1:
-            raise ValueError(f"adapter {self.name!r}: the integer id of LoRARequest(name, int_id, path) must be "
-                             f">= 1, got {self.path}")
+        _check_int_id(self.name, self.path)
         object.__setattr__(self, "path", self.revision)
         object.__setattr__(self, "revision", None)
 
@@ -65,11 +63,65 @@ class _AdapterRequest:
         return (self.path, self.revision)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LoRARequest(_AdapterRequest):
-    """A PEFT LoRA adapter, by name, from a local dir or a Hub repo id (optionally at a revision)."""
+    """A PEFT LoRA adapter, by name, from a local dir or a Hub repo id (optionally at a revision).
+
+    ``LoRARequest(name, path, revision=None, root=None)``; vLLM's spellings are the same request:
+    ``LoRARequest(lora_name, lora_int_id, lora_path)`` positionally, or with the keywords ``lora_name``,
+    ``lora_int_id``, ``lora_path`` (``lora_local_path``: its deprecated name) and ``base_model_name``.
+    The integer id must be >= 1 (as in vLLM) and is not kept: adapters are identified by name here, so
+    two requests that differ only in their id are equal. ``base_model_name`` is accepted and not used (the
+    adapter is checked against the engine's model when it loads). ValueError for a name or path given twice
+    (positionally and by keyword), an id without a path, and vLLM's ``long_lora_max_len`` and
+    ``tensorizer_config_dict`` (long-context LoRA and tensorizer loading are not implemented).
+    """
+
+    def __init__(self, name: str | None = None, path: str | int | None = None, revision: str | None = None,
+                 root: str | None = None, *, lora_name: str | None = None, lora_int_id: int | None = None,
+                 lora_path: str | None = None, lora_local_path: str | None = None,
+                 base_model_name: str | None = None, long_lora_max_len: int | None = None,
+                 tensorizer_config_dict: dict | None = None) -> None:
+        for option, value in (("long_lora_max_len", long_lora_max_len),
+                              ("tensorizer_config_dict", tensorizer_config_dict)):
+            if value is not None:
+                raise ValueError(f"LoRARequest({option}=...) is not supported: long-context LoRA and tensorizer "
+                                 "loading are not implemented")
+        if isinstance(path, int) and not isinstance(path, bool) and root is None:
+            # vLLM's positional form (name, int_id, path): the int is the id, never a path
+            if lora_int_id is not None:
+                raise ValueError(f"LoRARequest got the integer id twice ({path} and lora_int_id={lora_int_id})")
+            path, revision, lora_int_id = revision, None, path
+        name = _one_of("name", name, ("lora_name", lora_name))
+        path = _one_of("path", path, ("lora_path", lora_path), ("lora_local_path", lora_local_path))
+        if lora_int_id is not None:
+            _check_int_id(name, lora_int_id)
+            if path is None:
+                raise ValueError(f"adapter {name!r}: vLLM's form needs the adapter's path: "
+                                 "LoRARequest(lora_name, lora_int_id, lora_path)")
+        if base_model_name is not None and not isinstance(base_model_name, str):
+            raise ValueError(f"adapter {name!r}: base_model_name must be a string or None, got {base_model_name!r}")
+        for field_name, value in (("name", name), ("path", path), ("revision", revision), ("root", root)):
+            object.__setattr__(self, field_name, value)
+        self.__post_init__()
 
 
 @dataclass(frozen=True)
 class PromptAdapterRequest(_AdapterRequest):
     """A PEFT prompt-tuning adapter (soft prompt), by name, from a local dir or a Hub repo id."""
+
+
+def _check_int_id(name, int_id) -> None:
+    """vLLM's integer adapter id: checked as vLLM does (an int >= 1), then dropped."""
+    if not isinstance(int_id, int) or isinstance(int_id, bool) or int_id < 1:
+        raise ValueError(f"adapter {name!r}: the integer id of LoRARequest(name, int_id, path) must be "
+                         f">= 1, got {int_id!r}")
+
+
+def _one_of(what: str, value, *aliases: tuple[str, object]):
+    """`value`, or the one alias given instead; ValueError when two of them are given."""
+    given = [(what, value)] if value is not None else []
+    given += [(alias, alias_value) for alias, alias_value in aliases if alias_value is not None]
+    if len(given) > 1:
+        raise ValueError(f"LoRARequest got its {what} twice: {', '.join(f'{n}={v!r}' for n, v in given)}")
+    return given[0][1] if given else None

@@ -1,7 +1,8 @@
 """Device slots: persistent tensors the kernels read, allocated once at their maximum size.
 
-LoRA layout (design.md section 3), per layer and packed module with slices j of widths N_j at
-offsets off_j, for slot s holding an adapter whose slice j has rank r_j:
+LoRA layout (design.md section 3), per LoRA-capable module (adapters.spec.LoRAModule: one layer's
+packed q,k,v, say; :class:`ModuleSlots`) with slices j of widths N_j at offsets off_j, for slot s
+holding an adapter whose slice j has rank r_j:
 ``lora_a[s, j, :r_j, :] = A_j`` and ``lora_b[s, off_j:off_j+N_j, :r_j] = B_j``; everything
 else of the slot is zero (untargeted modules, ranks above r_j), so zero-padding to R costs nothing
 in the result. Beside them, float32 scales the expand applies (punica_kernels.scales):
@@ -20,7 +21,7 @@ import torch
 
 from adapters.lora import LoRAWeights
 from adapters.prompt import PromptWeights
-from adapters.spec import PACKED_MODULES, ModelSpec
+from adapters.spec import LoRAModule, ModelSpec
 
 
 def zeros_b(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -39,71 +40,86 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=dst.is_cuda and src.is_pinned())
 
 
+class ModuleSlots:
+    """The slot tensors of one LoRA-capable module (its descriptor: adapters.spec.LoRAModule)."""
+
+    def __init__(self, module: LoRAModule, max_loras: int, max_lora_rank: int, device, dtype: torch.dtype):
+        self.module, n = module, len(module.slice_sizes)
+        self.lora_a = torch.zeros(max_loras, n, max_lora_rank, module.in_features, dtype=dtype,
+                                  device=device)  # [max_loras, n, R, K]
+        self.lora_b = zeros_b(max_loras, module.out_features, max_lora_rank, dtype=dtype,
+                              device=device)  # [max_loras, N, R] (N contiguous on the CPU: zeros_b)
+        self.slice_scales = torch.zeros(max_loras, n, dtype=torch.float32, device=device)  # [max_loras, n]
+        self.column_scales = torch.ones(max_loras, module.out_features, dtype=torch.float32,
+                                        device=device)  # [max_loras, N]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of the module's slots."""
+        return self.lora_a, self.lora_b, self.slice_scales, self.column_scales
+
+    def reset(self, slot: int) -> None:
+        """Zero ``slot``'s factors and scalings; its column scales back to 1."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.slice_scales[slot].zero_()
+        self.column_scales[slot].fill_(1.0)
+
+    def write(self, slot: int, pairs: tuple) -> bool:
+        """Write one adapter's per-slice pairs (a reset slot); whether any carries a DoRA column scale."""
+        dora, scalings = False, torch.zeros(len(pairs))
+        for j, (pair, offset, width) in enumerate(zip(pairs, self.module.slice_offsets, self.module.slice_sizes)):
+            if pair is None:
+                continue
+            rank = pair.a.shape[0]
+            _copy(self.lora_a[slot, j, :rank], pair.a)  # [r_j, K]
+            _copy(self.lora_b[slot, offset:offset + width, :rank], pair.b)  # [N_j, r_j]
+            scalings[j] = pair.scaling
+            if pair.column_scale is not None:  # DoRA
+                dora = True
+                _copy(self.column_scales[slot, offset:offset + width], pair.column_scale)
+        self.slice_scales[slot].copy_(scalings)  # one copy per module, not one per slice
+        return dora
+
+
 class LoRASlots:
-    """``max_loras`` LoRA slots of rank ``max_lora_rank`` for every layer and packed module."""
+    """``max_loras`` LoRA slots of rank ``max_lora_rank`` for every LoRA-capable module of ``spec``."""
 
     def __init__(self, spec: ModelSpec, max_loras: int, max_lora_rank: int, device="cpu",
                  dtype: torch.dtype = torch.float32):
         if max_loras < 0 or max_lora_rank < 0 or (max_loras > 0 and max_lora_rank == 0):
             raise ValueError(f"need max_loras >= 0 and max_lora_rank > 0, got {max_loras}, {max_lora_rank}")
         self.spec, self.num_slots, self.max_rank = spec, max_loras, max_lora_rank
-        layers, r = spec.num_layers, max_lora_rank
-        self._a = {p: torch.zeros(layers, max_loras, len(spec.slice_sizes(p)), r, spec.in_features(p),
-                                  dtype=dtype, device=device)  # [L, max_loras, n, R, K]
-                   for p in PACKED_MODULES}
-        self._b = {p: zeros_b(layers, max_loras, sum(spec.slice_sizes(p)), r, dtype=dtype,
-                              device=device)  # [L, max_loras, N, R] (N contiguous on the CPU: zeros_b)
-                   for p in PACKED_MODULES}
-        self._slice_scales = {p: torch.zeros(layers, max_loras, len(spec.slice_sizes(p)), dtype=torch.float32,
-                                             device=device)  # [L, max_loras, n]
-                              for p in PACKED_MODULES}
-        self._column_scales = {p: torch.ones(layers, max_loras, sum(spec.slice_sizes(p)), dtype=torch.float32,
-                                             device=device)  # [L, max_loras, N]
-                               for p in PACKED_MODULES}
+        self._modules = {m.key: ModuleSlots(m, max_loras, max_lora_rank, device, dtype) for m in spec.modules}
         self.slot_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras], 0 = empty
         # host bookkeeping (no device sync): the runner skips the column-scale epilogue without DoRA
         self.host_dora = np.zeros(max_loras, dtype=bool)  # [max_loras] slot holds DoRA column scales
 
-    def weights(self, layer: int, packed: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lora_a [max_loras, n, R, K], lora_b [max_loras, N, R]) of one layer's packed module."""
-        return self._a[packed][layer], self._b[packed][layer]
+    def weights(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lora_a [max_loras, n, R, K], lora_b [max_loras, N, R]) of one layer's module ``name``."""
+        module = self._modules[(layer, name)]
+        return module.lora_a, module.lora_b
 
-    def scales(self, layer: int, packed: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slice_scales [max_loras, n], column_scales [max_loras, N]) float32 of one layer's packed module."""
-        return self._slice_scales[packed][layer], self._column_scales[packed][layer]
+    def scales(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slice_scales [max_loras, n], column_scales [max_loras, N]) float32 of one layer's module ``name``."""
+        module = self._modules[(layer, name)]
+        return module.slice_scales, module.column_scales
 
     @property
     def nbytes(self) -> int:
         """Device bytes allocated for all slots."""
-        tensors = [*self._a.values(), *self._b.values(), *self._slice_scales.values(), *self._column_scales.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for module in self._modules.values() for t in module.tensors)
 
     def write(self, slot: int, adapter: LoRAWeights) -> None:
         """Zero ``slot`` everywhere, then write the adapter's factors (already validated) into it."""
         assert 0 <= slot < self.num_slots, f"slot {slot} out of range [0, {self.num_slots})"
         assert adapter.rank <= self.max_rank, f"rank {adapter.rank} > max rank {self.max_rank}"
-        for packed in PACKED_MODULES:
-            self._a[packed][:, slot].zero_()
-            self._b[packed][:, slot].zero_()
-            self._column_scales[packed][:, slot].fill_(1.0)
+        for module in self._modules.values():
+            module.reset(slot)
         self.host_dora[slot] = False
-        slice_scales = {p: torch.zeros(self.spec.num_layers, len(self.spec.slice_sizes(p))) for p in PACKED_MODULES}
-        for (layer, packed), slices in adapter.modules.items():
-            lora_a, lora_b = self.weights(layer, packed)
-            offset = 0
-            for j, width in enumerate(self.spec.slice_sizes(packed)):
-                pair = slices[j]
-                if pair is not None:
-                    rank = pair.a.shape[0]
-                    _copy(lora_a[slot, j, :rank], pair.a)  # [r_j, K]
-                    _copy(lora_b[slot, offset:offset + width, :rank], pair.b)  # [N_j, r_j]
-                    slice_scales[packed][layer, j] = pair.scaling
-                    if pair.column_scale is not None:  # DoRA
-                        self.host_dora[slot] = True
-                        _copy(self._column_scales[packed][layer, slot, offset:offset + width], pair.column_scale)
-                offset += width
-        for packed, scales in slice_scales.items():  # one copy per packed module, not one per slice
-            self._slice_scales[packed][:, slot].copy_(scales)
+        for key, pairs in adapter.modules.items():
+            if self._modules[key].write(slot, pairs):
+                self.host_dora[slot] = True
         self.slot_ranks[slot] = adapter.rank
 
     def clear(self, slot: int) -> None:
@@ -111,8 +127,8 @@ class LoRASlots:
         token maps to it, and write() zeroes them)."""
         self.slot_ranks[slot] = 0
         self.host_dora[slot] = False
-        for packed in PACKED_MODULES:
-            self._column_scales[packed][:, slot].fill_(1.0)
+        for module in self._modules.values():
+            module.column_scales[slot].fill_(1.0)
 
 
 class PromptSlots:

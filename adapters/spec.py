@@ -1,97 +1,203 @@
-"""The base model's shape as adapters see it, and the packed-module layout of LoRA slots.
+"""The base model's LoRA layout as adapters see it: one descriptor per LoRA-capable module, declared by
+the model's layers (``lora_runner.model.lora_linear``) and collected into a :class:`ModelSpec`.
 
-The engine's LoRA-aware linears are packed: q,k,v share one linear ("qkv", 3 slices) and gate,up
-share one ("gate_up", 2 slices); o and down are single-slice. A PEFT module name maps to
-(packed module, slice index). Device slots hold, per layer and packed module,
+A :class:`LoRAModule` says everything the adapter code needs about one module of one layer, and
+nothing about which model it is: the PEFT module paths it answers to and the slices each covers
+(a packed q,k,v linear answers to ``q_proj`` (slice 0), ``k_proj`` (1), ``v_proj`` (2); Phi-3's
+fused ``qkv_proj`` to all three: its A is shared by the slices, its B rows are theirs in order),
+its slice output sizes and input size, and how it splits over tensor-parallel ranks
+(:class:`Split`; the A/B rule is adapters.sharding's). Device slots hold, per module,
 ``lora_a [max_loras, n_slices, R, K]`` and ``lora_b [max_loras, N, R]`` (design.md section 3).
-
-Phi-3 checkpoints and the PEFT adapters trained on them name the packed modules themselves
-("qkv_proj", "gate_up_proj"): one PEFT module covers every slice of a packed module (its A is
-shared by the slices, its B rows are the slices' rows in order).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-# PEFT leaf module name -> (packed module, slice index within it)
-PEFT_TO_PACKED: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv", 0),
-    "k_proj": ("qkv", 1),
-    "v_proj": ("qkv", 2),
-    "o_proj": ("o", 0),
-    "gate_proj": ("gate_up", 0),
-    "up_proj": ("gate_up", 1),
-    "down_proj": ("down", 0),
-}
-# Fused PEFT leaf module (Phi-3) -> the packed module whose slices it covers, all of them
-FUSED_TO_PACKED: dict[str, str] = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
-PACKED_MODULES: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
-# PEFT leaf module -> its parent in a Llama-family decoder layer ("self_attn" or "mlp")
-PEFT_PARENT: dict[str, str] = {
-    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp",
-}
-SPLIT_MODULES: tuple[str, ...] = tuple(PEFT_TO_PACKED)  # q_proj ... down_proj: Llama, Mistral, Qwen, Gemma
-FUSED_MODULES: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3
+Range = tuple[int, int]  # [start, end)
+
+COLUMN, ROW, REPLICATED = "column", "row", "replicated"  # LoRAModule.parallel
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one dimension of a module splits over tensor-parallel ranks: ``units`` blocks of
+    ``unit_size`` (attention heads of head_dim elements, or single rows). Each rank holds an even
+    share of the units; with ``replicate`` and fewer units than ranks (KV heads) each unit is held by
+    ``world_size / units`` ranks, rank r holding unit ``r * units // world_size`` (vLLM's rule)."""
+
+    units: int
+    unit_size: int = 1
+    what: str = "rows"  # names the size in messages ("num_attention_heads")
+    replicate: bool = False
+
+    @property
+    def size(self) -> int:
+        """Elements of the whole dimension."""
+        return self.units * self.unit_size
+
+    def check(self, world_size: int) -> None:
+        """ValueError naming the sizes when the units cannot be split over ``world_size`` ranks."""
+        if self.replicate and self.units < world_size:
+            if world_size % self.units:
+                raise ValueError(f"tensor_parallel_size ({world_size}) is not a multiple of {self.what} "
+                                 f"({self.units}): fewer KV heads than ranks are replicated, which needs an even "
+                                 "share")
+        elif self.units % world_size:
+            raise ValueError(f"{self.what} ({self.units}) is not divisible by tensor_parallel_size ({world_size})")
+
+    def unit_range(self, rank: int, world_size: int) -> Range:
+        """The units ``rank`` holds: its even share, or the one replicated unit."""
+        if self.replicate and self.units < world_size:
+            unit = rank * self.units // world_size
+            return unit, unit + 1
+        share = self.units // world_size
+        return rank * share, (rank + 1) * share
+
+    def range(self, rank: int, world_size: int) -> Range:
+        """The elements ``rank`` holds."""
+        start, end = self.unit_range(rank, world_size)
+        return start * self.unit_size, end * self.unit_size
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One LoRA-capable module of one layer, as that layer declares it.
+
+    ``peft_modules``: (PEFT module path from the model root, e.g. "model.layers.0.self_attn.q_proj",
+    indices of the slices it covers). ``parallel``: COLUMN (output rows split: per slice
+    ``out_splits``), ROW (input columns split: ``in_split``; outputs all-reduced) or REPLICATED. A
+    rank's own descriptor (:meth:`shard`) has the rank's sizes and no splits."""
+
+    layer: int
+    name: str  # the module's slot key within its layer ("qkv")
+    in_features: int
+    slice_sizes: tuple[int, ...]
+    peft_modules: tuple[tuple[str, tuple[int, ...]], ...]
+    parallel: str = REPLICATED
+    out_splits: tuple[Split, ...] = ()
+    in_split: Split | None = None
+
+    def __post_init__(self) -> None:
+        assert self.in_features > 0 and self.slice_sizes and all(s > 0 for s in self.slice_sizes), self
+        assert self.parallel in (COLUMN, ROW, REPLICATED), f"parallel must be column, row or replicated: {self}"
+        for path, indices in self.peft_modules:
+            assert indices and all(0 <= i < len(self.slice_sizes) for i in indices), f"{path}: slices {indices}"
+        if self.out_splits:
+            assert tuple(s.size for s in self.out_splits) == self.slice_sizes, f"out_splits of {self.key}"
+        if self.in_split is not None:
+            assert self.in_split.size == self.in_features, f"in_split of {self.key}"
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """(layer, name): where this module's factors sit in LoRAWeights.modules and the slots."""
+        return self.layer, self.name
+
+    @property
+    def out_features(self) -> int:
+        """N: the slices' rows together."""
+        return sum(self.slice_sizes)
+
+    @property
+    def slice_offsets(self) -> tuple[int, ...]:
+        """Row offset of each slice within the module's N rows."""
+        return tuple(sum(self.slice_sizes[:j]) for j in range(len(self.slice_sizes)))
+
+    def check_split(self, world_size: int) -> None:
+        """ValueError naming the sizes when this module cannot be split over ``world_size`` ranks."""
+        if world_size == 1:
+            return
+        for split in (*self.out_splits, *([self.in_split] if self.in_split is not None else [])):
+            split.check(world_size)
+
+    def slice_rows(self, rank: int, world_size: int) -> tuple[Range, ...]:
+        """Per slice, the rows of that slice (relative to its start) ``rank`` holds: its share when
+        column-parallel, every row otherwise."""
+        if self.parallel == COLUMN and world_size > 1:
+            return tuple(split.range(rank, world_size) for split in self.out_splits)
+        return tuple((0, size) for size in self.slice_sizes)
+
+    def input_columns(self, rank: int, world_size: int) -> Range:
+        """The input columns ``rank`` holds (all of them unless row-parallel)."""
+        if self.parallel == ROW and world_size > 1:
+            return self.in_split.range(rank, world_size)
+        return 0, self.in_features
+
+    def shard(self, rank: int, world_size: int) -> LoRAModule:
+        """The descriptor of ``rank``'s share: its sizes, no splits (itself at one rank)."""
+        if world_size == 1:
+            return self
+        c0, c1 = self.input_columns(rank, world_size)
+        sizes = tuple(r1 - r0 for r0, r1 in self.slice_rows(rank, world_size))
+        return replace(self, in_features=c1 - c0, slice_sizes=sizes, out_splits=(), in_split=None)
+
+    def peft_shapes(self, indices: tuple[int, ...], rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Expected (lora_A [r, in], lora_B [out, r]) of a PEFT module covering slices ``indices``."""
+        return (rank, self.in_features), (sum(self.slice_sizes[i] for i in indices), rank)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Sizes of a Llama-family base model that adapters must agree with."""
+    """The base model as adapters must agree with it: its LoRA-capable modules (``modules``, collected
+    from the model's layers: lora_runner.model.lora_linear), its hidden size (soft prompts), its
+    vocabulary (embed_tokens / lm_head LoRA; None: refused) and name.
+
+    ``num_heads``, ``num_kv_heads``, ``head_dim``, ``intermediate_size`` and ``fused_projections``
+    are a Llama-family decoder's sizes (None for another model), kept for the code that reads them
+    (the KV cache, the kernels' shape tables); the adapter code reads ``modules`` only.
+    """
 
     num_layers: int
     hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
     model_name: str | None = None  # for the "adapter trained on another base" warning
     vocab_size: int | None = None  # embed_tokens / lm_head rows; None: LoRA on them is refused
-    fused_projections: bool = False  # Phi-3: modules are named qkv_proj / gate_up_proj (FUSED_MODULES)
+    fused_projections: bool = False  # Phi-3: modules are named qkv_proj / gate_up_proj
+    modules: tuple[LoRAModule, ...] = ()  # every LoRA-capable module of every layer
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                       "intermediate_size"):
-            if getattr(self, field) <= 0:
+            value = getattr(self, field)
+            if value is None and field not in ("num_layers", "hidden_size"):
+                continue
+            if value <= 0:
                 raise ValueError(f"ModelSpec.{field} must be positive")
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ValueError("ModelSpec.vocab_size must be positive or None")
+        keys = [m.key for m in self.modules]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"ModelSpec.modules: two modules share a (layer, name): {keys}")
+        paths = [path for m in self.modules for path, _ in m.peft_modules]
+        if len(set(paths)) != len(paths):
+            raise ValueError("ModelSpec.modules: two modules answer to the same PEFT module")
 
-    def slice_sizes(self, packed: str) -> tuple[int, ...]:
-        """Output widths of the slices of a packed module."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return {
-            "qkv": (q, kv, kv),
-            "o": (self.hidden_size,),
-            "gate_up": (self.intermediate_size, self.intermediate_size),
-            "down": (self.hidden_size,),
-        }[packed]
+    def module(self, layer: int, name: str) -> LoRAModule:
+        """The descriptor of module ``name`` of ``layer`` (KeyError if the model has none there)."""
+        for module in self.modules:
+            if module.key == (layer, name):
+                return module
+        raise KeyError(f"no LoRA-capable module {name!r} in layer {layer}")
 
-    def in_features(self, packed: str) -> int:
-        """Input width K of a packed module."""
-        return {
-            "qkv": self.hidden_size,
-            "o": self.num_heads * self.head_dim,
-            "gate_up": self.hidden_size,
-            "down": self.intermediate_size,
-        }[packed]
+    def peft_targets(self) -> dict[str, tuple[LoRAModule, tuple[int, ...]]]:
+        """PEFT module path -> (the module answering to it, the slices it covers)."""
+        return {path: (module, indices) for module in self.modules for path, indices in module.peft_modules}
 
-    @property
-    def peft_modules(self) -> tuple[str, ...]:
-        """The PEFT leaf module names of this model's decoder layers."""
-        return FUSED_MODULES if self.fused_projections else SPLIT_MODULES
+    def slice_sizes(self, name: str) -> tuple[int, ...]:
+        """Output widths of the slices of the modules called ``name`` (the first layer's)."""
+        return self._first(name).slice_sizes
 
-    def peft_slices(self, peft_module: str) -> tuple[str, tuple[int, ...]]:
-        """(packed module, indices of the slices it covers) of one of this model's PEFT modules."""
-        if peft_module in FUSED_TO_PACKED:
-            packed = FUSED_TO_PACKED[peft_module]
-            return packed, tuple(range(len(self.slice_sizes(packed))))
-        packed, index = PEFT_TO_PACKED[peft_module]
-        return packed, (index,)
+    def in_features(self, name: str) -> int:
+        """Input width K of the modules called ``name`` (the first layer's)."""
+        return self._first(name).in_features
 
-    def peft_shapes(self, peft_module: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """Expected (lora_A [r, in], lora_B [out, r]) shapes of a PEFT module (a fused one: all its rows)."""
-        packed, indices = self.peft_slices(peft_module)
-        sizes = self.slice_sizes(packed)
-        return (rank, self.in_features(packed)), (sum(sizes[i] for i in indices), rank)
+    def _first(self, name: str) -> LoRAModule:
+        for module in self.modules:
+            if module.name == name:
+                return module
+        raise KeyError(f"no LoRA-capable module {name!r} in this ModelSpec (modules: "
+                       f"{sorted({m.name for m in self.modules})})")
+

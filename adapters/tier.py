@@ -29,7 +29,11 @@ Served names (the server's model list) live in the same version table, as one
 reads it. A served name outlives the CPU cache's eviction of its weights (the next request reloads
 them from its request). ``stage`` loads a version that serves no name until ``publish`` makes it the
 name's version (taking over the old one's pin); released unpublished, it is dropped and nothing
-changed, so a load whose caller gave up needs no undo.
+changed, so a load whose caller gave up needs no undo. ``stage(fresh=True)`` (load_inplace) never
+reuses a version: the same path may hold retrained files, so the new version is read from what is
+there now, and its number (hence its prefix-cache keys) is new. Adapters handed over in memory
+(``adapters.memory_source``) are a new source per update; a request naming an update that a later
+one replaced is refused (``SupersededAdapterError``) rather than loaded back over it.
 
 Pins live on the version record only, on the version a name serves (``AdapterVersion.pinned``): a
 replacement inherits the pin once it takes over; a failed, removed or retired version holds none.
@@ -57,13 +61,18 @@ from typing import Any, Callable
 from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterError, UnknownAdapterError
 from adapters.load_queue import LoadQueue
 from adapters.lru import LRUCache
+from adapters.memory_source import MemoryLoRARequest
 from adapters.slot_pool import SlotPool
 from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
 
 __all__ = ["FAILED", "LOADING", "READY", "AdapterRef", "AdapterTier", "PromptAdapterTier", "ServedAdapter",
-           "TierClosedError"]
+           "SupersededAdapterError", "TierClosedError"]
 
 logger = logging.getLogger(__name__)
+
+
+class SupersededAdapterError(AdapterError):
+    """A request named an in-memory adapter version that a later update replaced (adapters.memory_source)."""
 
 
 class TierClosedError(RuntimeError):
@@ -167,6 +176,7 @@ class AdapterTier:
         self._check_request(request)
         with self._lock:
             self._check_open()
+            self._check_not_superseded(request)
             version = self._version_for(request)
             self._touch_cpu(version)
             self._start_queued()
@@ -238,23 +248,27 @@ class AdapterTier:
             return [v.ref.name for v in self._cpu if v in serving]
 
     # ---- served names: the one registry (adapters.versions.ServedAdapter) -------------------------
-    def stage(self, request) -> AdapterRef:
-        """Load and validate ``request`` now, like add(), into a version that serves no name yet (the
-        version its name serves, when that has the same source) and that the caller holds: ``publish``
-        it, then ``release`` it; released unpublished, it is dropped and nothing changed."""
-        return self._load_held(request, staged=True)
+    def stage(self, request, fresh: bool = False) -> AdapterRef:
+        """Load and validate ``request`` now, like add(), into a version that serves no name yet and
+        that the caller holds: ``publish`` it, then ``release`` it; released unpublished, it is dropped
+        and nothing changed. Without ``fresh``, the version its name serves is reused when it has the
+        same source; with ``fresh`` (load_inplace: the files may have changed under the same path) it
+        never is: a new version is read from what the source holds now, so neither the old weights nor
+        the prefix-cache blocks keyed by the old version serve it."""
+        return self._load_held(request, staged=True, fresh=fresh)
 
-    def publish(self, served: ServedAdapter, replace: bool, ref: AdapterRef | None = None,
+    def publish(self, served: ServedAdapter | None, replace: bool, ref: AdapterRef | None = None,
                 claim: Callable[[], bool] | None = None) -> bool:
-        """Serve ``served`` under its name; with ``ref`` (a staged version, see ``stage``) that version
-        serves the name from now on, taking over the replaced version's pin. ``claim`` is asked last,
-        under the lock: False (its caller gave up waiting) changes nothing. Returns whether it was served.
+        """Serve ``served`` under its name (None: leave the name's served record as it is); with ``ref``
+        (a staged version, see ``stage``) that version serves its name from now on, taking over the
+        replaced version's pin. ``claim`` is asked last, under the lock: False (its caller gave up
+        waiting) changes nothing. Returns whether it was published.
 
         Raises:
             ValueError: the name is served already and ``replace`` is False.
         """
         with self._lock:
-            if self._versions.served(served.name) is not None and not replace:
+            if served is not None and self._versions.served(served.name) is not None and not replace:
                 raise ValueError(f"an adapter named {served.name!r} is already loaded")
             if claim is not None and not claim():
                 return False
@@ -263,7 +277,8 @@ class AdapterTier:
                 if version.state == FAILED:  # a slot write failed since it was staged
                     raise copy.copy(version.error) from version.error
                 self._versions.publish(version)
-            self._versions.serve(served, replace)
+            if served is not None:
+                self._versions.serve(served, replace)
             return True
 
     def withdraw(self, name: str) -> ServedAdapter:
@@ -392,12 +407,12 @@ class AdapterTier:
         """The version that serves ``name`` now: the fallback while a replacement loads, else the newest."""
         return self._versions.serving(name)
 
-    def _load_held(self, request, staged: bool) -> AdapterRef:
+    def _load_held(self, request, staged: bool, fresh: bool = False) -> AdapterRef:
         """add() and stage(): the request's version loaded in this thread (unless a worker has it) and
         held; raises its AdapterError, releasing it."""
         self._check_request(request)
         with self._lock:
-            version = self._hold_staged(request) if staged else self._hold(request)
+            version = self._hold_staged(request, fresh) if staged else self._hold(request)
             run_here = not version.started  # queued: load it now rather than wait for room
             if run_here:
                 self._loads.begin(version)
@@ -413,10 +428,10 @@ class AdapterTier:
             self.release(version.ref)
             raise
 
-    def _hold_staged(self, request) -> AdapterVersion:
+    def _hold_staged(self, request, fresh: bool) -> AdapterVersion:
         self._check_open()
         serving = self._serving(request.name)
-        if serving is not None and serving.source == request.source and serving.state != FAILED:
+        if not fresh and serving is not None and serving.source == request.source and serving.state != FAILED:
             version = serving  # publishing it changes only the served record
         else:
             version = self._versions.stage(request)
@@ -426,10 +441,22 @@ class AdapterTier:
 
     def _hold(self, request) -> AdapterVersion:
         self._check_open()
+        self._check_not_superseded(request)
         version = self._version_for(request)
         version.holders += 1
         self._touch_cpu(version)
         return version
+
+    def _check_not_superseded(self, request) -> None:
+        """An adapter handed over in memory runs only while its name is served from it: a request holding
+        an older update would otherwise load those tensors as the name's newest version, silently
+        undoing the update (a folder's request reloads what the folder holds; a snapshot never changes)."""
+        if isinstance(request, MemoryLoRARequest):
+            served = self._versions.served(request.name)
+            if served is None or served.request.source != request.source:
+                raise SupersededAdapterError(
+                    f"{self.kind} {request.name!r}: this in-memory version ({request.path}) is no longer the one "
+                    "served under its name; use the request of the served adapter (served_adapter(name).request)")
 
     def _version_for(self, request) -> AdapterVersion:
         """The version of the request's name and source; a new one is queued for loading."""

@@ -98,6 +98,10 @@ class VersionTable:
         self._fallback: dict[str, AdapterVersion] = {}  # name -> the ready version serving while the newest loads
         self._versions: dict[AdapterRef, AdapterVersion] = {}  # every live version (current or retired but held)
         self._served: dict[str, ServedAdapter] = {}  # name -> what clients may select (outlives its versions)
+        # name -> the ref of its published version whose source never changes (``request.immutable``: handed
+        # over in memory): a reload after the CPU cache evicted it reads the same weights, so it keeps the ref
+        # (the version a caller was told, and its prefix-cache blocks); a folder's reload is a new version
+        self._immutable_refs: dict[str, AdapterRef] = {}
         self._ids = itertools.count()
 
     def __iter__(self) -> Iterator[AdapterVersion]:
@@ -146,6 +150,7 @@ class VersionTable:
 
     def unserve(self, name: str) -> ServedAdapter | None:
         """Stop serving ``name`` (its versions stay for the tier to retire); the record, or None."""
+        self._immutable_refs.pop(name, None)
         return self._served.pop(name, None)
 
     def stage(self, request) -> AdapterVersion:
@@ -163,6 +168,10 @@ class VersionTable:
             version.pinned = self.retire_name(version.ref.name)
             version.retired = False
             self.register(version)
+            if getattr(version.request, "immutable", False):
+                self._immutable_refs[version.ref.name] = version.ref
+            else:
+                self._immutable_refs.pop(version.ref.name, None)
 
     # ---- versions --------------------------------------------------------------------------------
     def version_for(self, request) -> tuple[AdapterVersion, bool]:
@@ -175,7 +184,8 @@ class VersionTable:
         for known in (current, self._fallback.get(name)):
             if known is not None and known.source == request.source:
                 return known, False
-        version = AdapterVersion(self.new_ref(name, request.path, request.revision), request)
+        version = AdapterVersion(self._reloaded_ref(request) or self.new_ref(name, request.path, request.revision),
+                                 request)
         if current is not None:
             logger.info("%s %r: replacing %s with %s", self.kind, name, current.source, request.source)
             if current.state == READY:  # keep it serving until the new version loaded
@@ -186,6 +196,13 @@ class VersionTable:
                 self.retire(current)
         self.register(version)
         return version, True
+
+    def _reloaded_ref(self, request) -> AdapterRef | None:
+        """The ref an immutable source published under, when this loads it again (see _immutable_refs)."""
+        ref = self._immutable_refs.get(request.name)
+        if ref is None or (ref.path, ref.revision) != request.source or ref in self._versions:
+            return None
+        return ref
 
     def new_ref(self, name: str, path: str, revision: str | None) -> AdapterRef:
         """A ref with a version number never used before in this table."""

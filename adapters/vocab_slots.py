@@ -33,8 +33,9 @@ class VocabLoRASlots:
     """``max_loras`` slots of embed_tokens and lm_head LoRA factors of rank up to ``max_lora_rank``.
 
     ``embedding_ranks`` / ``lm_head_ranks`` [max_loras] int32 on the device hold each slot's rank
-    (0: no such LoRA); :meth:`lm_head_in_use` answers from a host copy, without a device sync, and
-    ``host_embedding`` [max_loras] bool (host) says which slots have an embed_tokens LoRA.
+    (0: no such LoRA); ``host_lm_head_ranks`` [max_loras] int32 is their host copy (``lm_head_in_use`` and the
+    lm_head LoRA's tile table read it without a device sync), and ``host_embedding`` [max_loras] bool (host)
+    says which slots have an embed_tokens LoRA.
     """
 
     def __init__(self, spec: ModelSpec, max_loras: int, max_lora_rank: int, device="cpu",
@@ -52,7 +53,7 @@ class VocabLoRASlots:
         self.lm_head_scales = torch.ones(max_loras, 1, dtype=torch.float32, device=device)  # [max_loras, 1]
         self.embedding_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
         self.lm_head_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
-        self._host_lm_head_ranks = [0] * max_loras
+        self.host_lm_head_ranks = np.zeros(max_loras, dtype=np.int32)  # [max_loras] host copy of lm_head_ranks
         self.host_embedding = np.zeros(max_loras, dtype=bool)  # [max_loras] slot has an embed_tokens LoRA
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
@@ -81,7 +82,7 @@ class VocabLoRASlots:
             _copy(self.lm_head_b[slot, :, :rank], lm_head.b)  # [V, r]
             self.lm_head_scales[slot] = lm_head.scaling
             self.lm_head_ranks[slot] = rank
-            self._host_lm_head_ranks[slot] = rank
+            self.host_lm_head_ranks[slot] = rank
 
     def clear(self, slot: int) -> None:
         """Zero ``slot``: factors and ranks (scales back to 1)."""
@@ -92,12 +93,12 @@ class VocabLoRASlots:
         self.lm_head_scales[slot] = 1.0
         self.embedding_ranks[slot] = 0
         self.lm_head_ranks[slot] = 0
-        self._host_lm_head_ranks[slot] = 0
+        self.host_lm_head_ranks[slot] = 0
         self.host_embedding[slot] = False
 
     def lm_head_in_use(self) -> bool:
         """True when some slot holds an lm_head LoRA (host bookkeeping: no device sync)."""
-        return any(self._host_lm_head_ranks)
+        return bool(self.host_lm_head_ranks.any())
 
 
 class SlotGroup:

@@ -33,8 +33,8 @@ from adapters import AdapterManager, LoRARequest, ModelSpec
 from adapters.hub import adapter_file_patterns, resolve
 from adapters.lora import parse_lora
 from adapters.slots import LoRASlots
-from adapters.spec import PEFT_PARENT, PEFT_TO_PACKED
 from adapters.weights import read_adapter_config, read_adapter_tensors
+from lora_runner.model.lora_linear import decoder_lora_modules
 
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4)  # head_dim 64, GQA 4:1
@@ -59,13 +59,10 @@ def write_adapters(root: Path, count: int, use_dora: bool = False, seed: int = 0
     return paths, base
 
 
-def packed_base_weights(base, device: torch.device, dtype: torch.dtype):
-    """(layer, packed) -> the base weight [N, K] as the engine's LoRA-aware linears hold it, on device."""
-    weights = {}
-    for layer, block in enumerate(base.model.layers):
-        for leaf, (packed, _) in PEFT_TO_PACKED.items():
-            weights.setdefault((layer, packed), []).append(getattr(getattr(block, PEFT_PARENT[leaf]), leaf).weight)
-    packed = {key: torch.cat(parts).to(device=device, dtype=dtype) for key, parts in weights.items()}
+def packed_base_weights(base, spec: ModelSpec, device: torch.device, dtype: torch.dtype):
+    """(layer, name) -> the base weight [N, K] as the engine's LoRA-aware linears hold it, on device."""
+    packed = {module.key: torch.cat([base.get_submodule(path).weight for path, _ in module.peft_modules]).to(
+        device=device, dtype=dtype) for module in spec.modules}
     return lambda layer, name: packed[layer, name]
 
 
@@ -136,7 +133,7 @@ def stage_times(spec, target: Path, base_weight, device, dtype, reps: int):
 def measure(kind: str, spec, root: Path, device, dtype, reps: int) -> tuple[dict, int, int]:
     """Rows of one adapter kind ("LoRA" or "DoRA"), its adapter bytes and the slots' device bytes."""
     (target, other), base = write_adapters(root, 2, use_dora=kind == "DoRA")
-    base_weight = packed_base_weights(base, device, dtype)
+    base_weight = packed_base_weights(base, spec, device, dtype)
     cold, warm, nbytes = manager_times(spec, target, other, base_weight, device, dtype, reps)
     stages, adapter_bytes = stage_times(spec, target, base_weight, device, dtype, reps)
     norms = " (+ DoRA norms)" if kind == "DoRA" else ""
@@ -154,10 +151,11 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    spec = ModelSpec(num_layers=SHAPE["num_hidden_layers"], hidden_size=SHAPE["hidden_size"],
-                     num_heads=SHAPE["num_attention_heads"], num_kv_heads=SHAPE["num_key_value_heads"],
-                     head_dim=SHAPE["hidden_size"] // SHAPE["num_attention_heads"],
-                     intermediate_size=SHAPE["intermediate_size"])
+    sizes = dict(num_layers=SHAPE["num_hidden_layers"], hidden_size=SHAPE["hidden_size"],
+                 num_heads=SHAPE["num_attention_heads"], num_kv_heads=SHAPE["num_key_value_heads"],
+                 head_dim=SHAPE["hidden_size"] // SHAPE["num_attention_heads"],
+                 intermediate_size=SHAPE["intermediate_size"])
+    spec = ModelSpec(**sizes, modules=decoder_lora_modules(argparse.Namespace(**sizes, fused_projections=False)))
     rows, sizes = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("LoRA", "DoRA"):

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from common import machine_description, markdown_table  # benchmarks/common.py
-from punica_kernels import LoRAMeta, add_lora
+from punica_kernels import LoRAMeta, add_lora, load_table
 
 logger = logging.getLogger("bench_kernels")
 
@@ -92,7 +92,7 @@ def bench_point(num_tokens: int, rank: int, distinct: int, hidden: int, dtype: t
     slots = (torch.arange(num_tokens) % distinct).to(device)  # [T] round-robin
     # sized like an engine's (room for K-split partials at small T), not just for this T
     meta = LoRAMeta(max(TOKENS), MAX_LORAS, device, max_rank=rank, max_slices=1)
-    meta.prepare(slots, torch.full((MAX_LORAS,), rank, dtype=torch.int32, device=device))
+    load_table(meta, slots, torch.full((MAX_LORAS,), rank, dtype=torch.int32, device=device))
 
     expected = gather_bmm(y.float().clone(), x.float(), lora_a.float(), lora_b.float(), slots)
     got = add_lora(y.clone(), x, lora_a, lora_b, meta, (hidden,)).float()

@@ -1,6 +1,6 @@
 """Resource report of every Triton kernel configuration the engine launches, compiled ahead of time.
 
-The launchers are driven (punica_kernels.aot.all_drivers) with CPU tensors; each distinct
+The launchers are driven (kernel_tools.aot.all_drivers) with CPU tensors; each distinct
 configuration is compiled for sm_90 (H100/H200) and sm_80 (A100) without a GPU, and ptxas -v on
 its PTX gives registers and spills. One table per kernel:
   target, dtypes, constexprs, warps, registers/thread, spill bytes (stores+loads), shared memory,
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from common import machine_description, markdown_table  # benchmarks/common.py
-from punica_kernels import aot
+from kernel_tools import aot
 
 COLUMNS = [("target", "target", "s"), ("dtypes", "dtypes", "s"), ("constexprs", "constexprs", "s"),
            ("num_warps", "warps", "d"), ("registers", "regs", "d"), ("spill_bytes", "spills B", "d"),

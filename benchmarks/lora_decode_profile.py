@@ -11,9 +11,9 @@ dummy adapters on all seven projections, bf16), then:
 
   kernels  one decode graph replay at 32 requests / 8 adapters and its base twin under torch.profiler:
            kernels per replay, microseconds per kernel name, LoRA kernels' share of the step's GPU time
-  prepare  host milliseconds per step of the LoRA meta's table: built on the host and staged (the engine's
-           path: HostTileTable.build + ForwardContextBuilder.prepare_lora) vs LoRAMeta.prepare on the device,
-           and the aten ops each issues (a dispatch-mode count)
+  prepare  host milliseconds per step of the LoRA meta's table, built on the host and staged (the engine's
+           path, the only builder: HostTileTable.build + ForwardContextBuilder.prepare_lora), and the aten ops
+           pointing the meta at it issues (a dispatch-mode count)
   decode   decode tok/s for 8 / 32 / 128 requests x 0 / 8 / 32 adapters (round-robin), and the ratio to base
   prefill  prefill tok/s of one step of T = 2048 / 8192 tokens (8 sequences), base vs 8 adapters
 
@@ -148,38 +148,28 @@ def run_prefill(engine, plan: Plan, results: dict) -> None:
 
 
 def run_prepare(engine, plan: Plan, results: dict) -> None:
-    """Host ms per step of the LoRA table at the decode sizes: the engine's host build + staged views vs the
-    meta's device-side prepare, and the aten ops each issues."""
+    """Host ms per step of the LoRA table at the decode sizes (the host build + pointing the meta at the
+    staged views), and the aten ops the latter issues."""
     from lora_runner.worker.batch_builder import SeqChunk
 
     runner = engine.runner
-    builder, contexts, meta = runner.batch_builder, runner.forward_contexts, runner.lora_meta
+    builder, contexts = runner.batch_builder, runner.forward_contexts
     rows = []
     for num_requests in plan.requests:
         chunks = [SeqChunk([1, 2], 1, 1, [1], lora_slot=i % max(plan.adapters)) for i in range(num_requests)]
         step = builder.write(chunks)
         batch = builder.upload(step)  # the rows and the table in one copy
-        host_ms, device_ms = [], []
+        host_ms = []
         for _ in range(plan.repeats * 20):
             start = time.perf_counter()  # the engine's path: the table in numpy (then staged), the meta pointed at it
             builder.lora_table.build(builder.token_lora_slots.np[:step.num_tokens])
             contexts.prepare_lora(batch)
             host_ms.append((time.perf_counter() - start) * 1e3)
-            start = time.perf_counter()  # what it replaces: ~30 eager ops (the host time of their launches)
-            meta.prepare(batch.token_lora_slots, runner.lora_slots.slot_ranks, check=False)
-            meta.tile_slots  # noqa: B018  (CPU writes the tiles on first access)
-            device_ms.append((time.perf_counter() - start) * 1e3)
         synchronize(plan.sizes.device)
         with AtenOps() as ops:
             contexts.prepare_lora(batch)
-        host_ops = ops.count
-        with AtenOps() as ops:
-            meta.prepare(batch.token_lora_slots, runner.lora_slots.slot_ranks, check=False)
-            meta.tile_slots  # noqa: B018  (CPU writes the tiles on first access)
-        device_ops = ops.count
         rows.append(dict(requests=num_requests, host_table_ms=statistics.median(host_ms),
-                         device_prepare_ms=statistics.median(device_ms), host_table_device_ops=host_ops,
-                         device_prepare_ops=device_ops))
+                         host_table_device_ops=ops.count))
     contexts.prepare_lora(builder.upload(step))  # leave the meta on the engine's path
     results["prepare"] = dict(rows=rows, host_table_device_ops=max(r["host_table_device_ops"] for r in rows))
 
@@ -244,8 +234,7 @@ def section_tables(results: dict) -> list[tuple[str, list | None, list]]:
         ("lora_us", "LoRA us", ".1f"), ("lora_share_of_step", "LoRA share", ".1%")]),
         ("prepare", (results.get("prepare") or {}).get("rows"), [
             ("requests", "requests", "d"), ("host_table_ms", "host table ms", ".3f"),
-            ("host_table_device_ops", "its device ops", "d"), ("device_prepare_ms", "device prepare ms", ".3f"),
-            ("device_prepare_ops", "its ops", "d")]),
+            ("host_table_device_ops", "its device ops", "d")]),
         ("decode", results.get("decode"), [
             ("requests", "requests", "d"), ("adapters", "adapters", "d"), ("tokens_per_s", "decode tok/s", ".0f"),
             ("ratio_to_base", "vs base", ".2f"), ("step_ms", "ms/step", ".2f")]),

@@ -142,7 +142,9 @@ class EngineConfig:
         for name in ("fairness_prefill_weight", "fairness_decode_weight"):
             check_weight(name, getattr(self, name))
         if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
-            raise ValueError(f"quantization must be None or one of {QUANTIZATION_OPTIONS}, got {self.quantization!r}")
+            raise ValueError(f"quantization must be None or one of {QUANTIZATION_OPTIONS}, got {self.quantization!r} "
+                             "(a checkpoint already quantized with compressed-tensors, GPTQ or AWQ is detected from "
+                             "its config.json: leave quantization None)")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f'distributed_executor_backend must be None, "uni", "mp" or "ray", got '

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from lora_runner.request_times import RequestTimes
 
@@ -123,6 +124,9 @@ class RequestOutput:
     output of the request (no prompt token is generated after its first output).
     metrics: when the request arrived, was first scheduled and got its first and latest tokens (None for
     the merged output of n > 1 samples).
+    lora_version / prompt_adapter_version: the adapter version the request ran with (an
+    ``adapters.AdapterRef``: ``name`` and ``version``, a number its tier never reuses), from its
+    admission to its end, or None without one: which policy produced these tokens.
     """
 
     request_id: str
@@ -133,6 +137,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestTimes | None = None  # vLLM's field: a copy of the request's timestamps at this output
+    lora_version: Any = None  # adapters.AdapterRef it ran with (outputs does not import adapters)
+    prompt_adapter_version: Any = None  # adapters.AdapterRef of its prompt adapter
     # speculative decoding's counters of the request so far (a copy); None when it is off (or for n > 1 merged)
     spec_decode: SpecDecodingStats | None = None
 
@@ -157,6 +163,7 @@ class RequestOutput:
         if later.prompt_logprobs is not None:
             self.prompt_logprobs = later.prompt_logprobs
         self.metrics = later.metrics if later.metrics is not None else self.metrics
+        self.lora_version, self.prompt_adapter_version = later.lora_version, later.prompt_adapter_version
 
     def copy(self) -> RequestOutput:
         """A copy whose completions have their own lists (what ``add`` may extend)."""

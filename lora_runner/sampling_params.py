@@ -6,9 +6,12 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-from lora_runner.structured_outputs_params import StructuredOutputsParams
+from lora_runner.structured_outputs_params import (GuidedDecodingParams, StructuredOutputsParams,
+                                                   as_structured_outputs)
+
+__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "GuidedDecodingParams"]
 
 MAX_STOP_TOKEN_IDS = 1024  # most stop_token_ids one request may give (each is checked every token)
 MAX_N = 16  # most parallel samples (SamplingParams.n) of one prompt
@@ -25,6 +28,14 @@ MAX_BAD_WORDS = 256  # most bad_words one request may give (each is matched ever
 MAX_BAD_WORD_CHARS = 256  # longest bad word
 MAX_COUNT = 2**31 - 1  # most top_k, max_tokens, min_tokens, logprobs and largest stop token id (fits int32)
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+# vLLM's SamplingParams options with no counterpart here: the values that ask for nothing, and why others cannot be
+VLLM_ONLY_OPTIONS = {
+    "best_of": ((None, 1), "best-of-n is not implemented: use n and pick by cumulative_logprob"),
+    "detokenize": ((True, False), "it must be True or False"),  # the text is always detokenized (it costs little)
+    "logits_processors": ((None,), "custom logits processors are not supported: allowed_token_ids, bad_words and "
+                          "structured_outputs cover the common uses"),
+    "extra_args": ((None,), "there are no custom sampling extensions to read them"),
+}
 
 
 class RequestOutputKind(enum.Enum):
@@ -88,6 +99,10 @@ class SamplingParams:
     output so far). Both are checked with the engine's vocabulary at add_request.
     output_kind: RequestOutputKind.CUMULATIVE (each output holds everything so far) or DELTA (each
     holds only what is new since the previous one).
+    guided_decoding (vLLM's older spelling, read at construction only): a GuidedDecodingParams (or a dict of
+    its fields) that becomes structured_outputs; ValueError when both are given. vLLM's best_of (1 or None),
+    detokenize (the text is always detokenized), logits_processors and extra_args (None) are accepted only
+    where they ask for nothing (VLLM_ONLY_OPTIONS); any other value is a ValueError naming the option.
 
     Raises ValueError naming the field for a wrong type or an out-of-range value (``bool`` is not
     an integer). ``LLMEngine.add_request`` checks a copy again with the engine's limits (see
@@ -126,8 +141,25 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # CUMULATIVE (the whole output so far in every RequestOutput) or DELTA (only the new part)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's older name of structured_outputs (a GuidedDecodingParams), turned into it by __post_init__
+    guided_decoding: InitVar[GuidedDecodingParams | StructuredOutputsParams | dict | None] = None
+    # vLLM options without a counterpart, read at construction only (VLLM_ONLY_OPTIONS)
+    best_of: InitVar[int | None] = None
+    detokenize: InitVar[bool] = True
+    logits_processors: InitVar[list | None] = None
+    extra_args: InitVar[dict | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding=None, best_of=None, detokenize=True, logits_processors=None,
+                      extra_args=None) -> None:
+        for name, value in (("best_of", best_of), ("detokenize", detokenize),
+                            ("logits_processors", logits_processors), ("extra_args", extra_args)):
+            honoured, reason = VLLM_ONLY_OPTIONS[name]
+            if not any(value is v or _is_int(value) and value == v for v in honoured):
+                raise ValueError(f"SamplingParams({name}={value!r}) is not supported: {reason}")
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("pass structured_outputs or guided_decoding (vLLM's older name), not both")
+            self.structured_outputs = as_structured_outputs(guided_decoding)
         if self.top_k is None:
             self.top_k = -1
         if self.stop_token_ids is None:

@@ -3,13 +3,15 @@
 Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON
 object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (an EBNF / GBNF grammar) is set.
 This module only checks the shape of the request (sizes, nesting depth); the grammar engine that
-compiles and enforces the constraint is lora_runner.engine.structured (xgrammar).
+compiles and enforces the constraint is lora_runner.engine.structured (xgrammar). GuidedDecodingParams
+is vLLM's older spelling (``SamplingParams(guided_decoding=...)``), translated to StructuredOutputsParams.
 """
 
 from __future__ import annotations
 
 import copy as _copy
 import json as _json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 MAX_CONSTRAINT_CHARS = 64 * 1024  # longest schema / regex / grammar text one request may send
@@ -106,6 +108,73 @@ class StructuredOutputsParams:
         if self.json is None:
             return None
         return self.json if isinstance(self.json, str) else _json.dumps(self.json)
+
+
+# GuidedDecodingParams fields with no StructuredOutputsParams counterpart: the values that change nothing here,
+# and why any other value is refused
+_GUIDED_ONLY = {
+    "backend": ((None, "auto", "xgrammar"), "constraints are compiled by xgrammar"),
+    "backend_was_auto": ((None, False, True), "it must be True or False"),
+    "disable_fallback": ((None, False, True), "it must be True or False"),  # there is no backend to fall back to
+    "disable_additional_properties": ((None, False), "JSON schemas are enforced as written; set "
+                                      '"additionalProperties": false in the schema'),
+    "whitespace_pattern": ((None,), "JSON whitespace is any whitespace or none (disable_any_whitespace)"),
+    "structural_tag": ((None,), "structural tags are not implemented"),
+}
+
+
+@dataclass
+class GuidedDecodingParams:
+    """vLLM's older constraint type (``vllm.sampling_params.GuidedDecodingParams``), read by
+    ``SamplingParams(guided_decoding=...)`` as the StructuredOutputsParams it stands for.
+
+    json, regex, choice, grammar, json_object and disable_any_whitespace mean what they mean in
+    StructuredOutputsParams. backend may be None, "auto" or "xgrammar"; disable_fallback and
+    backend_was_auto change nothing (xgrammar has no fallback). ValueError, naming the field, for
+    whitespace_pattern, structural_tag, disable_additional_properties=True or another backend.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    backend_was_auto: bool = False
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        self.to_structured_outputs()  # refuses what cannot be honoured now, not when the request runs
+
+    def to_structured_outputs(self) -> StructuredOutputsParams:
+        """The StructuredOutputsParams of this constraint (ValueError naming a field this engine lacks)."""
+        for name, (honoured, reason) in _GUIDED_ONLY.items():
+            value = getattr(self, name)
+            if not any(value is v or isinstance(v, str) and value == v for v in honoured):
+                raise ValueError(f"guided_decoding.{name}={value!r} is not supported: {reason}")
+        return StructuredOutputsParams(json=self.json, json_object=self.json_object, regex=self.regex,
+                                       choice=self.choice, grammar=self.grammar,
+                                       disable_any_whitespace=self.disable_any_whitespace)
+
+
+def as_structured_outputs(guided_decoding) -> StructuredOutputsParams:
+    """``SamplingParams(guided_decoding=...)``: a GuidedDecodingParams, a StructuredOutputsParams, or a dict of
+    GuidedDecodingParams' fields, as a StructuredOutputsParams of its own (ValueError otherwise)."""
+    if isinstance(guided_decoding, StructuredOutputsParams):
+        return guided_decoding.copy()
+    if isinstance(guided_decoding, Mapping):
+        unknown = sorted(set(guided_decoding) - set(GuidedDecodingParams.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"guided_decoding has unknown fields {unknown}")
+        guided_decoding = GuidedDecodingParams(**guided_decoding)
+    if not isinstance(guided_decoding, GuidedDecodingParams):
+        raise ValueError("guided_decoding must be a GuidedDecodingParams, a StructuredOutputsParams or a dict, "
+                         f"got {type(guided_decoding).__name__}")
+    return guided_decoding.to_structured_outputs()
 
 
 def _check_text(name: str, text: str) -> None:

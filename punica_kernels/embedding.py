@@ -29,12 +29,12 @@ def embedding_shrink(input_ids: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMe
     """Gather each LoRA token's row of its adapter's A.
 
     Semantics: out[t, 0, :] = lora_a[s, input_ids[t], :] for s = token_slots[t] >= 0 (the meta's
-    last prepare); rows of slot -1 tokens are not written; an id outside [0, V) gives zeros.
+    table); rows of slot -1 tokens are not written; an id outside [0, V) gives zeros.
 
     Args:
         input_ids: [T] integer token ids on the meta's device.
         lora_a: [max_loras, V, R] float16, bfloat16, float32 (float64 on torch only).
-        meta: prepared for this batch (``meta.num_tokens == T``).
+        meta: holding this batch's table (``meta.num_tokens == T``).
         out: [T, 1, R] float32 (float64 for float64 lora_a); allocated when None.
         backend: "auto", "triton" or "torch".
 
@@ -42,7 +42,7 @@ def embedding_shrink(input_ids: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMe
     No allocation (given out) and no host sync on the Triton path: CUDA-graph safe.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not match, or an unprepared meta.
+        ValueError: shapes, dtypes or devices that do not match, or a meta without a table.
         BackendUnavailableError: backend="triton" without an importable Triton.
     """
     _check(input_ids, lora_a, meta)

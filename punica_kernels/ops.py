@@ -54,7 +54,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     """Add every token's own adapter delta to a layer output, in place.
 
     Semantics: y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T
-    for s = token_slots[t] >= 0 (the meta's last prepare); rows of slot -1 tokens stay
+    for s = token_slots[t] >= 0 (the meta's table); rows of slot -1 tokens stay
     bit-identical. off_j = sum(slice_sizes[:j]). With scales (all optional), for cols_j the
     columns of slice j and c = column_scales[s, cols_j]:
     y[t, cols_j] = c * y[t, cols_j] + (1 - c) * bias[cols_j]
@@ -67,7 +67,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         x: [T, K] layer input, y's dtype (float16, bfloat16, float32; float64 on torch only).
         lora_a: [max_loras, n_slices, R, K] slot weights, zero-padded to the max rank R.
         lora_b: [max_loras, N, R] slot weights.
-        meta: prepared for this batch (``meta.num_tokens == T``).
+        meta: holding this batch's table (``meta.num_tokens == T``).
         slice_sizes: output widths of the n_slices slices (q,k,v -> 3 widths).
         slice_scales: [max_loras, n_slices] float32 (or float64 with float64 y) or None (ones).
         column_scales: [max_loras, N], dtype as slice_scales, or None (ones).
@@ -77,10 +77,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     Returns y. The Triton path allocates nothing once the meta's workspace is large enough
     (see LoRAMeta) and never syncs with the host, so it can be captured in a CUDA graph: run
     each layer shape once eagerly before capture (that compiles the kernels and caches the
-    slice offsets), then prepare the meta outside the graph before every replay.
+    slice offsets), then load the meta's table outside the graph (into the same buffers) before every replay.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not match, or an unprepared meta.
+        ValueError: shapes, dtypes or devices that do not match, or a meta without a table.
         BackendUnavailableError: backend="triton" without an importable Triton.
     """
     slice_sizes = _check_slice_sizes(slice_sizes)
@@ -185,9 +185,10 @@ def _check_prepared(meta: LoRAMeta, num_tokens: int, name: str) -> None:
     if not isinstance(meta, LoRAMeta):
         raise ValueError(f"meta must be a LoRAMeta, got {type(meta).__name__}")
     if meta.num_tokens is None:
-        raise ValueError("meta.prepare(token_slots) must be called before the LoRA ops")
+        raise ValueError("the meta has no table: load one (punica_kernels.load_table, or LoRAMeta.use_table) "
+                         "before the LoRA ops")
     if num_tokens != meta.num_tokens:
-        raise ValueError(f"{name} has {num_tokens} rows but meta was prepared for "
+        raise ValueError(f"{name} has {num_tokens} rows but the meta's table is for "
                          f"{meta.num_tokens} tokens")
 
 

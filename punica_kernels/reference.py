@@ -18,9 +18,9 @@ into the rows of their tokens (slot -1 rows are never written):
 
 :func:`use_padded` chooses by the elements the padded path copies per slot present (crossover
 measured on CPU, see ``PADDED_ELEMENTS_PER_SLOT``). The token layout (runs, and the others'
-segments) is built once per ``LoRAMeta.prepare`` (and set of runs) and shared by every layer.
+segments) is built once per table (``LoRAMeta.use_table``; and set of runs) and shared by every layer.
 Reading the segment bounds and the runs needs the host, so on an accelerator this path syncs once
-per prepare (a few times when a segment is long enough to hold a run) and is not graph-safe (the
+per table (a few times when a segment is long enough to hold a run) and is not graph-safe (the
 Triton path is).
 
 The W4A16 GEMM's torch path (:func:`w4a16_matmul`) is here too: the CPU serving path (the layer's
@@ -65,7 +65,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class _Layout:
-    """Per-prepare layout of the LoRA tokens: the runs done in place, and the M other tokens
+    """Per-table layout of the LoRA tokens: the runs done in place, and the M other tokens
     grouped by slot, laid out for the padded path over U slots, each padded to ``width`` rows."""
 
     runs: list[tuple[int, int, int]]  # (slot, first token, one past the last) of each run in place
@@ -86,11 +86,11 @@ class _Layout:
 
 @dataclass
 class _Prepared:
-    """The torch path's reading of one prepare: the LoRA tokens grouped by slot, their runs, and
+    """The torch path's reading of one table: the LoRA tokens grouped by slot, their runs, and
     the layouts built from them (one per set of runs done in place: layers of other widths may
     take different runs in place)."""
 
-    host_starts: list[int]  # the meta's host_slot_starts() list (a new list after every prepare)
+    host_starts: list[int]  # the meta's host_slot_starts() list (a new list per table)
     tokens: torch.Tensor  # [M] LoRA token ids grouped by slot (the meta's sorted order)
     segments: list[tuple[int, int, int]]  # (slot, begin, end) in tokens, for every slot present
     width: int  # the longest segment
@@ -103,8 +103,8 @@ _prepared_by_meta: weakref.WeakKeyDictionary[LoRAMeta, _Prepared] = weakref.Weak
 
 
 def _prepared(meta: LoRAMeta) -> _Prepared:
-    """The meta's last prepare as the torch path reads it, built once per prepare."""
-    starts = meta.host_slot_starts()  # a new list after every prepare
+    """The meta's table as the torch path reads it, built once per table."""
+    starts = meta.host_slot_starts()  # a new list per table
     prepared = _prepared_by_meta.get(meta)
     if prepared is None or prepared.host_starts is not starts:
         segments = [(slot, starts[slot], starts[slot + 1]) for slot in range(meta.max_loras)
@@ -116,8 +116,8 @@ def _prepared(meta: LoRAMeta) -> _Prepared:
 
 
 def _layout(meta: LoRAMeta, min_run: int = NO_RUNS) -> _Layout:
-    """The layout of the meta's last prepare with its runs of at least ``min_run`` tokens in
-    place, built once per prepare and set of runs (every layer reuses it)."""
+    """The layout of the meta's table with its runs of at least ``min_run`` tokens in
+    place, built once per table and set of runs (every layer reuses it)."""
     prepared = _prepared(meta)
     runs = _runs(prepared, min_run)
     layout = prepared.layouts.get(runs)

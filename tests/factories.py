@@ -7,6 +7,7 @@ the same files a user would give it. No network.
 from __future__ import annotations
 
 import copy
+import types
 from pathlib import Path
 
 import torch
@@ -151,12 +152,15 @@ def model_spec(hf_model):
     """The adapters.ModelSpec of a transformers model."""
     from adapters import ModelSpec
 
+    from lora_runner.model.lora_linear import decoder_lora_modules
+
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelSpec(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                     num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                     head_dim=head_dim, intermediate_size=cfg.intermediate_size,
-                     model_name=getattr(cfg, "_name_or_path", None) or None)
+    sizes = dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                 num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                 head_dim=head_dim, intermediate_size=cfg.intermediate_size)
+    modules = decoder_lora_modules(types.SimpleNamespace(**sizes, fused_projections=False))
+    return ModelSpec(**sizes, model_name=getattr(cfg, "_name_or_path", None) or None, modules=modules)
 
 
 def write_hub_cache(cache_dir, repo_id: str, files_dir, commit: str, refs=("main",)) -> Path:

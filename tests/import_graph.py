@@ -2,9 +2,10 @@
 
 Every module's AST is parsed (nothing is imported): each ``import`` and ``from ... import`` anywhere in
 the file counts, function-level ones included, because a function-level import that closes a circle
-still ties the modules together (and runs in whatever order the first call happens). Imports under
-``if TYPE_CHECKING:`` are left out: they never run. Imports of other packages (optional third-party
-ones included) are not edges. A package's ``__init__.py`` is the module named after the package.
+still ties the modules together (and runs in whatever order the first call happens), and those under
+``if TYPE_CHECKING:`` too: they never run, but the annotations they serve tie the modules together all
+the same (a type from a higher layer is a dependency on it). Imports of other packages (optional
+third-party ones included) are not edges. A package's ``__init__.py`` is the module named after the package.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import ast
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-PACKAGES = ("lora_runner", "adapters", "punica_kernels")
+PACKAGES = ("lora_runner", "adapters", "punica_kernels", "kernel_tools")
 
 
 def module_files(root: Path, packages: Iterable[str]) -> dict[str, Path]:
@@ -28,25 +29,12 @@ def module_files(root: Path, packages: Iterable[str]) -> dict[str, Path]:
     return files
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    """``TYPE_CHECKING`` or ``<anything>.TYPE_CHECKING``."""
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _runtime_imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement under ``node`` except those in the body of an ``if TYPE_CHECKING:``."""
-    for child in ast.iter_child_nodes(node):
+def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under ``node``: module level, in functions and classes, under any ``if``
+    (``if TYPE_CHECKING:`` included)."""
+    for child in ast.walk(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            for branch in child.orelse:  # the else branch does run
-                if isinstance(branch, (ast.Import, ast.ImportFrom)):
-                    yield branch
-                else:
-                    yield from _runtime_imports(branch)
-        else:
-            yield from _runtime_imports(child)
 
 
 def _from_base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -70,7 +58,7 @@ def _known(name: str, modules: set[str]) -> str | None:
 
 
 def import_graph(root: Path, packages: Iterable[str] = PACKAGES) -> dict[str, set[str]]:
-    """{module: the modules of ``packages`` it imports at run time}, read from the sources under ``root``.
+    """{module: the modules of ``packages`` it imports (anywhere in it)}, read from the sources under ``root``.
 
     ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
     """
@@ -80,7 +68,7 @@ def import_graph(root: Path, packages: Iterable[str] = PACKAGES) -> dict[str, se
     for module, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         is_package = path.name == "__init__.py"
-        for node in _runtime_imports(tree):
+        for node in _imports(tree):
             if isinstance(node, ast.Import):
                 targets = [_known(alias.name, modules) for alias in node.names]
             else:

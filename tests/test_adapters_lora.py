@@ -14,10 +14,8 @@ from adapters import (
     UnsupportedAdapterError,
 )
 from adapters.lora import load_lora
-from adapters.spec import PEFT_PARENT, PEFT_TO_PACKED
 from tests import factories
 
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # name -> (arch, save_lora kwargs): ranks, patterns, rsLoRA, partial targets, regex targets, layers
 VARIANTS = {
     "r8_all": ("llama", dict(r=8, lora_alpha=16)),
@@ -42,13 +40,8 @@ def base(bases):
     return bases["llama"]
 
 
-def _peft_module(peft_model, layer, leaf):
-    return getattr(getattr(peft_model.base_model.model.model.layers[layer], PEFT_PARENT[leaf]), leaf)
-
-
-def _our_delta(weights, x, layer, leaf):
-    packed, index = PEFT_TO_PACKED[leaf]
-    slices = weights.modules.get((layer, packed))
+def _our_delta(weights, x, lora_module, index):
+    slices = weights.modules.get(lora_module.key)
     if slices is None or slices[index] is None:
         return None
     pair = slices[index]
@@ -64,20 +57,19 @@ def test_parsed_deltas_equal_peft(bases, tmp_path, variant):
     peft_model = factories.save_lora(base, tmp_path, seed=sorted(VARIANTS).index(variant), **kwargs)
     weights = load_lora(variant, str(tmp_path), spec, max_lora_rank=16)
     num_targeted = 0
-    for layer in range(spec.num_layers):
-        for leaf in ALL:
-            module = _peft_module(peft_model, layer, leaf)
-            packed, _ = PEFT_TO_PACKED[leaf]
-            x = torch.randn(5, spec.in_features(packed))
-            ours = _our_delta(weights, x, layer, leaf)
-            if not hasattr(module, "base_layer"):  # PEFT did not target it
-                assert ours is None, (layer, leaf)
-                continue
-            num_targeted += 1
-            with torch.no_grad():
-                expected = (module(x) - module.base_layer(x)).double()  # [T, N_j]
-            assert ours is not None, (layer, leaf)
-            torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    assert len(spec.peft_targets()) == 7 * spec.num_layers  # q, k, v, o, gate, up, down of each layer
+    for path, (lora_module, (index,)) in spec.peft_targets().items():
+        module = peft_model.base_model.model.get_submodule(path)
+        x = torch.randn(5, lora_module.in_features)
+        ours = _our_delta(weights, x, lora_module, index)
+        if not hasattr(module, "base_layer"):  # PEFT did not target it
+            assert ours is None, path
+            continue
+        num_targeted += 1
+        with torch.no_grad():
+            expected = (module(x) - module.base_layer(x)).double()  # [T, N_j]
+        assert ours is not None, path
+        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
     assert num_targeted > 0
     assert weights.rank == max([kwargs["r"], *kwargs.get("rank_pattern", {}).values()])
 

@@ -22,7 +22,6 @@ from adapters import (
 )
 from adapters.lora import dummy_lora, load_lora
 from adapters.slots import LoRASlots
-from adapters.spec import PACKED_MODULES
 from tests import factories
 
 RANKS = {"a": 2, "b": 4, "c": 8, "d": 4, "e": 2}
@@ -79,10 +78,9 @@ def assert_slot_holds(manager, slot, env, source):
     spec = env["spec"]
     expected = LoRASlots(spec, 1, manager.max_lora_rank)
     expected.write(0, load_lora(source, env["dirs"][source], spec, max_lora_rank=8))
-    for layer in range(spec.num_layers):
-        for packed in PACKED_MODULES:
-            for got, want in zip(manager.lora_slots.weights(layer, packed), expected.weights(layer, packed)):
-                assert torch.equal(got[slot], want[0]), (slot, source, layer, packed)
+    for module in spec.modules:
+        for got, want in zip(manager.lora_slots.weights(*module.key), expected.weights(*module.key)):
+            assert torch.equal(got[slot], want[0]), (slot, source, module.key)
     assert manager.lora_slots.slot_ranks[slot].item() == expected.slot_ranks[0].item()
 
 
@@ -268,8 +266,8 @@ def test_dummy_adapters_for_warmup(env, make):
     ref = m.loras.add_dummy("warmup", 8)
     slot = m.loras.activate([ref])[0]
     assert m.lora_slots.slot_ranks[slot].item() == 8
-    for packed in PACKED_MODULES:
-        lora_a, lora_b = m.lora_slots.weights(1, packed)
+    for module in m.spec.modules:
+        lora_a, lora_b = m.lora_slots.weights(*module.key)
         assert lora_a[slot].abs().min() > 0 and lora_b[slot].abs().min() > 0  # every module, full rank
     with pytest.raises(AdapterTooLargeError):
         m.loras.add_dummy("huge", 16)

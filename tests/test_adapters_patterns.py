@@ -38,10 +38,12 @@ ATTACK_PASSES = 3  # each hostile adapter is loaded this many times under a new 
 # Loads every case with Python's re refusing to match (or search, ...) any regex that contains a
 # hostile pattern: re2 must do all the matching; re may only parse (PEFT's syntax check).
 _GUARDED_LOAD_SCRIPT = """
-import json, re, sys
+import json, re, sys, types
 from adapters import AdapterError, ModelSpec
 from adapters.lora import load_lora
+from lora_runner.model.lora_linear import decoder_lora_modules
 spec, cases, hostile = (json.loads(arg) for arg in sys.argv[1:4])
+spec["modules"] = decoder_lora_modules(types.SimpleNamespace(**spec, fused_projections=False))
 ran_in_re, compile_pattern = [], re._compile
 
 class RefusesToMatch:

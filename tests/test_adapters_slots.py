@@ -8,7 +8,6 @@ import torch
 from adapters.lora import dummy_lora, load_lora
 from adapters.slots import LoRASlots, zeros_b
 from adapters.vocab_slots import VocabLoRASlots
-from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED
 from tests import factories
 
 
@@ -17,12 +16,12 @@ def base():
     return factories.build_tiny_model("llama", seed=4)
 
 
-def _slot_delta(slots, slot, layer, packed, x):
+def _slot_delta(slots, slot, module, x):
     """The kernels' semantics: y[:, off_j:off_j+N_j] = g[s, j] * (x @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T."""
-    lora_a, lora_b = slots.weights(layer, packed)  # [S, n, R, K], [S, N, R]
-    slice_scales, column_scales = slots.scales(layer, packed)  # [S, n], [S, N]
+    lora_a, lora_b = slots.weights(*module.key)  # [S, n, R, K], [S, N, R]
+    slice_scales, column_scales = slots.scales(*module.key)  # [S, n], [S, N]
     outs, offset = [], 0
-    for j, width in enumerate(slots.spec.slice_sizes(packed)):
+    for j, width in enumerate(module.slice_sizes):
         inter = (x.double() @ lora_a[slot, j].double().T) * slice_scales[slot, j].double()
         outs.append(inter @ lora_b[slot, offset:offset + width].double().T)
         offset += width
@@ -30,12 +29,10 @@ def _slot_delta(slots, slot, layer, packed, x):
     return torch.cat(outs, dim=1)  # [T, N]
 
 
-def _peft_delta(peft_model, layer, packed, x):
+def _peft_delta(peft_model, lora_module, x):
     outs = []
-    for leaf, (p, _) in PEFT_TO_PACKED.items():
-        if p != packed:
-            continue
-        module = getattr(getattr(peft_model.base_model.model.model.layers[layer], PEFT_PARENT[leaf]), leaf)
+    for path, _ in lora_module.peft_modules:  # split projections: one per slice, in slot order
+        module = peft_model.base_model.model.get_submodule(path)
         with torch.no_grad():
             outs.append(module(x) - module.base_layer(x) if hasattr(module, "base_layer")
                         else torch.zeros(x.shape[0], module.out_features))
@@ -50,33 +47,32 @@ def _peft_delta(peft_model, layer, packed, x):
 def test_slot_layout_reproduces_peft_after_larger_tenant(base, tmp_path, kwargs):
     spec = factories.model_spec(base)
     slots = LoRASlots(spec, max_loras=3, max_lora_rank=8)
-    for layer in range(spec.num_layers):
-        for packed in PACKED_MODULES:
-            for tensor in (*slots.weights(layer, packed), *slots.scales(layer, packed)):
-                tensor.fill_(float("nan"))  # poison: everything the adapter does not write must be reset
+    for module in spec.modules:
+        for tensor in (*slots.weights(*module.key), *slots.scales(*module.key)):
+            tensor.fill_(float("nan"))  # poison: everything the adapter does not write must be reset
     peft_model = factories.save_lora(base, tmp_path, seed=7, **kwargs)
     adapter = load_lora("a", str(tmp_path), spec, max_lora_rank=8)
     slots.write(1, dummy_lora("big", spec, rank=8, seed=3))  # a larger tenant leaves values everywhere
     slots.write(1, adapter)
     assert slots.slot_ranks.tolist() == [0, adapter.rank, 0]
-    for layer in range(spec.num_layers):
-        for packed in PACKED_MODULES:
-            x = torch.randn(6, spec.in_features(packed))
-            torch.testing.assert_close(_slot_delta(slots, 1, layer, packed, x),
-                                       _peft_delta(peft_model, layer, packed, x), rtol=1e-4, atol=1e-5)
-            lora_a, lora_b = slots.weights(layer, packed)
-            assert torch.isnan(lora_a[0]).all() and torch.isnan(lora_b[2]).all()  # neighbours untouched
-            assert all(torch.isnan(scales[[0, 2]]).all() for scales in slots.scales(layer, packed))
-            assert lora_a[1].is_contiguous() and lora_a.data_ptr() == slots.weights(layer, packed)[0].data_ptr()
+    assert len(spec.modules) == 4 * spec.num_layers
+    for module in spec.modules:
+        x = torch.randn(6, module.in_features)
+        torch.testing.assert_close(_slot_delta(slots, 1, module, x), _peft_delta(peft_model, module, x),
+                                   rtol=1e-4, atol=1e-5)
+        lora_a, lora_b = slots.weights(*module.key)
+        assert torch.isnan(lora_a[0]).all() and torch.isnan(lora_b[2]).all()  # neighbours untouched
+        assert all(torch.isnan(scales[[0, 2]]).all() for scales in slots.scales(*module.key))
+        assert lora_a[1].is_contiguous() and lora_a.data_ptr() == slots.weights(*module.key)[0].data_ptr()
 
 
 def test_slot_shapes_and_clear(base):
     spec = factories.model_spec(base)
     slots = LoRASlots(spec, max_loras=2, max_lora_rank=4, dtype=torch.float16)
-    for packed in PACKED_MODULES:
-        lora_a, lora_b = slots.weights(1, packed)
-        n, widths = len(spec.slice_sizes(packed)), spec.slice_sizes(packed)
-        assert lora_a.shape == (2, n, 4, spec.in_features(packed)) and lora_a.dtype == torch.float16
+    for module in spec.modules:
+        lora_a, lora_b = slots.weights(*module.key)
+        n, widths = len(module.slice_sizes), module.slice_sizes
+        assert lora_a.shape == (2, n, 4, module.in_features) and lora_a.dtype == torch.float16
         assert lora_b.shape == (2, sum(widths), 4)
     slots.write(0, dummy_lora("d", spec, rank=4, dtype=torch.float16))
     assert slots.slot_ranks.dtype == torch.int32 and slots.slot_ranks.tolist() == [4, 0]
@@ -91,9 +87,9 @@ def test_cpu_slots_keep_b_columns_contiguous(base):
     expand multiplies by B.T: N contiguous is its fast layout); shapes stay [..., N, R]."""
     spec = factories.model_spec(base)
     slots = LoRASlots(spec, max_loras=3, max_lora_rank=4)
-    for packed in PACKED_MODULES:
-        lora_b = slots.weights(0, packed)[1]  # [3, N, 4]
-        assert lora_b.shape == (3, sum(spec.slice_sizes(packed)), 4)
+    for module in spec.modules:
+        lora_b = slots.weights(*module.key)[1]  # [3, N, 4]
+        assert lora_b.shape == (3, module.out_features, 4)
         assert lora_b.stride()[1:] == (1, lora_b.shape[1]) and lora_b.transpose(1, 2).is_contiguous()
     vocab = VocabLoRASlots(dataclasses.replace(spec, vocab_size=base.config.vocab_size), 3, 4)
     for lora_b in (vocab.embedding_b, vocab.lm_head_b):

@@ -165,7 +165,7 @@ def test_eager_fallbacks(rig):
 
 @torch.inference_mode()
 def test_replay_step_does_not_sync(rig):
-    """Padding, meta.prepare and replay queue work without waiting for the device (CUDA only)."""
+    """Padding, the LoRA table and replay queue work without waiting for the device (CUDA only)."""
     rig, _ = rig
     if rig.runner.device.type != "cuda":
         pytest.skip("host syncs only exist with a device")

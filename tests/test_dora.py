@@ -15,13 +15,12 @@ import torch.nn.functional as F
 from adapters import InvalidAdapterError, LoRARequest, UnsupportedAdapterError
 from adapters.lora import load_lora
 from adapters.slots import LoRASlots
-from adapters.spec import PACKED_MODULES, PEFT_PARENT, PEFT_TO_PACKED
 from factories import (build_tiny_model, edit_adapter_config, edit_adapter_tensors, model_spec, save_lora,
                        save_tiny_tokenizer)
 from lora_runner import SamplingParams
 from lora_runner.model.layers import lora_base_weights
 from lora_runner.model.loader import load_model
-from punica_kernels import LoRAMeta, add_lora
+from punica_kernels import LoRAMeta, add_lora, load_table
 from engine_support import assert_exact, make_engine, run_to_completion
 from test_model_harness import randomize_biases
 
@@ -63,10 +62,11 @@ def checkpoint(tmp_path_factory):
     return str(root / "model"), hf.eval(), adapters
 
 
-def _module(model, layer: int, leaf: str):
-    """A projection of a transformers model, or of a PeftModel (its LoRA/DoRA-wrapped module)."""
+def _module(model, path: str):
+    """A projection of a transformers model, or of a PeftModel (its LoRA/DoRA-wrapped module), by its
+    PEFT module path (a LoRAModule's peft_modules)."""
     root = model.base_model.model if hasattr(model, "peft_config") else model
-    return getattr(getattr(root.model.layers[layer], PEFT_PARENT[leaf]), leaf)
+    return root.get_submodule(path)
 
 
 def test_dora_modules_equal_peft_through_slots_and_kernels(checkpoint):
@@ -83,19 +83,20 @@ def test_dora_modules_equal_peft_through_slots_and_kernels(checkpoint):
     slots.write(2, dora)  # over another DoRA tenant
     slots.write(0, load_lora("p", adapters["plain"][0], spec, max_lora_rank=8))
     meta = LoRAMeta(3, 3, "cpu")
-    meta.prepare(torch.tensor([2, 0, -1]))
-    linears = {(m.layer, m.packed): m for m in model.modules() if hasattr(m, "packed")}
+    load_table(meta, torch.tensor([2, 0, -1]))
+    linears = {m.lora_module.key: m for m in model.modules() if hasattr(m, "lora_module")}
     oracles = (adapters["dora-patterns"][1], adapters["plain"][1], hf)
-    for (layer, packed), linear in linears.items():
-        x = torch.randn(3, spec.in_features(packed))
+    assert len(linears) == len(spec.modules) == 4 * spec.num_layers
+    for key, linear in linears.items():
+        x = torch.randn(3, linear.in_features)
         y = linear.method.apply(linear, x, linear.bias)  # the base GEMM the engine runs
-        add_lora(y, x, *slots.weights(layer, packed), meta, linear.slice_sizes, backend="torch",
-                 **dict(zip(("slice_scales", "column_scales"), slots.scales(layer, packed))), bias=linear.bias)
-        leaves = [leaf for leaf, (p, _) in PEFT_TO_PACKED.items() if p == packed]
+        add_lora(y, x, *slots.weights(*key), meta, linear.slice_sizes, backend="torch",
+                 **dict(zip(("slice_scales", "column_scales"), slots.scales(*key))), bias=linear.bias)
+        paths = [path for path, _ in linear.lora_module.peft_modules]
         with torch.no_grad():
-            expected = torch.cat([torch.cat([_module(oracle, layer, leaf)(x[t:t + 1]) for leaf in leaves], dim=1)
+            expected = torch.cat([torch.cat([_module(oracle, path)(x[t:t + 1]) for path in paths], dim=1)
                                   for t, oracle in enumerate(oracles)])  # [3, N]
-        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5, msg=f"{layer} {packed}")
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5, msg=str(key))
     scales = slots.scales(0, "qkv")[1][2]  # [N]: the DoRA slot's q, k, v column scales all differ from 1
     assert all((part - 1).abs().min() > 0 for part in scales.split(spec.slice_sizes("qkv")))
 
@@ -111,7 +112,7 @@ def check(done, requests, models, greedy_oracle):
 def column_scales_of(engine, name: str) -> list[torch.Tensor]:
     slot = engine.adapters.manager.loras._serving(name).slot  # noqa: SLF001 (the test reads the slot it got)
     slots = engine.adapters.manager.lora_slots
-    return [slots.scales(layer, packed)[1][slot] for layer in range(slots.spec.num_layers) for packed in PACKED_MODULES]
+    return [slots.scales(*module.key)[1][slot] for module in slots.spec.modules]
 
 
 def test_mixed_dora_lora_and_base_batch_matches_peft_then_slot_reuse(checkpoint, greedy_oracle):
@@ -136,8 +137,7 @@ def test_mixed_dora_lora_and_base_batch_matches_peft_then_slot_reuse(checkpoint,
     slot = engine.adapters.manager.loras._serving("dora-r8").slot  # noqa: SLF001
     engine.remove_lora("dora-r8")
     slots = engine.adapters.manager.lora_slots
-    assert all((slots.scales(layer, packed)[1][slot] == 1).all()
-               for layer in range(slots.spec.num_layers) for packed in PACKED_MODULES)
+    assert all((slots.scales(*module.key)[1][slot] == 1).all() for module in slots.spec.modules)
 
 
 # ---------------------------------------------------------------- refusals
@@ -149,10 +149,11 @@ def llama():
 
 
 def _base_weight(hf):
-    """(layer, packed) -> packed base weight of a transformers Llama (q,k,v and gate,up concatenated)."""
-    def weight(layer, packed):
-        leaves = [leaf for leaf, (p, _) in PEFT_TO_PACKED.items() if p == packed]
-        return torch.cat([_module(hf, layer, leaf).weight for leaf in leaves])
+    """(layer, name) -> packed base weight of a transformers Llama (q,k,v and gate,up concatenated)."""
+    modules = {module.key: module for module in model_spec(hf).modules}
+
+    def weight(layer, name):
+        return torch.cat([_module(hf, path).weight for path, _ in modules[(layer, name)].peft_modules])
     return weight
 
 

@@ -339,9 +339,9 @@ def run_skewed(engine, adapters):
     served = {"heavy": 0, "light-1": 0, "": 0}
     schedule = engine.scheduler.schedule
 
-    def spy():
+    def spy(**kwargs):
         backlogged = {r.tenant or "" for r in engine.scheduler.waiting} == set(served)
-        out = schedule()
+        out = schedule(**kwargs)
         if backlogged:
             for tenant, tokens in weighted_service(out).items():
                 served[tenant or ""] += tokens

@@ -1,8 +1,8 @@
-"""No import cycle among the modules of lora_runner, adapters and punica_kernels, and lora_runner's
-layers import downward only.
+"""No import cycle among the modules of lora_runner, adapters, punica_kernels and kernel_tools; lora_runner's
+layers import downward only; the kernel package imports nothing but itself.
 
-The graph is read from the sources (tests/import_graph.py): function-level imports count, imports
-under ``if TYPE_CHECKING:`` do not. The checker itself is tested on small packages written to tmp_path.
+The graph is read from the sources (tests/import_graph.py): every import counts, function-level ones and
+those under ``if TYPE_CHECKING:`` included. The checker itself is tested on small packages written to tmp_path.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def describe(graph: dict[str, set[str]], cycles: list[list[str]]) -> str:
 
 def test_our_packages_have_no_import_cycle():
     graph = import_graph(REPO_ROOT, PACKAGES)
-    assert "lora_runner.engine.llm_engine" in graph and "adapters.tier" in graph and "punica_kernels.ops" in graph
+    assert {"lora_runner.engine.llm_engine", "adapters.tier", "punica_kernels.ops", "kernel_tools.aot"} <= graph.keys()
     cycles = import_cycles(graph)
-    assert cycles == [], "import cycles (function-level imports count):\n" + describe(graph, cycles)
+    assert cycles == [], "import cycles (function-level and TYPE_CHECKING imports count):\n" + describe(graph, cycles)
 
 
 # lora_runner's layers from the bottom: a module may import its own layer and the layers below it
@@ -65,9 +65,18 @@ def test_lora_runner_layers_import_downward():
     upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
                     if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a))
     assert upward == [], "imports from a lower layer into a higher one:\n" + "\n".join(upward)
-    below = [m for m in graph if m.startswith(("adapters", "punica_kernels.ops", "punica_kernels.meta"))]
-    into_engine = sorted(f"{a} -> {b}" for a in below for b in graph[a] if b.startswith("lora_runner"))
-    assert into_engine == [], "adapters and the kernels never import the engine:\n" + "\n".join(into_engine)
+    into_engine = sorted(f"{a} -> {b}" for a in graph if a.startswith("adapters")
+                         for b in graph[a] if b.startswith(("lora_runner", "kernel_tools")))
+    assert into_engine == [], "adapters never import the engine:\n" + "\n".join(into_engine)
+
+
+def test_every_kernel_module_imports_only_kernels():
+    """punica_kernels stands alone (tools that drive it, such as the AOT compiler, live in kernel_tools)."""
+    graph = import_graph(REPO_ROOT, PACKAGES)
+    kernels = [m for m in graph if m.split(".")[0] == "punica_kernels"]
+    assert "punica_kernels.triton_ops" in kernels and "punica_kernels.host_tiles" in kernels
+    outside = sorted(f"{a} -> {b}" for a in kernels for b in graph[a] if b.split(".")[0] != "punica_kernels")
+    assert outside == [], "kernel modules importing outside punica_kernels:\n" + "\n".join(outside)
 
 
 def test_a_cycle_closed_by_a_function_level_import_is_found(tmp_path):
@@ -86,31 +95,30 @@ def test_a_cycle_closed_by_a_function_level_import_is_found(tmp_path):
     assert cycle_path(graph, ["pkg.a", "pkg.b"]) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
-def test_type_checking_imports_are_not_edges_but_their_else_branch_is(tmp_path):
+def test_type_checking_imports_are_edges_and_close_cycles(tmp_path):
     write_package(tmp_path, {
         "pkg/__init__.py": "",
         "pkg/a.py": """
             from __future__ import annotations
             import typing
             from typing import TYPE_CHECKING
-            import pkg.b
             if TYPE_CHECKING:
                 from pkg.b import Thing
             if typing.TYPE_CHECKING:
-                import pkg.b as b
+                import pkg.c as c
             """,
         "pkg/b.py": """
             from typing import TYPE_CHECKING
             if TYPE_CHECKING:
-                from pkg import a
+                pass
             else:
-                from pkg import c
+                from pkg import a  # closes a -> b -> a
             """,
         "pkg/c.py": "",
     })
     graph = import_graph(tmp_path, ["pkg"])
-    assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.a"] == {"pkg.b"}
-    assert import_cycles(graph) == []
+    assert graph["pkg.a"] == {"pkg.b", "pkg.c"} and graph["pkg.b"] == {"pkg.a"}
+    assert import_cycles(graph) == [["pkg.a", "pkg.b"]]
 
 
 def test_from_imports_of_submodules_relative_imports_and_package_inits_are_edges(tmp_path):

@@ -1,4 +1,4 @@
-"""LoRAMeta buffers and invariants, argument validation, and backend dispatch."""
+"""LoRAMeta tables and invariants, argument validation, and backend dispatch."""
 
 from __future__ import annotations
 
@@ -6,19 +6,21 @@ import pytest
 import torch
 
 import punica_kernels.ops as ops
-from punica_kernels import BackendUnavailableError, LoRAMeta, add_lora, lora_expand, lora_shrink
+from punica_kernels import (BackendUnavailableError, LoRAMeta, TableLoader, add_lora, load_table, lora_expand,
+                            lora_shrink)
 from test_kernels_reference import POPULARITY, make_case, naive_add_lora, token_slots_for
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_prepare_builds_sorted_segments_and_tiles(block_m):
-    """Across many prepares of one meta: stable sort, slot starts, tiles that cover each slot once."""
+def test_loaded_tables_hold_sorted_segments_and_tiles(block_m):
+    """Across many tables loaded into one meta: stable sort, slot starts, tiles that cover each slot once."""
     gen = torch.Generator().manual_seed(block_m)
     meta = LoRAMeta(200, 6, "cpu", block_m=block_m)
+    tables = TableLoader(meta)
     for step in range(24):
         num_tokens = int(torch.randint(1, 201, (1,), generator=gen))
         slots = token_slots_for(POPULARITY[step % len(POPULARITY)], num_tokens, 6, gen)
-        meta.prepare(slots.to(torch.int32 if step % 2 else torch.int64))
+        tables.load(slots.to(torch.int32 if step % 2 else torch.int64))
         assert meta.num_tokens == num_tokens
         order = meta.sorted_tokens[:num_tokens]
         keys = torch.where(slots < 0, 6, slots)
@@ -49,7 +51,7 @@ def test_max_tiles_depends_on_token_count_only():
 def test_lora_shrink_allocates_out_when_not_given():
     case = make_case(9, "qkv", 4, "uniform", dtype=torch.float64)
     meta = LoRAMeta(9, 8, "cpu")
-    meta.prepare(case.token_slots)
+    load_table(meta, case.token_slots)
     inter = lora_shrink(case.x, case.lora_a, meta)
     assert inter.shape == (9, 3, 4) and inter.dtype == torch.float64
     y = case.y.clone()
@@ -62,7 +64,7 @@ def test_auto_and_torch_work_without_triton(monkeypatch):
     monkeypatch.setattr(ops, "_TRITON_IMPORT_ERROR", ImportError("No module named 'triton'"))
     case = make_case(5, "o", 4, "uniform", dtype=torch.float64)
     meta = LoRAMeta(5, 8, "cpu")
-    meta.prepare(case.token_slots)
+    load_table(meta, case.token_slots)
     y = case.y.clone()
     add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes, backend="auto")
     torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
@@ -75,7 +77,7 @@ def test_auto_and_torch_work_without_triton(monkeypatch):
 def setup():
     case = make_case(6, "qkv", 4, "mixed_none", seed=1)
     meta = LoRAMeta(8, 8, "cpu")
-    meta.prepare(case.token_slots)
+    load_table(meta, case.token_slots)
     return case, meta
 
 
@@ -127,9 +129,9 @@ def test_halves_reject_bad_intermediate(setup):
         lora_expand(case.y.long(), torch.empty(6, 3, 4), case.lora_b, meta, case.slice_sizes)
 
 
-def test_unprepared_meta_is_refused():
+def test_meta_without_a_table_is_refused():
     case = make_case(3, "o", 4, "uniform")
-    with pytest.raises(ValueError, match="prepare"):
+    with pytest.raises(ValueError, match="no table"):
         add_lora(case.y, case.x, case.lora_a, case.lora_b, LoRAMeta(4, 8, "cpu"), case.slice_sizes)
 
 
@@ -143,9 +145,9 @@ def test_unprepared_meta_is_refused():
     (torch.tensor([0, 1]), torch.tensor([8, 8, -1, 8]), ">= 0"),
     (torch.tensor([0, 1]), torch.tensor([8.0, 8.0, 8.0, 8.0]), "integer"),
 ])
-def test_prepare_rejects_bad_arguments(token_slots, slot_ranks, match):
+def test_table_load_rejects_bad_arguments(token_slots, slot_ranks, match):
     with pytest.raises(ValueError, match=match):
-        LoRAMeta(8, 4, "cpu").prepare(token_slots, slot_ranks)
+        load_table(LoRAMeta(8, 4, "cpu"), token_slots, slot_ranks)
 
 
 def test_meta_rejects_bad_sizes():
@@ -158,11 +160,11 @@ def test_meta_rejects_bad_sizes():
 
 
 def test_unchecked_out_of_range_slots_are_treated_as_none():
-    """check=False (the accelerator default) never reads out of bounds: bad slots get no LoRA."""
+    """check=False never reads out of bounds: bad slots get no LoRA."""
     case = make_case(4, "o", 4, "uniform", dtype=torch.float64)
     case.token_slots = torch.tensor([0, 99, -5, 1])
     meta = LoRAMeta(4, 8, "cpu")
-    meta.prepare(case.token_slots, check=False)
+    load_table(meta, case.token_slots, check=False)
     y = case.y.clone()
     add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)
     case.token_slots = torch.tensor([0, -1, -1, 1])

@@ -1,7 +1,7 @@
 """Every Triton kernel configuration the engine launches compiles for Hopper (sm_90) and Ampere
 (sm_80), without a GPU, and fits: shared memory within the target's limit, no register spills.
 
-Configurations come from driving the launchers (punica_kernels.aot.all_drivers) under
+Configurations come from driving the launchers (kernel_tools.aot.all_drivers) under
 ``record_launches``; the whole grid is compiled once per module (the slow part: a couple of CPU
 minutes for both targets), then each test reads the reports.
 """
@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from punica_kernels import LoRAMeta, aot, triton_ops
+from kernel_tools import aot
+from punica_kernels import LoRAMeta, load_table, triton_ops
 
 TARGETS = {target.name: target for target in aot.TARGETS}
 
@@ -177,7 +178,7 @@ def test_recorded_config_is_specialized_like_the_jit():
     """Ints equal to 1 become constexprs, do_not_specialize ints stay plain i32, 16-divisible pointers
     and ints carry tt.divisibility: the variant a GPU would compile, not a restated one."""
     meta = LoRAMeta(8, 2, "cpu")
-    meta.prepare(torch.tensor([0, 1, 0]))
+    load_table(meta, torch.tensor([0, 1, 0]))
     x, out = torch.empty(3, 64, dtype=torch.float16), torch.empty(3, 1, 16)
     with aot.record_launches() as recorded:
         triton_ops._launch_shrink(x, torch.empty(2, 1, 16, 64, dtype=torch.float16), meta, out)
@@ -194,7 +195,7 @@ def test_recorded_config_is_specialized_like_the_jit():
 def test_recording_runs_nothing_and_restores_triton():
     saved = JITFunction.run
     meta = LoRAMeta(4, 2, "cpu")
-    meta.prepare(torch.tensor([0, 1]))
+    load_table(meta, torch.tensor([0, 1]))
     y = torch.full((2, 32), float("nan"))
     with aot.record_launches() as recorded:
         triton_ops.add_lora(y, torch.ones(2, 16), torch.ones(2, 1, 16, 16), torch.ones(2, 32, 16), meta, (32,))
@@ -222,7 +223,7 @@ def test_register_cap_shows_up_as_spills():
     """ptxas' spill lines are parsed (and launch options reach the compiler): the widest shrink
     config capped at 64 registers must spill on both targets."""
     meta = LoRAMeta(16, 2, "cpu")
-    meta.prepare(torch.zeros(16, dtype=torch.int64))
+    load_table(meta, torch.zeros(16, dtype=torch.int64))
     with aot.record_launches() as recorded:
         kernel = triton_ops._shrink_kernel
         x, lora_a, out = torch.empty(16, 256), torch.empty(2, 1, 64, 256), torch.empty(16, 1, 64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from punica_kernels import LoRAMeta, add_lora, fp8, fp8_linear, w4a16_matmul
+from punica_kernels import LoRAMeta, TableLoader, add_lora, fp8, fp8_linear, load_table, w4a16_matmul
 from test_kernels_fp8 import float64_reference, make_fp8_weight
 from test_kernels_reference import POPULARITY, float64_add_lora, make_case, token_slots_for
 from test_kernels_w4a16 import FORMATS, make_weight, oracle
@@ -28,7 +28,7 @@ def test_compiled_add_lora(num_tokens, layout, popularity, dtype):
         # room for K-split partials at small T, as in an engine sized for large batches
         meta = LoRAMeta(512, case.lora_a.shape[0], "cuda", max_rank=64,
                         max_slices=len(case.slice_sizes))
-        meta.prepare(case.token_slots, case.slot_ranks if with_ranks else None)
+        load_table(meta, case.token_slots, case.slot_ranks if with_ranks else None)
         meta.workspace.fill_(float("nan"))
         y = case.y.clone()
         add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)  # auto -> triton
@@ -39,16 +39,17 @@ def test_compiled_add_lora(num_tokens, layout, popularity, dtype):
         assert torch.equal(y[untouched], case.y[untouched])
 
 
-def test_prepare_and_add_lora_do_not_sync():
+def test_add_lora_does_not_sync():
+    """The table is loaded outside (on the engine's path it rides in the step's upload); the ops on a
+    loaded meta never wait for the device."""
     case = make_case(64, "qkv", 16, "uniform", mixed_ranks=True).to(torch.bfloat16, "cuda")
     meta = LoRAMeta(64, 8, "cuda", max_rank=16, max_slices=3)
-    meta.prepare(case.token_slots, case.slot_ranks)
+    load_table(meta, case.token_slots, case.slot_ranks)
     y = case.y.clone()
     add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)  # compile, caches
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        meta.prepare(case.token_slots, case.slot_ranks)
         add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -61,8 +62,9 @@ def test_cuda_graph_captured_with_one_adapter_replays_any_mix(num_tokens):
     case = make_case(num_tokens, "qkv", 16, "identical", max_loras=max_loras, mixed_ranks=True,
                      seed=num_tokens).to(dtype, "cuda")
     meta = LoRAMeta(256, max_loras, "cuda", max_rank=16, max_slices=3)  # K-split at small T
+    tables = TableLoader(meta)  # every load into the same device buffers: the ones the graph reads
     x, y = case.x.clone(), case.y.clone()  # persistent input/output buffers of the graph
-    meta.prepare(torch.zeros(num_tokens, dtype=torch.int64, device="cuda"), case.slot_ranks)
+    tables.load(torch.zeros(num_tokens, dtype=torch.int64, device="cuda"), case.slot_ranks)
     add_lora(y, x, case.lora_a, case.lora_b, meta, case.slice_sizes)  # eager: compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -72,7 +74,7 @@ def test_cuda_graph_captured_with_one_adapter_replays_any_mix(num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
     for popularity in POPULARITY:
         slots = token_slots_for(popularity, num_tokens, max_loras, gen).cuda()
-        meta.prepare(slots, case.slot_ranks)  # outside the graph, into the same buffers
+        tables.load(slots, case.slot_ranks)  # outside the graph, into the same buffers
         x.copy_(torch.randn(x.shape, generator=gen).to(dtype))
         y0 = torch.randn(y.shape, generator=gen).to(dtype).cuda()
         y.copy_(y0)

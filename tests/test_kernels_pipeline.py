@@ -1,8 +1,8 @@
 """The SGMV kernels' grid, bytes and split-K reduction at decode (issue 26, items 2-3), without a GPU.
 
 The grid and bytes tests trace the real add_lora launches of one decode step at the GPU run's shape
-(punica_kernels.aot.decode_step: benchmarks/gpu_check.py's model, 32 sequences on 8 of 32 adapter
-slots, after a real LoRAMeta.prepare) and count, from the traced grids and the meta's tile table,
+(kernel_tools.aot.decode_step: benchmarks/gpu_check.py's model, 32 sequences on 8 of 32 adapter
+slots, after a real table load) and count, from the traced grids and the meta's tile table,
 the programs that have work and the bytes they move. The reduction tests run the shrink under the
 Triton interpreter with NaN-poisoned scratch. The PTX proofs (item 1) are in test_kernels_compile.py,
 which compiles every config once.
@@ -15,7 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from punica_kernels import LoRAMeta, aot, triton_ops  # noqa: E402
+from kernel_tools import aot  # noqa: E402
+from punica_kernels import LoRAMeta, load_table, triton_ops  # noqa: E402
 from test_kernels_reference import float64_add_lora, make_case  # noqa: E402
 
 NAN = float("nan")
@@ -68,7 +69,7 @@ def _split_case(num_tokens: int = 3, num_features: int = 1024):
     x = torch.randn(num_tokens, num_features, generator=gen)  # [T, K]
     lora_a = torch.randn(case.lora_a.shape[0], 1, 16, num_features, generator=gen) / num_features ** 0.5  # [L, 1, R, K]
     meta = LoRAMeta(num_tokens, case.lora_a.shape[0], "cpu")
-    meta.prepare(case.token_slots)
+    load_table(meta, case.token_slots)
     return case, x, lora_a, meta, gen
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from punica_kernels import LoRAMeta, add_lora, lora_expand, lora_shrink, reference
+from punica_kernels import LoRAMeta, add_lora, load_table, lora_expand, lora_shrink, reference
 
 POPULARITY = ("distinct", "uniform", "skewed", "identical", "all_none", "mixed_none")
 # name -> (K, slice_sizes): 1-3 slices, unequal widths (q,k,v under GQA), widths not multiples of 64
@@ -113,7 +113,7 @@ def prepared_meta(case: Case, max_num_tokens: int | None = None, with_ranks: boo
                   **kwargs) -> LoRAMeta:
     meta = LoRAMeta(max_num_tokens or max(1, case.x.shape[0]), case.lora_a.shape[0],
                     case.x.device, **kwargs)
-    meta.prepare(case.token_slots, case.slot_ranks if with_ranks else None)
+    load_table(meta, case.token_slots, case.slot_ranks if with_ranks else None)
     return meta
 
 
@@ -240,7 +240,7 @@ def test_torch_layout_follows_every_prepare():
     add_lora(y, first.x, first.lora_a, first.lora_b, meta, first.slice_sizes, backend="torch")
     for seed, num_tokens in ((2, 24), (3, 50)):  # same T with new slots, then a new T
         case = make_case(num_tokens, "qkv", 8, "skewed", seed=seed, dtype=torch.float64)
-        meta.prepare(case.token_slots)
+        load_table(meta, case.token_slots)
         y = case.y.clone()
         add_lora(y, case.x, first.lora_a, first.lora_b, meta, case.slice_sizes, backend="torch")
         case.lora_a, case.lora_b = first.lora_a, first.lora_b
@@ -352,7 +352,7 @@ def test_torch_runs_follow_every_prepare():
     for seed, step in ((2, "gaps_in_slot_ids"), (3, "one_slot"), (4, "prefills_and_decodes")):
         case = step_case(STEPS[step], seed=seed)
         case.lora_a, case.lora_b = first.lora_a, first.lora_b
-        meta.prepare(case.token_slots)
+        load_table(meta, case.token_slots)
         y = case.y.clone()
         reference.add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes)
         torch.testing.assert_close(y, naive_add_lora(case), rtol=1e-12, atol=1e-12)
@@ -385,7 +385,7 @@ def test_torch_path_choice_by_measured_crossover():
     layers and long prefills over many slots take the per-slot path."""
     def layout_for(num_tokens, max_loras):
         meta = LoRAMeta(num_tokens, max_loras)
-        meta.prepare(torch.arange(num_tokens) % max_loras)
+        load_table(meta, torch.arange(num_tokens) % max_loras)
         return reference._layout(meta)
 
     assert reference.use_padded(layout_for(64, 32), 3, 16, 64, 128)  # tiny qkv, 32 adapters
@@ -398,10 +398,10 @@ def test_torch_path_choice_by_measured_crossover():
     assert reference.min_run_tokens(64, 128) == 86  # tiny qkv
     assert reference.min_run_tokens(4096, 12288) == reference.MIN_RUN_TOKENS  # 7B qkv: the floor
     meta = LoRAMeta(2048, 8)
-    meta.prepare(torch.arange(2048) // 256)  # 8 prefill chunks of 256 tokens, one adapter each
+    load_table(meta, torch.arange(2048) // 256)  # 8 prefill chunks of 256 tokens, one adapter each
     layout = reference._layout(meta, reference.min_run_tokens(768, 1280))
     assert len(layout.runs) == 8 and not layout.segments  # all in place, nothing gathered
-    meta.prepare(torch.arange(64) % 8)  # decode: 64 requests round-robin over 8 adapters
+    load_table(meta, torch.arange(64) % 8)  # decode: 64 requests round-robin over 8 adapters
     assert not reference._layout(meta, reference.min_run_tokens(768, 1280)).runs
 
 

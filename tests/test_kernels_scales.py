@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from punica_kernels import LoRAMeta, add_lora, lora_expand, lora_shrink, reference
+from punica_kernels import LoRAMeta, add_lora, load_table, lora_expand, lora_shrink, reference
 from test_kernels_reference import PATHS, make_case, prepared_meta
 
 NAN = float("nan")
@@ -170,7 +170,7 @@ def punica_shape(num_tokens: int, in_features: int, out_features: int, seed: int
     x, y = rand(num_tokens, in_features), rand(num_tokens, out_features)
     lora_a, lora_b = rand(1, 1, 8, in_features), rand(1, out_features, 8)
     meta = LoRAMeta(num_tokens, 1, device)
-    meta.prepare(torch.zeros(num_tokens, dtype=torch.int64, device=device))
+    load_table(meta, torch.zeros(num_tokens, dtype=torch.int64, device=device))
     return x, y, lora_a, lora_b, meta
 
 
@@ -218,7 +218,7 @@ def test_compiled_scales_against_float64(dtype):
     scales = make_scales(case, seed=5, plain_slots=(1,))
     gpu = case.to(dtype, "cuda")
     meta = LoRAMeta(512, case.lora_a.shape[0], "cuda", max_rank=64, max_slices=3)
-    meta.prepare(gpu.token_slots, gpu.slot_ranks)
+    load_table(meta, gpu.token_slots, gpu.slot_ranks)
     y = gpu.y.clone()
     add_lora(y, gpu.x, gpu.lora_a, gpu.lora_b, meta, gpu.slice_sizes,
              **{k: v.cuda() for k, v in cast_scales(scales, dtype).items()})  # auto -> triton

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from punica_kernels import LoRAMeta, add_lora, lora_expand, lora_shrink  # noqa: E402
+from punica_kernels import LoRAMeta, TableLoader, add_lora, load_table, lora_expand, lora_shrink  # noqa: E402
 from punica_kernels import triton_ops  # noqa: E402
 from test_kernels_reference import (LAYOUTS, POPULARITY, float64_add_lora,  # noqa: E402
                                     make_case, prepared_meta, token_slots_for)
@@ -117,16 +117,18 @@ def test_shrink_and_expand_halves():
 
 
 def test_one_meta_reused_across_steps():
-    """Fixed buffers: many prepares with different T, mixes and ranks all give right results."""
+    """Fixed buffers: many tables loaded into the same buffers, with different T, mixes and ranks, all
+    give right results."""
     gen = torch.Generator().manual_seed(0)
     meta = LoRAMeta(300, 8, "cpu", max_rank=16, max_slices=3)
+    tables = TableLoader(meta)
     base = make_case(300, "qkv", 16, "uniform", mixed_ranks=True, seed=1)
     steps = [(300, "uniform"), (1, "identical"), (64, "distinct"), (7, "all_none"),
              (150, "skewed"), (3, "mixed_none"), (300, "mixed_none")]
     for step, (num_tokens, popularity) in enumerate(steps):
         slots = token_slots_for(popularity, num_tokens, 8, gen)
         ranks = base.slot_ranks if step % 2 else None
-        meta.prepare(slots, ranks)
+        tables.load(slots, ranks)
         meta.workspace.fill_(NAN)
         x, y0 = base.x[:num_tokens], torch.randn(num_tokens, 192, generator=gen)
         y = y0.clone()
@@ -168,7 +170,7 @@ def test_split_k_partials_fill_the_workspace_room(room, split):
     """T=2, K=512: up to 4 K-splits (chunks of MIN_K_PER_SPLIT), as many as the workspace has room for."""
     case = make_case(2, "down_wide", 8, "distinct", seed=2)
     meta = LoRAMeta(2, 8, "cpu")
-    meta.prepare(case.token_slots)
+    load_table(meta, case.token_slots)
     row_elements = 2 * 1 * 8  # T x n_slices x R
     workspace = meta.workspace_for(room * row_elements).fill_(NAN)
     y = case.y.clone()
@@ -195,7 +197,7 @@ def test_choose_split_k():
 def test_empty_batch_is_a_no_op():
     case = make_case(0, "o", 8, "uniform")
     meta = LoRAMeta(4, 8, "cpu")
-    meta.prepare(case.token_slots)
+    load_table(meta, case.token_slots)
     y = case.y.clone()
     add_lora(y, case.x, case.lora_a, case.lora_b, meta, case.slice_sizes, backend="triton")
     assert y.shape == (0, 64)

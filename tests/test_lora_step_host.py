@@ -1,9 +1,10 @@
 """Host work per LoRA step and skipped work (issue 26, items 4-6).
 
-* The LoRA meta's segment / tile table is built on the host (punica_kernels.host_tiles) and sent in the
-  step's one staged upload: it equals what ``LoRAMeta.prepare`` writes, the Triton kernels (interpreter)
-  read it unchanged, and preparing the meta on the engine path issues no aten op at all (counted with a
-  dispatch mode on every op, not timed); the upload stays one copy.
+* The LoRA meta's segment / tile table is built on the host (punica_kernels.host_tiles, the one builder)
+  and sent in the step's one staged upload: it equals a plain loop over the slots, the Triton kernels
+  (interpreter) read it unchanged, and preparing the meta on the engine path issues no aten op at all
+  (counted with a dispatch mode on every op, not timed); the upload stays one copy, the lm_head LoRA's
+  table over the sampled rows included.
 * Decode steps run one add_lora per packed module (2 launches), no embedding-LoRA gather/expand when no
   adapter of the step has one and no DoRA column scales when none has DoRA; graphs are keyed by it, and
   tokens and logprobs equal the engine that runs every optional part, for mixed batches.
@@ -28,12 +29,12 @@ from adapters import LoRARequest
 from factories import save_lora
 from lora_runner import SamplingParams
 from lora_runner.model.forward_context import ALL_LORA_FEATURES, PLAIN_LORA, LoRAFeatures
+from lora_runner.model.vocab_lora import LMHeadLoRA
 from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, RerunGraph
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from lora_runner.worker.lora_features import StepLoRAFeatures
-from punica_kernels import LoRAMeta
-from punica_kernels.host_tiles import HostTileTable
+from punica_kernels import HostTileTable, LoRAMeta, load_table
 from engine_support import make_engine, run_to_completion
 from test_dora import save_dora
 
@@ -63,26 +64,37 @@ def random_slots(rng: random.Random, num_tokens: int, max_loras: int) -> np.ndar
 
 # ---------------------------------------------------------------- item 4: the table, on the host
 
+def loop_table(slots: np.ndarray, max_loras: int, block_m: int) -> tuple[list[int], list[int], list[tuple]]:
+    """The table by a plain loop: (sorted tokens, slot starts, (slot, start, end) of each tile with work)."""
+    sorted_tokens, starts, tiles = [], [], []
+    for slot in [*range(max_loras), None]:  # None: the tokens without an adapter, last
+        starts.append(len(sorted_tokens))
+        mine = [t for t, s in enumerate(slots.tolist()) if (s == slot if slot is not None else not 0 <= s < max_loras)]
+        if slot is not None:
+            tiles += [(slot, len(sorted_tokens) + i, len(sorted_tokens) + min(i + block_m, len(mine)))
+                      for i in range(0, len(mine), block_m)]
+        sorted_tokens += mine
+    return sorted_tokens, starts + [len(sorted_tokens)], tiles
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_host_table_equals_what_prepare_writes(seed):
+def test_host_table_equals_a_loop_over_the_slots(seed):
     rng = random.Random(seed)
     max_loras, block_m = rng.choice([1, 3, 8]), rng.choice([16, 32])
     meta = LoRAMeta(128, max_loras, block_m=block_m)
     table = HostTileTable(meta)
     for _ in range(3):  # reuse: a bigger batch's stale tiles must not survive
         slots = random_slots(rng, rng.randint(1, 128), max_loras)
+        slots[rng.randrange(slots.shape[0])] = max_loras + 2  # out of range: no adapter, as -1
         arrays = table.build(slots)
-        meta.prepare(torch.from_numpy(slots))
+        sorted_tokens, starts, tiles = loop_table(slots, max_loras, block_m)
         num_tokens = slots.shape[0]
-        want = [meta.token_slots[:num_tokens], meta.sorted_tokens[:num_tokens], meta.slot_starts]
-        for got, expected in zip(arrays[:3], want):
-            np.testing.assert_array_equal(got, expected.numpy())
-        assert table.host_slot_starts == meta.host_slot_starts()
-        tile_slots, work = arrays[3], arrays[3] >= 0
-        np.testing.assert_array_equal(tile_slots, meta.tile_slots.numpy())
-        for got, expected in ((arrays[4], meta.tile_starts), (arrays[5], meta.tile_ends)):
-            np.testing.assert_array_equal(got[work], expected.numpy()[work])  # other tiles: no work, unread
-        assert (arrays[4][~work] == arrays[5][~work]).all()
+        np.testing.assert_array_equal(arrays[0], slots)
+        assert arrays[1].tolist() == sorted_tokens and arrays[2].tolist() == starts == table.host_slot_starts
+        work = arrays[3] >= 0
+        assert list(zip(arrays[3][work].tolist(), arrays[4][work].tolist(), arrays[5][work].tolist())) == tiles
+        assert work[:len(tiles)].all() and (arrays[4][~work] == arrays[5][~work]).all()  # the rest: empty
+        assert len(tiles) <= meta.max_tiles(num_tokens)  # the kernels' grid covers every tile with work
         assert [a.dtype for a in arrays] == [np.int64] * 3 + [np.int32] * 3
         assert [a.shape[0] for a in arrays] == [num_tokens, num_tokens, max_loras + 2] + [meta.max_tile_count] * 3
 
@@ -110,8 +122,8 @@ def chunks_on(rng: random.Random, slots: list[int], max_len: int = 16) -> list[S
 
 
 def test_engine_path_prepares_the_meta_with_no_device_op_and_one_copy():
-    """The issue counted 33 eager device ops in LoRAMeta.prepare before each replay; on the engine
-    path the table rides in the step's one upload and prepare_lora only points the meta at it."""
+    """Issue 26 counted 33 eager device ops in the device-side table build (now gone) before each replay;
+    the table rides in the step's one upload and prepare_lora only points the meta at it."""
     rng = random.Random(0)
     meta, builder, contexts = lora_rig()
     step = builder.write(chunks_on(rng, [0, -1, 2, 1, 0, 2]))
@@ -123,12 +135,17 @@ def test_engine_path_prepares_the_meta_with_no_device_op_and_one_copy():
     assert prepared.ops == [] and prepared.views == []
     assert meta.slot_ranks is contexts.lora_slots.slot_ranks  # read in place: no copy either
     device = builder.staging.device_bytes
-    for view in batch.lora_table:  # inside the one device buffer the copy wrote
+    for view in batch.lora_table.arrays:  # inside the one device buffer the copy wrote
         assert device.data_ptr() <= view.data_ptr() < device.data_ptr() + device.numel()
-    with AtenOps() as on_device:  # what it replaces: the meta's own device-side build
-        meta.prepare(batch.token_lora_slots, contexts.lora_slots.slot_ranks, check=False)
-        meta.tile_slots  # noqa: B018  (the tile table: written on first access off accelerators)
-    assert len(on_device.ops) >= 20
+    assert meta.sorted_tokens is batch.lora_table.arrays[1] and meta.num_tokens == batch.num_tokens
+
+
+def test_a_lora_step_needs_its_table():
+    meta = LoRAMeta(64, 3)
+    builder = BatchBuilder(max_num_tokens=64, max_num_seqs=4, max_blocks_per_seq=8, block_size=4, device="cpu")
+    contexts = ForwardContextBuilder(torch.zeros(1), meta, type("Slots", (), {"slot_ranks": None})())
+    with pytest.raises(ValueError, match="no LoRA table"):
+        contexts.prepare_lora(builder.build(chunks_on(random.Random(0), [0, -1])))
 
 
 def test_uploaded_table_feeds_the_triton_kernels_unchanged():
@@ -140,7 +157,7 @@ def test_uploaded_table_feeds_the_triton_kernels_unchanged():
     chunks[0].token_ids = [rng.randrange(100) for _ in range(30)]  # a whole prefill: slot 1 spans 2+ tiles
     chunks[0].start, chunks[0].num_new_tokens = 0, 30
     batch = builder.build(chunks)
-    assert (batch.lora_table[3] == 1).sum() >= 2
+    assert (batch.lora_table.arrays[3] == 1).sum() >= 2
     contexts.prepare_lora(batch)
     num_tokens, in_features, sizes, rank = batch.num_tokens, 32, (32, 16, 16), 16
     gen = torch.Generator().manual_seed(1)
@@ -152,7 +169,7 @@ def test_uploaded_table_feeds_the_triton_kernels_unchanged():
     y[base_rows] = float("nan")
     got = punica_kernels.add_lora(y.clone(), x, lora_a, lora_b, meta, sizes, backend="triton")
     oracle = LoRAMeta(256, 3)
-    oracle.prepare(batch.token_lora_slots.clone(), contexts.lora_slots.slot_ranks.clone())
+    load_table(oracle, batch.token_lora_slots.clone(), contexts.lora_slots.slot_ranks.clone())
     want = punica_kernels.add_lora(y.double(), x.double(), lora_a.double(), lora_b.double(), oracle, sizes,
                                    backend="torch")
     assert torch.isnan(got[base_rows]).all()
@@ -168,7 +185,63 @@ def test_padded_decode_steps_of_one_size_put_the_table_where_the_capture_did():
         if step.max_query_len != 1:
             continue
         padded = builder.upload(step, padded_seqs=8)
-        assert [v.data_ptr() for v in padded.lora_table] == [v.data_ptr() for v in capture.lora_table]
+        assert [v.data_ptr() for v in padded.lora_table.arrays] == [v.data_ptr() for v in capture.lora_table.arrays]
+
+
+class HeadSlots:
+    """VocabLoRASlots' lm_head bookkeeping as LMHeadLoRA reads it: slots 0 and 2 hold an lm_head LoRA."""
+
+    def __init__(self, ranks=(4, 0, 8)) -> None:
+        self.host_lm_head_ranks = np.array(ranks, dtype=np.int32)
+        self.lm_head_ranks = torch.tensor(ranks, dtype=torch.int32)
+
+    def lm_head_in_use(self) -> bool:
+        return bool(self.host_lm_head_ranks.any())
+
+
+def test_lm_head_table_rides_last_in_the_same_copy():
+    """The sampled rows' lm_head table: built on the host, rows whose adapter has no lm_head LoRA on -1,
+    in the step's one copy after every other field (the graph-read ones do not move), read in place."""
+    rng = random.Random(4)
+    slots = HeadSlots()
+    lm_head = LMHeadLoRA(slots, max_rows=32, max_loras=3, max_lora_rank=8, device="cpu")
+    meta = LoRAMeta(256, 3, max_rank=16, max_slices=3)
+    builder = BatchBuilder(max_num_tokens=256, max_num_seqs=32, max_blocks_per_seq=8, block_size=4, device="cpu",
+                           staged=True, lora_table=HostTileTable(meta), lm_head=lm_head)
+    chunks = chunks_on(rng, [0, -1, 2, 1, 0])
+    step = builder.write(chunks)
+    with AtenOps() as upload:
+        batch = builder.upload(step)
+    assert upload.ops == ["aten.copy_.default"]
+    rows = batch.lm_head_table.arrays
+    assert rows[0].tolist() == [0, -1, 2, -1, 0]  # slot 1 has no lm_head LoRA: skipped like a base row
+    assert all(view.data_ptr() > batch.sample_indices.data_ptr() for view in rows)
+    with AtenOps() as pointed:
+        context = lm_head.context(batch.lm_head_table)
+    assert pointed.ops == [] and context.meta is lm_head.meta and lm_head.meta.slot_ranks is slots.lm_head_ranks
+    oracle = LoRAMeta(32, 3)
+    load_table(oracle, torch.tensor([0, -1, 2, -1, 0]))
+    assert [a.tolist() for a in (oracle.token_slots, oracle.sorted_tokens, oracle.slot_starts)] == [
+        a.tolist() for a in rows[:3]]
+    slots.host_lm_head_ranks = np.array([0, 4, 0], dtype=np.int32)  # only slot 1 (row 3's adapter) has one now
+    again = builder.upload(step)
+    assert again.lm_head_table.arrays[0].tolist() == [-1, -1, -1, 1, -1]
+    assert again.block_tables.data_ptr() == batch.block_tables.data_ptr()
+    assert [v.data_ptr() for v in again.lora_table.arrays] == [v.data_ptr() for v in batch.lora_table.arrays]
+    slots.host_lm_head_ranks = np.zeros(3, dtype=np.int32)
+    plain = builder.upload(step)
+    assert plain.lm_head_table is None and lm_head.context(plain.lm_head_table) is None
+    assert plain.block_tables.data_ptr() == batch.block_tables.data_ptr()
+
+
+def test_prompt_rows_get_their_lm_head_table_from_the_host_builder():
+    slots = HeadSlots()
+    lm_head = LMHeadLoRA(slots, max_rows=8, max_loras=3, max_lora_rank=8, device="cpu")
+    token_slots = np.array([1, 0, 0, 2, -1, 2], np.int64)
+    context = lm_head.context_for_rows(token_slots, torch.tensor([2, 3, 4, 5, 0]))
+    assert context.meta.token_slots.tolist() == [0, 2, -1, 2, -1]
+    assert context.meta.tile_slots[:2].tolist() == [0, 2] and context.meta.slot_ranks is slots.lm_head_ranks
+    assert lm_head.context_for_rows(token_slots, torch.tensor([0, 4])) is None  # slot 1 and base: none
 
 
 # ---------------------------------------------------------------- item 5: work nobody needs

@@ -101,6 +101,18 @@ def test_configs_carry_each_familys_options(ckpt):
         assert config.rope.rope_type == "longrope"
 
 
+def test_config_spec_is_the_layout_the_models_layers_declare(ckpt):
+    """ModelConfig.spec() (what a process without the model validates adapters against) equals the
+    LoRA modules collected from the built model, PEFT names included (Phi-3: the fused ones)."""
+    from lora_runner.model.lora_linear import collect_spec
+
+    spec = ckpt.config.spec()
+    assert collect_spec(ckpt.model, spec) == spec and len(spec.modules) == 4 * ckpt.config.num_layers
+    fused = ckpt.config.fused_projections
+    assert [path.rsplit(".", 1)[1] for path, _ in spec.module(1, "qkv").peft_modules] == (
+        ["qkv_proj"] if fused else ["q_proj", "k_proj", "v_proj"])
+
+
 @pytest.mark.parametrize("scenario", [test_model_forward.test_decode_steps, test_model_forward.test_chunked_prefill])
 def test_gemma2_on_triton_attention(gemma2, scenario, monkeypatch):
     """Soft-capping and per-layer windows through the Triton kernels (interpreter), vs transformers."""
@@ -289,7 +301,7 @@ def test_mixed_adapter_batch_logits_match_peft_forward(family, tmp_path):
     meta, driver = punica_kernels.LoRAMeta(64, 4, "cpu"), PagedDriver(ckpt.model, ckpt.config, block_size=4, seed=1)
     for start, end in ((0, 6), (6, 7), (7, 8), (8, 9)):
         chunks = [(s, full[s][start:end]) for s in seq_adapter]
-        meta.prepare(torch.tensor([slot_of.get(seq_adapter[s], -1) for s, t in chunks for _ in t]))
+        punica_kernels.load_table(meta, torch.tensor([slot_of.get(seq_adapter[s], -1) for s, t in chunks for _ in t]))
         for (s, _), got in zip(chunks, driver.step(chunks, lora=LoRAContext(meta, slots))):
             assert_close(got, expected[s][start:end], f"tokens {start}..{end}, {seq_adapter[s] or 'base'}")
 

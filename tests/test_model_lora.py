@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adapters.spec import PACKED_MODULES, PEFT_TO_PACKED
 from factories import save_lora
 from lora_runner.model.forward_context import LoRAContext
 from test_model_harness import PagedDriver, assert_close, hf_logits, make_checkpoint
@@ -25,7 +24,7 @@ punica_kernels = pytest.importorskip("punica_kernels")
 if not hasattr(punica_kernels, "LoRAMeta"):
     pytest.skip("punica_kernels.LoRAMeta is not implemented yet", allow_module_level=True)
 
-_LORA_KEY = re.compile(r".*layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight")
+_LORA_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 MAX_LORAS, MAX_RANK = 4, 16
 ADAPTERS = {  # name -> (slot, save_lora kwargs)
     "all-r8": (2, dict(seed=1, r=8, lora_alpha=16)),
@@ -36,17 +35,15 @@ ADAPTERS = {  # name -> (slot, save_lora kwargs)
 
 
 class SlotWeights:
-    """Test double of the adapter manager's LoRASlots: .weights(layer, packed) -> (lora_a, lora_b),
-    .scales(layer, packed) -> (slice_scales, column_scales)."""
+    """Test double of the adapter manager's LoRASlots: .weights(layer, name) -> (lora_a, lora_b),
+    .scales(layer, name) -> (slice_scales, column_scales), for each of the spec's LoRA modules."""
 
-    def __init__(self, spec, num_layers: int):
+    def __init__(self, spec):
         self.spec = spec
         self.tensors = {}
-        for layer in range(num_layers):
-            for packed in PACKED_MODULES:
-                sizes, in_features = spec.slice_sizes(packed), spec.in_features(packed)
-                self.tensors[layer, packed] = (torch.zeros(MAX_LORAS, len(sizes), MAX_RANK, in_features),
-                                               torch.zeros(MAX_LORAS, sum(sizes), MAX_RANK))
+        for module in spec.modules:
+            self.tensors[module.key] = (torch.zeros(MAX_LORAS, len(module.slice_sizes), MAX_RANK, module.in_features),
+                                        torch.zeros(MAX_LORAS, module.out_features, MAX_RANK))
 
     def weights(self, layer: int, packed: str):
         return self.tensors[layer, packed]
@@ -62,14 +59,15 @@ class SlotWeights:
         r = config["r"]
         scaling = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
         written = 0
+        targets = self.spec.peft_targets()  # PEFT module path -> (LoRA module, (its slice,))
         for key, tensor in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
-            layer, module, which = _LORA_KEY.fullmatch(key).groups()
-            packed, j = PEFT_TO_PACKED[module]
-            lora_a, lora_b = self.tensors[int(layer), packed]
+            path, which = _LORA_KEY.fullmatch(key).groups()
+            module, (j,) = targets[path]
+            lora_a, lora_b = self.tensors[module.key]
             if which == "A":
                 lora_a[slot, j, :r] = tensor  # A_j [r, K]
             else:
-                offset = sum(self.spec.slice_sizes(packed)[:j])
+                offset = module.slice_offsets[j]
                 lora_b[slot, offset:offset + tensor.shape[0], :r] = tensor * scaling  # B_j [N_j, r]
             written += 1
         assert written > 0
@@ -78,7 +76,7 @@ class SlotWeights:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_mixed_lora_batch_matches_peft(tmp_path, arch):
     ckpt = make_checkpoint(tmp_path / "base", arch, biases=arch == "qwen2")
-    slots = SlotWeights(ckpt.config.spec(), ckpt.config.num_layers)
+    slots = SlotWeights(ckpt.config.spec())
     peft_models = {}
     for name, (slot, kwargs) in ADAPTERS.items():
         peft_models[name] = save_lora(ckpt.hf, tmp_path / name, **kwargs)
@@ -104,7 +102,7 @@ def test_mixed_lora_batch_matches_peft(tmp_path, arch):
         chunks = [(s, full[s][start[s]:start[s] + n]) for s, n in plan]
         num_padding = 2 if step == 1 else 0
         token_slots = [ADAPTERS[seq_adapter[s]][0] if seq_adapter[s] else -1 for s, n in plan for _ in range(n)]
-        meta.prepare(torch.tensor(token_slots + [-1] * num_padding))
+        punica_kernels.load_table(meta, torch.tensor(token_slots + [-1] * num_padding))
         for (s, tokens), got in zip(chunks, driver.step(chunks, lora=lora, num_padding=num_padding)):
             assert_close(got, expected[s][start[s]:start[s] + len(tokens)],
                          f"step {step}, sequence {s} ({seq_adapter[s] or 'base'})")
@@ -114,14 +112,14 @@ def test_mixed_lora_batch_matches_peft(tmp_path, arch):
 def test_lora_changes_logits_and_empty_slot_is_base(tmp_path):
     """Guards the comparison above: an adapter's delta is far above tolerance; an all-zero slot is exact base."""
     ckpt = make_checkpoint(tmp_path / "base", "llama")
-    slots = SlotWeights(ckpt.config.spec(), ckpt.config.num_layers)
+    slots = SlotWeights(ckpt.config.spec())
     slots.write(2, _saved(ckpt, tmp_path / "a", seed=1, r=8, lora_alpha=16))
     meta = punica_kernels.LoRAMeta(16, MAX_LORAS, "cpu")
     tokens = torch.randint(3, 256, (6,), generator=torch.Generator().manual_seed(5))
     base = hf_logits(ckpt.hf, tokens)
     results = {}
     for slot in (2, 1):  # slot 1 was never written: zero weights
-        meta.prepare(torch.full((6,), slot))
+        punica_kernels.load_table(meta, torch.full((6,), slot))
         (results[slot],) = PagedDriver(ckpt.model, ckpt.config).step([(0, tokens)], lora=LoRAContext(meta, slots))
     assert (results[2] - base).abs().max() > 1e-2
     assert_close(results[1], base, "empty slot")

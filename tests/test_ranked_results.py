@@ -34,7 +34,7 @@ def rows(*token_lists, error=None):
 def test_rank_0s_token_lists_come_back_when_every_rank_agrees():
     error = FloatingPointError("last row")
     executor = FakeRanks([rows([5, 6, 7], [8], [], error=error)] * 2)
-    result = executor.execute(SchedulerOutput(), {}, {})
+    result = executor.execute(SchedulerOutput())
     assert result.sampled_token_ids == [[5, 6, 7], [8], []]
     assert result.sampled_logprobs[0] == [{5: -1.0}, {6: -1.0}, {7: -1.0}] and str(result.errors[2]) == "last row"
 
@@ -42,8 +42,8 @@ def test_rank_0s_token_lists_come_back_when_every_rank_agrees():
 def test_ranks_that_disagree_on_a_later_token_of_a_row_stop_the_executor():
     executor = FakeRanks([rows([5, 6, 7], [8]), rows([5, 6, 9], [8])])
     with pytest.raises(EngineDeadError, match="out of step") as first:
-        executor.execute(SchedulerOutput(), {}, {})
+        executor.execute(SchedulerOutput())
     assert executor.closed
     with pytest.raises(EngineDeadError) as again:  # dead for good: no step reaches the ranks any more
-        executor.execute(SchedulerOutput(), {}, {})
+        executor.execute(SchedulerOutput())
     assert again.value is first.value

@@ -13,6 +13,7 @@ from lora_runner.config import EngineConfig
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.request import Request
 from lora_runner.core.scheduler import Scheduler
+from lora_runner.entrypoints.vllm_compat import engine_kwargs
 from lora_runner.sample.sampler import Sampler, SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.spec_decode.config import SpeculativeConfig
@@ -32,6 +33,7 @@ def test_config_parses_vllm_spelling_and_json_text():
     assert config.speculative() == SpeculativeConfig("ngram", 2, 5, 5)  # vLLM's default lookup size
     assert SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": None}) == SpeculativeConfig("ngram", 3, 3, 3)
     assert EngineConfig(model="m", device="cpu").speculative() is None
+    assert engine_kwargs("m", {"speculative_config": NGRAM}) == {"speculative_config": NGRAM}  # LLM(...) as vLLM
 
 
 @pytest.mark.parametrize("value, message", [

@@ -241,7 +241,7 @@ def test_embedding_shrink_triton_matches_float64_reference(dtype, rank):
     slots = torch.randint(-1, max_loras, (num_tokens,), generator=gen)
     ids = torch.randint(0, vocab, (num_tokens,), generator=gen)
     ids[3] = vocab  # out of the vocabulary: a zero row, never an out-of-bounds read
-    meta.prepare(slots)
+    punica_kernels.load_table(meta, slots)
     lora_a = torch.randn(max_loras, vocab, rank, generator=gen).to(dtype)  # [L, V, R]
     lora_b = torch.randn(max_loras, hidden, rank, generator=gen).to(dtype)  # [L, hidden, R]
     out = torch.full((num_tokens, 1, rank), float("nan"))
@@ -284,7 +284,7 @@ def test_embedding_lora_on_cuda_does_not_sync_and_replays_in_a_graph():
         punica_kernels.embedding_shrink(ids, lora_a, meta, inter)
         punica_kernels.lora_expand(y, inter, lora_b, meta, (hidden,))
 
-    meta.prepare(slots, check=False)
+    punica_kernels.load_table(meta, slots, check=False)
     delta()  # compile outside the checks
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -23,7 +23,7 @@ def run_splitk(hidden: int, tokens: tuple[int, ...], repeats: int, device: torch
                results: dict) -> None:
     """add_lora (Triton: the shrink splits K at small T, its partials summed by the last split to arrive)
     run `repeats` times on the same inputs: every output must equal the first bit for bit."""
-    from punica_kernels import LoRAMeta, add_lora
+    from punica_kernels import LoRAMeta, add_lora, load_table
     from punica_kernels.triton_ops import choose_split_k, tile_programs
 
     rows = results["splitk"] = []
@@ -35,8 +35,8 @@ def run_splitk(hidden: int, tokens: tuple[int, ...], repeats: int, device: torch
         lora_a = rand(MAX_LORAS, 1, rank, hidden, scale=hidden ** -0.5)  # [L, 1, r, K]
         lora_b = rand(MAX_LORAS, hidden, rank, scale=0.02)  # [L, N, r]
         meta = LoRAMeta(1024, MAX_LORAS, device, max_rank=rank, max_slices=1)
-        meta.prepare((torch.arange(num_tokens) % 8).to(device), torch.full((MAX_LORAS,), rank, dtype=torch.int32,
-                                                                            device=device))
+        load_table(meta, (torch.arange(num_tokens) % 8).to(device),
+                   torch.full((MAX_LORAS,), rank, dtype=torch.int32, device=device))
         first = add_lora(y.clone(), x, lora_a, lora_b, meta, (hidden,), backend="triton")
         row_elements = num_tokens * rank
         split_k = choose_split_k(tile_programs(meta, num_tokens), hidden,

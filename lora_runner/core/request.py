@@ -43,6 +43,8 @@ class Request:
     lora_ref: Any = None  # the manager's AdapterRef held from add_request until the request finishes
     prompt_adapter_request: Any = None  # adapters.PromptAdapterRequest or None
     prompt_adapter_ref: Any = None  # its AdapterRef, held like lora_ref
+    # the AdapterRefs it ran with (LoRA, prompt adapter), kept after release: its outputs name them
+    adapter_versions: tuple = (None, None)
     tenant: str | None = None  # who fair admission accounts it to; None: its adapter's name (fairness.tenant_of)
     generator: torch.Generator | None = None  # per-request, when params.seed is set
     token_ids: list[int] = field(init=False)

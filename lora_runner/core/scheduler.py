@@ -40,19 +40,15 @@ import logging
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from adapters.errors import AdapterCapacityError
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import POLICIES, FairQueue, FcfsQueue, VirtualTokenCounter, served_tokens, tenant_of
 from lora_runner.core.request import Request, RequestStatus
 from lora_runner.core.scheduler_output import Placement, ScheduledRequest, SchedulerOutput
+from lora_runner.core.step_result import OutputSink, SampledRows
 from lora_runner.outputs import SpecDecodingStats
-
-if TYPE_CHECKING:
-    from lora_runner.engine.output_processor import OutputProcessor
-    from lora_runner.sample.sampler import SamplerOutput
-    from lora_runner.spec_decode.ngram import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +61,15 @@ ReservedSlots = Callable[[set], int]
 GrammarState = Callable[[Request], str]
 # the step's picked requests -> their adapters made resident (lora_runner.engine.adapters' place)
 Place = Callable[[list[ScheduledRequest]], Placement]
+
+
+class DraftSource(Protocol):
+    """Where a speculating scheduler gets draft tokens (lora_runner.spec_decode.ngram.Speculator)."""
+
+    num_speculative_tokens: int  # k: the most drafts per request and step
+
+    def drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens after a decoding request's last token, within `budget` tokens (that one included)."""
 
 
 def _no_grammar(request: Request) -> str:
@@ -109,7 +114,7 @@ class Scheduler:
                  prompt_adapter_state: AdapterState | None = None,
                  reserved_prompt_slots: ReservedSlots = lambda refs: 0,
                  policy: str = "fair", fairness: VirtualTokenCounter | None = None,
-                 grammar_state: GrammarState = _no_grammar, speculator: Speculator | None = None) -> None:
+                 grammar_state: GrammarState = _no_grammar, speculator: DraftSource | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.block_manager = block_manager
@@ -417,8 +422,8 @@ class Scheduler:
         self.spec.add(num_drafts, accepted)
         return num_drafts - accepted
 
-    def postprocess(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
-                    processor: OutputProcessor) -> list[tuple[Request, BaseException | None]]:
+    def postprocess(self, scheduled: list[ScheduledRequest], sampled: SampledRows,
+                    processor: OutputSink) -> list[tuple[Request, BaseException | None]]:
         """After the model ran: count each scheduled chunk as computed (less the draft tokens its row
         rejected: a row of a + 1 tokens accepted a of its drafts), append every sampled token
         (processor.append: detokenize, check stops, each token of a row in order) and finish and

@@ -8,8 +8,8 @@ so no layer forwards these calls by hand to the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from adapters import AdapterRef, LoRARequest, PromptAdapterRequest
 from adapters.versions import ServedAdapter
@@ -28,9 +28,24 @@ class AdapterAPI:
         """The engine's EngineAdapters; with ``check_open``, EngineClosedError once it was closed."""
         raise NotImplementedError
 
-    def add_lora(self, lora_request: LoRARequest) -> AdapterRef:
-        """Load and validate a LoRA now (hot-load or replace); raises its adapters.AdapterError."""
-        return self._adapter_seam().add("lora", lora_request)
+    def add_lora(self, lora_request: LoRARequest, load_inplace: bool = False) -> AdapterRef:
+        """Load and validate a LoRA now (hot-load or replace); raises its adapters.AdapterError.
+        ``load_inplace``: always a new version, read from what the folder holds now (retrained files
+        under the same path), serving the name from the next step on."""
+        return self._adapter_seam().add("lora", lora_request, load_inplace=load_inplace)
+
+    def update_lora(self, name: str, state_dict: Mapping[str, Any], config: Any, owner: str | None = None,
+                    claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
+        """Serve a new version of the LoRA ``name`` from tensors in memory: a PEFT state dict (key names
+        as in adapter_model.safetensors) and its LoraConfig or adapter_config dict, validated as a file
+        load is (adapters.memory_source). Returns the served adapter: ``version`` is the new version,
+        ``request`` what later requests for it pass as ``lora_request`` (None when ``claim``, asked as in
+        serve_adapter, said no). Raises its AdapterError; the version serving before keeps serving then."""
+        return self._adapter_seam().update(name, state_dict, config, owner=owner, claim=claim)
+
+    def max_adapter_bytes(self) -> int:
+        """The largest adapter (file, upload or in-memory tensors) accepted, in bytes."""
+        return self._adapter_seam(check_open=False).manager.max_adapter_bytes
 
     def remove_lora(self, name: str) -> None:
         """Forget a LoRA and its pin; deferred while running requests use it (a served name stays served)."""

@@ -30,12 +30,14 @@ preempted request recomputes its tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 from adapters.manager import AdapterManager
+from adapters.memory_source import memory_lora_request
 from adapters.request import LoRARequest
 from adapters.tier import AdapterRef, AdapterTier, TierClosedError
 from adapters.versions import ServedAdapter
@@ -65,14 +67,42 @@ class EngineAdapters:
     # ------------------------------------------------------------------ user side, per kind
     # kind: "lora" or "prompt"; AdapterAPI's add_lora, pin_prompt_adapter, ... (lora_runner.engine.adapter_api)
     # call these for LLMEngine, LLM and AsyncLLMEngine.
-    def add(self, kind: str, request) -> AdapterRef:
+    def add(self, kind: str, request, load_inplace: bool = False) -> AdapterRef:
         """Load and validate now (hot-load). A new path under a known name replaces it once it
         loaded (running requests keep the old weights); if it fails, the old version keeps serving.
-        Raises the adapter's AdapterError (ValueError for a disabled or mistyped prompt adapter)."""
+        ``load_inplace``: a new version is read from what the source holds now even when the name
+        already serves this very source (its files were rewritten), and serves the name from the
+        next step on. Raises the adapter's AdapterError (ValueError for a disabled or mistyped prompt
+        adapter)."""
         if kind == "prompt":
             check_prompt_adapter_request(request, self.prompts_enabled)
+        tier = self.tiers[kind]
+        if not load_inplace:
+            with _closed_as_engine_error():
+                return tier.add(request)
         with _closed_as_engine_error():
-            return self.tiers[kind].add(request)
+            ref = tier.stage(request, fresh=True)
+        try:
+            with self.step_lock:  # publishing retires the replaced version, which may free its slot
+                tier.publish(None, True, ref)
+        finally:
+            tier.release(ref)
+        return ref
+
+    def update(self, name: str, state_dict, config, owner: str | None = None,
+               claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
+        """Serve a new version of the LoRA ``name`` from tensors in memory (a PEFT state dict and its
+        LoraConfig or adapter_config dict, adapters.memory_source), validated as a file load is. The
+        version serves the name from the next step on; running requests finish on theirs. ``owner``:
+        the tenant updating it (None keeps the served record's owner). Returns the served adapter with
+        ``version`` the new version and ``request`` what later requests for it pass (None when ``claim``,
+        asked as in ``serve``, said no). Raises its AdapterError (the current version keeps serving),
+        ValueError when a prompt adapter has the name."""
+        request = memory_lora_request(name, state_dict, config, max_bytes=self.manager.max_adapter_bytes)
+        if owner is None:
+            old = self.tiers["lora"].served(name)
+            owner = None if old is None else old.owner
+        return self.serve(request, owner=owner, replace=True, claim=claim)
 
     def remove(self, kind: str, name: str) -> None:
         """Forget ``name`` and its pin; deferred while running requests use it (they finish on its weights)."""
@@ -102,20 +132,22 @@ class EngineAdapters:
 
         With ``load``, the adapter is loaded and validated first (its AdapterError raised, nothing
         served) into a version no request sees until it serves the name; without, the first request
-        for it loads it. ``replace`` serves it in place of an adapter of the same kind under that name:
-        that one keeps serving until this one loaded, and its pin moves over. ``claim`` is asked
-        right before the adapter becomes visible: False (the caller gave up waiting) leaves
-        everything as it was. ``owner``: the tenant that loads it (None: the operator).
+        for it loads it. ``replace`` (load_inplace) serves it in place of an adapter of the same kind
+        under that name, always as a new version read from what the source holds now (the same path
+        may hold retrained files): the old one keeps serving until this one loaded, and its pin moves
+        over. ``claim`` is asked right before the adapter becomes visible: False (the caller gave up
+        waiting) leaves everything as it was. ``owner``: the tenant that loads it (None: the operator).
 
-        Returns the served adapter, or None when ``claim`` said no. Raises ValueError when the name is
-        served already (and ``replace`` is False, or it is served as the other kind).
+        Returns the served adapter (``version``: the version published now, when loaded), or None when
+        ``claim`` said no. Raises ValueError when the name is served already (and ``replace`` is False,
+        or it is served as the other kind).
         """
         kind = "lora" if isinstance(request, LoRARequest) else "prompt"
         if kind == "prompt":
             check_prompt_adapter_request(request, self.prompts_enabled)
         tier, other = self.tiers[kind], self.tiers["prompt" if kind == "lora" else "lora"]
         with _closed_as_engine_error():
-            ref = tier.stage(request) if load else None
+            ref = tier.stage(request, fresh=replace) if load else None
         try:
             with self.step_lock:  # publishing retires the replaced version, which may free its slot
                 if other.served(request.name) is not None:
@@ -125,7 +157,9 @@ class EngineAdapters:
         finally:
             if ref is not None:
                 tier.release(ref)
-        return tier.served(request.name)
+        served = tier.served(request.name)
+        # the version published here, even if another update published a newer one since
+        return served if ref is None or served is None else dataclasses.replace(served, version=ref)
 
     def withdraw(self, name: str) -> ServedAdapter:
         """Stop serving ``name`` and retire its versions (running requests finish on their weights);
@@ -160,6 +194,7 @@ class EngineAdapters:
                     request.lora_ref = self.tiers["lora"].acquire(request.lora_request)
                 if request.prompt_adapter_request is not None:
                     request.prompt_adapter_ref = self.tiers["prompt"].acquire(request.prompt_adapter_request)
+            request.adapter_versions = (request.lora_ref, request.prompt_adapter_ref)
             error = self._insert_if_ready(request)
             if error is not None:
                 raise error

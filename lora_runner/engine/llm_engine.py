@@ -377,7 +377,8 @@ class LLMEngine(AdapterAPI):
         return RequestOutput(request.request_id, request.prompt_token_ids, [completion],
                              finished=request.is_finished, prompt=request.prompt,
                              num_cached_tokens=request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs,
-                             metrics=dataclasses.replace(request.times),
+                             metrics=dataclasses.replace(request.times), lora_version=request.adapter_versions[0],
+                             prompt_adapter_version=request.adapter_versions[1],
                              spec_decode=(None if self.scheduler.speculator is None
                                           else dataclasses.replace(request.spec,
                                                                    accepted_per_position=list(

@@ -56,7 +56,9 @@ class SampleGroup:
         # the prompt's cached tokens and prompt logprobs are sample 0's: the others share its prompt blocks
         return RequestOutput(self.request_id, prompt_token_ids, completions, finished=self.finished,
                              prompt=prompt, num_cached_tokens=self.samples[0].num_cached_tokens,
-                             prompt_logprobs=self.samples[0].prompt_logprobs)
+                             prompt_logprobs=self.samples[0].prompt_logprobs,
+                             lora_version=self.samples[0].adapter_versions[0],
+                             prompt_adapter_version=self.samples[0].adapter_versions[1])
 
 
 def _unchanged(completion: CompletionOutput, delta: bool) -> CompletionOutput:

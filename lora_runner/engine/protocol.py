@@ -11,7 +11,7 @@ calls (the loading ones block while an adapter loads: call them from a thread po
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from adapters import LoRARequest, PromptAdapterRequest
@@ -92,8 +92,17 @@ class EngineClient(Protocol):
                       claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
         """Serve an adapter under its name, loaded and validated first unless ``load`` is False; visible
         only once loaded, and only if ``claim()`` (asked last) says yes, else None and nothing changed.
-        ``replace`` serves it in place of the same name's adapter (which serves until this one loaded).
+        ``replace`` serves it in place of the same name's adapter (which serves until this one loaded),
+        always as a new version read from what its source holds now.
         Raises its AdapterError, or ValueError when the name is taken."""
+
+    def update_lora(self, name: str, state_dict: Mapping[str, Any], config: Any, owner: str | None = None,
+                    claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
+        """Serve a new version of the LoRA ``name`` from a PEFT state dict and its LoraConfig (or
+        adapter_config dict), validated as a file load is; its ``version`` serves from the next step on."""
+
+    def max_adapter_bytes(self) -> int:
+        """The largest adapter (file, upload or in-memory tensors) accepted, in bytes."""
 
     def unserve_adapter(self, name: str) -> ServedAdapter:
         """Stop serving ``name`` (adapters.UnknownAdapterError when it is not served)."""

@@ -14,17 +14,24 @@ from lora_runner.engine.adapter_api import AdapterAPI
 from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.chat import as_conversations, chat_token_ids, encoding_token_ids, tensor_token_ids
 from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.entrypoints.vllm_compat import VLLM_PROMPT_KEYS, engine_kwargs, prompt_from_dict
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
+from lora_runner.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]  # a tokenizer output (BatchEncoding / dict) or a 1-D int tensor is converted
+Prompt = str | list[int]  # a tokenizer output, a vLLM prompt dict or a 1-D int tensor is converted
 _IDLE_WAIT_S = 1.0  # longest sleep of generate() between steps while every request waits for a load
 
 
 class LLM(AdapterAPI):
     """One base model serving many LoRA and prompt adapters: ``LLM(model, **EngineConfig kwargs)``.
+
+    vLLM's keywords are read too (lora_runner.entrypoints.vllm_compat.VLLM_OPTIONS): ``enable_lora=True`` and other
+    settings that ask for what this engine always does are accepted, ``max_prompt_adapter_token`` is
+    max_prompt_adapter_tokens, and a feature this engine lacks (``trust_remote_code=True``, say) or an
+    unknown keyword is a ValueError naming it.
 
     ``generate(prompts, sampling_params, lora_request, prompt_adapter_request)`` returns one
     RequestOutput per prompt, in input order; ``chat(messages, ...)`` does the same for chat
@@ -34,8 +41,12 @@ class LLM(AdapterAPI):
     """
 
     def __init__(self, model: str, **kwargs) -> None:
-        self.engine = LLMEngine(model, **kwargs)
+        self.engine = LLMEngine(model, **engine_kwargs(model, kwargs)) if kwargs else LLMEngine(model)
         self._ids = count()
+
+    def get_tokenizer(self):
+        """The model's transformers tokenizer (None when the model directory has none), as vLLM's."""
+        return self.engine.tokenizer.get()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -44,28 +55,32 @@ class LLM(AdapterAPI):
                  use_tqdm: bool = True, cache_salt: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Run `prompts` to completion, continuously batched; outputs in input order.
 
-        prompts: a string, a list of token ids, a 1-D integer tensor, or a list of these; or a
-        tokenizer output (BatchEncoding or dict with ``input_ids``, one prompt or a padded batch
-        whose ``attention_mask`` marks the real tokens). sampling_params,
+        prompts: a string, a list of token ids, a 1-D integer tensor, vLLM's prompt dict
+        (``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, optionally with "cache_salt"), or a list
+        of these; or a tokenizer output (BatchEncoding or dict with ``input_ids``, one prompt or a padded
+        batch whose ``attention_mask`` marks the real tokens). sampling_params,
         lora_request and prompt_adapter_request: one for all prompts or a list aligned with them
         (None = no adapter of that kind); a prompt may use a LoRA and a prompt adapter at once.
         cache_salt: one for all prompts or one per prompt; prompts with different salts never share
-        prefix-cache blocks (LLMEngine.add_request).
-        Every distinct named adapter is loaded and validated before any prompt runs, so a bad
-        adapter raises its adapters.AdapterError with nothing lost. ValueError for misaligned lists,
+        prefix-cache blocks (LLMEngine.add_request); a prompt dict's "cache_salt" is that prompt's.
+        Every distinct named adapter is loaded and validated, and every distinct structured_outputs
+        constraint compiled, before any prompt runs, so a bad adapter raises its adapters.AdapterError
+        and a constraint that does not compile its StructuredOutputError (a ValueError) with nothing
+        lost. ValueError for misaligned lists,
         an argument of the wrong type, one adapter name bound to two paths/revisions in the call,
         bad sampling params, a bad prompt, or prompt adapters on an engine without prompt-adapter
         slots. Whatever it raises, none of its requests is left in the engine.
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list, prompt_salts = _as_prompt_list(prompts)
         params = _aligned(sampling_params if sampling_params is not None else SamplingParams(),
                           SamplingParams, len(prompt_list), "sampling_params")
         loras = _aligned(lora_request, LoRARequest, len(prompt_list), "lora_request")
         soft_prompts = _aligned(prompt_adapter_request, PromptAdapterRequest, len(prompt_list),
                                 "prompt_adapter_request")
-        salts = _aligned(cache_salt, str, len(prompt_list), "cache_salt")
+        salts = _with_prompt_salts(_aligned(cache_salt, str, len(prompt_list), "cache_salt"), prompt_salts)
         for requests, what in ((loras, "lora_request"), (soft_prompts, "prompt_adapter_request")):
             _check_one_source_per_name(requests, what)
+        self._compile_constraints(params)
         for request in dict.fromkeys(r for r in loras if r is not None):
             self.engine.add_lora(request)
         for request in dict.fromkeys(r for r in soft_prompts if r is not None):
@@ -106,6 +121,23 @@ class LLM(AdapterAPI):
         return self.generate(prompts, sampling_params, lora_request=lora_request,
                              prompt_adapter_request=prompt_adapter_request, use_tqdm=use_tqdm)
 
+    def _compile_constraints(self, params: list[SamplingParams]) -> None:
+        """Compile each distinct structured_outputs constraint of the call and wait for it, so one that
+        does not compile raises here (StructuredOutputError, a ValueError, naming its first prompt)
+        instead of ending that prompt with finish_reason "error"; the engine's requests then reuse the
+        compilation (GrammarCompiler caches it by constraint)."""
+        first_prompt: dict[tuple[str, str], tuple[int, StructuredOutputsParams]] = {}
+        for index, p in enumerate(params):
+            constraint = p.structured_outputs
+            if isinstance(constraint, StructuredOutputsParams):  # anything else: add_request refuses it
+                constraint.validate()
+                first_prompt.setdefault(constraint.key(), (index, constraint))
+        for index, constraint in first_prompt.values():
+            try:
+                self.engine.structured.compiler.compile(constraint).result()
+            except ValueError as exc:  # StructuredOutputError; a model without a tokenizer is a ValueError too
+                raise type(exc)(f"prompt {index}: {exc}") from exc
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -134,19 +166,40 @@ class LLM(AdapterAPI):
         return self.engine._adapter_seam(check_open)
 
 
-def _as_prompt_list(prompts) -> list[Prompt]:
+def _as_prompt_list(prompts) -> tuple[list[Prompt], list[str | None]]:
+    """(prompts, the cache salt each prompt dict names) of generate()'s `prompts` argument."""
     if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, Mapping):
-        return encoding_token_ids(prompts)
-    if isinstance(prompts, torch.Tensor):
-        return [tensor_token_ids(prompts)]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
-    if isinstance(prompts, (list, tuple)) and prompts:
-        return [tensor_token_ids(p) if isinstance(p, torch.Tensor) else p for p in prompts]
-    raise ValueError("prompts must be a string, a list of token ids, a 1-D integer tensor, a tokenizer "
-                     "output with input_ids, or a non-empty list of strings, id lists or 1-D tensors")
+        return [prompts], [None]
+    if isinstance(prompts, Mapping) and ("input_ids" in prompts or not VLLM_PROMPT_KEYS & prompts.keys()):
+        rows = encoding_token_ids(prompts)
+        return rows, [None] * len(rows)
+    if isinstance(prompts, (Mapping, torch.Tensor)):
+        prompts = [prompts]
+    elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)], [None]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a string, a list of token ids, a 1-D integer tensor, a tokenizer "
+                         "output with input_ids, a vLLM prompt dict ({'prompt': ...} or {'prompt_token_ids': "
+                         "...}), or a non-empty list of strings, id lists, 1-D tensors or prompt dicts")
+    prompt_list, salts = [], []
+    for index, prompt in enumerate(prompts):
+        salt = None
+        if isinstance(prompt, Mapping):
+            prompt, salt = prompt_from_dict(prompt, index)
+        prompt_list.append(tensor_token_ids(prompt) if isinstance(prompt, torch.Tensor) else prompt)
+        salts.append(salt)
+    return prompt_list, salts
+
+
+def _with_prompt_salts(salts: list[str | None], prompt_salts: list[str | None]) -> list[str | None]:
+    """generate()'s cache_salt per prompt, with each prompt dict's "cache_salt" (ValueError when they differ)."""
+    merged = []
+    for index, (salt, own) in enumerate(zip(salts, prompt_salts)):
+        if own is not None and salt is not None and own != salt:
+            raise ValueError(f"prompt {index}: its dict's cache_salt {own!r} differs from generate()'s "
+                             f"cache_salt {salt!r}: give one")
+        merged.append(own if own is not None else salt)
+    return merged
 
 
 def _aligned(value, kind: type, n: int, name: str) -> list:

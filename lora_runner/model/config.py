@@ -18,6 +18,7 @@ from adapters import ModelSpec
 from lora_runner.model.families import (
     HIDDEN_ACTS, MODEL_TYPES, SUPPORTED_ARCHITECTURES, family_options, rope_type_alias,
 )
+from lora_runner.model.lora_linear import decoder_lora_modules
 from lora_runner.model.quant.config import QuantConfig, parse_quantization
 
 logger = logging.getLogger(__name__)
@@ -119,8 +120,7 @@ class ModelConfig:
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")
         if self.quantization is not None:
-            spec = self.spec()
-            self.quantization.check_in_features({p: spec.in_features(p) for p in ("qkv", "o", "gate_up", "down")})
+            self.quantization.check_in_features({m.name: m.in_features for m in decoder_lora_modules(self)})
 
     @property
     def attn_scale(self) -> float:
@@ -139,11 +139,13 @@ class ModelConfig:
         return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
 
     def spec(self) -> ModelSpec:
-        """The sizes adapters must agree with."""
+        """What adapters must agree with: the sizes and the LoRA modules the decoder's layers declare
+        (lora_runner.model.lora_linear.decoder_lora_modules, the function they are built with)."""
         return ModelSpec(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                          intermediate_size=self.intermediate_size, model_name=self.name_or_path,
-                         vocab_size=self.vocab_size, fused_projections=self.fused_projections)
+                         vocab_size=self.vocab_size, fused_projections=self.fused_projections,
+                         modules=decoder_lora_modules(self))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, name_or_path: str | None = None,

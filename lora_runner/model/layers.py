@@ -1,4 +1,5 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding (with rope scaling), LoRA-aware linears.
+"""Building blocks of the decoder: RMSNorm, rotary embedding (with rope scaling); the LoRA-aware
+linear is lora_runner.model.lora_linear's (re-exported here).
 
 Numerics follow transformers' Llama implementation so fp32 logits agree to ~1e-5: RMSNorm in fp32,
 cos/sin computed in fp32 then cast to the activation dtype, rotate-half RoPE.
@@ -9,14 +10,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import punica_kernels
-from lora_runner.distributed import TensorParallel
 from lora_runner.model.config import RopeConfig
-from lora_runner.model.forward_context import LoRAContext
-from lora_runner.model.quant.linear import UNQUANTIZED, LinearMethod
+from lora_runner.model.lora_linear import LoRALinear, lora_base_weights
+
+__all__ = ["LoRALinear", "RMSNorm", "RotaryEmbedding", "lora_base_weights", "rope_inv_freq"]
 
 
 class RMSNorm(nn.Module):
@@ -171,87 +170,3 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, head_dim]
         return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-class LoRALinear(nn.Module):
-    """y = x @ W.T (+ b), plus each token's adapter delta through punica_kernels.add_lora.
-
-    Several projections sharing an input are packed into one weight (q,k,v -> "qkv"; gate,up ->
-    "gate_up"); `slice_sizes` are their output widths, in the order the LoRA slots store them. The
-    slots' scales ride along: LoRA scaling per slice, and DoRA's column scale, which multiplies the
-    output of that slot's tokens but not the bias (as PEFT).
-
-    The base matmul x @ W.T (+ b) is the `method`'s (unquantized, FP8 or W4A16: lora_runner.model.quant.
-    linear), which also holds the weight's tensors; the LoRA delta and DoRA's scales are the same for all.
-
-    ``reduce`` (row-parallel o / down over several ranks): this rank holds the input columns of its
-    shard, so base and LoRA (A's columns split, B whole) give partial sums, DoRA's column scale
-    applied to each (exact: it is linear per output column); ONE ``reduce.all_reduce`` sums them and
-    the bias is added once, after it. None (column-parallel, or one rank): the plain path.
-    """
-
-    def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, layer: int, packed: str,
-                 dtype: torch.dtype, device, method: LinearMethod = UNQUANTIZED,
-                 reduce: TensorParallel | None = None):
-        super().__init__()
-        self.reduce = reduce if reduce is not None and reduce.is_parallel else None
-        out_features = sum(slice_sizes)
-        self.method = method  # holds and multiplies by the base weight (lora_runner.model.quant.linear)
-        self.in_features, self.out_features = in_features, out_features
-        self.dtype, self.device = dtype, torch.device(device)
-        method.create_weights(self, in_features, out_features, dtype, device)
-        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)  # [N]
-        self.slice_sizes = tuple(slice_sizes)
-        self.layer = layer
-        self.packed = packed
-
-    def forward(self, x: torch.Tensor, lora: LoRAContext | None) -> torch.Tensor:
-        # row-parallel: the bias joins after the reduction, so it is out of the partial sums (and DoRA's scale)
-        bias = self.bias if self.reduce is None else None
-        y = self.method.apply(self, x, bias)  # [T, N]
-        if lora is not None:
-            lora_a, lora_b = lora.slots.weights(self.layer, self.packed)
-            slice_scales, column_scales = lora.slots.scales(self.layer, self.packed)
-            if not lora.features.dora:  # the step's adapters all have column scale 1: y + delta exactly
-                column_scales = None
-            punica_kernels.add_lora(y, x, lora_a, lora_b, lora.meta, self.slice_sizes, slice_scales=slice_scales,
-                                    column_scales=column_scales, bias=bias)
-        if self.reduce is None:
-            return y
-        self.reduce.all_reduce(y)  # [T, N]: the sum of every rank's partial output
-        return y if self.bias is None else y.add_(self.bias)
-
-    def base_weight(self) -> torch.Tensor:
-        """The base weight W [N, K] in the model dtype (dequantized, a new tensor, for a quantized layer)."""
-        return self.method.dequantize(self)
-
-    def slice_offsets(self) -> tuple[int, ...]:
-        """Row offset of each slice within the packed weight."""
-        return tuple(sum(self.slice_sizes[:i]) for i in range(len(self.slice_sizes)))
-
-
-def lora_base_weights(model: nn.Module):
-    """(layer, packed) -> the base weight [N, K] of the model's LoRA-aware linear there (DoRA's norms
-    are computed from it when an adapter loads; see adapters.dora).
-
-    A quantized layer's weight is dequantized when asked (the model keeps only the quantized one); the
-    last one is kept, so the slices of one packed weight (q, k, v) dequantize it once per adapter load.
-
-    A tensor-parallel shard holds no row-parallel layer's whole rows: ValueError (DoRA's scales then
-    come from lora_runner.model.checkpoint_base_weights, in the process that validates the adapter)."""
-    tp = getattr(model, "tp", None)
-    if tp is not None and tp.is_parallel:
-        raise ValueError("lora_base_weights needs the whole model; a tensor-parallel rank holds a shard of it: "
-                         "read DoRA's base weights with lora_runner.model.checkpoint_base_weights")
-    modules = {(m.layer, m.packed): m for m in model.modules() if isinstance(m, LoRALinear)}
-    last: dict[tuple[int, str], torch.Tensor] = {}
-
-    def base_weight(layer: int, packed: str) -> torch.Tensor:
-        key = (layer, packed)
-        if key not in last:
-            last.clear()
-            last[key] = modules[key].base_weight()  # [N, K]
-        return last[key]
-
-    return base_weight

@@ -2,9 +2,11 @@
 batch and a paged KV cache.
 
 Projections sharing an input are packed (q,k,v -> "qkv"; gate,up -> "gate_up") so each layer makes
-four LoRA-aware matmuls; module paths follow adapters.spec: ``layers.<i>.<parent>.<packed>`` with
-parent "self_attn" or "mlp". Phi-3 checkpoints store the packed weights as they are (qkv_proj,
-gate_up_proj). What differs per family is a ModelConfig option (lora_runner/model/families.py):
+four LoRA-aware matmuls, each built from the LoRA module it declares (lora_runner.model.lora_linear:
+PEFT / checkpoint names, slice sizes, tensor-parallel split); module paths are
+``layers.<i>.<parent>.<name>`` with parent "self_attn" or "mlp", and checkpoint tensors are mapped
+onto them through those declarations. Phi-3 checkpoints store the packed weights as they are
+(qkv_proj, gate_up_proj). What differs per family is a ModelConfig option (lora_runner/model/families.py):
 q/k norms (Qwen3), the gate activation, (1 + w) norms, norms around both blocks and attention
 soft-capping (Gemma 2); Gemma 2's embedding scale and final soft-capping are in gemma2.py.
 """
@@ -20,20 +22,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from adapters.sharding import shard_spec, vocab_range
-from adapters.spec import FUSED_TO_PACKED, PEFT_PARENT, PEFT_TO_PACKED, ModelSpec
 from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model import cpu_gemm
 from lora_runner.model.attention import paged_attention, token_seq_lens, write_kv
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.forward_context import ForwardContext, LoRAContext, PromptAdapterContext
-from lora_runner.model.layers import LoRALinear, RMSNorm, RotaryEmbedding
+from lora_runner.model.layers import RMSNorm, RotaryEmbedding
+from lora_runner.model.lora_linear import LoRALinear, attention_lora_modules, mlp_lora_modules
 from lora_runner.model.quant.linear import linear_method
 from lora_runner.model.vocab_lora import LMHeadLoRAContext, add_embedding_lora, add_lm_head_lora
 
 logger = logging.getLogger(__name__)
 
-# the tensors of one linear: weight and bias, or a quantized one's (weight_scale, qweight, scales, ...)
-_LAYER_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(\w+)")
 _IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints saved
 _NORM_KEY = re.compile(r"layers\.\d+\.((input|post_attention|pre_feedforward|post_feedforward)_layernorm"
                        r"|self_attn\.[qk]_norm)\.weight")
@@ -48,18 +48,17 @@ def make_norm(config: ModelConfig, size: int, dtype: torch.dtype, device) -> RMS
 class Attention(nn.Module):
     """Self-attention of one layer: packed qkv, RoPE, paged KV write + attention, o projection.
 
-    ``spec``: the sizes this rank holds (adapters.sharding.shard_spec; the model's own at one rank):
-    its query and KV heads (qkv column-parallel), o row-parallel, reduced over ``tp``."""
+    Over several ranks (``tp``) this rank holds its share of the query and KV heads (qkv
+    column-parallel) and o row-parallel, reduced over ``tp`` (attention_lora_modules)."""
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device, spec: ModelSpec | None = None,
-                 tp: TensorParallel = SINGLE):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device, tp: TensorParallel = SINGLE):
         super().__init__()
-        spec, method = spec or config.spec(), linear_method(config.quantization)
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.qkv = LoRALinear(spec.in_features("qkv"), spec.slice_sizes("qkv"), config.qkv_bias, layer, "qkv",
-                              dtype, device, method)
-        self.o = LoRALinear(spec.in_features("o"), spec.slice_sizes("o"), config.o_bias, layer, "o", dtype, device,
-                            method, reduce=tp)
+        method, (qkv, o) = linear_method(config.quantization), attention_lora_modules(config, layer)
+        self.qkv = LoRALinear(qkv, config.qkv_bias, dtype, device, method, tp)
+        self.o = LoRALinear(o, config.o_bias, dtype, device, method, tp)
+        self.head_dim = config.head_dim
+        self.num_heads, kv_rows = self.qkv.slice_sizes[0] // self.head_dim, self.qkv.slice_sizes[1]
+        self.num_kv_heads = kv_rows // self.head_dim
         if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
             self.q_norm = make_norm(config, self.head_dim, dtype, device)
             self.k_norm = make_norm(config, self.head_dim, dtype, device)
@@ -88,17 +87,14 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)) with gate/up packed; act is silu (SwiGLU) or
-    tanh-approximated GELU (Gemma's GeGLU). Over several ranks (``spec`` local, see Attention): gate_up
-    column-parallel (this rank's intermediate rows of each), down row-parallel, reduced over ``tp``."""
+    tanh-approximated GELU (Gemma's GeGLU). Over several ranks: gate_up column-parallel (this rank's
+    intermediate rows of each), down row-parallel, reduced over ``tp`` (mlp_lora_modules)."""
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device, spec: ModelSpec | None = None,
-                 tp: TensorParallel = SINGLE):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device, tp: TensorParallel = SINGLE):
         super().__init__()
-        spec, method = spec or config.spec(), linear_method(config.quantization)
-        self.gate_up = LoRALinear(spec.in_features("gate_up"), spec.slice_sizes("gate_up"), config.mlp_bias, layer,
-                                  "gate_up", dtype, device, method)
-        self.down = LoRALinear(spec.in_features("down"), spec.slice_sizes("down"), config.mlp_bias, layer, "down",
-                               dtype, device, method, reduce=tp)
+        method, (gate_up, down) = linear_method(config.quantization), mlp_lora_modules(config, layer)
+        self.gate_up = LoRALinear(gate_up, config.mlp_bias, dtype, device, method, tp)
+        self.down = LoRALinear(down, config.mlp_bias, dtype, device, method, tp)
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -113,13 +109,12 @@ class DecoderLayer(nn.Module):
     input_norm(x))), then + post_feedforward_norm(mlp(pre_feedforward_norm(.))).
     """
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device, spec: ModelSpec | None = None,
-                 tp: TensorParallel = SINGLE):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = make_norm(config, config.hidden_size, dtype, device)
-        self.self_attn = Attention(config, layer, dtype, device, spec, tp)
+        self.self_attn = Attention(config, layer, dtype, device, tp)
         self.post_attention_layernorm = make_norm(config, config.hidden_size, dtype, device)
-        self.mlp = MLP(config, layer, dtype, device, spec, tp)
+        self.mlp = MLP(config, layer, dtype, device, tp)
         self.sandwich_norms = config.sandwich_norms
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, dtype, device)
@@ -160,14 +155,16 @@ class LlamaForCausalLM(nn.Module):
         vocab = self.spec.vocab_size  # this rank's rows (all of them at one rank)
         self.embed_tokens = nn.Parameter(torch.empty(vocab, config.hidden_size, dtype=dtype, device=device),
                                          requires_grad=False)  # [V_w, hidden]
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, self.spec, tp)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, tp) for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size, dtype, device)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope, device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings else
                         nn.Parameter(torch.empty(vocab, config.hidden_size, dtype=dtype, device=device),
                                      requires_grad=False))  # [V_w, hidden]
         self.lm_head_packed: torch.Tensor | None = None  # lm_head in oneDNN's layout (after_loading, CPU)
+        # checkpoint prefix ("model.layers.0.self_attn.q_proj") -> (linear's path, slice index or None)
+        self._checkpoint_names = {prefix: (path, index) for path, module in self.named_modules()
+                                  if isinstance(module, LoRALinear) for prefix, index in module.checkpoint_slices()}
 
     def after_loading(self) -> None:
         """Once the weights are in: each linear converts its weight for this device's GEMM (float32 on
@@ -347,29 +344,19 @@ class LlamaForCausalLM(nn.Module):
             return "norm.weight", None
         if _NORM_KEY.fullmatch(name):
             return name, None
-        match = _LAYER_KEY.fullmatch(name)
-        if match is None:
+        prefix, _, kind = f"model.{name}".rpartition(".")  # a linear's tensors: weight, bias, qweight, scales, ...
+        if prefix not in self._checkpoint_names:
             return None
-        layer, parent, proj, kind = match.groups()
-        if self.config.fused_projections and proj in FUSED_TO_PACKED:  # Phi-3: the packed weight as a whole
-            return f"layers.{layer}.{parent}.{FUSED_TO_PACKED[proj]}.{kind}", None
-        if proj not in PEFT_TO_PACKED:
-            return None
-        packed, index = PEFT_TO_PACKED[proj]
-        if PEFT_PARENT[proj] != parent:
-            return None
-        return f"layers.{layer}.{parent}.{packed}.{kind}", (index if len(self._slices(packed)) > 1 else None)
-
-    def _slices(self, packed: str) -> tuple[int, ...]:
-        return self.config.spec().slice_sizes(packed)
+        path, index = self._checkpoint_names[prefix]
+        return f"{path}.{kind}", index
 
     def _weight_keys(self, param_name: str, index: int | None) -> set[tuple[str, int]]:
         """(parameter, slice) keys a loaded tensor fills: one slice, or every slice of the parameter
         (-1 for an unpacked one)."""
         if index is not None:
             return {(param_name, index)}
-        packed = param_name.split(".")[-2] if "." in param_name else param_name
-        slices = len(self._slices(packed)) if packed in ("qkv", "gate_up") else 1
+        owner = self.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else self
+        slices = len(owner.slice_sizes) if isinstance(owner, LoRALinear) else 1
         return {(param_name, i if slices > 1 else -1) for i in range(slices)}
 
     def _required_weights(self) -> set[tuple[str, int]]:

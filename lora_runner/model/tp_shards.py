@@ -1,6 +1,7 @@
 """Which part of each checkpoint tensor a tensor-parallel rank reads, and reading only that part.
 
-The split itself is adapters.sharding's (Megatron-style, see there). Per checkpoint tensor, a rank
+The split is the one each LoRA-aware linear declares (its LoRAModule: lora_runner.model.lora_linear;
+Megatron-style, see adapters.sharding). Per checkpoint tensor, a rank
 reads one or more row ranges (column-parallel weights and biases: its heads of q / k / v, its
 intermediate rows of gate / up; vocabulary rows of embed_tokens and lm_head) or one column range
 (row-parallel o / down weights), through ``safe_open(...).get_slice``, so a large model is never
@@ -22,8 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.sharding import COLUMN_PARALLEL, ROW_PARALLEL, input_columns, shard_spec, slice_rows, vocab_share
+from adapters.sharding import vocab_share
+from adapters.spec import COLUMN, ROW, LoRAModule
 from lora_runner.distributed import TensorParallel
+from lora_runner.model.lora_linear import LoRALinear, decoder_lora_modules
 from lora_runner.model.quant.int4_layout import PACK
 
 Range = tuple[int, int]
@@ -57,47 +60,45 @@ def checkpoint_shard(model, name: str, shape: tuple[int, ...]) -> TensorShard | 
         share = vocab_share(config.vocab_size, tp.world_size)
         start = min(model.vocab_start, config.vocab_size)
         return TensorShard(0, ((start, min(model.vocab_end, config.vocab_size)),), share)
-    parts = param.split(".")
-    packed, kind = (parts[3], parts[4]) if len(parts) == 5 and parts[0] == "layers" else (None, None)
-    if packed not in (*COLUMN_PARALLEL, *ROW_PARALLEL):
+    path, kind = param.rsplit(".", 1) if "." in param else (param, None)
+    linear = model.get_submodule(path) if kind is not None else None
+    if not isinstance(linear, LoRALinear) or linear.lora_module.parallel not in (COLUMN, ROW):
         return None  # norms (Qwen3's q / k norms are over head_dim: whole on every rank)
-    spec = config.spec()
-    form = getattr(model.get_submodule(param.rsplit(".", 1)[0]).method, "form", None)
-    axes = getattr(form, "shard_axes", None)
+    module = linear.lora_module  # the whole model's: sizes and split
+    axes = getattr(getattr(linear.method, "form", None), "shard_axes", None)
     if axes is not None and kind != "bias":  # a 4-bit layout (a tensor it does not know is ignored: read whole)
-        return _int4_shard(form, spec, packed, index, kind, tp) if kind in axes else None
-    if packed in ROW_PARALLEL:
+        return _int4_shard(linear.method.form, module, index, kind, tp) if kind in axes else None
+    if module.parallel == ROW:
         # input columns split: the weight's columns; bias and per-row scales are per output row, whole
-        return TensorShard(1, (input_columns(spec, packed, tp.rank, tp.world_size),)) if kind == "weight" else None
+        return TensorShard(1, (module.input_columns(tp.rank, tp.world_size),)) if kind == "weight" else None
     if len(shape) == 0 or (kind != "weight" and shape[0] == 1):  # a per-tensor scale
         return None
-    return TensorShard(0, _slice_ranges(spec, packed, index, tp))  # fused (Phi-3): every slice's rows in order
+    return TensorShard(0, _slice_ranges(module, index, tp))  # fused (Phi-3): every slice's rows in order
 
 
-def _slice_ranges(spec, packed: str, index: int | None, tp: TensorParallel) -> tuple[Range, ...]:
+def _slice_ranges(module: LoRAModule, index: int | None, tp: TensorParallel) -> tuple[Range, ...]:
     """This rank's rows of a column-parallel checkpoint tensor: its slice's, or (fused) every slice's."""
-    rows = slice_rows(spec, packed, tp.rank, tp.world_size)
+    rows = module.slice_rows(tp.rank, tp.world_size)
     if index is not None:
         return (rows[index],)
-    offsets = [sum(spec.slice_sizes(packed)[:j]) for j in range(len(rows))]
-    return tuple((offset + r0, offset + r1) for offset, (r0, r1) in zip(offsets, rows))
+    return tuple((offset + r0, offset + r1) for offset, (r0, r1) in zip(module.slice_offsets, rows))
 
 
-def _int4_shard(form, spec, packed: str, index: int | None, kind: str, tp: TensorParallel) -> TensorShard | None:
+def _int4_shard(form, module: LoRAModule, index: int | None, kind: str, tp: TensorParallel) -> TensorShard | None:
     """The part of one 4-bit checkpoint tensor (layout: ``form.shard_axes``) this rank reads."""
     n_axis, k_axis = form.shard_axes[kind]
     units = {1: 1, "pack": PACK, "group": form.group_size}
-    if packed in ROW_PARALLEL:
-        c0, c1 = input_columns(spec, packed, tp.rank, tp.world_size)
+    if module.parallel == ROW:
+        c0, c1 = module.input_columns(tp.rank, tp.world_size)
         if kind == "weight_shape":
-            return TensorShard(0, (), replace=(spec.slice_sizes(packed)[0], c1 - c0))
+            return TensorShard(0, (), replace=(module.slice_sizes[0], c1 - c0))
         if k_axis is None:
             return None
         dim, unit = k_axis[0], units[k_axis[1]]
         return TensorShard(dim, ((c0 // unit, c1 // unit),), shift=c0 // form.group_size if kind == "g_idx" else 0)
-    ranges = _slice_ranges(spec, packed, index, tp)
+    ranges = _slice_ranges(module, index, tp)
     if kind == "weight_shape":
-        return TensorShard(0, (), replace=(sum(r1 - r0 for r0, r1 in ranges), spec.in_features(packed)))
+        return TensorShard(0, (), replace=(sum(r1 - r0 for r0, r1 in ranges), module.in_features))
     if n_axis is None:
         return None
     dim, unit = n_axis[0], units[n_axis[1]]
@@ -114,17 +115,20 @@ def check_int4_split(config, tp: TensorParallel) -> None:
     if getattr(form, "desc_act", False):
         raise ValueError(f"act-order GPTQ (desc_act=True) cannot be split over tensor_parallel_size={tp.world_size}: "
                          "its groups are permuted across the input columns of the row-parallel o / down projections")
-    local = shard_spec(config.spec(), tp.rank, tp.world_size)
+    modules = decoder_lora_modules(config)
+    for module in modules:
+        module.check_split(tp.world_size)
+    local = [module.shard(tp.rank, tp.world_size) for module in modules]
     try:
-        quant.check_in_features({packed: local.in_features(packed) for packed in ROW_PARALLEL})
+        quant.check_in_features({m.name: m.in_features for m in local if m.parallel == ROW})
     except ValueError as err:
         raise ValueError(f"{err}, as one rank of tensor_parallel_size={tp.world_size} holds it") from err
     packs_n = any(axes[0] is not None and axes[0][1] == "pack" for axes in form.shard_axes.values())
-    for packed in COLUMN_PARALLEL:
-        for size in local.slice_sizes(packed):
-            if packs_n and size % PACK:
+    for module in local:
+        for size in module.slice_sizes if module.parallel == COLUMN and packs_n else ():
+            if size % PACK:
                 raise ValueError(f"{quant.source} packs {PACK} output rows per word: a rank's {size} rows of a "
-                                 f"{packed} slice at tensor_parallel_size={tp.world_size} are not whole words")
+                                 f"{module.name} slice at tensor_parallel_size={tp.world_size} are not whole words")
 
 
 def read_shard(handle, name: str, shard: TensorShard | None) -> torch.Tensor:

@@ -7,18 +7,22 @@
   so skipping is exact. Soft-prompt rows are overwritten afterwards, as PEFT never embeds virtual tokens.
 - lm_head: on the rows compute_logits sees only, with a second LoRAMeta over those rows
   (:class:`LMHeadLoRA`); rows whose adapter has no lm_head LoRA are mapped to slot -1 and skipped.
-  ``punica_kernels.add_lora`` with N = vocab size. Tied embeddings share the base weight only.
+  ``punica_kernels.add_lora`` with N = vocab size. Tied embeddings share the base weight only. Its table
+  is built on the host like the layers' one: for the sampled rows the batch builder sends it in the
+  step's upload (:meth:`LMHeadLoRA.row_slots`, :meth:`LMHeadLoRA.context`); rows known only after the
+  forward (prompt logprobs) upload their own (:meth:`LMHeadLoRA.context_for_rows`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import punica_kernels
 from lora_runner.model.forward_context import LoRAContext
-from punica_kernels import LoRAMeta
+from punica_kernels import HostTileTable, LoRAMeta, TableLoader, TileTable
 
 
 def add_embedding_lora(hidden: torch.Tensor, input_ids: torch.Tensor, lora: LoRAContext,
@@ -45,7 +49,7 @@ def add_embedding_lora(hidden: torch.Tensor, input_ids: torch.Tensor, lora: LoRA
 class LMHeadLoRAContext:
     """lm_head LoRA over the rows to sample: a meta prepared over those rows and the vocab slots."""
 
-    meta: LoRAMeta  # prepared with one slot per sampled row (-1: no lm_head LoRA)
+    meta: LoRAMeta  # holding the rows' table: one slot per row (-1: no lm_head LoRA)
     slots: object  # adapters.vocab_slots.VocabLoRASlots
 
 
@@ -66,13 +70,36 @@ class LMHeadLoRA:
     def __init__(self, slots, max_rows: int, max_loras: int, max_lora_rank: int, device) -> None:
         self.slots = slots
         self.meta = LoRAMeta(max_rows, max_loras, device, max_rank=max_lora_rank, max_slices=1)
+        self.table = HostTileTable(self.meta)  # the host builder of the rows' tables
+        self._loader: TableLoader | None = None  # made on the first context_for_rows
 
-    def context(self, row_slots: torch.Tensor) -> LMHeadLoRAContext | None:
-        """Prepare the meta for rows of LoRA slots ``row_slots`` [S] (-1: none); None when no
-        resident adapter has an lm_head LoRA (known on the host: no sync, no work)."""
+    def row_slots(self, token_slots: np.ndarray) -> np.ndarray | None:
+        """The rows' LoRA slots ``token_slots`` [S] (host; -1: none) with -1 for those whose adapter
+        has no lm_head LoRA, or None when no row has one (host bookkeeping: no sync, no work)."""
         if not self.slots.lm_head_in_use():
             return None
-        ranks = self.slots.lm_head_ranks  # [max_loras]
-        slots = torch.where(ranks[row_slots.clamp(min=0).long()] > 0, row_slots, -1)  # [S]
-        self.meta.prepare(slots, ranks)
+        has_lm_head = self.slots.host_lm_head_ranks > 0  # [max_loras], the slots' host copy
+        rows = np.where((token_slots >= 0) & has_lm_head[np.maximum(token_slots, 0)], token_slots, -1)  # [S]
+        return rows if (rows >= 0).any() else None
+
+    def context(self, table: TileTable | None) -> LMHeadLoRAContext | None:
+        """The rows' context from their table as uploaded (``self.table``'s build of row_slots, in the
+        step's upload): the meta reads it in place, no device op; None for no table (no lm_head work)."""
+        if table is None:
+            return None
+        self.meta.use_table(table, self.slots.lm_head_ranks)
         return LMHeadLoRAContext(self.meta, self.slots)
+
+    def context_for_rows(self, token_slots: np.ndarray, rows: torch.Tensor) -> LMHeadLoRAContext | None:
+        """The context of rows picked after the step's upload (prompt logprobs): rows ``rows`` [S] int64
+        of a batch whose tokens are on slots ``token_slots`` [T] (host). Their table is built on the host
+        and uploaded here, in one small copy (reading ``rows`` syncs off the CPU: only when some
+        adapter has an lm_head LoRA); None when no row has one."""
+        if not self.slots.lm_head_in_use():
+            return None
+        row_slots = self.row_slots(token_slots[rows.cpu().numpy()])
+        if row_slots is None:
+            return None
+        if self._loader is None:
+            self._loader = TableLoader(self.meta, self.table)
+        return self.context(self._loader.load(row_slots, check=False))

@@ -17,7 +17,9 @@ replay of one graph sees the views its capture saw.
 LoRA: with a HostTileTable (punica_kernels.host_tiles) given, upload() of a step with LoRA tokens also
 builds the LoRA meta's segment / tile table from the host token slots and sends it in the same copy
 (BatchInputs.lora_table; the runner's meta reads those views, so a step issues no device op to prepare
-it). Its arrays follow the graph-read fields and have sizes that depend on T alone.
+it). Its arrays follow the graph-read fields and have sizes that depend on T alone. With an lm_head LoRA
+given (lora_runner.model.vocab_lora.LMHeadLoRA), the table over the sampled rows whose adapter has an
+lm_head LoRA rides in the same copy too, last (BatchInputs.lm_head_table: read after the forward).
 
 Prompt adapters: a sequence's first `num_virtual_tokens` positions are its soft prompt's
 placeholders. Each such token gets its prompt-adapter slot and virtual index (its position) in
@@ -35,8 +37,9 @@ import numpy as np
 import torch
 
 from lora_runner.model.forward_context import ALL_LORA_FEATURES, LoRAFeatures
+from lora_runner.model.vocab_lora import LMHeadLoRA
 from lora_runner.worker.staging import StagedUpload, packed_bytes
-from punica_kernels.host_tiles import HostTileTable
+from punica_kernels import HostTileTable, TileTable
 
 
 @dataclass
@@ -75,9 +78,10 @@ class BatchInputs:
     # None when no token of the step is a soft-prompt placeholder (decode-only steps, for instance)
     token_prompt_slots: torch.Tensor | None = None  # [T] int64 prompt-adapter slot, -1 = ordinary token
     token_prompt_positions: torch.Tensor | None = None  # [T] int64 index in the soft prompt, -1 = ordinary
-    # the LoRA meta's table built on the host (host_tiles.TABLE_FIELDS order); None: no LoRA token or no table
-    lora_table: list[torch.Tensor] | None = None
-    lora_table_starts: list[int] | None = None  # its slot_starts as host ints
+    # the LoRA meta's table built on the host; None: no LoRA token or no table
+    lora_table: TileTable | None = None
+    # the lm_head LoRA's table over the sampled rows; None: no sampled row's adapter has an lm_head LoRA
+    lm_head_table: TileTable | None = None
     lora_features: LoRAFeatures = ALL_LORA_FEATURES  # the optional LoRA work some token of the step needs
 
     @property
@@ -146,14 +150,16 @@ class BatchBuilder:
         staged: upload through packed staging buffers; default: on any device but the CPU (True on
             CPU runs the device path's packing and single copy, for tests).
         lora_table: the runner's LoRA meta's HostTileTable: steps with LoRA tokens carry the meta's table
-            (BatchInputs.lora_table). None: no table (the meta is then prepared on the device).
+            (BatchInputs.lora_table). None: no table (steps with LoRA tokens cannot run the model's LoRA).
+        lm_head: the runner's LMHeadLoRA over the sampled rows (``row_slots``, ``table``): steps whose
+            sampled rows have an lm_head LoRA carry its table (BatchInputs.lm_head_table); None: none.
         lora_features: per-sequence LoRA slots [B] -> the LoRAFeatures they need (BatchShape.lora_features);
             None: every step with LoRA is assumed to need all of them.
     """
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device | str, staged: bool | None = None,
-                 lora_table: HostTileTable | None = None,
+                 lora_table: HostTileTable | None = None, lm_head: LMHeadLoRA | None = None,
                  lora_features: Callable[[np.ndarray], LoRAFeatures] | None = None) -> None:
         device = torch.device(device)
         self.max_num_tokens = max_num_tokens
@@ -175,11 +181,12 @@ class BatchBuilder:
         self._arange = np.arange(max(max_num_tokens, max_blocks_per_seq * block_size), dtype=np.int64)
         # staged: the host arrays travel through StagedUpload (always on a device; on CPU for tests)
         staged = device.type != "cpu" if staged is None else staged
-        self.lora_table, self.lora_features = lora_table, lora_features
+        self.lora_table, self.lm_head, self.lora_features = lora_table, lm_head, lora_features
         largest = [buf.np[:n].nbytes for buf, n in self._upload_rows(max_num_tokens, max_num_seqs, self.max_num_samples,
                                                                       with_prompt=True)]
-        if lora_table is not None:
-            largest += [array.nbytes for array in lora_table.build(np.full(max_num_tokens, -1, np.int64))]
+        for table in (lora_table, None if lm_head is None else lm_head.table):
+            if table is not None:
+                largest += [array.nbytes for array in table.build(np.full(table.max_num_tokens, -1, np.int64))]
         self.staging = StagedUpload(packed_bytes(largest), device) if staged else None
 
     def build(self, chunks: Sequence[SeqChunk]) -> BatchInputs:
@@ -310,22 +317,33 @@ class BatchBuilder:
             num_tokens = num_seqs = padded_seqs
             max_seq_len = self.max_blocks_per_seq * self.block_size
         rows = self._upload_rows(num_tokens, num_seqs, step.num_samples, step.has_prompt_adapter)
-        table = []  # the LoRA meta's table: graph-read, so right after the graph-read rows
-        if step.has_lora and self.lora_table is not None:
-            table = self.lora_table.build(self.token_lora_slots.np[:num_tokens])
+        table, lm_head = self._host_tables(step, num_tokens)
+        host = [buf.np[:n] for buf, n in rows]
+        # the LoRA table is graph-read: right after the graph-read rows; the lm_head one is not: last
+        arrays = host[:self._GRAPH_READ] + table + host[self._GRAPH_READ:] + lm_head
         if self.staging is None:  # CPU: the host arrays are the device buffers
-            views = [buf.cpu[:n] for buf, n in rows]
-            table_views = [torch.from_numpy(array) for array in table]
+            views = [torch.from_numpy(array) for array in arrays]
         else:
-            arrays = [buf.np[:n] for buf, n in rows]
-            views = self.staging.upload(arrays[:self._GRAPH_READ] + table + arrays[self._GRAPH_READ:])
-            table_views = views[self._GRAPH_READ:self._GRAPH_READ + len(table)]
-            del views[self._GRAPH_READ:self._GRAPH_READ + len(table)]
-        fields = dict(zip(self._UPLOAD_ORDER, views))
+            views = self.staging.upload(arrays)
+        table_end = self._GRAPH_READ + len(table)
+        rows_end = table_end + len(host) - self._GRAPH_READ
+        fields = dict(zip(self._UPLOAD_ORDER, views[:self._GRAPH_READ] + views[table_end:rows_end]))
         return BatchInputs(**fields, max_query_len=step.max_query_len, max_seq_len=max_seq_len,
-                           has_lora=step.has_lora, lora_table=table_views or None,
-                           lora_table_starts=self.lora_table.host_slot_starts if table else None,
-                           lora_features=step.lora_features)
+                           has_lora=step.has_lora, lora_features=step.lora_features,
+                           lora_table=TileTable(views[self._GRAPH_READ:table_end], self.lora_table.host_slot_starts)
+                           if table else None,
+                           lm_head_table=TileTable(views[rows_end:], self.lm_head.table.host_slot_starts)
+                           if lm_head else None)
+
+    def _host_tables(self, step: BatchShape | BatchInputs, num_tokens: int) -> tuple[list, list]:
+        """The step's LoRA table (over its num_tokens tokens, padding included) and the lm_head LoRA's
+        table over its sampled rows, built on the host; [] for each the step does not need."""
+        if not step.has_lora:
+            return [], []
+        table = [] if self.lora_table is None else self.lora_table.build(self.token_lora_slots.np[:num_tokens])
+        rows = None if self.lm_head is None else self.lm_head.row_slots(
+            self.token_lora_slots.np[self.sample_indices.np[:step.num_samples]])
+        return table, [] if rows is None else self.lm_head.table.build(rows)
 
     # graph-read fields first: their offsets in the packed upload depend on (T, B) only
     _UPLOAD_ORDER = ("input_ids", "positions", "slot_mapping", "token_lora_slots", "query_start_loc", "seq_lens",

@@ -272,10 +272,10 @@ class DecodeGraphs:
         # the packed upload puts a size's rows where its capture found them (block tables: the last
         # field the graph reads, so its offset depends on every field before it); a moved view goes unread
         assert padded.block_tables.data_ptr() == captured.batch.block_tables.data_ptr(), "padded step off the graph"
-        if key.has_lora and captured.batch.lora_table is not None:  # the LoRA table follows block_tables
+        if key.has_lora:  # the LoRA table follows block_tables
             assert padded.lora_table is not None and all(
-                a.data_ptr() == b.data_ptr() for a, b in zip(padded.lora_table, captured.batch.lora_table)), \
-                "LoRA table off the graph"
+                a.data_ptr() == b.data_ptr()
+                for a, b in zip(padded.lora_table.arrays, captured.batch.lora_table.arrays)), "LoRA table off the graph"
         self.contexts.prepare_lora(padded)  # outside the graph
         captured.graph.replay()
         self.num_replays += 1

@@ -13,7 +13,7 @@ class ForwardContextBuilder:
 
     Args:
         kv_cache: the runner's paged KV cache.
-        lora_meta: the runner's punica LoRAMeta (prepared once per step with LoRA by prepare_lora).
+        lora_meta: the runner's punica LoRAMeta (pointed at each LoRA step's table by prepare_lora).
         lora_slots: the adapters manager's LoRASlots (``.weights(layer, packed)``, ``.slot_ranks``).
         prompt_slots: the manager's PromptSlots (``.embeddings``); None when prompt adapters are off.
         vocab_slots: the manager's VocabLoRASlots (embed_tokens / lm_head LoRA); None: not served.
@@ -27,16 +27,17 @@ class ForwardContextBuilder:
         self.vocab_slots = vocab_slots
 
     def prepare_lora(self, batch: BatchInputs) -> None:
-        """Point the LoRA meta at `batch`'s table (host side, outside any graph); no-op when no token
-        uses an adapter. A batch that carries the table built on the host (BatchInputs.lora_table, the
-        runner's path) costs no device op: the meta reads its uploaded views, and the slots' ranks in
-        place. Otherwise the meta is prepared on the device from the token slots."""
+        """Point the LoRA meta at `batch`'s table, built on the host and uploaded with the step
+        (BatchInputs.lora_table): no device op; the slots' ranks are read in place. Host side, outside
+        any graph; no-op when no token uses an adapter.
+
+        Raises ValueError for a step with LoRA tokens but no table (a BatchBuilder without lora_table)."""
         if not batch.has_lora:
             return
-        if batch.lora_table is not None:
-            self.lora_meta.use_table(batch.lora_table, batch.lora_table_starts, self.lora_slots.slot_ranks)
-        else:
-            self.lora_meta.prepare(batch.token_lora_slots, self.lora_slots.slot_ranks)
+        if batch.lora_table is None:
+            raise ValueError("a step with LoRA tokens carries no LoRA table: build its BatchBuilder with "
+                             "lora_table=HostTileTable(lora_meta)")
+        self.lora_meta.use_table(batch.lora_table, self.lora_slots.slot_ranks)
 
     def build(self, batch: BatchInputs) -> ForwardContext:
         """`batch`'s context, reading its device views (a graph captured with it reads whatever

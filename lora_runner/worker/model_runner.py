@@ -37,8 +37,7 @@ from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from lora_runner.worker.kv_cache import allocate_kv_cache
 from lora_runner.worker.lora_features import StepLoRAFeatures
 from lora_runner.worker.request_rows import InputBatch
-from punica_kernels import LoRAMeta
-from punica_kernels.host_tiles import HostTileTable
+from punica_kernels import HostTileTable, LoRAMeta
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +79,21 @@ class ModelRunner:
         # the meta's table is built on the host and rides in the step's one upload; each step runs
         # only the optional LoRA work (embedding LoRA, DoRA) its adapters have
         self.lora_features = StepLoRAFeatures(lora_slots, vocab_slots)
+        # lm_head LoRA: a second meta over the sampled rows (one per sequence; a speculating one samples at each
+        # of its positions: one row per token at most), its table in the upload too
+        self.lm_head_lora = (None if vocab_slots is None else
+                             LMHeadLoRA(vocab_slots, max(max_num_seqs, max_num_tokens), max_loras, max_lora_rank,
+                                        device))
         self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                                           max_blocks_per_seq=max_blocks_per_seq, block_size=block_size,
                                           device=device, lora_table=HostTileTable(self.lora_meta),
-                                          lora_features=self.lora_features)
+                                          lm_head=self.lm_head_lora, lora_features=self.lora_features)
         self.sampling_state = SamplingState(max_num_seqs=max_num_seqs, vocab_size=model_config.vocab_size)
         self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks_per_seq,
                                       block_size=block_size, sampling=self.sampling_state)
         self.forward_contexts = ForwardContextBuilder(self.kv_cache, self.lora_meta, lora_slots, prompt_slots,
                                                       vocab_slots)
-        # lm_head LoRA: a second meta over the sampled rows (one per sequence; a speculating one's per position)
-        self.lm_head_lora = (None if vocab_slots is None else
-                             LMHeadLoRA(vocab_slots, self.batch_builder.max_num_samples, max_loras, max_lora_rank,
-                                        device))
-        # and one over the prompt positions a step scores for prompt logprobs (a piece at a time)
+        # and an lm_head LoRA over the prompt positions a step scores for prompt logprobs (a piece at a time)
         self.prompt_lm_head_lora = (None if vocab_slots is None else
                                     LMHeadLoRA(vocab_slots, MAX_PROMPT_LOGIT_ROWS, max_loras, max_lora_rank, device))
         self.sampler = Sampler(model_config.vocab_size, device, seed)
@@ -179,14 +179,12 @@ class ModelRunner:
         lm_head LoRA where they have one."""
         lm_head = None
         if self.prompt_lm_head_lora is not None and batch.has_lora:
-            lm_head = self.prompt_lm_head_lora.context(batch.token_lora_slots[flat])
+            lm_head = self.prompt_lm_head_lora.context_for_rows(self.batch_builder.token_lora_slots.np, flat)
         return self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
 
     def _lm_head_lora(self, batch: BatchInputs) -> LMHeadLoRAContext | None:
         """The lm_head LoRA over the sampled rows, None when no row can have one (the plain logits)."""
-        if self.lm_head_lora is None or not batch.has_lora:
-            return None
-        return self.lm_head_lora.context(batch.token_lora_slots[batch.sample_indices])
+        return None if self.lm_head_lora is None else self.lm_head_lora.context(batch.lm_head_table)
 
     def _upload(self, step: BatchShape) -> tuple[BatchInputs, DecodeGraphKey | None]:
         """The step's device views and its decode graph (None: eager), after one upload: a graphed

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from lora_runner.entrypoints.openai import admin, completions
+from lora_runner.entrypoints.openai import admin, completions, uploads
 from lora_runner.entrypoints.openai.authentication import (
     TENANT_SCOPE_KEY,
     KeyCheckMiddleware,
@@ -37,6 +37,7 @@ from lora_runner.entrypoints.openai.protocol import (
 from lora_runner.entrypoints.openai.redact import public_path
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
+from lora_runner.entrypoints.openai.uploads import UPLOAD_PREFIX
 
 __all__ = ["build_app", "list_models", "require_tenant"]
 
@@ -69,7 +70,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(IgnoredFieldsHeaderMiddleware)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes,
+                       limit_for=lambda path: state.engine.max_adapter_bytes() if path.startswith(UPLOAD_PREFIX)
+                       else None)
     app.add_middleware(KeyCheckMiddleware, keys=state.keys)  # added last: runs first, before the body is read
     _add_routes(app)
     return app
@@ -102,6 +105,10 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/unload_lora_adapter")
     async def unload(body: UnloadLoRARequest, request: Request, tenant: Tenant = Depends(authenticate)):
         return PlainTextResponse(await admin.unload_lora_adapter(_state(request), tenant, body))
+
+    @app.post(uploads.UPLOAD_PREFIX + "{name}/versions")
+    async def upload(name: str, request: Request, tenant: Tenant = Depends(authenticate)) -> JSONResponse:
+        return JSONResponse(await uploads.upload_lora_version(_state(request), tenant, name, request))
 
     @app.get("/metrics")
     async def metrics(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:

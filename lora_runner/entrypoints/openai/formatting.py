@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 from lora_runner.entrypoints.openai.tool_calls.deltas import ToolCallDelta, message_tool_calls
 
 DONE_EVENT = "data: [DONE]\n\n"
+ADAPTER_VERSION_HEADER = "X-Adapter-Version"  # the adapter version a generation ran with (provenance)
+
+
+def adapter_provenance(output) -> dict | None:
+    """{"name", "version"} of the adapter version a RequestOutput ran with (its LoRA, else its prompt
+    adapter), or None for the base model."""
+    ref = output.lora_version or output.prompt_adapter_version
+    return None if ref is None else {"name": ref.name, "version": ref.version}
 
 
 def sse(payload: dict) -> str:
@@ -69,11 +77,17 @@ class CompletionFormat:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
     role_chunk: bool = False  # chat opens each choice with a role-only chunk; completions do not
+    # the adapter version the request ran with, {"name", "version"} (provenance; OpenAI clients ignore it)
+    adapter: dict | None = None
     # per choice index: the text_offset of its next token (streamed offsets run over the whole choice)
     _text_offsets: dict[int, int] = field(default_factory=dict, repr=False)
 
     def _head(self) -> dict:
-        return {"id": self.response_id, "object": "text_completion", "created": self.created, "model": self.model}
+        return {"id": self.response_id, "object": "text_completion", "created": self.created, "model": self.model,
+                **self._adapter()}
+
+    def _adapter(self) -> dict:
+        return {} if self.adapter is None else {"adapter": self.adapter}
 
     def chunk(self, delta: Delta, include_usage: bool, usage: Usage | None = None) -> dict:
         """A stream chunk for one choice's delta; with include_usage its "usage" is `usage` (the usage so
@@ -105,7 +119,8 @@ class ChatFormat(CompletionFormat):
 
     def _head(self, chunk: bool = True) -> dict:
         obj = "chat.completion.chunk" if chunk else "chat.completion"
-        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                **self._adapter()}
 
     def opening_chunk(self, index: int, include_usage: bool) -> dict:
         """The first chunk of a choice: the assistant role and no content yet."""

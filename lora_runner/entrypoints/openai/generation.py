@@ -34,7 +34,16 @@ from fastapi.responses import JSONResponse
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.entrypoints.openai.echo import ChoiceExtras, prompt_token_logprobs, vllm_prompt_logprobs
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from, error_body, model_not_found
-from lora_runner.entrypoints.openai.formatting import DONE_EVENT, CompletionFormat, Delta, TokenLogprob, Usage, sse
+from lora_runner.entrypoints.openai.formatting import (
+    ADAPTER_VERSION_HEADER,
+    DONE_EVENT,
+    CompletionFormat,
+    Delta,
+    TokenLogprob,
+    Usage,
+    adapter_provenance,
+    sse,
+)
 from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
@@ -343,6 +352,9 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
     except BaseException:
         release()
         raise
+    # every prompt's request was admitted by now (start_runs waited for its first output): its version is known
+    fmt.adapter = adapter_provenance(runs[0].first)
+    headers = {} if fmt.adapter is None else {ADAPTER_VERSION_HEADER: str(fmt.adapter["version"])}
     if stream:
         async def cleanup() -> None:
             await close_runs(runs)
@@ -350,13 +362,13 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
 
         return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup, continuous_usage), cleanup,
                                          state.config.stream_send_timeout, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                                         headers={"Cache-Control": "no-cache", **headers})
     try:
         body = await _cancel_on_disconnect(request, _collect(runs, fmt))
     finally:
         await close_runs(runs)
         release()
-    return JSONResponse(body)
+    return JSONResponse(body, headers=headers)
 
 
 def _usage(runs: list[ChoiceRun]) -> Usage:

@@ -11,7 +11,9 @@ and pointers), so a new block size, split or slice count a launcher chooses is c
 a driver reaches it. A driver calls a launcher with representative CPU tensors (bf16 included:
 nothing runs); ``all_drivers`` lists them, and covering a new kernel means adding its drivers there.
 
-This is a tool module (tests, benchmarks/kernel_report.py); nothing in the serving path imports it.
+A tool, not a kernel (tests, benchmarks/kernel_report.py; nothing in the serving path imports it): it
+lives in ``kernel_tools`` beside ``punica_kernels``, so the kernel package imports nothing of the
+engine, while this module may import the model's kernels (paged attention) at the top.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -36,11 +38,13 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from adapters.spec import PACKED_MODULES, ModelSpec
-
-from . import embedding_triton, triton_ops, w4a16_triton
-from .meta import LoRAMeta
-from .scales import Scales
+from adapters.spec import ModelSpec
+from lora_runner.model import paged_attention
+from lora_runner.model.lora_linear import decoder_lora_modules
+from punica_kernels import embedding_triton, triton_ops, w4a16_triton
+from punica_kernels.host_tiles import TableLoader
+from punica_kernels.meta import LoRAMeta
+from punica_kernels.scales import Scales
 
 
 @dataclass(frozen=True)
@@ -345,13 +349,24 @@ class Driver:
     launch: Callable[[], None]
 
 
+# the decoder's LoRA modules per layer, in order (lora_runner.model.lora_linear declares them)
+PACKED_MODULES: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+
+
+def _decoder(**sizes) -> ModelSpec:
+    """A decoder's ModelSpec from its sizes, with the LoRA modules its layers declare (their shapes are the
+    kernels' shapes)."""
+    spec = ModelSpec(**sizes)
+    return replace(spec, modules=decoder_lora_modules(spec))
+
+
 # packed modules whose base linear has a bias (Qwen2's q, k, v): the expand reads it (DoRA)
 BIASED_MODULES = {"qwen2-0.5b": ("qkv",)}
-MODELS = {  # the packed LoRA module shapes (qkv, o, gate_up, down) come from ModelSpec
-    "llama-7b": ModelSpec(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
-                          intermediate_size=11008, vocab_size=32000),
-    "qwen2-0.5b": ModelSpec(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64,
-                            intermediate_size=4864, vocab_size=151936),
+MODELS = {  # the packed LoRA module shapes (qkv, o, gate_up, down) come from the decoder's LoRA modules
+    "llama-7b": _decoder(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
+                         intermediate_size=11008, vocab_size=32000),
+    "qwen2-0.5b": _decoder(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64,
+                           intermediate_size=4864, vocab_size=151936),
 }
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LORA_RANKS = (8, 16, 64)
@@ -374,10 +389,11 @@ def _drive_sgmv(rank: int) -> None:
     max_tokens = max(token_counts)
     # as the runner builds it: the workspace, sized for the largest batch, bounds the K split
     meta = LoRAMeta(max_tokens, MAX_LORAS, "cpu", max_rank=rank, max_slices=MAX_SLICES)
+    tables = TableLoader(meta)
     layers = [_sgmv_operands(spec, packed, dtype, rank, max_tokens, packed in BIASED_MODULES.get(name, ()))
               for name, spec in MODELS.items() for packed in PACKED_MODULES for dtype in DTYPES]
     for num_tokens in token_counts:
-        meta.prepare(torch.arange(num_tokens) % MAX_LORAS)
+        tables.load(torch.arange(num_tokens) % MAX_LORAS)
         for x, y, inter, lora_a, lora_b, slices, scales in layers:
             x, y, inter = x[:num_tokens], y[:num_tokens], inter[:num_tokens]
             triton_ops.add_lora(y, x, lora_a, lora_b, meta, slices, scales)  # a step with a DoRA slot
@@ -422,19 +438,21 @@ def vocab_lora_drivers() -> list[Driver]:
 def _drive_vocab_lora(rank: int) -> None:
     token_counts = [*DECODE_TOKENS, *PREFILL_TOKENS]
     meta = LoRAMeta(max(token_counts), MAX_LORAS, "cpu")
+    token_tables = TableLoader(meta)
     ids, inter = torch.zeros(max(token_counts), dtype=torch.int64), torch.empty(max(token_counts), 1, rank)
     tables = [torch.empty(MAX_LORAS, spec.vocab_size, rank, dtype=dtype)  # [L, V, R]: A transposed
               for spec in MODELS.values() for dtype in DTYPES]
     for num_tokens in token_counts:
-        meta.prepare(torch.arange(num_tokens) % MAX_LORAS)
+        token_tables.load(torch.arange(num_tokens) % MAX_LORAS)
         for lora_a in tables:
             embedding_triton.embedding_shrink(ids[:num_tokens], lora_a, meta, inter[:num_tokens])
     del tables
     max_rows = max(DECODE_TOKENS)
     rows_meta = LoRAMeta(max_rows, MAX_LORAS, "cpu", max_rank=rank, max_slices=1)
+    row_tables = TableLoader(rows_meta)
     heads = [_lm_head_operands(spec, dtype, rank, max_rows) for spec in MODELS.values() for dtype in DTYPES]
     for num_rows in DECODE_TOKENS:
-        rows_meta.prepare(torch.arange(num_rows) % MAX_LORAS)
+        row_tables.load(torch.arange(num_rows) % MAX_LORAS)
         for x, y, lora_a, lora_b in heads:
             triton_ops.add_lora(y[:num_rows], x[:num_rows], lora_a, lora_b, rows_meta, (y.shape[1],))
 
@@ -488,8 +506,8 @@ SLIDING_WINDOWS = (None, 1024)
 ATTENTION_MODELS = {
     "llama-7b": (MODELS["llama-7b"], (None, 50.0)),
     "qwen2-0.5b": (MODELS["qwen2-0.5b"], (None,)),
-    "gemma2-2b": (ModelSpec(num_layers=26, hidden_size=2304, num_heads=8, num_kv_heads=4, head_dim=256,
-                            intermediate_size=9216), (50.0,)),
+    "gemma2-2b": (_decoder(num_layers=26, hidden_size=2304, num_heads=8, num_kv_heads=4, head_dim=256,
+                           intermediate_size=9216), (50.0,)),
 }
 # block-table capacities in tokens: a short one (at most 2 splits; its width in blocks is not a multiple
 # of 16, a variant the JIT specializes separately) and a long one that lets decode reach MAX_SPLITS
@@ -506,9 +524,6 @@ def paged_attention_drivers() -> list[Driver]:
 
 
 def _drive_attention(spec: ModelSpec, softcaps: tuple[float | None, ...]) -> None:
-    # imported here: lora_runner imports punica_kernels, never the other way round at import time
-    from lora_runner.model import paged_attention
-
     max_seqs = max(DECODE_TOKENS)
     scale = spec.head_dim ** -0.5
     for dtype in DTYPES:
@@ -521,7 +536,7 @@ def _drive_attention(spec: ModelSpec, softcaps: tuple[float | None, ...]) -> Non
                     for num_seqs in DECODE_TOKENS:
                         paged_attention.decode_attention(query[:num_seqs], kv, tables[:num_seqs],
                                                          seq_lens[:num_seqs], scale, window, softcap=softcap)
-                    _drive_prefill(paged_attention, spec, kv, tables, dtype, scale, window, softcap)
+                    _drive_prefill(spec, kv, tables, dtype, scale, window, softcap)
 
 
 def _attention_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, capacity: int,
@@ -532,7 +547,7 @@ def _attention_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, capac
     return kv, torch.zeros(max_seqs, max_blocks, dtype=torch.int32)  # [B_max, max_blocks]
 
 
-def _drive_prefill(paged_attention, spec: ModelSpec, kv: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype,
+def _drive_prefill(spec: ModelSpec, kv: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype,
                    scale: float, window: int | None, softcap: float | None) -> None:
     num_tokens, chunks = ATTENTION_PREFILL
     query = torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=dtype)  # [T, H, D]
@@ -560,8 +575,8 @@ def collect_configs(drivers: list[Driver]) -> dict[str, KernelConfig]:
 
 # The GPU run's model (benchmarks/gpu_check.py): hidden 4096, MLP 11008, 32/8 heads, rank-16 adapters,
 # max_loras 32, max_num_batched_tokens 8192, bf16.
-GPU_CHECK = ModelSpec(num_layers=8, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                      intermediate_size=11008, vocab_size=32000)
+GPU_CHECK = _decoder(num_layers=8, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                     intermediate_size=11008, vocab_size=32000)
 GPU_CHECK_MAX_LORAS, GPU_CHECK_RANK, GPU_CHECK_MAX_TOKENS = 32, 16, 8192
 
 
@@ -657,11 +672,11 @@ def decode_step(num_tokens: int = 32, num_adapters: int = 8, spec: ModelSpec = G
                 max_num_tokens: int = GPU_CHECK_MAX_TOKENS, dtype: torch.dtype = torch.bfloat16,
                 dora: bool = False) -> list[ModuleStep]:
     """Trace add_lora of every packed module for a decode step of ``num_tokens`` sequences spread
-    round-robin over ``num_adapters`` adapters (a real prepare on the runner's meta), nothing run;
+    round-robin over ``num_adapters`` adapters (a real table on the runner's meta), nothing run;
     ``dora``: a step with a DoRA slot resident (column scales passed), else plain LoRA slots."""
     meta = LoRAMeta(max_num_tokens, max_loras, "cpu", max_rank=rank, max_slices=MAX_SLICES)
     token_slots = torch.arange(num_tokens) % num_adapters  # [T]
-    meta.prepare(token_slots, torch.full((max_loras,), rank, dtype=torch.int32))
+    TableLoader(meta).load(token_slots, torch.full((max_loras,), rank, dtype=torch.int32))
     steps = []
     for packed in PACKED_MODULES:
         x, y, _, lora_a, lora_b, slices, scales = _sgmv_operands(spec, packed, dtype, rank, num_tokens, False)
