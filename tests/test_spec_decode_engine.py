@@ -1,5 +1,5 @@
 """Speculative decoding end to end: with n-gram drafts, greedy requests across a mixed batch of
-adapters (base, LoRAs of two ranks, DoRA, a soft prompt) get exactly the tokens and logprobs they
+adapters (base, LoRAs of two ranks, DoRA, a soft prompt, embed_tokens / lm_head LoRA) get exactly the tokens and logprobs they
 get without speculation (prefix caching on, chunked prefill, a KV cache tight enough to preempt, stop
 strings, n = 2, penalised / min_tokens / bad-words requests beside them, tp = 2), and seeded sampled
 requests keep their tokens."""
@@ -19,7 +19,7 @@ from lora_runner.model import ModelConfig
 from lora_runner.worker.kv_cache import kv_block_bytes
 
 NUM_BLOCKS = 24  # 4 requests of ~40 tokens need ~40 blocks of 4: preemption
-KINDS = ("base", "r4", "r8-rslora", "dora", "soft-prompt")  # mixed in every step
+KINDS = ("base", "r4", "r8-rslora", "dora", "soft-prompt", "vocab")  # mixed in every step
 # settings whose logits change per position: these requests decode one token per step (min_tokens: until
 # reached), in the same verify steps as the speculating ones
 GREEDY_EXTRAS = {3: dict(repetition_penalty=1.3, frequency_penalty=0.2), 5: dict(min_tokens=8, stop_token_ids=[7]),
@@ -48,8 +48,11 @@ def checkpoint(engine_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     save_lora(hf, root / "dora", seed=7, r=4, lora_alpha=8, use_dora=True, scale=0.15)
     save_prompt_adapter(hf, root / "soft", num_virtual_tokens=4, seed=7, scale=0.5)
+    save_lora(hf, root / "vocab", seed=8, r=8, lora_alpha=16, scale=0.15,  # its lm_head LoRA: per verified position
+              target_modules=["embed_tokens", "lm_head", "q_proj", "v_proj"])
     requests = {"base": {}, "soft-prompt": {"prompt_adapter_request": PromptAdapterRequest("soft", str(root / "soft"))},
-                "dora": {"lora_request": LoRARequest("dora", str(root / "dora"))}}
+                "dora": {"lora_request": LoRARequest("dora", str(root / "dora"))},
+                "vocab": {"lora_request": LoRARequest("vocab", str(root / "vocab"))}}
     for name in ("r4", "r8-rslora"):
         requests[name] = {"lora_request": LoRARequest(name, adapters[name][0])}
     return path, requests
@@ -85,7 +88,7 @@ def run(checkpoint, spec, prompts, stop_words=(), seeded=False, tp=1):
 @pytest.fixture(scope="module")
 def plain(checkpoint):
     """The run without speculation, and a stop word its first request generates mid-way."""
-    prompts = grounded_prompts(10, seed=5)
+    prompts = grounded_prompts(12, seed=5)
     reference, engine = run(checkpoint, None, prompts)
     stop = engine.tokenizer.decode([reference[0].outputs[0].token_ids[8]]).strip()
     done, engine = run(checkpoint, None, prompts, stop_words=[stop])
@@ -115,6 +118,7 @@ def test_greedy_with_speculation_equals_greedy_without(checkpoint, plain, k):
         for want, got in zip(expected[i].outputs, done[i].outputs, strict=True):
             assert_same_completion(want, got, f"request {i} sample {want.index}")
     assert done[3].spec_decode.num_drafts == done[7].spec_decode.num_drafts == 0  # penalties, bad words
+    assert done[11].spec_decode.num_drafts > 0  # the lm_head LoRA adapter's request verified drafts
     spec = engine.stats.spec_decode
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, "both paths: some drafts accepted, some rejected"
     per_request = [done[i].spec_decode for i in done if len(done[i].outputs) == 1]  # n = 2 merged: none
