@@ -71,6 +71,9 @@ class DraftSource(Protocol):
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens after a decoding request's last token, within `budget` tokens (that one included)."""
 
+    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verify step of `request` accepted the first `num_accepted` of its `num_drafts` drafts."""
+
 
 def _no_grammar(request: Request) -> str:
     return "ready"
@@ -420,6 +423,7 @@ class Scheduler:
             scheduled.request.spec = SpecDecodingStats(self.spec.num_speculative_tokens)
         scheduled.request.spec.add(num_drafts, accepted)
         self.spec.add(num_drafts, accepted)
+        self.speculator.observe(scheduled.request, num_drafts, accepted)
         return num_drafts - accepted
 
     def postprocess(self, scheduled: list[ScheduledRequest], sampled: SampledRows,
