@@ -1,8 +1,8 @@
 """Speculative decoding end to end: with n-gram drafts, greedy requests across a mixed batch of
-adapters (base, LoRAs of two ranks, DoRA, a soft prompt, embed_tokens / lm_head LoRA) get exactly the tokens and logprobs they
-get without speculation (prefix caching on, chunked prefill, a KV cache tight enough to preempt, stop
-strings, n = 2, penalised / min_tokens / bad-words requests beside them, tp = 2), and seeded sampled
-requests keep their tokens."""
+adapters (base, LoRAs of two ranks, DoRA, a soft prompt, embed_tokens / lm_head LoRA) get exactly
+the tokens and logprobs they get without speculation (prefix caching on, chunked prefill, a KV cache
+tight enough to preempt, stop strings, n = 2, penalised / min_tokens / bad-words requests beside
+them, tp = 2), and seeded sampled requests keep their tokens."""
 
 from __future__ import annotations
 
