@@ -4,6 +4,7 @@ from it and the model are lora_runner.executor.limits)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from lora_runner.core.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
 from lora_runner.device import resolve_device, resolve_dtype
 from lora_runner.model.quant.config import ONLINE_METHODS as QUANTIZATION_OPTIONS
+from lora_runner.spec_decode.config import SpeculativeConfig
 
 # a grammar (structured_outputs) still compiling after this long fails its request; bounded so that a hostile
 # constraint cannot hold a request (and its tenant's seat) for long, nor be failed before a real schema compiles
@@ -109,6 +111,11 @@ class EngineConfig:
         "seconds a request's structured-output constraint (JSON schema, regex, grammar) may take to compile "
         f"before the request fails with StructuredOutputError (HTTP 400); in (0, {MAX_COMPILE_TIMEOUT_S:g}]",
         default=30.0))
+    speculative_config: dict | str | None = field(hash=False, **_doc(
+        'speculative decoding, in vLLM\'s spelling (a dict, or its JSON text on the command line): {"method": '
+        '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} verifies up to k '
+        'tokens per decoding sequence and step, proposed from its own prompt and output (README: Speculative '
+        'decoding); None: off', default=None))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -156,9 +163,17 @@ class EngineConfig:
                 or not 0 < compile_timeout <= MAX_COMPILE_TIMEOUT_S:
             raise ValueError(f"structured_outputs_compile_timeout_s must be a number of seconds in "
                              f"(0, {MAX_COMPILE_TIMEOUT_S:g}], got {compile_timeout!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)  # validates it
+            if isinstance(self.speculative_config, str):  # JSON text (the command line) is kept as its dict
+                object.__setattr__(self, "speculative_config", json.loads(self.speculative_config))
         self.torch_device()  # validates device
         self.torch_dtype()  # validates dtype
         self.check_parallel()
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config checked and typed; None when speculative decoding is off."""
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def cpu_loras(self) -> int:

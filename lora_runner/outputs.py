@@ -86,6 +86,32 @@ class CompletionOutput:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding's counters, as vLLM's SpecDecodingStats: verify steps (num_drafts), draft
+    tokens verified, of those accepted, and accepted per draft position (index j: steps whose first
+    j + 1 drafts were accepted)."""
+
+    num_speculative_tokens: int = 0  # k: the length of accepted_per_position
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verify step: `num_draft_tokens` drafts, the first `num_accepted` of them accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if num_accepted > len(self.accepted_per_position):
+            self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+@dataclass
 class RequestOutput:
     """The state of one request after a step: prompt ids and its completions so far.
 
@@ -113,6 +139,8 @@ class RequestOutput:
     metrics: RequestTimes | None = None  # vLLM's field: a copy of the request's timestamps at this output
     lora_version: Any = None  # adapters.AdapterRef it ran with (outputs does not import adapters)
     prompt_adapter_version: Any = None  # adapters.AdapterRef of its prompt adapter
+    # speculative decoding's counters of the request so far (a copy); None when it is off (or for n > 1 merged)
+    spec_decode: SpecDecodingStats | None = None
 
     @property
     def error(self) -> BaseException | None:

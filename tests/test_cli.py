@@ -3,6 +3,7 @@
 import argparse
 import ast
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ MODEL = "org/model"
 # str fields: a valid value other than the default (a new str field needs one here)
 STR_VALUES = {"revision": "v2", "device": "cpu", "dtype": "bfloat16", "scheduling_policy": "fcfs",
               "quantization": "fp8", "distributed_executor_backend": "mp"}
+# dict fields, given as JSON text: (the option's words, the dict the config then holds)
+JSON_VALUES = {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
 # settings that are only valid together: the option's partner and what the config then holds
 PARTNERS = {"max_prompt_adapters": ([], {"max_prompt_adapter_tokens": DEFAULT_PROMPT_ADAPTER_TOKENS}),
             "max_prompt_adapter_tokens": (["--max-prompt-adapters", "1"], {"max_prompt_adapters": 1})}
@@ -37,6 +40,8 @@ def _non_default(field: dataclasses.Field) -> tuple[list[str], object]:
         value = 40 if default is None else default + 3
     elif field.type == "float":
         value = default / 2
+    elif field.name in JSON_VALUES:
+        return [option, JSON_VALUES[field.name]], json.loads(JSON_VALUES[field.name])
     else:
         assert field.name in STR_VALUES, f"give EngineConfig.{field.name} a non-default value in STR_VALUES"
         value = STR_VALUES[field.name]

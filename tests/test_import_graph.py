@@ -40,7 +40,7 @@ def test_our_packages_have_no_import_cycle():
 LAYERS = [
     {"device", "sampling_params", "structured_outputs_params", "outputs", "request_times", "distributed"},  # plain values, no engine state; TP rank + collectives
     {"core", "model"},  # scheduling state (no tensors); the decoder (no scheduling)
-    {"config", "sample"},  # EngineConfig (reads core's fairness policies); sampling
+    {"config", "sample", "spec_decode"},  # EngineConfig (reads core's fairness policies); sampling; speculation
     {"worker"},  # the device side of a step
     {"executor"},  # what runs the steps: the runner in this process, or one worker process per TP rank
     {"engine"},  # the step loop and its seams

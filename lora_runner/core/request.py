@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lora_runner.outputs import SpecDecodingStats
 from lora_runner.request_times import RequestTimes
 from lora_runner.sampling_params import SamplingParams
 
@@ -64,6 +65,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
     grammar: Any = None  # lora_runner.engine.structured.RequestGrammar of a constrained request, else None
     times: RequestTimes = field(default_factory=RequestTimes)  # arrival, scheduling, token times (metrics)
+    spec: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # its speculative decoding (all 0 when off)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

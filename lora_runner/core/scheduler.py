@@ -24,6 +24,13 @@ salt: lora_runner.core.prefix_cache) and computes only the rest, preempted reque
 postprocess registers every block that filled up. A request that asks for prompt logprobs starts with
 no cached prefix, so every prompt position is computed (its blocks are registered all the same). A
 parallel sample shares its leader's prompt blocks (fork) as before.
+
+Speculative decoding (a ``speculator``, lora_runner.spec_decode): a running request that decodes
+(one uncomputed token, so never a prefill chunk) is scheduled with the draft tokens the speculator
+proposes after its last token, within the budget and only when the KV blocks for them are free
+(speculation never preempts). postprocess rolls the computed count back by the drafts the step
+rejected before it registers blocks, so the prefix cache holds only accepted tokens and the
+rejected drafts' KV slots are written again later.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 from adapters.errors import AdapterCapacityError
 from lora_runner.core.block_manager import BlockManager
@@ -40,6 +48,7 @@ from lora_runner.core.fairness import POLICIES, FairQueue, FcfsQueue, VirtualTok
 from lora_runner.core.request import Request, RequestStatus
 from lora_runner.core.scheduler_output import Placement, ScheduledRequest, SchedulerOutput
 from lora_runner.core.step_result import OutputSink, SampledRows
+from lora_runner.outputs import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,18 @@ ReservedSlots = Callable[[set], int]
 GrammarState = Callable[[Request], str]
 # the step's picked requests -> their adapters made resident (lora_runner.engine.adapters' place)
 Place = Callable[[list[ScheduledRequest]], Placement]
+
+
+class DraftSource(Protocol):
+    """Where a speculating scheduler gets draft tokens (lora_runner.spec_decode.ngram.Speculator)."""
+
+    num_speculative_tokens: int  # k: the most drafts per request and step
+
+    def drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens after a decoding request's last token, within `budget` tokens (that one included)."""
+
+    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verify step of `request` accepted the first `num_accepted` of its `num_drafts` drafts."""
 
 
 def _no_grammar(request: Request) -> str:
@@ -96,7 +117,7 @@ class Scheduler:
                  prompt_adapter_state: AdapterState | None = None,
                  reserved_prompt_slots: ReservedSlots = lambda refs: 0,
                  policy: str = "fair", fairness: VirtualTokenCounter | None = None,
-                 grammar_state: GrammarState = _no_grammar) -> None:
+                 grammar_state: GrammarState = _no_grammar, speculator: DraftSource | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.block_manager = block_manager
@@ -109,6 +130,8 @@ class Scheduler:
         self.prompt_adapter_state = prompt_adapter_state
         self.reserved_prompt_slots = reserved_prompt_slots
         self.grammar_state = grammar_state
+        self.speculator = speculator
+        self.spec = SpecDecodingStats(speculator.num_speculative_tokens if speculator is not None else 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: oldest first
         self.num_preemptions = 0  # cumulative, for stats and tests
@@ -188,6 +211,11 @@ class Scheduler:
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             end = request.num_computed_tokens + num_new
+            drafts = self._drafts(request, budget)
+            if drafts and self.block_manager.can_allocate(request.request_id, end + len(drafts)):
+                end += len(drafts)
+            else:
+                drafts = []  # speculation never preempts: without room its request decodes one token
             new_block_ids: list[int] = []
             if self.block_manager.blocks_needed(request.request_id, end):  # most decode steps need none
                 while not self.block_manager.can_allocate(request.request_id, end) and pending:
@@ -196,12 +224,18 @@ class Scheduler:
                     self._preempt(request, out)
                     continue
                 new_block_ids = self.block_manager.allocate(request.request_id, end)
-            picked.append(_Picked(ScheduledRequest(request, request.num_computed_tokens, num_new), new_block_ids,
-                                  new=False))
+            picked.append(_Picked(ScheduledRequest(request, request.num_computed_tokens, num_new + len(drafts),
+                                                   tuple(drafts)), new_block_ids, new=False))
             kept.append(request)
-            budget -= num_new
+            budget -= num_new + len(drafts)
         self.running = kept
         return budget
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The draft tokens a running request verifies this step: [] unless it decodes and speculates."""
+        if self.speculator is None or request.num_uncomputed_tokens != 1:
+            return []
+        return self.speculator.drafts(request, budget)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request.request_id)
@@ -377,9 +411,25 @@ class Scheduler:
         if request in self._tenants:
             self.fairness.leave(self._tenants.pop(request))
 
+    def _count_drafts(self, scheduled: ScheduledRequest, tokens: list[int]) -> int:
+        """Count a sampled chunk's drafts in the request's and the scheduler's counters; returns how many
+        were rejected. A row of a + 1 tokens accepted a drafts (a failed row, no tokens: none), as
+        InputBatch.commit counts them."""
+        num_drafts = len(scheduled.draft_token_ids)
+        if not num_drafts:
+            return 0
+        accepted = max(len(tokens) - 1, 0)
+        if not scheduled.request.spec.num_speculative_tokens:  # its first verify step: sized as the scheduler's
+            scheduled.request.spec = SpecDecodingStats(self.spec.num_speculative_tokens)
+        scheduled.request.spec.add(num_drafts, accepted)
+        self.spec.add(num_drafts, accepted)
+        self.speculator.observe(scheduled.request, num_drafts, accepted)
+        return num_drafts - accepted
+
     def postprocess(self, scheduled: list[ScheduledRequest], sampled: SampledRows,
                     processor: OutputSink) -> list[tuple[Request, BaseException | None]]:
-        """After the model ran: count each scheduled chunk as computed, append every sampled token
+        """After the model ran: count each scheduled chunk as computed (less the draft tokens its row
+        rejected: a row of a + 1 tokens accepted a of its drafts), append every sampled token
         (processor.append: detokenize, check stops, each token of a row in order) and finish and
         remove (free the blocks of) the requests that stopped. sampled: one row per chunk with
         samples=True, in order, holding that row's tokens (one from the Sampler); a request that
@@ -389,24 +439,29 @@ class Scheduler:
         appending its tokens raised; that request alone failed and is left for the caller to finish
         with "error" (it releases adapters too); the others go on.
         """
-        # speculative decoding (not built) would subtract here, before cache_computed registers blocks,
-        # each row's rejected draft tokens (drafts scheduled + 1 - len(row's tokens)), as InputBatch.commit would
+        chunks = [s for s in scheduled if s.samples]
+        assert len(chunks) == len(sampled.sampled_token_ids), \
+            f"{len(sampled.sampled_token_ids)} sampled rows for {len(chunks)} sampling requests"
+        rows = iter(sampled.sampled_token_ids)
         for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_computed(s.request)  # its blocks that filled up now answer hits
+            rejected = self._count_drafts(s, next(rows)) if s.samples else 0
+            s.request.num_computed_tokens += s.num_new_tokens - rejected
+            if not s.draft_token_ids:  # a speculating one's accepted drafts are keyed once appended, below
+                self.block_manager.cache_computed(s.request)  # its blocks that filled up now answer hits
         if sampled.prompt_logprobs:  # the chunks' prompt positions, sampled or not
             by_id = {s.request.request_id: s.request for s in scheduled}
             for request_id, chunk in sampled.prompt_logprobs.items():
                 processor.append_prompt_logprobs(by_id[request_id], chunk)
-        sampling = [s.request for s in scheduled if s.samples]
-        assert len(sampling) == len(sampled.sampled_token_ids), \
-            f"{len(sampled.sampled_token_ids)} sampled rows for {len(sampling)} sampling requests"
         results = []
-        for request, tokens, logprobs, error in zip(sampling, sampled.sampled_token_ids, sampled.sampled_logprobs,
-                                                    sampled.errors):
+        for chunk, tokens, logprobs, error in zip(chunks, sampled.sampled_token_ids, sampled.sampled_logprobs,
+                                                  sampled.errors):
+            request = chunk.request
             if error is None:
                 try:
                     reason = processor.append(request, tokens, logprobs)
+                    # the accepted drafts are its tokens now (unless a stop dropped some): their blocks register
+                    if chunk.draft_token_ids and request.num_computed_tokens <= request.num_tokens:
+                        self.block_manager.cache_computed(request)
                     if reason is not None:
                         request.finish(processor.finish(request, reason))
                         self.remove(request)

@@ -13,7 +13,10 @@ activates their adapters). The runner's persistent rows read plain data only, an
 - `scheduled_ids` / `num_scheduled_tokens`: every scheduled request's id and token count, in batch
   order (the order of the flat batch and of the sampled rows);
 - `lora_slots` / `prompt_slots`: adapter ref -> the device slot it holds this step (the placement
-  schedule() asked for; a request whose adapter got none is in `failed`, never scheduled).
+  schedule() asked for; a request whose adapter got none is in `failed`, never scheduled);
+- `scheduled_spec_decode_tokens` (vLLM's name): request id -> the draft tokens its chunk verifies
+  after its last token (speculative decoding, lora_runner.spec_decode); its `num_scheduled_tokens`
+  count them, its token ids (request and row) do not.
 
 The output is never edited after schedule() returns. The step's structured-output mask is its own
 object, :class:`GrammarOutput` (vLLM's), made from the output and handed to the executor beside it.
@@ -32,16 +35,19 @@ from lora_runner.sampling_params import SamplingParams
 
 @dataclass
 class ScheduledRequest:
-    """A live request's share of one step: `num_new_tokens` tokens from position `start`."""
+    """A live request's share of one step: `num_new_tokens` tokens from position `start`, the last
+    len(draft_token_ids) of them draft tokens proposed after the request's last token (speculative
+    decoding: the step verifies them and yields 1 to len + 1 tokens)."""
 
     request: Request
     start: int  # == request.num_computed_tokens when scheduled
     num_new_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last token, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -108,6 +114,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)  # preempted by this schedule()
     lora_slots: dict[Hashable, int] = field(default_factory=dict)  # LoRA ref -> device slot this step
     prompt_slots: dict[Hashable, int] = field(default_factory=dict)  # prompt-adapter ref -> device slot
+    # request id -> the draft tokens it verifies this step (only speculating requests have an entry)
+    scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def add_new(self, scheduled: ScheduledRequest, block_ids: list[int]) -> None:
         """Schedule a request admitted this step (sent in full)."""
@@ -128,6 +136,9 @@ class SchedulerOutput:
         self.scheduled.append(scheduled)
         self.scheduled_ids.append(scheduled.request.request_id)
         self.num_scheduled_tokens.append(scheduled.num_new_tokens)
+        drafts = getattr(scheduled, "draft_token_ids", ())  # test doubles of ScheduledRequest may lack it
+        if drafts:
+            self.scheduled_spec_decode_tokens[scheduled.request.request_id] = drafts
 
     @property
     def left_ids(self) -> list[str]:

@@ -42,6 +42,7 @@ from lora_runner.executor.startup import start_executor
 from lora_runner.outputs import RequestOutput
 from lora_runner.sample.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
+from lora_runner.spec_decode.ngram import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class LLMEngine(AdapterAPI):
                                    reserved_prompt_slots=manager.prompts.reserved_slots,
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
                                        cfg.fairness_prefill_weight, cfg.fairness_decode_weight),
-                                   grammar_state=grammar_state)
+                                   grammar_state=grammar_state, speculator=self._speculator())
         self.tokenizer = LazyTokenizer(self.model_dir)
         # decode looked up per call, so a tokenizer swapped on the engine (tests) is the one used
         self.output_processor = OutputProcessor(lambda ids, **options: self.tokenizer.decode(ids, **options),
@@ -105,6 +106,11 @@ class LLMEngine(AdapterAPI):
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self._arrivals = count()
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
+
+    def _speculator(self) -> Speculator | None:
+        """The scheduler's draft-token source when speculative decoding is on (README: Speculative decoding)."""
+        spec = self.config.speculative()
+        return None if spec is None else Speculator(spec, self.limits.max_model_len)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -372,6 +378,10 @@ class LLMEngine(AdapterAPI):
                              finished=request.is_finished, prompt=request.prompt,
                              num_cached_tokens=request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs,
                              metrics=dataclasses.replace(request.times), lora_version=request.adapter_versions[0],
-                             prompt_adapter_version=request.adapter_versions[1])
+                             prompt_adapter_version=request.adapter_versions[1],
+                             spec_decode=(None if self.scheduler.speculator is None
+                                          else dataclasses.replace(request.spec,
+                                                                   accepted_per_position=list(
+                                                                       request.spec.accepted_per_position))))
 
 

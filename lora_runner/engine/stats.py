@@ -7,9 +7,10 @@ touching the scheduler or the block manager, which only the step thread may read
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adapters.manager import AdapterStats
+from lora_runner.outputs import SpecDecodingStats
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class EngineStats:
     prefix_cache_queries / prefix_cache_hits: prompt tokens of admitted requests looked up in the
     prefix cache / of those, found computed (cumulative, as vLLM's counters; 0 with caching off).
     kv_blocks_cached: blocks holding a cached prefix (held by requests or evictable).
+    spec_decode: speculative decoding's cumulative counters (verify steps, draft tokens, accepted ones,
+    accepted per draft position; a copy); None when it is off.
     steps: step() calls since start. adapters: the adapter manager's cumulative counters, read when
     the snapshot is handed out (``LLMEngine.stats``: loads also finish between steps, and the step
     thread need not take the tiers' locks every step for them); None in the step's own part.
@@ -37,6 +40,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     kv_blocks_cached: int = 0
     adapters: AdapterStats | None = None
+    spec_decode: SpecDecodingStats | None = None
 
     @classmethod
     def collect(cls, scheduler, block_manager, steps: int) -> EngineStats:
@@ -45,4 +49,6 @@ class EngineStats:
                    kv_blocks_used=block_manager.num_used_blocks, kv_blocks_total=block_manager.num_blocks,
                    preemptions=scheduler.num_preemptions, steps=steps,
                    prefix_cache_queries=scheduler.prefix_query_tokens, prefix_cache_hits=scheduler.prefix_hit_tokens,
-                   kv_blocks_cached=block_manager.num_cached_blocks)
+                   kv_blocks_cached=block_manager.num_cached_blocks,
+                   spec_decode=None if getattr(scheduler, "speculator", None) is None else replace(
+                       scheduler.spec, accepted_per_position=list(scheduler.spec.accepted_per_position)))

@@ -106,7 +106,6 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "pipeline_parallel_size": VllmOption(_none_or(1), "tensor parallelism only (tensor_parallel_size)"),
     "data_parallel_size": VllmOption(_none_or(1), "one engine per process: run one LLM per data-parallel replica"),
     "enable_expert_parallel": VllmOption(_none_or(False), "no mixture-of-experts models are served"),
-    "speculative_config": VllmOption(_none_or(), "speculative decoding is not implemented"),
     "enable_sleep_mode": VllmOption(_none_or(False), "sleep mode is not implemented: close() frees the engine"),
     "lora_extra_vocab_size": VllmOption(_none_or(0), "adapters that add tokens to the vocabulary are not served"),
     "long_lora_scaling_factors": VllmOption(_none_or(), "long-context LoRA (scaled rotary embeddings per "

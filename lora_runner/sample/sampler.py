@@ -59,6 +59,19 @@ class _RowSettings:
 
 
 @dataclass
+class PreparedLogits:
+    """Sampler.prepare's result: the rows' logits ready to pick tokens from."""
+
+    raw: torch.Tensor  # [S, V] float32 model logits (non-finite rows zeroed): the logprobs read them
+    penalized: torch.Tensor  # [S, V] after penalties, bans, allowed ids and the grammar mask
+    finite: torch.Tensor  # [S] bool: the row's logits were finite (else it fails)
+    settings: _RowSettings
+
+    def __iter__(self):
+        return iter((self.raw, self.penalized, self.finite, self.settings))
+
+
+@dataclass
 class SamplerOutput:
     """The step's sampled tokens: per row a list of token ids in order and a parallel list of their
     logprob dicts (vLLM's sampled_token_ids), and per row the exception that kept it from being
@@ -161,19 +174,21 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample from `logits` [S, vocab]; returns host lists (one device->host sync)."""
         logits = logits.float()  # [S, V]
-        states = self._generator_states(batch)
+        states = self.generator_states(batch)
         try:
             result = self._sample_together(logits, batch)
         except Exception as error:  # one row broke the batch: find it below
             logger.warning("sampling %d rows together failed (%r): sampling them one at a time",
                            batch.num_rows, error)
-            self._restore_generators(states)
+            self.restore_generators(states)
             result = self._sample_one_at_a_time(logits, batch)
         for row, error in batch.errors.items():  # settings that could not be written: sampled harmlessly, failed
             result.fail(row, error)
         return result
 
-    def _sample_together(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def prepare(self, logits: torch.Tensor, batch: SamplingBatch) -> PreparedLogits:
+        """The part of sampling before a token is picked (shared with the rejection sampler,
+        lora_runner.spec_decode): non-finite rows zeroed and flagged, penalties, bans and masks applied."""
         finite = _finite_rows(logits)  # [S]
         if not (logits.is_cpu and bool(finite.all())):  # on the host the check is free: skip the copy
             logits = torch.where(finite[:, None], logits, 0.0)  # [S, V]; a broken row's numbers reach no other row
@@ -183,6 +198,10 @@ class Sampler:
             finite &= torch.isfinite(penalized).all(dim=-1)
             penalized = torch.where(finite[:, None], penalized, 0.0)
         penalized = self._apply_bans(penalized, logits, batch)
+        return PreparedLogits(logits, penalized, finite, settings)
+
+    def _sample_together(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits, penalized, finite, settings = self.prepare(logits, batch)
         # max's indices are argmax's (the first maximum, documented for both), in half argmax's CPU time
         tokens = penalized.max(dim=-1).indices  # [S]
         if not settings.all_greedy:
@@ -195,7 +214,7 @@ class Sampler:
             columns += [logprobs.gather(1, tokens[:, None]), top_vals, top_ids.float()]
         packed = torch.cat(columns, dim=1).cpu()  # [S, 2] or [S, 3 + 2k]: the step's one transfer
         token_ids = packed[:, 0].long().tolist()
-        dicts = self._logprob_dicts(packed, settings) if wanted else [None] * len(token_ids)
+        dicts = self.logprob_dicts(packed, settings) if wanted else [None] * len(token_ids)
         errors = [None if ok else NonFiniteLogitsError("the model's logits for this request hold NaN or inf "
                                                        "(an adapter's weights may be too large)")
                   for ok in packed[:, 1].bool().tolist()]
@@ -238,12 +257,14 @@ class Sampler:
         return apply_penalties(logits, rows, batch.presence_penalty[rows], batch.frequency_penalty[rows],
                                batch.repetition_penalty[rows], [batch.history(i) for i in rows.tolist()])
 
-    def _generator_states(self, batch: SamplingBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
+    def generator_states(self, batch: SamplingBatch) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The states of the generators sampling `batch` draws from (to rewind them before a retry)."""
         generators = [self.generator, *(g for _, g in batch.seeded)]
         return [(g, g.get_state()) for g in generators]
 
     @staticmethod
-    def _restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    def restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        """Rewind generators to the states generator_states took."""
         for generator, state in states:
             generator.set_state(state)
 
@@ -267,6 +288,11 @@ class Sampler:
             min_p=torch.from_numpy(batch.min_p).to(self.device) if use_min_p else None)
 
     def _sample(self, logits: torch.Tensor, batch: _RowSettings) -> torch.Tensor:
+        return self.race(self.probs(logits, batch), batch.generators)  # [S]
+
+    def probs(self, logits: torch.Tensor, batch: _RowSettings) -> torch.Tensor:
+        """The distribution [S, V] each random row samples from: its penalised, masked `logits` [S, V]
+        after temperature, min-p, top-k and top-p (the rejection sampler accepts drafts against it)."""
         scaled = logits / batch.temperatures[:, None]  # [S, V]
         if batch.min_p is not None:  # as vLLM: after temperature, before top-k / top-p
             probs = torch.softmax(scaled, dim=-1)  # [S, V]
@@ -274,9 +300,13 @@ class Sampler:
             scaled = scaled.masked_fill(too_unlikely, float("-inf"))
         if batch.use_top_k or batch.use_top_p:
             scaled = self._mask_top_k_top_p(scaled, batch)
-        probs = torch.softmax(scaled, dim=-1)  # [S, V]
+        return torch.softmax(scaled, dim=-1)  # [S, V]
+
+    def race(self, probs: torch.Tensor, generators: Sequence[tuple[int, torch.Generator]]) -> torch.Tensor:
+        """One token per row of `probs` [S, V] (any non-negative weights: the race ignores their scale)
+        by the exponential race; rows in `generators` (row, generator) draw from their own generator."""
         q = torch.empty_like(probs).exponential_(generator=self.generator)  # [S, V]
-        for row, generator in batch.generators:
+        for row, generator in generators:
             q[row].exponential_(generator=generator)
         return (probs / q.clamp_min_(1e-20)).max(dim=-1).indices  # [S]: the argmax (see _sample_together)
 
@@ -293,7 +323,7 @@ class Sampler:
         return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)  # [S, V]
 
     @staticmethod
-    def _logprob_dicts(packed: torch.Tensor, settings: _RowSettings) -> list[dict[int, float] | None]:
+    def logprob_dicts(packed: torch.Tensor, settings: _RowSettings) -> list[dict[int, float] | None]:
         """packed rows: token, finite flag, chosen logprob, k top logprobs, k top ids."""
         num_top = (packed.shape[1] - 3) // 2
         result: list[dict[int, float] | None] = []

@@ -81,6 +81,30 @@ class SamplingBatch:
             grammar_bitmask=self.grammar_bitmask[constrained] if constrained.size else None)
 
 
+    def select(self, index: np.ndarray) -> SamplingBatch:
+        """The batch whose row i is row index[i] of this one ([N] int64; rows may repeat: a speculating
+        sequence is verified at each of its positions with its one row's settings)."""
+        index = np.asarray(index, np.int64)
+        new_of = {old: np.flatnonzero(index == old) for old in np.unique(index).tolist()}  # old row -> new rows
+        ban_new, ban_at = np.nonzero(index[:, None] == self.ban_rows[None, :])  # [N'] new row, its ban entry
+        constrained = [(i, j) for j, old in enumerate(self.grammar_rows.tolist()) for i in new_of.get(old, ())]
+        constrained.sort()
+
+        def remap(entries: dict) -> dict:
+            return {int(i): value for old, value in entries.items() for i in new_of.get(old, ())}
+
+        return SamplingBatch(
+            self.temperature[index], self.top_k[index], self.top_p[index], self.greedy[index],
+            self.num_logprobs[index], self.presence_penalty[index], self.frequency_penalty[index],
+            self.repetition_penalty[index], self.has_penalties[index],
+            seeded=sorted(remap(dict(self.seeded)).items()), histories=remap(self.histories),
+            ban_rows=ban_new.astype(np.int64), ban_ids=self.ban_ids[ban_at], errors=remap(self.errors),
+            min_p=None if self.min_p is None else self.min_p[index], allowed=remap(self.allowed),
+            grammar_rows=np.asarray([i for i, _ in constrained], np.int64),
+            grammar_bitmask=(self.grammar_bitmask[[j for _, j in constrained]]
+                             if self.grammar_bitmask is not None and constrained else None))
+
+
 class SamplingState:
     """Sampling settings of the runner's request rows (see the module docstring).
 

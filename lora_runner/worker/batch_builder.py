@@ -70,7 +70,8 @@ class BatchInputs:
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32 context length after the step
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, unused entries 0
-    sample_indices: torch.Tensor  # [S] int64 rows of the flat batch whose logits are sampled
+    sample_indices: torch.Tensor  # [S] int64 rows of the flat batch whose logits are sampled (a speculating
+    #                               sequence has its draft count + 1, in position order; any other one)
     max_query_len: int
     max_seq_len: int
     has_lora: bool  # any token with a LoRA slot >= 0
@@ -126,6 +127,9 @@ class SeqArrays:
     sample: np.ndarray  # bool: sample a token after the chunk's last token
     num_virtual: np.ndarray  # int: soft-prompt placeholders at the front of the sequence
     prompt_slots: np.ndarray  # int: prompt-adapter slot (needed while a placeholder is computed), -1 = none
+    # int: draft tokens at the end of the chunk (speculative decoding): a sampling sequence samples
+    # at its last num_drafts + 1 positions; None: none anywhere
+    num_drafts: np.ndarray | None = None
 
 
 class _Buffer:
@@ -171,12 +175,14 @@ class BatchBuilder:
         self.query_start_loc = _Buffer((max_num_seqs + 1,), torch.int32)
         self.seq_lens = _Buffer((max_num_seqs,), torch.int32)
         self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32)
-        self.sample_indices = _Buffer((max_num_seqs,), torch.int64)
+        # a speculating sequence samples at each of its positions: at most one row per token
+        self.max_num_samples = max(max_num_seqs, max_num_tokens)
+        self.sample_indices = _Buffer((self.max_num_samples,), torch.int64)
         self._arange = np.arange(max(max_num_tokens, max_blocks_per_seq * block_size), dtype=np.int64)
         # staged: the host arrays travel through StagedUpload (always on a device; on CPU for tests)
         staged = device.type != "cpu" if staged is None else staged
         self.lora_table, self.lm_head, self.lora_features = lora_table, lm_head, lora_features
-        largest = [buf.np[:n].nbytes for buf, n in self._upload_rows(max_num_tokens, max_num_seqs, max_num_seqs,
+        largest = [buf.np[:n].nbytes for buf, n in self._upload_rows(max_num_tokens, max_num_seqs, self.max_num_samples,
                                                                       with_prompt=True)]
         for table in (lora_table, None if lm_head is None else lm_head.table):
             if table is not None:
@@ -257,8 +263,7 @@ class BatchBuilder:
         self.slot_mapping.np[:num_tokens] = self.block_tables.np[token_seq, positions // bs] * bs + positions % bs
         self.token_lora_slots.np[:num_tokens] = np.repeat(seqs.lora_slots, lens)
         self.seq_lens.np[:num_seqs] = ends
-        num_samples = int(seqs.sample.sum())
-        self.sample_indices.np[:num_samples] = (self.query_start_loc.np[1:num_seqs + 1] - 1)[seqs.sample]
+        num_samples = self._write_sample_indices(seqs)
         num_virtual = self._map_virtual_tokens(positions, lens, seqs)
         has_lora = bool((seqs.lora_slots >= 0).any())
         features = (self.lora_features(seqs.lora_slots) if has_lora and self.lora_features is not None
@@ -266,6 +271,21 @@ class BatchBuilder:
         return BatchShape(num_tokens=num_tokens, num_seqs=num_seqs, num_samples=num_samples,
                          max_query_len=int(lens.max()), max_seq_len=int(ends.max()),
                          has_lora=has_lora, has_prompt_adapter=num_virtual > 0, lora_features=features)
+
+    def _write_sample_indices(self, seqs: SeqArrays) -> int:
+        """Write the rows to sample: each sampling sequence's last token, and with draft tokens its
+        last num_drafts + 1 tokens (the logits that verify them, then the bonus token's); returns S."""
+        num_seqs = seqs.sample.shape[0]
+        last = (self.query_start_loc.np[1:num_seqs + 1] - 1)[seqs.sample]  # [S'] of the sampling sequences
+        if seqs.num_drafts is None or not seqs.num_drafts.any():
+            self.sample_indices.np[:last.shape[0]] = last
+            return int(last.shape[0])
+        counts = seqs.num_drafts[seqs.sample] + 1  # [S'] positions each sampling sequence samples at
+        num_samples = int(counts.sum())
+        first = np.cumsum(counts) - counts  # [S'] each sequence's first entry
+        self.sample_indices.np[:num_samples] = (np.repeat(last - counts + 1 - first, counts)
+                                                + self._arange[:num_samples])
+        return num_samples
 
     def _check_fit(self, chunks: Sequence[SeqChunk], lens: np.ndarray, ends: np.ndarray,
                    num_blocks: np.ndarray) -> None:

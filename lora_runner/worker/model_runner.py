@@ -5,6 +5,9 @@ The meta is prepared once per step and read by every LoRA-aware layer; when no t
 uses an adapter, ctx.lora is None and the model skips the LoRA path entirely. Likewise ctx.prompt_adapter
 is set only in steps with soft-prompt placeholders (prefill of prompt-adapter requests).
 After capture_decode_graphs (CUDA), decode-only steps replay CUDA graphs (lora_runner.worker.cuda_graphs).
+A step with draft tokens (speculative decoding, lora_runner.spec_decode) computes the logits at every
+position of each speculating sequence (its own adapter's lm_head LoRA included) and verifies them with
+the RejectionSampler; such a step has more than one token per sequence and runs eagerly.
 
 The engine's steps come as the scheduler's SchedulerOutput (execute): each running request keeps a
 persistent row (lora_runner.worker.request_rows) that the output's diffs update, so a decode step writes
@@ -27,6 +30,7 @@ from lora_runner.sample.prompt_logprobs import MAX_PROMPT_LOGIT_ROWS, PromptSpan
 from lora_runner.sample.sampler import Sampler, SamplerOutput
 from lora_runner.sample.sampling_state import SamplingBatch, SamplingState
 from lora_runner.sampling_params import SamplingParams
+from lora_runner.spec_decode.rejection_sampler import RejectionSampler
 from lora_runner.worker.batch_builder import BatchBuilder, BatchInputs, SeqChunk, BatchShape
 from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
@@ -75,9 +79,11 @@ class ModelRunner:
         # the meta's table is built on the host and rides in the step's one upload; each step runs
         # only the optional LoRA work (embedding LoRA, DoRA) its adapters have
         self.lora_features = StepLoRAFeatures(lora_slots, vocab_slots)
-        # lm_head LoRA: a second meta over the sampled rows (at most one per sequence), its table in the upload too
+        # lm_head LoRA: a second meta over the sampled rows (one per sequence; a speculating one samples at each
+        # of its positions: one row per token at most), its table in the upload too
         self.lm_head_lora = (None if vocab_slots is None else
-                             LMHeadLoRA(vocab_slots, max_num_seqs, max_loras, max_lora_rank, device))
+                             LMHeadLoRA(vocab_slots, max(max_num_seqs, max_num_tokens), max_loras, max_lora_rank,
+                                        device))
         self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                                           max_blocks_per_seq=max_blocks_per_seq, block_size=block_size,
                                           device=device, lora_table=HostTileTable(self.lora_meta),
@@ -91,6 +97,7 @@ class ModelRunner:
         self.prompt_lm_head_lora = (None if vocab_slots is None else
                                     LMHeadLoRA(vocab_slots, MAX_PROMPT_LOGIT_ROWS, max_loras, max_lora_rank, device))
         self.sampler = Sampler(model_config.vocab_size, device, seed)
+        self.rejection_sampler = RejectionSampler(self.sampler)  # steps with draft tokens (spec_decode)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     @property
@@ -118,7 +125,8 @@ class ModelRunner:
         if grammar is not None:
             sampling.grammar_rows = np.asarray(grammar.rows, np.int64)
             sampling.grammar_bitmask = grammar.bitmask
-        result = self._forward_and_sample(shape, sampling, self.input_batch.prompt_spans(rows))
+        result = self._forward_and_sample(shape, sampling, self.input_batch.prompt_spans(rows),
+                                          self.input_batch.draft_tokens(rows))
         # only after the step ran: a step that raised leaves the computed counts as they were
         self.input_batch.commit(rows, result.sampled_token_ids)
         return result
@@ -140,8 +148,10 @@ class ModelRunner:
         for request_id in request_ids:
             self.input_batch.free(request_id)
 
-    def _forward_and_sample(self, shape: BatchShape, sampling: SamplingBatch,
-                            prompt_spans: Sequence[PromptSpan] = ()) -> SamplerOutput:
+    def _forward_and_sample(self, shape: BatchShape, sampling: SamplingBatch, prompt_spans: Sequence[PromptSpan] = (),
+                            drafts: list[list[int]] | None = None) -> SamplerOutput:
+        """Forward the step and sample its sampling sequences; with `drafts` (each sampling sequence's
+        draft tokens, speculative decoding) every draft is verified at its position (RejectionSampler)."""
         batch, key = self._upload(shape)
         if key is not None:
             hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
@@ -152,11 +162,17 @@ class ModelRunner:
         else:
             rows, lm_head = hidden[batch.sample_indices], self._lm_head_lora(batch)  # [S, hidden]
             logits = self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
-            result = self.sampler(logits, sampling)
+            result = self.sampler(logits, sampling) if drafts is None else self._verify(logits, sampling, drafts)
         if prompt_spans:
             result.prompt_logprobs = score_spans(hidden, prompt_spans, lambda flat, rows: self._prompt_logits(
                 batch, flat, rows))
         return result
+
+    def _verify(self, logits: torch.Tensor, sampling: SamplingBatch, drafts: list[list[int]]) -> SamplerOutput:
+        """Verify the drafts from logits [N, V] at every position of the sampling sequences (each
+        verified with its sequence's settings, repeated per position)."""
+        counts = np.fromiter((len(d) + 1 for d in drafts), np.int64, len(drafts))  # [S]
+        return self.rejection_sampler(logits, sampling.select(np.repeat(np.arange(len(drafts)), counts)), drafts)
 
     def _prompt_logits(self, batch: BatchInputs, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of the flat batch's rows `flat` [n] (hidden `rows` [n, hidden]), with their

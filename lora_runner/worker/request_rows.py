@@ -21,15 +21,15 @@ has a row already, a continuing or scheduled one without a row, a computed count
 row's, a table that does not cover the step's tokens, more rows than there are) is a bug and raises
 RowsOutOfSyncError. tests/test_input_batch.py checks the rows against a from-scratch rebuild every step.
 
-Speculative decoding (not built) would tell commit how many of a row's proposed tokens were accepted
-by the length of its list. A step that schedules the row's last token and d draft tokens (held in
-the row after its tokens, where the step's chunk reads them, but not yet counted in num_tokens)
-and accepts a of them samples a + 1 tokens; commit would then set the computed count to
-start + len - (d - a) (the rejected drafts' KV positions are written again later) and write the
-a + 1 tokens over the drafts: ScheduledRows would carry d per sequence (0 today, where the formula
-is today's start + len). Scheduler.postprocess would subtract the same d - a from the request's count,
-so the next output's num_computed_tokens agrees with the row; when they disagree the rows raise
-RowsOutOfSyncError as for any other output.
+Speculative decoding (lora_runner.spec_decode) tells commit how many of a row's draft tokens were
+accepted by the length of its list. A step that schedules the row's last token and d draft tokens
+(SchedulerOutput.scheduled_spec_decode_tokens; update writes them in the row after its tokens, where
+the step's chunk reads them, but does not count them in num_tokens) and accepts a of them samples
+a + 1 tokens; commit then sets the computed count to start + len - (d - a) (the rejected drafts' KV
+positions are written again later) and writes the a + 1 tokens over the drafts (ScheduledRows.drafts
+holds d per sequence, 0 for the others). Scheduler.postprocess subtracts the same d - a from the
+request's count, so the next output's num_computed_tokens agrees with the row; when they disagree
+the rows raise RowsOutOfSyncError as for any other output.
 """
 
 from __future__ import annotations
@@ -60,8 +60,14 @@ class ScheduledRows:
 
     rows: np.ndarray  # int64 row of each sequence
     starts: np.ndarray  # int64 first new position
-    lens: np.ndarray  # int64 new tokens
-    seqs: SeqArrays  # LoRA / prompt-adapter slots, sample flags, placeholder counts
+    lens: np.ndarray  # int64 new tokens (draft tokens included)
+    seqs: SeqArrays  # LoRA / prompt-adapter slots, sample flags, placeholder counts, draft counts
+
+    @property
+    def drafts(self) -> np.ndarray:
+        """[B] int64 draft tokens of each sequence (speculative decoding; 0: none)."""
+        drafts = self.seqs.num_drafts
+        return np.zeros_like(self.lens) if drafts is None else drafts
 
 
 class _Interned:
@@ -167,12 +173,41 @@ class InputBatch:
         starts = self.num_computed[rows]  # [B] checked against the scheduler's counts above
         lens = np.asarray(sched.num_scheduled_tokens, np.int64)  # [B]
         ends = starts + lens  # [B]
-        self._check_cover(sched.scheduled_ids, rows, ends)
+        drafts = self._write_drafts(sched, rows)  # [B]
+        self._check_cover(sched.scheduled_ids, rows, ends - drafts)
         seqs = SeqArrays(lora_slots=self._loras.slots(lora_slot_of or {})[self.lora_keys[rows]],
-                         sample=ends == self.num_tokens[rows],  # the chunk reaches the row's last token
+                         # the chunk reaches the row's last token (and its drafts after it)
+                         sample=ends - drafts == self.num_tokens[rows],
                          num_virtual=self.num_virtual[rows],
-                         prompt_slots=self._prompts.slots(prompt_slot_of or {})[self.prompt_keys[rows]])
+                         prompt_slots=self._prompts.slots(prompt_slot_of or {})[self.prompt_keys[rows]],
+                         num_drafts=drafts)
         return ScheduledRows(rows, starts, lens, seqs)
+
+    def _write_drafts(self, sched: SchedulerOutput, rows: np.ndarray) -> np.ndarray:
+        """Write each speculating sequence's draft tokens after its row's tokens (not counted in
+        num_tokens); returns the draft count of every sequence [B]."""
+        drafts = np.zeros(rows.shape[0], np.int64)  # [B]
+        if not sched.scheduled_spec_decode_tokens:
+            return drafts
+        for i, request_id in enumerate(sched.scheduled_ids):
+            tokens = sched.scheduled_spec_decode_tokens.get(request_id)
+            if tokens:
+                row, at = int(rows[i]), int(self.num_tokens[rows[i]])
+                if at + len(tokens) > self.max_tokens:
+                    raise RowsOutOfSyncError(f"request {request_id!r}: {len(tokens)} draft tokens after token {at} "
+                                             f"exceed its row ({self.max_tokens} tokens)")
+                self.token_ids[row, at:at + len(tokens)] = tokens
+                drafts[i] = len(tokens)
+        return drafts
+
+    def draft_tokens(self, step: ScheduledRows) -> list[list[int]] | None:
+        """The draft tokens of each sampling sequence in batch order ([] for one without), None when
+        the step has none (update wrote them after each row's tokens)."""
+        if not step.drafts.any():
+            return None
+        sampling = step.rows[step.seqs.sample]  # [S]
+        return [self.token_ids[row, at:at + d].tolist() for row, at, d in
+                zip(sampling.tolist(), self.num_tokens[sampling].tolist(), step.drafts[step.seqs.sample].tolist())]
 
     def commit(self, step: ScheduledRows, sampled: Sequence[Sequence[int]]) -> None:
         """The step ran: its tokens are computed, and each sampling sequence's sampled tokens
@@ -183,15 +218,18 @@ class InputBatch:
         string is found only when the engine detokenizes): such a request's row is freed with the
         next output's finished_ids, and no live row holds a token its request dropped. Tokens past
         the row's capacity are left out: the request ends at max_model_len before them.
-        The computed count covers the step's scheduled tokens (see the module docstring for what a
-        speculative step changes).
+        The computed count covers the step's scheduled tokens, less each speculating row's rejected
+        drafts: a list of a + 1 tokens accepted a of its d drafts (a failed row's, none).
         """
         rows = step.rows
-        self.num_computed[rows] = step.starts + step.lens
         sampling = rows[step.seqs.sample]  # [S]
         if sampling.shape[0] != len(sampled):
             raise ValueError(f"{len(sampled)} sampled token lists for {sampling.shape[0]} sampling sequences")
         counts = np.fromiter(map(len, sampled), np.int64, len(sampled))  # [S] k per row
+        rejected = np.zeros_like(step.lens)  # [B]
+        drafts = step.drafts[step.seqs.sample]  # [S]; a row without drafts keeps all its tokens uncomputed
+        rejected[step.seqs.sample] = np.where(drafts > 0, drafts - np.maximum(counts - 1, 0), 0)
+        self.num_computed[rows] = step.starts + step.lens - rejected
         tokens = np.fromiter(itertools.chain.from_iterable(sampled), np.int64, int(counts.sum()))  # [N]
         at = self.num_tokens[sampling]  # [S] where each row's first new token goes
         first = np.cumsum(counts) - counts  # [S] each row's first entry in `tokens`

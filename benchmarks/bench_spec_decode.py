@@ -1,0 +1,144 @@
+"""Speculative decoding (n-gram) benchmark: the same requests with and without speculation.
+
+Workloads (greedy, so both runs produce the same tokens and only the cost differs):
+
+  grounded    each prompt holds a passage twice, the second copy cut short (an edit / summary of a
+              given text: what follows is in the prompt, where n-gram proposals hit when the model
+              continues the passage)
+  open        random prompts without repetition (n-gram drafts hit only where the output repeats)
+
+each with the base model alone and with --adapters LoRAs (requests spread over them), each without
+speculation and with {"method": "ngram", "num_speculative_tokens": k} for each --k. Per run: output
+tokens, engine steps, CPU seconds of this process, output tokens per CPU second and per step,
+acceptance rate (accepted / proposed draft tokens) and mean accepted length (1 + accepted drafts per
+verify step). A random model copies its prompt only by chance, so acceptance here is a floor:
+the table shows what verification costs and gains at that rate, not what a trained model gets.
+
+    python benchmarks/bench_spec_decode.py --quick   # CPU, small random model, a few minutes
+
+Writes results/bench_spec_decode-<time>.json and prints the table with ratios against the run
+without speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from common import ModelShape, machine_description, markdown_table, save_random_adapters, \
+    save_random_model  # benchmarks/common.py
+
+from adapters import LoRARequest
+from lora_runner import LLMEngine, SamplingParams
+
+logger = logging.getLogger("bench_spec_decode")
+
+QUICK_SHAPE = ModelShape(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
+                         vocab_size=256, max_position_embeddings=4096)  # small vocab: greedy loops, drafts hit
+FULL_SHAPE = ModelShape(hidden_size=768, intermediate_size=2048, num_layers=8, num_heads=12, num_kv_heads=4)
+
+
+def prompts(workload: str, num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """The workload's prompts of about `length` tokens (see the module docstring)."""
+    rng = random.Random(seed)
+    result = []
+    for _ in range(num):
+        if workload == "grounded":
+            passage = [rng.randrange(4, vocab) for _ in range(length // 2)]
+            result.append(passage + passage[:len(passage) // 3])
+        else:
+            result.append([rng.randrange(4, vocab) for _ in range(length)])
+    return result
+
+
+def run(model_dir: str, spec: dict | None, requests: list[list[int]], loras: list[LoRARequest], args) -> dict:
+    """Serve every request to completion on a fresh engine (adapters loaded before the clock starts);
+    returns the run's numbers, CPU and wall seconds the least of --repeats runs."""
+    best = None
+    for _ in range(args.repeats):
+        engine = LLMEngine(model_dir, device="cpu", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                           max_loras=max(1, len(loras)), max_lora_rank=args.rank, speculative_config=spec)
+        for lora in loras:
+            engine.add_lora(lora)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        for i, prompt in enumerate(requests):
+            engine.add_request(f"r{i}", prompt, params, lora_request=loras[i % len(loras)] if loras else None)
+        steps, output_tokens = 0, {}
+        cpu, wall = time.process_time(), time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.wait_for_work(timeout=1.0)  # while the first activation's loads finish
+            outputs = engine.step()
+            for out in outputs:
+                output_tokens[out.request_id] = len(out.outputs[0].token_ids)
+            steps += bool(outputs)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        stats = engine.stats.spec_decode
+        engine.close()
+        if best is None or cpu < best[0]:
+            best = cpu, wall, steps, sum(output_tokens.values()), stats
+    cpu, wall, steps, tokens, stats = best
+    row = {"output_tokens": tokens, "steps": steps, "cpu_s": cpu, "wall_s": wall,
+           "tokens_per_cpu_s": tokens / cpu, "tokens_per_step": tokens / steps}
+    if stats is not None:
+        row.update(proposed=stats.num_draft_tokens, accepted=stats.num_accepted_tokens,
+                   acceptance=stats.num_accepted_tokens / max(stats.num_draft_tokens, 1),
+                   mean_accepted_length=1 + stats.num_accepted_tokens / max(stats.num_drafts, 1))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small model (default: a 768-hidden 8-layer one)")
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--k", type=int, nargs="+", default=[3])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=96)
+    parser.add_argument("--output-len", type=int, default=48)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per row; the least CPU time is kept")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        # a large initializer range gives peaky logits: greedy decoding follows patterns, as a trained model's
+        base = save_random_model(root / "model", shape, seed=args.seed, initializer_range=0.2)
+        adapters = [LoRARequest(p.name, str(p)) for p in save_random_adapters(base, root, args.adapters, args.rank)]
+        run(str(root / "model"), None, prompts("open", 2, 16, shape.vocab_size, args.seed), [], args)  # warm-up
+        for workload in ("grounded", "open"):
+            requests = prompts(workload, args.requests, args.prompt_len, shape.vocab_size, args.seed)
+            for loras in ([], adapters):
+                baseline = None
+                for k in [0, *args.k]:
+                    spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k,
+                                                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+                    row = {"workload": workload, "adapters": len(loras), "k": k,
+                           **run(str(root / "model"), spec, requests, loras, args)}
+                    baseline = baseline or row
+                    row["vs_no_spec_per_cpu_s"] = row["tokens_per_cpu_s"] / baseline["tokens_per_cpu_s"]
+                    row["vs_no_spec_per_step"] = row["tokens_per_step"] / baseline["tokens_per_step"]
+                    rows.append(row)
+                    logger.warning("%s", row)
+    out = Path("results") / f"bench_spec_decode-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_description("cpu"), "args": vars(args), "shape": vars(shape),
+                               "rows": rows}, indent=2))
+    print(markdown_table(rows, [("workload", "workload", ""), ("adapters", "adapters", "d"), ("k", "k", "d"),
+                                ("output_tokens", "tokens", "d"), ("steps", "steps", "d"), ("proposed", "drafts", "d"),
+                                ("tokens_per_cpu_s", "tok/CPU s", ".1f"), ("vs_no_spec_per_cpu_s", "x CPU s", ".2f"),
+                                ("tokens_per_step", "tok/step", ".2f"), ("vs_no_spec_per_step", "x step", ".2f"),
+                                ("acceptance", "accept", ".2f"), ("mean_accepted_length", "mean len", ".2f")]))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

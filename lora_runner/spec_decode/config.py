@@ -1,0 +1,60 @@
+"""SpeculativeConfig: EngineConfig.speculative_config (vLLM's spelling) read and checked once.
+
+``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}``
+proposes up to k tokens per decode step from the request's own prompt and output (n-gram prompt
+lookup, lora_runner.spec_decode.ngram). As in vLLM, when only one of the lookup bounds is given the
+other takes its value, and when neither is given both are 5. ``"draft_model"`` (a second, smaller
+model) is refused: not supported yet.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is set
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A checked speculative-decoding setting (see the module docstring)."""
+
+    method: str
+    num_speculative_tokens: int  # k: most draft tokens verified per sequence and step
+    prompt_lookup_min: int  # smallest n-gram matched
+    prompt_lookup_max: int  # largest n-gram matched (tried first)
+
+    @classmethod
+    def parse(cls, value: Mapping | str) -> SpeculativeConfig:
+        """The config of a dict or its JSON text; ValueError with what to change otherwise."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config must be a JSON object, got {value!r}: {error}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {value!r}")
+        method = value.get("method")
+        if method in _NOT_YET:
+            raise ValueError(f'speculative_config method {method!r} is not supported yet; use "ngram"')
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
+        unknown = set(value) - _KEYS
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method {method!r} "
+                             f"(known: {sorted(_KEYS)})")
+        k = value.get("num_speculative_tokens")
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = _DEFAULT_LOOKUP
+        low, high = (high if low is None else low), (low if high is None else high)
+        for name, number in (("num_speculative_tokens", k), ("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {number!r}")
+        if low > high:
+            raise ValueError(f"speculative_config prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        return cls(method, k, low, high)
