@@ -9,9 +9,9 @@ The runner's per-step path is ``key_for`` -> ``BatchBuilder.upload(step, padded_
 (which fills rows B..size-1 of the persistent batch buffers with padding sequences: KV slot -1,
 context length 1 over block 0) -> ``replay``; the graph's context comes from the runner's
 ``ForwardContextBuilder``, as an eager step's does. Prefill, mixed steps and steps beyond the
-largest size run eagerly, and so would a step that scores several positions per sequence
-(speculative decoding's verify pass, not built): its graphs would need the tokens per sequence in
-the key, padding sequences of that many tokens and that many sample rows each.
+largest size run eagerly, and so does a step that scores several positions per sequence
+(speculative decoding's verify pass, lora_runner.spec_decode): its graphs would need the tokens per
+sequence in the key, padding sequences of that many tokens and that many sample rows each.
 
 No context-length key: the Triton paged attention (lora_runner/model/paged_attention.py) reads
 ``seq_lens`` and the block tables at run time, so one graph serves every context length. Its
