@@ -3,6 +3,7 @@ exactness check against the transformers/PEFT greedy oracle (conftest's ``greedy
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterable
 
@@ -66,6 +67,39 @@ def run_to_completion(engine: LLMEngine, requests: Iterable[tuple] = (), *, per_
                 done[output.request_id] = output
     return done
 
+
+
+def churn_adapters(engine: LLMEngine, adapters: dict, max_prompt: int, max_tokens: int = 4,
+                   seed: int = 0) -> tuple[dict, dict[str, RequestOutput]]:
+    """Every adapter, the base model, then every adapter again, two requests added per step (more adapters
+    than slots make the LRU page), greedy with logprobs. adapters: name -> (path, ...). Returns (requests:
+    id -> (prompt, adapter name or None), done: id -> finished output)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    rng = random.Random(seed)
+    names = [*adapters, None, *reversed(adapters)]
+    requests = {f"q{i}": ([rng.randrange(3, 256) for _ in range(rng.randint(3, max_prompt))], name)
+                for i, name in enumerate(names)}
+    pending, done = list(requests.items()), {}
+    while pending or engine.has_unfinished_requests():
+        for _ in range(2):
+            if pending:
+                request_id, (prompt, name) = pending.pop(0)
+                lora = LoRARequest(name, adapters[name][0]) if name else None
+                engine.add_request(request_id, prompt, params, lora_request=lora)
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return requests, done
+
+
+def assert_churn_exact(requests: dict, done: dict[str, RequestOutput], model_of: Callable, oracle,
+                       tolerance: float, max_tokens: int = 4) -> None:
+    """churn_adapters' outputs against the greedy oracle: the same tokens, logprobs within ``tolerance``.
+    model_of(adapter name or None) -> the oracle model (PEFT's, or the base)."""
+    for request_id, (prompt, name) in requests.items():
+        tokens, logprobs = oracle(model_of(name), prompt, max_tokens)
+        completion = done[request_id].outputs[0]
+        assert completion.token_ids == tokens, (request_id, name)
+        for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
+            assert abs(got[tokens[step]] - want) <= tolerance, (request_id, name, step)
 
 def unfinished(engine: LLMEngine) -> list[tuple]:
     """(id, status, adapter ref) of every request the scheduler still holds: what a hang guard reports."""

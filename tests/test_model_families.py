@@ -18,16 +18,16 @@ to 0 and the others to 1, where a dropped or misapplied norm would hide). Per fa
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 
 import test_model_forward
-from adapters import InvalidAdapterError, LoRARequest
+from adapters import InvalidAdapterError
 from adapters.lora import load_lora
 from factories import build_tiny_model, edit_adapter_tensors, save_lora, save_prompt_adapter, save_tiny_tokenizer
-from lora_runner import LLMEngine, SamplingParams
+from engine_support import assert_churn_exact, churn_adapters
+from lora_runner import LLMEngine
 from lora_runner.model import ModelConfig, load_model
 from lora_runner.model.forward_context import PromptAdapterContext
 from test_model_harness import PagedDriver, TinyCheckpoint, assert_close, hf_logits
@@ -318,27 +318,10 @@ def test_engine_mixed_adapters_more_than_slots_match_peft(family, device, tolera
                 for name, kwargs in LORA_ADAPTERS[family].items()}
     engine = LLMEngine(str(tmp_path / "model"), device=device, dtype="float32", max_num_seqs=4, max_model_len=48,
                        max_loras=2, max_lora_rank=16, max_cpu_loras=2, block_size=4, max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
-    rng = random.Random(0)
-    names = [*adapters, None, *reversed(adapters)]  # 3 adapters over 2 slots, and the base model
-    requests = {f"q{i}": ([rng.randrange(3, 256) for _ in range(rng.randint(3, 14))], name)
-                for i, name in enumerate(names)}
-    pending, done = list(requests.items()), {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(2):
-            if pending:
-                request_id, (prompt, name) = pending.pop(0)
-                lora = LoRARequest(name, adapters[name][0]) if name else None
-                engine.add_request(request_id, prompt, params, lora_request=lora)
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    differs = 0
-    for request_id, (prompt, name) in requests.items():
-        tokens, logprobs = greedy_oracle(adapters[name][1] if name else hf, prompt, 4)
-        completion = done[request_id].outputs[0]
-        assert completion.token_ids == tokens, (request_id, name)
-        for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
-            assert abs(got[tokens[step]] - want) <= tolerance, (request_id, name, step)
-        differs += name is not None and tokens != greedy_oracle(hf, prompt, 4)[0]
+    requests, done = churn_adapters(engine, adapters, max_prompt=14)  # 3 adapters over 2 slots, and the base
+    assert_churn_exact(requests, done, lambda name: adapters[name][1] if name else hf, greedy_oracle, tolerance)
+    differs = sum(name is not None and done[request_id].outputs[0].token_ids != greedy_oracle(hf, prompt, 4)[0]
+                  for request_id, (prompt, name) in requests.items())
     assert differs >= 2  # the adapters change the output: a dropped delta would show
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 
 import pytest
 import torch
@@ -27,10 +26,10 @@ from adapters import UnsupportedAdapterError
 from adapters.lora import load_lora
 from adapters.slots import LoRASlots
 from factories import save_lora
-from lora_runner import LLMEngine, SamplingParams
+from engine_support import assert_churn_exact, churn_adapters
+from lora_runner import LLMEngine
 from lora_runner.model import load_model
 from lora_runner.model.forward_context import LoRAContext
-from adapters import LoRARequest
 from test_model_harness import PagedDriver, assert_close, hf_logits
 from test_moe import save_moe
 
@@ -133,25 +132,8 @@ def test_engine_serves_expert_adapters_over_fewer_slots(tmp_path, greedy_oracle)
     adapters = family_adapters(tmp_path, hf, load_model(str(tmp_path / "model"))[1].spec(), seed=3)
     engine = LLMEngine(str(tmp_path / "model"), dtype="float32", max_num_seqs=4, max_model_len=40, max_loras=2,
                        max_lora_rank=8, max_cpu_loras=2, block_size=4, max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
-    rng = random.Random(0)
-    names = [*adapters, None, *reversed(adapters)]  # 4 adapters over 2 slots, and the base model
-    requests = {f"q{i}": ([rng.randrange(3, 256) for _ in range(rng.randint(3, 12))], name)
-                for i, name in enumerate(names)}
-    pending, done = list(requests.items()), {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(2):
-            if pending:
-                request_id, (prompt, name) = pending.pop(0)
-                lora = LoRARequest(name, adapters[name][0]) if name else None
-                engine.add_request(request_id, prompt, params, lora_request=lora)
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for request_id, (prompt, name) in requests.items():
-        tokens, logprobs = greedy_oracle(adapters[name][1] if name else hf, prompt, 4)
-        completion = done[request_id].outputs[0]
-        assert completion.token_ids == tokens, (request_id, name)
-        for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
-            assert abs(got[tokens[step]] - want) <= ATOL, (request_id, name, step)
+    requests, done = churn_adapters(engine, adapters, max_prompt=12)  # 4 adapters over 2 slots, and the base
+    assert_churn_exact(requests, done, lambda name: adapters[name][1] if name else hf, greedy_oracle, ATOL)
 
 
 def test_dora_on_an_expert_and_other_target_parameters_are_refused(tmp_path):
