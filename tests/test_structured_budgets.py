@@ -1,0 +1,146 @@
+"""Hostile tenants against structured outputs (issue 39, items 1-3): compiled grammars bounded in bytes per
+tenant and in total, compilations served fairly across tenants with per-tenant stuck budgets and dropped
+when their requests are gone, and a per-step mask budget that fails a slow constraint alone. Fake
+compilers and matchers gated by events: no timing assertions."""
+
+import threading
+from concurrent.futures import CancelledError
+
+import pytest
+
+from lora_runner.engine.structured.backend import StructuredOutputError
+from lora_runner.engine.structured.compile_queue import CompileQueue
+
+
+class FakeCompiler:
+    """compile_fn whose compilations of texts starting with "slow" wait for `gate`; records the order."""
+
+    def __init__(self, sizes=None):
+        self.gate = threading.Event()
+        self.order: list[str] = []
+        self.started = threading.Semaphore(0)
+        self.sizes = sizes or {}
+
+    def __call__(self, kind, text):
+        self.order.append(text)
+        self.started.release()
+        if text.startswith("slow"):
+            assert self.gate.wait(30), "the test never let the slow compilation go"
+        return text
+
+    def size_of(self, compiled):
+        return self.sizes.get(compiled, 100)
+
+
+def _queue(compiler, **overrides):
+    settings = dict(threads=1, timeout_s=None, tenant_bytes=1000, total_bytes=3000, max_stuck_per_tenant=2,
+                    max_stuck=8, max_entries=128)
+    return CompileQueue(compiler, compiler.size_of, lambda kind, text: 10, **{**settings, **overrides})
+
+
+def test_a_flood_from_one_tenant_delays_another_by_one_compilation_at_most():
+    compiler = FakeCompiler()
+    queue = _queue(compiler, tenant_bytes=10_000, total_bytes=100_000)
+    try:
+        flood = [queue.submit(("json", f"slow{i}"), "A") for i in range(10)]
+        assert compiler.started.acquire(timeout=30)  # A's first holds the one thread
+        trivial = queue.submit(("json", "int"), "B")
+        compiler.gate.set()
+        assert trivial.result(timeout=30) == "int"
+        assert compiler.order.index("int") == 1  # right after the compilation that was running
+        assert [f.result(timeout=30) for f in flood] == [f"slow{i}" for i in range(10)]
+    finally:
+        compiler.gate.set()
+        queue.close()
+
+
+def test_compiled_grammars_are_bounded_per_tenant_evicting_the_tenants_own_first():
+    compiler = FakeCompiler(sizes={f"a{i}": 400 for i in range(10)} | {"b0": 400})
+    queue = _queue(compiler)
+    try:
+        queue.submit(("json", "b0"), "B").result(timeout=30)
+        for i in range(10):  # 4 KB of grammars from A, whose bound is 1000 bytes
+            queue.submit(("json", f"a{i}"), "A").result(timeout=30)
+            assert queue.bytes_of("A") <= 1000
+        assert queue.bytes_of("B") == 400  # B's grammar was not evicted for A's
+        assert queue.bytes_of() <= 3000
+        before = len(compiler.order)
+        queue.submit(("json", "b0"), "B").result(timeout=30)
+        assert len(compiler.order) == before  # still cached
+    finally:
+        queue.close()
+
+
+def test_the_total_bound_evicts_the_least_recently_used_of_anyone():
+    compiler = FakeCompiler(sizes={f"{t}{i}": 400 for t in "abcd" for i in range(3)})
+    queue = _queue(compiler, total_bytes=2000)
+    try:
+        for tenant in "abcd":
+            for i in range(2):
+                queue.submit(("json", f"{tenant}{i}"), tenant).result(timeout=30)
+                assert queue.bytes_of() <= 2000
+    finally:
+        queue.close()
+
+
+def test_a_grammar_over_the_tenant_bound_is_refused_with_a_clear_error():
+    compiler = FakeCompiler(sizes={"huge": 5000})
+    queue = _queue(compiler)
+    try:
+        with pytest.raises(StructuredOutputError, match="compiles to 5000 bytes, more than the 1000 bytes"):
+            queue.submit(("json", "huge"), "A").result(timeout=30)
+        assert queue.bytes_of() == 0
+    finally:
+        queue.close()
+
+
+def test_in_flight_compilations_count_against_the_tenant_bound():
+    compiler = FakeCompiler()
+    queue = _queue(compiler, tenant_bytes=25)  # two reservations of 10 bytes fit, a third does not
+    try:
+        queue.submit(("json", "slow0"), "A")
+        queue.submit(("json", "slow1"), "A")
+        with pytest.raises(StructuredOutputError, match="still compiling take its whole grammar memory"):
+            queue.submit(("json", "slow2"), "A")
+        assert queue.submit(("json", "b"), "B") is not None  # B is not refused for A's
+    finally:
+        compiler.gate.set()
+        queue.close()
+
+
+def test_stuck_compilations_are_budgeted_per_tenant():
+    compiler = FakeCompiler()
+    queue = _queue(compiler, timeout_s=0.05, max_stuck_per_tenant=1, max_stuck=8)
+    try:
+        stuck = queue.submit(("json", "slow0"), "A")
+        with pytest.raises(StructuredOutputError, match="longer than"):
+            stuck.result(timeout=30)
+        assert queue.num_stuck == 1
+        with pytest.raises(StructuredOutputError, match="still compiling past their deadline"):
+            queue.submit(("json", "slow1"), "A")
+        assert queue.submit(("json", "b"), "B").result(timeout=30) == "b"  # B compiles on the new thread
+    finally:
+        compiler.gate.set()
+        queue.close()
+
+
+def test_a_compilation_whose_requests_are_gone_never_starts():
+    compiler = FakeCompiler()
+    queue = _queue(compiler)
+    try:
+        queue.submit(("json", "slow0"), "A")
+        assert compiler.started.acquire(timeout=30)
+        abandoned = queue.submit(("json", "gone"), "A")
+        shared = queue.submit(("json", "kept"), "A")
+        assert queue.submit(("json", "kept"), "A") is shared  # two requests wait on it
+        queue.release(abandoned)
+        queue.release(shared)  # one of its two requests is gone: it still compiles
+        assert abandoned.cancelled()
+        compiler.gate.set()
+        assert shared.result(timeout=30) == "kept"
+        assert "gone" not in compiler.order
+        with pytest.raises(CancelledError):
+            abandoned.result(timeout=0)
+    finally:
+        compiler.gate.set()
+        queue.close()
