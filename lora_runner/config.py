@@ -111,6 +111,19 @@ class EngineConfig:
         "seconds a request's structured-output constraint (JSON schema, regex, grammar) may take to compile "
         f"before the request fails with StructuredOutputError (HTTP 400); in (0, {MAX_COMPILE_TIMEOUT_S:g}]",
         default=30.0))
+    structured_outputs_cache_bytes: int = field(**_doc(
+        "bytes of compiled structured-output grammars the server keeps, all tenants together, compilations still "
+        "in flight included (estimated until compiled); the least recently used are dropped first, and a new "
+        "constraint that does not fit beside those still compiling fails with StructuredOutputError (HTTP 400)",
+        default=1 << 30))
+    structured_outputs_tenant_cache_bytes: int = field(**_doc(
+        "bytes of compiled structured-output grammars one tenant may hold (in flight included); a tenant over it "
+        "loses its own least recently used first, and one grammar bigger than this fails its request with "
+        "StructuredOutputError (HTTP 400); at most structured_outputs_cache_bytes", default=256 << 20))
+    structured_outputs_mask_budget_ms: float = field(**_doc(
+        "milliseconds one request's structured-output token mask may take to compute in a step; a request over "
+        "it finishes alone with \"error\" (StructuredOutputError), so an ambiguous grammar cannot slow every "
+        "step for everyone", default=250.0))
     speculative_config: dict | str | None = field(hash=False, **_doc(
         'speculative decoding, in vLLM\'s spelling (a dict, or its JSON text on the command line): {"method": '
         '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} verifies up to k '
@@ -163,6 +176,17 @@ class EngineConfig:
                 or not 0 < compile_timeout <= MAX_COMPILE_TIMEOUT_S:
             raise ValueError(f"structured_outputs_compile_timeout_s must be a number of seconds in "
                              f"(0, {MAX_COMPILE_TIMEOUT_S:g}], got {compile_timeout!r}")
+        for name in ("structured_outputs_cache_bytes", "structured_outputs_tenant_cache_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+        if self.structured_outputs_tenant_cache_bytes > self.structured_outputs_cache_bytes:
+            raise ValueError(f"structured_outputs_tenant_cache_bytes ({self.structured_outputs_tenant_cache_bytes}) "
+                             f"must be at most structured_outputs_cache_bytes ({self.structured_outputs_cache_bytes})")
+        budget = self.structured_outputs_mask_budget_ms
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+            raise ValueError(f"structured_outputs_mask_budget_ms must be a positive number of milliseconds, "
+                             f"got {budget!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)  # validates it
             if isinstance(self.speculative_config, str):  # JSON text (the command line) is kept as its dict

@@ -144,3 +144,48 @@ def test_a_compilation_whose_requests_are_gone_never_starts():
     finally:
         compiler.gate.set()
         queue.close()
+
+
+# ---------------------------------------------------------------------------------------- on the engine
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from structured_support import save_byte_checkpoint
+
+    return save_byte_checkpoint(tmp_path_factory.mktemp("budgets"))
+
+
+def _constrained(**constraint):
+    from lora_runner import SamplingParams, StructuredOutputsParams
+
+    return SamplingParams(structured_outputs=StructuredOutputsParams(**constraint), temperature=0.0, max_tokens=12)
+
+
+def test_a_constraint_over_the_mask_budget_fails_alone_and_costs_its_bystander_one_step(checkpoint, monkeypatch):
+    """An injected slow matcher (each fill 'takes' 10 s on the injected clock, the budget is 50 ms): its request
+    fails with StructuredOutputError after one fill, instead of slowing every step; a bystander's tokens are
+    those it gets alone."""
+    from engine_support import make_engine, run_to_completion
+
+    from lora_runner import SamplingParams
+    from lora_runner.engine.structured.request_grammar import RequestGrammar
+
+    bystander = ("bystander", "hello", SamplingParams(temperature=0.0, max_tokens=12))
+    engine = make_engine(checkpoint[0], max_model_len=128, structured_outputs_mask_budget_ms=50)
+    try:
+        alone = run_to_completion(engine, [bystander])["bystander"].outputs[0].token_ids
+        now, slow_fills, real_fill = [0.0], [], RequestGrammar.fill
+        engine.structured._clock = lambda: now[0]
+
+        def slow_fill(self, bitmask, index, eos_allowed=True):  # the only constrained request is the slow one
+            slow_fills.append(index)
+            now[0] += 10.0  # what an ambiguous grammar's fill costs
+            return real_fill(self, bitmask, index, eos_allowed)
+
+        monkeypatch.setattr(RequestGrammar, "fill", slow_fill)
+        outputs = run_to_completion(engine, [("slow", "x", _constrained(regex="[ab]+")), bystander])
+    finally:
+        engine.close()
+    assert outputs["slow"].outputs[0].finish_reason == "error"
+    assert "over the 50 ms a request may take" in str(outputs["slow"].outputs[0].error)
+    assert len(slow_fills) == 1  # it slowed one step, not every step
+    assert outputs["bystander"].outputs[0].token_ids == alone

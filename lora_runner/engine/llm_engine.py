@@ -23,7 +23,7 @@ from itertools import count
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.config import EngineConfig
 from lora_runner.core.block_manager import BlockManager
-from lora_runner.core.fairness import VirtualTokenCounter
+from lora_runner.core.fairness import VirtualTokenCounter, tenant_of
 from lora_runner.core.request import Request
 from lora_runner.core.scheduler import Scheduler
 from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
@@ -102,7 +102,10 @@ class LLMEngine(AdapterAPI):
         # structured outputs: grammars compile off the step thread, for the tokenizer looked up when first needed
         self.structured = StructuredOutputs(lambda: self.tokenizer.get(), self.model_config.vocab_size,
                                             lambda: self.output_processor.eos_token_ids, wake=self.intake.wake,
-                                            timeout_s=cfg.structured_outputs_compile_timeout_s)
+                                            timeout_s=cfg.structured_outputs_compile_timeout_s,
+                                            tenant_bytes=cfg.structured_outputs_tenant_cache_bytes,
+                                            total_bytes=cfg.structured_outputs_cache_bytes,
+                                            mask_budget_s=cfg.structured_outputs_mask_budget_ms / 1000)
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self._arrivals = count()
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
@@ -159,13 +162,13 @@ class LLMEngine(AdapterAPI):
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer.get(),
                                                              self.model_config.vocab_size)
-        grammar = self.structured.request_grammar(params)  # its own matcher; the compilation is shared
         generator = self.executor.make_generator(params.seed) if params.seed is not None else None
         request = Request(request_id, list(token_ids), params, arrival=next(self._arrivals),
                           prompt=prompt if isinstance(prompt, str) else None, lora_request=lora_request,
                           prompt_adapter_request=prompt_adapter_request, generator=generator, tenant=tenant,
                           cache_salt=cache_salt)
-        request.grammar = grammar
+        # its own matcher; the compilation is queued, cached and bounded per tenant
+        request.grammar = self.structured.request_grammar(params, tenant_of(request))
         return request
 
     def _acquire_all(self, samples: list[Request]) -> None:
@@ -363,9 +366,11 @@ class LLMEngine(AdapterAPI):
         return self._output(request)
 
     def _release(self, request: Request) -> None:
-        """A finished request gives back its adapters and stops being live."""
+        """A finished request gives back its adapters (and its grammar's compilation) and stops being live."""
         self.adapters.release(request)
         self.intake.finished(request)
+        if request.grammar is not None:  # a compilation nobody waits for any more is not started
+            request.grammar.release()
 
     def _output(self, request: Request) -> RequestOutput:
         """The request's RequestOutput (its text and the text since its previous output)."""

@@ -7,6 +7,11 @@ it back failed. Each step the engine fills one bitmask row per sampled constrain
 disallow; the output processor advances each matcher by its token, and a completed constraint ends
 its request with "stop". A step without constrained requests has no bitmask at all, and an engine that
 never sees a constraint never imports xgrammar (backend.py).
+
+Tenants: compilations are queued, cached and bounded in bytes per tenant (compile_queue); a request that
+finishes before its compilation started drops it (``RequestGrammar.release``). Each request's mask fill is
+timed: one over ``mask_budget_s`` fails that request alone at its next token, so an ambiguous grammar
+costs the other requests one step at most instead of every step.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from lora_runner.core.request import Request
 from lora_runner.core.stop_rule import stop_tokens
 from lora_runner.engine.structured.backend import StructuredOutputError, xgrammar
-from lora_runner.engine.structured.grammar_compiler import GrammarCompiler
+from lora_runner.engine.structured.grammar_compiler import TENANT_CACHE_BYTES, TOTAL_CACHE_BYTES, GrammarCompiler
 from lora_runner.engine.structured.request_grammar import RequestGrammar
 from lora_runner.sampling_params import SamplingParams
 
@@ -38,10 +43,17 @@ class StructuredOutputs:
         wake: called when a compilation finishes or times out, so an idle step loop looks again.
         timeout_s: a constraint still compiling after this fails its request
             (EngineConfig.structured_outputs_compile_timeout_s).
+        tenant_bytes / total_bytes: the compiled grammars' bounds (EngineConfig.structured_outputs_*cache_bytes).
+        mask_budget_s: the time one request's mask fill may take in a step (structured_outputs_mask_budget_ms).
+        clock: the time source of the mask budget (tests inject one).
     """
 
     def __init__(self, get_tokenizer: Callable, vocab_size: int, stop_token_ids: Callable[[], Collection[int]],
-                 wake: Callable[[], None] = lambda: None, *, timeout_s: float) -> None:
+                 wake: Callable[[], None] = lambda: None, *, timeout_s: float, tenant_bytes: int = TENANT_CACHE_BYTES,
+                 total_bytes: int = TOTAL_CACHE_BYTES, mask_budget_s: float = 0.25,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.tenant_bytes, self.total_bytes = tenant_bytes, total_bytes
+        self.mask_budget_s, self._clock = mask_budget_s, clock
         self._get_tokenizer = get_tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
@@ -59,16 +71,19 @@ class StructuredOutputs:
                 if tokenizer is None:
                     raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
                 self._compiler = GrammarCompiler(tokenizer, self.vocab_size, self._stop_token_ids(),
-                                                 timeout_s=self.timeout_s)
+                                                 timeout_s=self.timeout_s, tenant_bytes=self.tenant_bytes,
+                                                 total_bytes=self.total_bytes)
             return self._compiler
 
-    def request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
-        """A new RequestGrammar for a request with these params (None when unconstrained); its
-        compilation starts now (or is shared with an earlier one of the same constraint)."""
+    def request_grammar(self, params: SamplingParams, tenant: str = "") -> RequestGrammar | None:
+        """A new RequestGrammar for `tenant`'s request with these params (None when unconstrained); its
+        compilation is queued now (or shared with the tenant's earlier one of the same constraint)."""
         if params.structured_outputs is None:
             return None
-        future = self.compiler.compile(params.structured_outputs)
-        grammar = RequestGrammar(future, time.monotonic() + self.timeout_s, self.timeout_s)
+        compiler = self.compiler
+        future = compiler.compile(params.structured_outputs, tenant)
+        grammar = RequestGrammar(future, time.monotonic() + self.timeout_s, self.timeout_s,
+                                 release=compiler.release)
         if not future.done():
             future.add_done_callback(lambda _: self._wake())
             timer = threading.Timer(self.timeout_s, self._wake)  # the deadline wakes an idle loop too
@@ -86,7 +101,11 @@ class StructuredOutputs:
         bitmask = xgrammar().allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W] int32, all allowed
         for index, row in enumerate(rows):
             request = sampled[row]
+            start = self._clock()
             request.grammar.fill(bitmask, index, stop_tokens(request.params, request.num_output_tokens, ()).eos_allowed)
+            elapsed = self._clock() - start
+            if elapsed > self.mask_budget_s:  # it fails at its next token (RequestGrammar.accept), alone
+                request.grammar.over_budget(elapsed, self.mask_budget_s)
         return rows, bitmask
 
     def close(self) -> None:

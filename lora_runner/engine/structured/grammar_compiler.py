@@ -1,35 +1,39 @@
-"""Constraint -> xgrammar CompiledGrammar, off the step thread, cached by (kind, text).
+"""Constraint -> xgrammar CompiledGrammar, off the step thread, cached per tenant by (kind, text).
 
 Parsing a JSON schema into a grammar and compiling the grammar's token masks can take seconds for a
-large schema (xgrammar releases the GIL meanwhile), so both run in a small thread pool. The futures
-are kept in a bounded LRU keyed by ``StructuredOutputsParams.key()``: requests with the same
-constraint, parallel samples included, share one compilation, and one still in flight is never
-started twice. xgrammar's own compiler cache is bounded in bytes as well.
+large schema (xgrammar releases the GIL meanwhile), so both run in compile threads (compile_queue):
+each tenant's constraints wait in its own queue and the threads serve the tenants in turn; requests of
+one tenant with the same constraint, parallel samples included, share one compilation. Compiled
+grammars are bounded in bytes (xgrammar's ``CompiledGrammar.memory_size_bytes``) per tenant and in
+total; one still compiling counts an estimate (``reserve_bytes``). xgrammar's own compiler cache is
+bounded in bytes as well.
 
-A compilation cannot be interrupted, so one that outlives ``timeout_s`` (a pathological constraint) would
-hold its thread for good: at its deadline it fails its Future (requests of that constraint fail alone, a
-repeat fails at once from the cache) and gives its compile slot back, so the next constraints compile in a
-fresh thread. At most ``MAX_STUCK_COMPILES`` such threads may be outstanding; past that, new constraints are
-refused with StructuredOutputError until one of them ends (unconstrained requests never wait on any of this).
+A compilation cannot be interrupted, so one that outlives ``timeout_s`` (a pathological constraint) fails
+its requests at its deadline (a repeat fails at once from the cache) and its thread is replaced. At most
+``MAX_STUCK_PER_TENANT`` such threads per tenant (``MAX_STUCK_COMPILES`` in all) may be outstanding; past
+that, the tenant's (everyone's) new constraints are refused with StructuredOutputError until one of them
+ends (unconstrained requests never wait on any of this).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
-from lora_runner.engine.structured.backend import StructuredOutputError, compile_timeout_error, xgrammar
+from lora_runner.engine.structured.backend import StructuredOutputError, xgrammar
+from lora_runner.engine.structured.compile_queue import CompileQueue
 from lora_runner.engine.structured.string_lengths import bounded_strings_as_patterns
 from lora_runner.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2  # compilations that run at once (each is single-threaded)
-MAX_STUCK_COMPILES = 4  # compilations past their deadline whose threads may still be running
+MAX_STUCK_COMPILES = 16  # compilations past their deadline whose threads may still be running, in all
+MAX_STUCK_PER_TENANT = 4  # ... of one tenant (the old global bound: one tenant alone is served as before)
+TENANT_CACHE_BYTES = 256 << 20  # EngineConfig.structured_outputs_tenant_cache_bytes's default
+TOTAL_CACHE_BYTES = 1 << 30  # EngineConfig.structured_outputs_cache_bytes's default
 CACHE_ENTRIES = 128  # compiled constraints kept (least recently used dropped first)
 XGRAMMAR_CACHE_BYTES = 64 << 20  # bound of xgrammar's own compiler cache
 # longest whitespace run between JSON tokens: unbounded, a model can stay in whitespace until max_tokens
@@ -47,85 +51,50 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Collection[int], *,
                  threads: int = COMPILE_THREADS, cache_entries: int = CACHE_ENTRIES,
-                 timeout_s: float | None = None, max_stuck: int = MAX_STUCK_COMPILES) -> None:
+                 timeout_s: float | None = None, max_stuck: int = MAX_STUCK_COMPILES,
+                 max_stuck_per_tenant: int = MAX_STUCK_PER_TENANT, tenant_bytes: int = TENANT_CACHE_BYTES,
+                 total_bytes: int = TOTAL_CACHE_BYTES) -> None:
         self.vocab_size = vocab_size
         xgr = xgrammar()  # StructuredOutputError when it is not installed
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                  stop_token_ids=sorted(stop_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=True,
                                              cache_limit_bytes=XGRAMMAR_CACHE_BYTES)
-        # `threads` compile slots; threads whose compilation outlived its deadline gave theirs back
-        self._pool = ThreadPoolExecutor(threads + max_stuck, thread_name_prefix="grammar-compile")
-        self._slots = threading.Semaphore(threads)
-        self._timeout_s, self._max_stuck = timeout_s, max_stuck
-        self.num_stuck = 0  # compilations past their deadline still running in their threads
-        self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._cache_entries = cache_entries
-        self._lock = threading.Lock()
+        # a lambda, not the bound method: tests replace _compile_kind on the instance
+        self.queue = CompileQueue(lambda kind, text: self._compile(kind, text), _compiled_bytes,
+                                  self.reserve_bytes, threads=threads, timeout_s=timeout_s,
+                                  tenant_bytes=tenant_bytes, total_bytes=total_bytes,
+                                  max_stuck_per_tenant=max_stuck_per_tenant, max_stuck=max_stuck,
+                                  max_entries=cache_entries)
 
-    def compile(self, constraint: StructuredOutputsParams) -> Future:
-        """The Future of `constraint`'s CompiledGrammar (shared with earlier requests of the same
-        constraint); it raises StructuredOutputError when the constraint does not compile."""
-        key = constraint.key()
-        with self._lock:
-            future = self._futures.get(key)
-            if future is not None:
-                self._futures.move_to_end(key)
-                return future
-            if self.num_stuck >= self._max_stuck:
-                raise StructuredOutputError(
-                    f"{self.num_stuck} earlier constraints are still compiling past their deadline; try again later "
-                    "or simplify the constraint")
-            future = Future()  # ours, not the pool's: a deadline can fail it while its thread still runs
-            self._pool.submit(self._run, future, key)
-            self._futures[key] = future
-            while len(self._futures) > self._cache_entries:
-                self._futures.popitem(last=False)
-            return future
+    @property
+    def num_stuck(self) -> int:
+        """Compilations past their deadline whose threads still run."""
+        return self.queue.num_stuck
 
-    def _run(self, future: Future, key: tuple[str, str]) -> None:
-        """Compile `key` in a compile slot into `future`. Past its deadline `_overdue` fails the future and
-        gives the slot back; the thread then only counts as stuck until the compilation ends."""
-        self._slots.acquire()
-        if not future.set_running_or_notify_cancel():
-            self._slots.release()
-            return
-        overdue = threading.Event()  # set once: by the deadline, or by the end of the compilation
-        timer = None
-        if self._timeout_s is not None:
-            timer = threading.Timer(self._timeout_s, self._overdue, (future, overdue))
-            timer.daemon = True
-            timer.start()
-        try:
-            result, error = self._compile(*key), None
-        except StructuredOutputError as exc:
-            result, error = None, exc
-        finally:
-            if timer is not None:
-                timer.cancel()
-        with self._lock:
-            if overdue.is_set():  # the deadline came first: its future failed and its slot went back
-                self.num_stuck -= 1
-                logger.warning("a structured-output compilation (%s) ended after its deadline", key[0])
-                return
-            overdue.set()
-        self._slots.release()
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
+    @property
+    def _max_stuck(self) -> int:
+        return self.queue.max_stuck
 
-    def _overdue(self, future: Future, overdue: threading.Event) -> None:
-        """The deadline of a running compilation: fail its future and give its compile slot back."""
-        with self._lock:
-            if overdue.is_set():  # it ended first
-                return
-            overdue.set()
-            self.num_stuck += 1
-        self._slots.release()
-        logger.warning("a structured-output compilation outlived its %g s deadline; its thread is left to finish",
-                       self._timeout_s)
-        future.set_exception(compile_timeout_error(self._timeout_s))
+    @_max_stuck.setter
+    def _max_stuck(self, value: int) -> None:
+        self.queue.max_stuck = value
+
+    def compile(self, constraint: StructuredOutputsParams, tenant: str = "") -> Future:
+        """The Future of `constraint`'s CompiledGrammar for `tenant` (shared with the tenant's earlier
+        requests of the same constraint); it raises StructuredOutputError when the constraint does not
+        compile, and compile itself raises it when the constraint is refused up front (compile_queue)."""
+        return self.queue.submit(constraint.key(), tenant)
+
+    def release(self, future: Future) -> None:
+        """A request waiting on `future` is gone: a compilation nobody waits for is dropped before it starts."""
+        self.queue.release(future)
+
+    def reserve_bytes(self, kind: str, text: str) -> int:
+        """What a compilation counts until its real size is known: an estimate, as xgrammar tells the size
+        only once it is compiled: 256 bytes per character of the constraint, at least 1 MiB (the per-tenant
+        count of compilations in flight is what it bounds; the real size replaces it when it is known)."""
+        return max(1 << 20, 256 * len(text))
 
     def _compile(self, kind: str, text: str):  # -> xgrammar.CompiledGrammar
         try:
@@ -153,7 +122,14 @@ class GrammarCompiler:
 
     def close(self) -> None:
         """Stop taking compilations (running ones finish in their threads; nobody waits for them)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.queue.close()
+
+
+def _compiled_bytes(compiled) -> int:
+    """A CompiledGrammar's size in bytes, as xgrammar reports it (``memory_size_bytes``; an older xgrammar
+    without it: the length of its serialized form, which holds the same grammar and token masks)."""
+    size = getattr(compiled, "memory_size_bytes", None)
+    return int(size) if size is not None else len(compiled.serialize_json())
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -17,6 +17,7 @@ not sampled, so it is not among the output's token ids).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -27,10 +28,14 @@ from lora_runner.sample.token_masks import unpack_bitmask
 
 class RequestGrammar:
     """The constraint of one request (see the module docstring). deadline: time.monotonic() after
-    which a compilation still running fails the request; timeout_s: for the message."""
+    which a compilation still running fails the request; timeout_s: for the message; release: called
+    once with the Future when the request is gone (GrammarCompiler.release)."""
 
-    def __init__(self, future: Future, deadline: float, timeout_s: float) -> None:
+    def __init__(self, future: Future, deadline: float, timeout_s: float,
+                 release: Callable[[Future], None] = lambda future: None) -> None:
         self._future = future
+        self._release = release
+        self._budget_error: StructuredOutputError | None = None
         self._deadline = deadline
         self._timeout_s = timeout_s
         self.matcher = None  # xgrammar.GrammarMatcher once the compilation is done
@@ -56,6 +61,18 @@ class RequestGrammar:
             return "failed"
         return "loading"
 
+    def release(self) -> None:
+        """The request is gone (finished, aborted): a compilation nobody else waits for is not started."""
+        release, self._release = self._release, None
+        if release is not None:
+            release(self._future)
+
+    def over_budget(self, elapsed_s: float, budget_s: float) -> None:
+        """Its mask took `elapsed_s` in a step, over `budget_s`: the request fails at its next token."""
+        self._budget_error = StructuredOutputError(
+            f"structured_outputs: computing the allowed tokens took {elapsed_s * 1000:.0f} ms in one step, over the "
+            f"{budget_s * 1000:g} ms a request may take; simplify the constraint (an ambiguous grammar)")
+
     def fill(self, bitmask: torch.Tensor, index: int, eos_allowed: bool = True) -> None:
         """Write the ids the constraint allows next into row `index` of `bitmask` [C, ceil(V / 32)] int32;
         without its end tokens unless `eos_allowed` (ignore_eos and min_tokens: lora_runner.core.stop_rule)."""
@@ -72,6 +89,8 @@ class RequestGrammar:
         nothing but an end token next (see the module docstring). StructuredOutputError when the
         token breaks the constraint (it was masked)."""
         assert self.matcher is not None, "a token is appended before the grammar is ready"
+        if self._budget_error is not None:
+            raise self._budget_error
         if self.matcher.is_terminated():
             return True
         if not self.matcher.accept_token(token_id):
