@@ -189,3 +189,44 @@ def test_a_constraint_over_the_mask_budget_fails_alone_and_costs_its_bystander_o
     assert "over the 50 ms a request may take" in str(outputs["slow"].outputs[0].error)
     assert len(slow_fills) == 1  # it slowed one step, not every step
     assert outputs["bystander"].outputs[0].token_ids == alone
+
+
+def test_an_aborted_request_drops_its_queued_compilation_and_tenants_compile_in_turn(checkpoint, monkeypatch):
+    """Both compile threads busy with tenant A's slow schemas: once one thread is free, B's constraint runs
+    before A's next one, and a request aborted while its constraint waits leaves nothing to compile."""
+    from engine_support import make_engine, run_to_completion
+
+    engine = make_engine(checkpoint[0], max_model_len=128)
+    compiler = engine.structured.compiler
+    real, order, started = compiler._compile_kind, [], threading.Semaphore(0)
+    gates = {f"z{{{i + 1}}}": threading.Event() for i in range(4)}  # A's slow constraints, let go one by one
+
+    def gated(kind, text):
+        order.append(text)
+        started.release()
+        if text in gates:
+            assert gates[text].wait(60)
+        return real(kind, text)
+
+    monkeypatch.setattr(compiler, "_compile_kind", gated)
+    try:
+        for i in range(4):
+            engine.add_request(f"a{i}", "x", _constrained(regex=f"z{{{i + 1}}}"), tenant="A")
+        assert started.acquire(timeout=30) and started.acquire(timeout=30)  # both threads hold A's
+        engine.add_request("gone", "x", _constrained(regex="q+"), tenant="B")
+        engine.add_request("b", "x", _constrained(choice=["yes", "no"]), tenant="B")
+        engine.abort_request("gone")
+        engine.step()  # the abort is taken: "q+" is dropped before it starts
+        gates[order[0]].set()  # one thread free: B's turn
+        assert started.acquire(timeout=30) and started.acquire(timeout=30)  # B's, then A's third
+        for gate in gates.values():
+            gate.set()
+        outputs = run_to_completion(engine)
+    finally:
+        for gate in gates.values():
+            gate.set()
+        engine.close()
+    assert "q+" not in order
+    assert order[2] == '["yes", "no"]'  # B's before A's third and fourth
+    assert outputs["b"].outputs[0].text in ("yes", "no")
+    assert [outputs[f"a{i}"].outputs[0].text for i in range(4)] == ["z" * (i + 1) for i in range(4)]
