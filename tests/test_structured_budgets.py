@@ -230,3 +230,30 @@ def test_an_aborted_request_drops_its_queued_compilation_and_tenants_compile_in_
     assert order[2] == '["yes", "no"]'  # B's before A's third and fourth
     assert outputs["b"].outputs[0].text in ("yes", "no")
     assert [outputs[f"a{i}"].outputs[0].text for i in range(4)] == ["z" * (i + 1) for i in range(4)]
+
+
+def test_schema_handling_runs_off_the_event_loop(checkpoint, monkeypatch):
+    """A body's constraint (validation, copies, JSON round trips of a big schema) is turned into SamplingParams on
+    the prompt pool, never on the event loop that serves every tenant's streams and /health."""
+    import openai
+    from serve_support import serve_args, start_server
+
+    from lora_runner.entrypoints.openai import completions
+
+    threads, real = [], completions.sampling_params
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(completions, "sampling_params", recorded)
+    server, _ = start_server(serve_args(checkpoint[0], {}))
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        completion = client.completions.create(model="base", prompt="n:", max_tokens=30, temperature=0.0, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    finally:
+        server.stop()
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    assert threads and all(name.startswith("lora-runner-prompts") for name in threads), threads

@@ -22,6 +22,7 @@ from lora_runner.entrypoints.openai.sampling import (check_supported, requested_
                                                      sampling_params)
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
+from lora_runner.sampling_params import SamplingParams
 from lora_runner.entrypoints.openai.tool_calls.choice import ToolPlan, tool_plan
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -88,13 +89,9 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
         prompts = [ids[-(state.max_model_len if keep == -1 else keep):] for ids in prompts]
     check_lengths(state, prompts, max_tokens, virtual_tokens(state, target))
     prompt_logprobs = requested_prompt_logprobs(body, state.max_logprobs)
-    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
     tools = tools or ToolPlan()
-    if tools.structured is not None:
-        if params.structured_outputs is not None:
-            raise APIError(400, "a forced tool_choice constrains the output itself: drop the other output "
-                           "constraint (response_format / structured_outputs)", "invalid_tool_choice")
-        params = dataclasses.replace(params, structured_outputs=tools.structured)
+    # a constraint's schema is validated, copied and serialized here: on the pool, as a big one takes seconds
+    params = await state.off_loop(_sampling_params, body, max_tokens, logprobs, prompt_logprobs, tools)
     fmt = format_type(state.new_id(id_prefix), body.model)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
@@ -103,6 +100,18 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
                                 continuous_usage=continuous_usage,
                                 extras=dataclasses.replace(extras_of(prompts), prompt_logprobs=prompt_logprobs),
                                 new_parser=tools.parser_factory(body.stream))
+
+
+def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+                     prompt_logprobs: int | None, tools: ToolPlan) -> SamplingParams:
+    """The engine's SamplingParams, with a forced tool_choice's constraint (400 beside another constraint)."""
+    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
+    if tools.structured is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, "a forced tool_choice constrains the output itself: drop the other output "
+                           "constraint (response_format / structured_outputs)", "invalid_tool_choice")
+        params = dataclasses.replace(params, structured_outputs=tools.structured)
+    return params
 
 
 def _completion_extras(state: ServerState, body: CompletionRequest, listed: list, prompts: list[list[int]],
