@@ -257,3 +257,55 @@ def test_schema_handling_runs_off_the_event_loop(checkpoint, monkeypatch):
         server.stop()
     assert completion.choices[0].finish_reason in ("stop", "length")
     assert threads and all(name.startswith("lora-runner-prompts") for name in threads), threads
+
+
+def test_the_real_ambiguous_grammar_is_stopped_by_the_mask_budget():
+    """xgrammar on `s ::= s s | "a" | "b"` with a 49k-token BPE vocabulary: each fill costs more than the last
+    (0.2 ms at the first token, about 250 ms by the 130th on a 2-core CPU); with a 5 ms budget the request
+    fails within a few dozen tokens instead of slowing every later step."""
+    import glob
+    import os
+    import random
+    from types import SimpleNamespace
+
+    from transformers import PreTrainedTokenizerFast
+
+    from lora_runner import SamplingParams, StructuredOutputsParams
+    from lora_runner.engine.structured import StructuredOutputs
+
+    files = glob.glob(os.path.expanduser("~/.cache/lora-runner/test/gguf/SmolLM2-*/tokenizer.json"))
+    if not files:
+        pytest.skip("no cached SmolLM2 tokenizer (the GGUF tests download it)")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=files[0])
+    vocab = len(tokenizer)
+    structured = StructuredOutputs(lambda: tokenizer, vocab, lambda: {0}, timeout_s=60, mask_budget_s=0.005)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(grammar='root ::= s\ns ::= s s | "a" | "b"'),
+                            max_tokens=1000)
+    try:
+        grammar = structured.request_grammar(params, "A")
+        grammar._future.result(timeout=60)
+        assert grammar.state() == "ready"
+        request = SimpleNamespace(grammar=grammar, params=params, num_output_tokens=0)
+        ab_tokens = [i for i in range(vocab) if tokenizer.decode([i]) and set(tokenizer.decode([i])) <= {"a", "b"}]
+        rng = random.Random(0)
+        with pytest.raises(StructuredOutputError, match="over the 5 ms a request may take"):
+            for _ in range(150):
+                structured.step_bitmask([request])
+                grammar.accept(rng.choice(ab_tokens))
+                request.num_output_tokens += 1
+        assert request.num_output_tokens < 150
+    finally:
+        structured.close()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(structured_outputs_cache_bytes=0), "structured_outputs_cache_bytes must be a positive number of bytes"),
+    (dict(structured_outputs_tenant_cache_bytes=True), "structured_outputs_tenant_cache_bytes must be a positive"),
+    (dict(structured_outputs_cache_bytes=100, structured_outputs_tenant_cache_bytes=200), "must be at most"),
+    (dict(structured_outputs_mask_budget_ms=0), "structured_outputs_mask_budget_ms must be a positive"),
+])
+def test_the_structured_output_bounds_are_checked_engine_settings(overrides, message):
+    from lora_runner.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="unused", **overrides)
