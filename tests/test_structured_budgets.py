@@ -309,3 +309,23 @@ def test_the_structured_output_bounds_are_checked_engine_settings(overrides, mes
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="unused", **overrides)
+
+
+def test_stuck_compilations_never_grow_the_threads_past_the_bound():
+    """Constraints queued before any got stuck all stall: at most threads + max_stuck compile threads run, and
+    a stuck thread that ends serves the queue again."""
+    compiler = FakeCompiler()
+    queue = _queue(compiler, timeout_s=0.05, max_stuck_per_tenant=8, max_stuck=1, tenant_bytes=10_000)
+    try:
+        futures = [queue.submit(("json", f"slow{i}"), "A") for i in range(4)]
+        for future in futures[:2]:
+            with pytest.raises(StructuredOutputError, match="longer than"):
+                future.result(timeout=30)
+        assert compiler.started.acquire(timeout=30) and compiler.started.acquire(timeout=30)
+        assert not compiler.started.acquire(timeout=1)  # 2 threads (1 + max_stuck), both stuck: slow2 waits
+        assert compiler.order == ["slow0", "slow1"]
+        compiler.gate.set()
+        assert [f.result(timeout=30) for f in futures[2:]] == ["slow2", "slow3"]
+    finally:
+        compiler.gate.set()
+        queue.close()

@@ -15,7 +15,9 @@ is refused up front.
 
 A compilation cannot be interrupted, so one that outlives ``timeout_s`` fails its Future at the deadline
 and its thread is replaced (the slot goes back); the stuck thread counts against its tenant (at most
-``max_stuck_per_tenant``) and the server (``max_stuck``) until the compilation ends. A constraint whose
+``max_stuck_per_tenant``) and the server (``max_stuck``) until the compilation ends. Past ``max_stuck``
+(constraints queued before the refusals began can still get stuck) no thread replaces it: at most
+``threads + max_stuck`` threads ever run. A constraint whose
 requests are all gone (``release``) before it starts is never compiled.
 """
 
@@ -78,6 +80,7 @@ class CompileQueue:
         self._stuck: dict[str, int] = {}  # tenant -> its compilations past their deadline, still running
         self._cond = threading.Condition()
         self._closed = False
+        self._missing = 0  # compile slots of stuck threads that no new thread took (max_stuck reached)
         for _ in range(threads):
             self._start_worker()
 
@@ -235,6 +238,9 @@ class CompileQueue:
                 self._stuck[entry.tenant] -= 1
                 self._resize(entry, 0)
                 logger.warning("a structured-output compilation (%s) ended after its deadline", entry.key[0])
+                if self._missing:  # no thread replaced this one: it serves the queues again
+                    self._missing -= 1
+                    return False
                 return True
             overdue.set()
             entry.state = "done"
@@ -270,7 +276,10 @@ class CompileQueue:
                 return
             overdue.set()
             self._stuck[entry.tenant] = self._stuck.get(entry.tenant, 0) + 1
-            self._start_worker()
+            if self.num_stuck <= self.max_stuck:
+                self._start_worker()
+            else:  # threads stay bounded (threads + max_stuck): a stuck one that ends takes the slot back
+                self._missing += 1
         logger.warning("a structured-output compilation outlived its %g s deadline; its thread is left to finish",
                        self._timeout_s)
         entry.future.set_exception(compile_timeout_error(self._timeout_s))
