@@ -8,6 +8,7 @@ the prompts are tokenized off the event loop, then lengths are checked and the g
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from fastapi import Request
@@ -24,6 +25,8 @@ from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
 from lora_runner.entrypoints.openai.tool_calls.choice import ToolPlan, tool_plan
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -35,7 +38,11 @@ async def create_completion(state: ServerState, tenant: Tenant, body: Completion
     release = state.admit(tenant, len(listed) * body.n)
     try:
         prompts = await state.off_loop(encode_prompts, state, listed)
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # --generation-config's max_new_tokens (fitted to the context), else OpenAI's 16
+            room = state.max_model_len - max(map(len, prompts)) - virtual_tokens(state, target)
+            default = state.sampling_defaults.max_tokens
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if default is None else max(1, min(default, room))
         # max_tokens=0 (echo only): one token is generated and not reported
         return await _generate(state, tenant, body, request, target, prompts, max(max_tokens, 1), logprobs, started,
                                CompletionFormat, "cmpl", release, lambda ids: _completion_extras(
@@ -49,13 +56,14 @@ async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatC
     """A chat completion through the tokenizer's chat template."""
     started = time.monotonic()
     logprobs, target = _checked(state, tenant, body)
-    check_chat(state, body.messages)
+    options = check_chat(state, body)
     tools = tool_plan(body)  # 400 for bad tools before any work
     release = state.admit(tenant, body.n)
     try:
-        prompt = await state.off_loop(chat_prompt, state, body.messages, tools.tools)
+        prompt = await state.off_loop(chat_prompt, state, body.messages, tools.tools, options)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(
-            state.max_tokens_limit, state.max_model_len - len(prompt) - virtual_tokens(state, target)))
+            state.max_tokens_limit, state.max_model_len - len(prompt) - virtual_tokens(state, target),
+            state.sampling_defaults.max_tokens or state.max_tokens_limit))
         last = body.messages[-1]
         echo = [last.text()] if body.echo and last.role == "assistant" else None
         return await _generate(state, tenant, body, request, target, [prompt], max_tokens, logprobs, started,
@@ -88,7 +96,7 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
         prompts = [ids[-(state.max_model_len if keep == -1 else keep):] for ids in prompts]
     check_lengths(state, prompts, max_tokens, virtual_tokens(state, target))
     prompt_logprobs = requested_prompt_logprobs(body, state.max_logprobs)
-    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
+    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs, state.sampling_defaults)
     tools = tools or ToolPlan()
     if tools.structured is not None:
         if params.structured_outputs is not None:
@@ -96,6 +104,9 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
                            "constraint (response_format / structured_outputs)", "invalid_tool_choice")
         params = dataclasses.replace(params, structured_outputs=tools.structured)
     fmt = format_type(state.new_id(id_prefix), body.model)
+    if state.config.enable_log_requests:  # lengths and parameters only: a prompt is the tenant's to read
+        logger.info("request %s: model=%r prompt_tokens=%s params=%r", fmt.response_id, body.model,
+                    [len(ids) for ids in prompts], params)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
