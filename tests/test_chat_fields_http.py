@@ -16,7 +16,7 @@ from serve_support import CHAT_TEMPLATE, PROMPTS, model_with_chat_template, offl
 from lora_runner.engine.chat import chat_token_ids
 
 # the server's --chat-template: the test template plus a variable a request's chat_template_kwargs sets
-SERVER_TEMPLATE = CHAT_TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %} no{% endif %}"
+SERVER_TEMPLATE = CHAT_TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %} no{% else %} yes{% endif %}"
 # a request's own template (only a server started with --trust-request-chat-template renders it)
 REQUEST_TEMPLATE = "{% for m in messages %}we {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}i{% endif %}"
 CONVERSATION = [{"role": "user", "content": PROMPTS[0]}]
@@ -67,7 +67,7 @@ def test_chat_template_kwargs_reach_the_template(served, client):
 
 def test_the_server_template_replaces_the_tokenizers(served, client):
     assert _prompt_ids(client, CONVERSATION) == _oracle(served, CONVERSATION)
-    assert _prompt_ids(client, CONVERSATION) != _oracle(served, CONVERSATION, chat_template=CHAT_TEMPLATE + " yes")
+    assert _prompt_ids(client, CONVERSATION) != _oracle(served, CONVERSATION, chat_template=CHAT_TEMPLATE)
 
 
 def test_add_generation_prompt_and_continue_final_message_render_as_llm_chat(served, client):
