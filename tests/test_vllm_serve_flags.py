@@ -32,7 +32,7 @@ def _refused(capsys, argv: list[str]) -> str:
     (["--trust-remote-code"], "--trust-remote-code"),
     (["--tokenizer", "/elsewhere/tokenizer"], "--tokenizer"),
     (["--lora-dtype", "bfloat16"], "--lora-dtype"),
-    (["--tool-call-parser", "llama3_json"], "--tool-call-parser llama3_json"),
+    (["--tool-call-parser", "mistral"], "--tool-call-parser mistral"),
     (["--generation-config", "/no/such/folder"], "--generation-config"),
     (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
 ])

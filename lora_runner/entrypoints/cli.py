@@ -168,7 +168,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         strict_request_fields=args.strict_request_fields,
                         chat_template=load_chat_template(args.chat_template),
                         trust_request_chat_template=args.trust_request_chat_template,
-                        enable_log_requests=args.enable_log_requests, generation_config=args.generation_config)
+                        enable_log_requests=args.enable_log_requests, generation_config=args.generation_config,
+                        tool_call_parser=args.tool_call_parser)
 
 
 def runtime_updating_from_env() -> bool:

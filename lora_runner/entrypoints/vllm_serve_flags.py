@@ -5,9 +5,9 @@ same keywords).
 Honoured: ``--chat-template`` (a file, or the template itself), ``--trust-request-chat-template``,
 ``--generation-config`` (auto / vllm / a folder: requests' sampling defaults), ``--enable-log-requests``
 (and the older ``--disable-log-requests``, a no-op: requests are not logged by default),
-``--enable-auto-tool-choice`` and ``--tool-call-parser hermes`` (tool_choice "auto" always reads
-Hermes-style ``<tool_call>`` markup), ``--tokenizer`` naming the model itself, ``--lora-dtype auto``.
-Refused: ``--trust-remote-code``, another tokenizer, another LoRA dtype, another tool-call parser.
+``--enable-auto-tool-choice`` (tool_choice "auto" is always served) and ``--tool-call-parser`` hermes,
+llama3_json or pythonic (ServerConfig refuses the others), ``--tokenizer`` naming the model itself, ``--lora-dtype auto``.
+Refused: ``--trust-remote-code``, another tokenizer, another LoRA dtype.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import os
 
 from lora_runner.entrypoints.vllm_compat import refusal
 
-TOOL_CALL_PARSERS = ("hermes",)  # lora_runner.entrypoints.openai.tool_calls.hermes_parser
 # characters a Jinja template has and a file path hardly ever: vLLM's test of "a template, not a path"
 _JINJA_MARKS = ("{{", "{%", "{#")
 
@@ -38,9 +37,9 @@ def add_vllm_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="log each request's id, model, prompt length and sampling parameters (never its text)")
     add("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility: the default")
     add("--enable-auto-tool-choice", action="store_true",
-        help="accepted for vLLM compatibility: tool_choice \"auto\" is always served (hermes parser)")
-    add("--tool-call-parser", default=None, metavar="NAME",
-        help=f"accepted for vLLM compatibility when it is one of {', '.join(TOOL_CALL_PARSERS)}")
+        help="accepted for vLLM compatibility: tool_choice \"auto\" is always served (see --tool-call-parser)")
+    add("--tool-call-parser", default="hermes", metavar="NAME",
+        help="how tool_choice \"auto\" reads calls: hermes (<tool_call> markup), llama3_json or pythonic")
     add("--tokenizer", default=None, metavar="PATH", help="accepted when it names the model itself")
     add("--trust-remote-code", action="store_true", help="refused: models with custom code are not run")
     add("--lora-dtype", default="auto", help="accepted when auto (LoRA slots are kept in the model's dtype)")
@@ -54,9 +53,6 @@ def check_vllm_serve_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--tokenizer {args.tokenizer} is not supported: {refusal('tokenizer', args.tokenizer)}")
     if args.lora_dtype != "auto":
         raise ValueError(f"--lora-dtype {args.lora_dtype} is not supported: {refusal('lora_dtype', args.lora_dtype)}")
-    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ValueError(f"--tool-call-parser {args.tool_call_parser} is not available: this server reads "
-                         f"tool calls with {', '.join(TOOL_CALL_PARSERS)} only (Hermes-style <tool_call> markup)")
     generation_config = args.generation_config
     if generation_config not in ("auto", "vllm") and not os.path.isdir(os.path.expanduser(generation_config)):
         raise ValueError(f"--generation-config {generation_config}: expected auto, vllm or a folder holding "

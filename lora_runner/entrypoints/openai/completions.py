@@ -57,7 +57,7 @@ async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatC
     started = time.monotonic()
     logprobs, target = _checked(state, tenant, body)
     options = check_chat(state, body)
-    tools = tool_plan(body)  # 400 for bad tools before any work
+    tools = tool_plan(body, state.config.tool_call_parser)  # 400 for bad tools before any work
     release = state.admit(tenant, body.n)
     try:
         prompt = await state.off_loop(chat_prompt, state, body.messages, tools.tools, options)

@@ -22,6 +22,7 @@ from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.load_executor import LoadExecutor
 from lora_runner.entrypoints.openai.metrics import ServerMetrics
 from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
+from lora_runner.entrypoints.openai.tool_calls.choice import AUTO_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class ServerConfig:
     off by default, as in vLLM: a template is code the server runs). enable_log_requests: log each
     generation request's id, model, prompt length and sampling parameters at INFO (never its text).
     generation_config: where requests' sampling defaults come from (generation_defaults: "auto", "vllm"
-    or a folder).
+    or a folder). tool_call_parser: how tool_choice "auto"'s calls are read (tool_calls.choice.AUTO_PARSERS).
     stream_send_timeout: seconds one chunk of a streamed response may wait for its client to take
     it; past that the client is taken to have stopped reading: its requests are aborted and the
     connection closed.
@@ -93,6 +94,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     enable_log_requests: bool = False
     generation_config: str = "auto"
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -115,6 +117,10 @@ class ServerConfig:
         for allowed in self.allowed_adapter_paths:
             if not (os.path.isabs(allowed) and os.path.isdir(allowed)):
                 raise ValueError(f"allowed adapter path {allowed!r} must be an absolute path to an existing directory")
+        if self.tool_call_parser not in AUTO_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser} is not available: this server reads tool "
+                             f"calls with {', '.join(AUTO_PARSERS)} (mistral, qwen3_coder / qwen3_xml and the "
+                             "others are not implemented)")
         self.connection_limits  # noqa: B018 - validates the connection limits (ValueError)
 
     @property
