@@ -16,7 +16,8 @@ from serve_support import CHAT_TEMPLATE, PROMPTS, model_with_chat_template, offl
 from lora_runner.engine.chat import chat_token_ids
 
 # the server's --chat-template: the test template plus a variable a request's chat_template_kwargs sets
-SERVER_TEMPLATE = CHAT_TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %} no{% else %} yes{% endif %}"
+SERVER_TEMPLATE = (CHAT_TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %} no{% else %} yes{% endif %}"
+                   "{{ note | default('') }}")
 # a request's own template (only a server started with --trust-request-chat-template renders it)
 REQUEST_TEMPLATE = "{% for m in messages %}we {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}i{% endif %}"
 CONVERSATION = [{"role": "user", "content": PROMPTS[0]}]
@@ -62,7 +63,15 @@ def _oracle(served, messages, **options) -> list[int]:
 def test_chat_template_kwargs_reach_the_template(served, client):
     thinking_off = _prompt_ids(client, CONVERSATION, chat_template_kwargs={"enable_thinking": False})
     assert thinking_off == _oracle(served, CONVERSATION, chat_template_kwargs={"enable_thinking": False})
+    assert thinking_off == _oracle(served, CONVERSATION, tenant_template_kwargs={"enable_thinking": False})
     assert thinking_off != _prompt_ids(client, CONVERSATION)  # the variable changed the rendering
+
+
+def test_a_special_token_in_a_template_variable_stays_text(served, client):
+    tokenizer = served[1].tokenizer
+    ids = _prompt_ids(client, CONVERSATION, chat_template_kwargs={"note": tokenizer.eos_token})
+    assert tokenizer.eos_token_id not in ids
+    assert ids == _oracle(served, CONVERSATION, tenant_template_kwargs={"note": tokenizer.eos_token})
 
 
 def test_the_server_template_replaces_the_tokenizers(served, client):

@@ -103,7 +103,7 @@ def template_options(state: ServerState, body: ChatCompletionRequest) -> dict:
                        "invalid_value")
     return dict(chat_template=requested if requested is not None else state.config.chat_template,
                 add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, chat_template_kwargs=kwargs or None)
+                continue_final_message=body.continue_final_message, tenant_template_kwargs=kwargs or None)
 
 
 def chat_prompt(state: ServerState, messages: list[ChatMessage], tools: list[dict] | None = None,
