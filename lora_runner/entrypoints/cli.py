@@ -91,13 +91,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tenant-keys", default=None, metavar="FILE", help="JSON or YAML: key -> {adapters, base, admin}")
     add("--allow-runtime-lora-updating", action="store_true",
         help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --adapter-root or "
-             "--allowed-adapter-paths)")
+             "--allowed-adapter-paths; also VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM)")
     add("--adapter-root", default=None, metavar="DIR", help="runtime loads only from inside this directory")
     add("--allow-hub-adapters", action="store_true", help="runtime loads may name Hub repo ids")
     add("--allowed-adapter-paths", nargs="+", default=[], metavar="DIR",
         help="runtime loads may also name absolute paths inside these directories (no symlinks followed below them)")
     add("--max-concurrent-loads", type=int, default=4, help="runtime adapter loads at once (more: 503)")
-    add("--max-loads-per-tenant", type=int, default=1, help="runtime adapter loads at once per key (more: 429)")
+    add("--max-loads-per-tenant", type=int, default=1, help="runtime adapter loads at once per tenant key (more: 429; "
+        "--api-key keys and a keyless server are bound by --max-concurrent-loads only)")
     add("--adapter-load-timeout", type=float, default=60.0, metavar="SECONDS",
         help="a runtime load not done by then answers 504 (and is undone if it succeeds later)")
     add("--served-model-name", default=None, help="the base model's name in requests (default: the model path)")
