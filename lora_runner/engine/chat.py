@@ -72,8 +72,11 @@ def _describe(value) -> str:
 
 def chat_token_ids(tokenizer, conversations: list[list[Message]], chat_template: str | None = None,
                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                   tools: list | None = None, chat_template_kwargs: dict | None = None) -> list[list[int]]:
+                   tools: list | None = None, chat_template_kwargs: dict | None = None,
+                   tenant_template_kwargs: dict | None = None) -> list[list[int]]:
     """Token ids of each conversation, exactly as transformers' apply_chat_template(tokenize=True).
+    tenant_template_kwargs: template variables a tenant sent (the server's chat_template_kwargs), whose
+    strings are the tenant's text like the messages': a special-token string there stays text.
 
     ValueError when there is no tokenizer, no template (neither the tokenizer's nor
     `chat_template`), the template rejects the messages, or a rendering is empty.
@@ -88,11 +91,12 @@ def chat_token_ids(tokenizer, conversations: list[list[Message]], chat_template:
     shield = _SpecialTokenShield(tokenizer)
     shielded = [[shield.message(m) for m in conversation] for conversation in conversations]
     shielded_tools = None if tools is None else [shield.value(tool) for tool in tools]
+    variables = {**(chat_template_kwargs or {}), **shield.value(tenant_template_kwargs or {})}
     try:
         rendered = tokenizer.apply_chat_template(
             shielded, chat_template=chat_template, tools=shielded_tools, tokenize=not shield.pieces, return_dict=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}))
+            **variables)
     except Exception as err:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception)
         raise ValueError(f"the chat template could not render the messages: {err}") from err
     ids = [shield.token_ids(text) for text in rendered] if shield.pieces else rendered

@@ -27,6 +27,7 @@ from lora_runner.entrypoints.openai.state import ServerConfig
 from lora_runner.entrypoints.openai.tenants import KeyRing
 from lora_runner.entrypoints.ray.config import RayConfig, check_ray_serving
 from lora_runner.entrypoints.startup_check import check_startup
+from lora_runner.entrypoints.vllm_serve_flags import add_vllm_serve_arguments, check_vllm_serve_flags, load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +91,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tenant-keys", default=None, metavar="FILE", help="JSON or YAML: key -> {adapters, base, admin}")
     add("--allow-runtime-lora-updating", action="store_true",
         help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --adapter-root or "
-             "--allowed-adapter-paths)")
+             "--allowed-adapter-paths; also VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM)")
     add("--adapter-root", default=None, metavar="DIR", help="runtime loads only from inside this directory")
     add("--allow-hub-adapters", action="store_true", help="runtime loads may name Hub repo ids")
     add("--allowed-adapter-paths", nargs="+", default=[], metavar="DIR",
         help="runtime loads may also name absolute paths inside these directories (no symlinks followed below them)")
     add("--max-concurrent-loads", type=int, default=4, help="runtime adapter loads at once (more: 503)")
-    add("--max-loads-per-tenant", type=int, default=1, help="runtime adapter loads at once per key (more: 429)")
+    add("--max-loads-per-tenant", type=int, default=1, help="runtime adapter loads at once per tenant key (more: 429; "
+        "--api-key keys and a keyless server are bound by --max-concurrent-loads only)")
     add("--adapter-load-timeout", type=float, default=60.0, metavar="SECONDS",
         help="a runtime load not done by then answers 504 (and is undone if it succeeds later)")
     add("--served-model-name", default=None, help="the base model's name in requests (default: the model path)")
@@ -126,6 +128,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="unknown fields in a generation request are a 400 (default: ignored, logged, named in X-Ignored-Fields)")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="log level of the server and the engine")
+    add_vllm_serve_arguments(parser.add_argument_group("vLLM's serve flags"))
     add_ray_arguments(parser.add_argument_group("Ray Serve (with --num-replicas > 1; needs lora-runner[ray])"))
 
 
@@ -146,9 +149,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    """ServerConfig from the parsed options."""
+    """ServerConfig from the parsed options (ValueError naming a vLLM flag this server cannot honour)."""
+    check_vllm_serve_flags(args)
     return ServerConfig(served_model_name=args.served_model_name or args.model, api_keys=tuple(args.api_key),
-                        tenant_keys=args.tenant_keys, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                        tenant_keys=args.tenant_keys,
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_updating_from_env(),
                         adapter_root=args.adapter_root, allow_hub_adapters=args.allow_hub_adapters,
                         allowed_adapter_paths=tuple(os.path.abspath(p) for p in args.allowed_adapter_paths),
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
@@ -161,7 +166,16 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         adapter_load_timeout=args.adapter_load_timeout,
                         prefix_cache_tenant_salt=args.prefix_cache_tenant_salt,
                         stream_send_timeout=args.stream_send_timeout,
-                        strict_request_fields=args.strict_request_fields)
+                        strict_request_fields=args.strict_request_fields,
+                        chat_template=load_chat_template(args.chat_template),
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        enable_log_requests=args.enable_log_requests, generation_config=args.generation_config,
+                        tool_call_parser=args.tool_call_parser)
+
+
+def runtime_updating_from_env() -> bool:
+    """vLLM's switch for the load/unload routes: VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true (any case)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
 def startup_adapters(args: argparse.Namespace) -> StartupAdapters:
@@ -210,10 +224,17 @@ def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``lora-runner serve MODEL [options]``."""
     parser = argparse.ArgumentParser(prog="lora-runner")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     add_serve_arguments(commands.add_parser("serve", help="OpenAI-compatible HTTP server",
                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     return run(parser.parse_args(argv), parser)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A parser whose errors are one line (the usage of `serve` spans dozens, burying the error)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -13,6 +13,7 @@ from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.config import EngineConfig
 from lora_runner.engine.async_llm_engine import AsyncLLMEngine
 from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.entrypoints.openai.generation_defaults import sampling_defaults
 from lora_runner.entrypoints.openai.state import ServerConfig, ServerState
 from lora_runner.entrypoints.openai.tenants import KeyRing
 
@@ -33,8 +34,14 @@ def build_state(engine_config: EngineConfig, server_config: ServerConfig, adapte
     keys = KeyRing.from_options(list(server_config.api_keys), server_config.tenant_keys)
     if server_config.allow_runtime_lora_updating and not keys.enabled:
         logger.warning("runtime adapter loading is enabled without API keys: any caller may load adapters")
-    state = ServerState(AsyncLLMEngine(LLMEngine(engine_config)), server_config, keys)
+    if server_config.allow_runtime_lora_updating and not (server_config.adapter_root
+                                                          or server_config.allowed_adapter_paths):
+        logger.warning("runtime adapter loading is enabled, but every load will be refused: give --adapter-root "
+                       "(loads by relative path) or --allowed-adapter-paths (loads by absolute path)")
+    llm_engine = LLMEngine(engine_config)
+    state = ServerState(AsyncLLMEngine(llm_engine), server_config, keys)
     try:
+        state.sampling_defaults = sampling_defaults(server_config.generation_config, str(llm_engine.model_dir))
         for adapter in (*adapters.loras, *adapters.prompt_adapters):
             state.serve(adapter)
     except BaseException:

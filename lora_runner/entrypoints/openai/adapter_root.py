@@ -43,8 +43,12 @@ def runtime_lora_request(root: str | None, tenant: Tenant, name: str, path: str,
     it off the event loop."""
     if os.path.isabs(path) and allowed_paths:
         return _allowed_absolute_request(allowed_paths, name, path)
+    if os.path.isabs(path) and not allowed_paths:
+        raise PathNotAllowed("an absolute lora_path needs the server started with --allowed-adapter-paths naming "
+                             "a directory that holds it (or --adapter-root and a relative lora_path)")
     if not root:
-        raise PathNotAllowed("runtime adapter loading needs --adapter-root")
+        raise PathNotAllowed("runtime adapter loading needs the server started with --adapter-root (relative "
+                             "lora_path) or --allowed-adapter-paths (absolute lora_path)")
     try:
         parts = confined_parts(path)
     except PathEscapeError:

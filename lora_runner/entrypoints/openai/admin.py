@@ -4,7 +4,7 @@ Only with --allow-runtime-lora-updating, only for admin keys, only for adapter n
 use, and only for paths inside the key's own folder of --adapter-root or, given as absolute paths,
 inside a directory of --allowed-adapter-paths (adapter_root): anything else is a 403 decided before
 any file is read. A load runs on the server's LoadExecutor (its own threads,
-a per-tenant cap, a deadline), never in the threadpool other routes share; one that fails answers
+a per-tenant cap that the operator's keys and a keyless server are not under, a deadline), never in the threadpool other routes share; one that fails answers
 422 with the adapter's error, naming paths only relative to the caller's root.
 """
 
@@ -51,7 +51,8 @@ async def load_lora_adapter(state: ServerState, tenant: Tenant, body: LoadLoRARe
         raise APIError(400, f"{body.lora_name!r} is a prompt adapter; load_inplace replaces LoRAs only",
                        "invalid_value")
     try:
-        served = await state.loads.run(tenant.name, partial(_load_and_serve, state, tenant, body))
+        served = await state.loads.run(tenant.name, partial(_load_and_serve, state, tenant, body),
+                                       capped=not tenant.operator)
     except PathNotAllowed as exc:
         raise APIError(403, str(exc), "forbidden") from None
     except Exception as exc:  # noqa: BLE001 - mapped to its status (422 for an adapter that fails)

@@ -8,6 +8,7 @@ the prompts are tokenized off the event loop, then lengths are checked and the g
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from fastapi import Request
@@ -16,14 +17,17 @@ from lora_runner.entrypoints.openai.echo import ChoiceExtras
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.formatting import ChatFormat, CompletionFormat
 from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation, virtual_tokens
+from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.prompts import chat_prompt, check_chat, completion_prompt_list, encode_prompts
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from lora_runner.entrypoints.openai.sampling import (check_supported, requested_logprobs, requested_prompt_logprobs,
                                                      sampling_params)
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
-from lora_runner.sampling_params import SamplingParams
 from lora_runner.entrypoints.openai.tool_calls.choice import ToolPlan, tool_plan
+from lora_runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -36,7 +40,11 @@ async def create_completion(state: ServerState, tenant: Tenant, body: Completion
     release = state.admit(tenant, len(listed) * body.n)
     try:
         prompts = await state.off_loop(encode_prompts, state, listed)
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # --generation-config's max_new_tokens (fitted to the context), else OpenAI's 16
+            room = state.max_model_len - max(map(len, prompts)) - virtual_tokens(state, target)
+            default = state.sampling_defaults.max_tokens
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if default is None else max(1, min(default, room))
         # max_tokens=0 (echo only): one token is generated and not reported
         return await _generate(state, tenant, body, request, target, prompts, max(max_tokens, 1), logprobs, started,
                                CompletionFormat, "cmpl", release, lambda ids: _completion_extras(
@@ -50,13 +58,14 @@ async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatC
     """A chat completion through the tokenizer's chat template."""
     started = time.monotonic()
     logprobs, target = _checked(state, tenant, body)
-    check_chat(state, body.messages)
-    tools = tool_plan(body)  # 400 for bad tools before any work
+    options = check_chat(state, body)
+    tools = tool_plan(body, state.config.tool_call_parser)  # 400 for bad tools before any work
     release = state.admit(tenant, body.n)
     try:
-        prompt = await state.off_loop(chat_prompt, state, body.messages, tools.tools)
+        prompt = await state.off_loop(chat_prompt, state, body.messages, tools.tools, options)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(
-            state.max_tokens_limit, state.max_model_len - len(prompt) - virtual_tokens(state, target)))
+            state.max_tokens_limit, state.max_model_len - len(prompt) - virtual_tokens(state, target),
+            state.sampling_defaults.max_tokens or state.max_tokens_limit))
         last = body.messages[-1]
         echo = [last.text()] if body.echo and last.role == "assistant" else None
         return await _generate(state, tenant, body, request, target, [prompt], max_tokens, logprobs, started,
@@ -91,8 +100,12 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     prompt_logprobs = requested_prompt_logprobs(body, state.max_logprobs)
     tools = tools or ToolPlan()
     # a constraint's schema is validated, copied and serialized here: on the pool, as a big one takes seconds
-    params = await state.off_loop(_sampling_params, body, max_tokens, logprobs, prompt_logprobs, tools)
+    params = await state.off_loop(_sampling_params, body, max_tokens, logprobs, prompt_logprobs,
+                                  state.sampling_defaults, tools)
     fmt = format_type(state.new_id(id_prefix), body.model)
+    if state.config.enable_log_requests:  # lengths and parameters only: a prompt is the tenant's to read
+        logger.info("request %s: model=%r prompt_tokens=%s params=%r", fmt.response_id, body.model,
+                    [len(ids) for ids in prompts], params)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
@@ -103,9 +116,10 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
 
 
 def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
-                     prompt_logprobs: int | None, tools: ToolPlan) -> SamplingParams:
-    """The engine's SamplingParams, with a forced tool_choice's constraint (400 beside another constraint)."""
-    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs)
+                     prompt_logprobs: int | None, defaults: SamplingDefaults, tools: ToolPlan) -> SamplingParams:
+    """The engine's SamplingParams (`defaults`: the server's sampling defaults, generation_defaults), with a
+    forced tool_choice's constraint (400 beside another constraint)."""
+    params = sampling_params(body, max_tokens, logprobs, prompt_logprobs, defaults)
     if tools.structured is not None:
         if params.structured_outputs is not None:
             raise APIError(400, "a forced tool_choice constrains the output itself: drop the other output "

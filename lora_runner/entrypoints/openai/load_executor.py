@@ -53,15 +53,17 @@ class LoadExecutor:
         with self._lock:
             return self._running
 
-    async def run(self, tenant: str, load: Callable[[Callable[[], bool]], Any]) -> Any:
+    async def run(self, tenant: str, load: Callable[[Callable[[], bool]], Any], capped: bool = True) -> Any:
         """``load(claim)`` on a thread of its own (see the module docstring); its result, or what it raised.
+        capped: the per-tenant cap applies (False for the operator, whose loads only the total bounds: a
+        single-tenant server loading several adapters at once, as vLLM's tests do, is not throttled).
 
         Raises:
-            APIError: 429 when ``tenant`` already runs ``max_loads_per_tenant`` loads, 503 when
+            APIError: 429 when ``tenant`` already runs ``max_loads_per_tenant`` loads (capped), 503 when
                 ``max_loads`` run in all, 504 when the load did not end within ``timeout`` seconds.
         """
         with self._lock:
-            if self._per_tenant[tenant] >= self.max_loads_per_tenant:
+            if capped and self._per_tenant[tenant] >= self.max_loads_per_tenant:
                 raise APIError(429, f"this key already runs {self.max_loads_per_tenant} adapter load(s); wait for "
                                "them to finish", "rate_limit_exceeded")
             if self._running >= self.max_loads:

@@ -188,6 +188,11 @@ class ChatCompletionRequest(_GenerationBody):
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     echo: bool = False  # extension (vLLM): the last message's content before the reply when it is the assistant's
+    # extensions (vLLM), rendered as LLM.chat renders them (lora_runner.entrypoints.openai.prompts.template_options)
+    add_generation_prompt: bool = True  # the template's opening of the assistant's reply
+    continue_final_message: bool = False  # the last (assistant) message left open, continued by the reply
+    chat_template: str | None = None  # a Jinja template for this request (only with --trust-request-chat-template)
+    chat_template_kwargs: dict | None = None  # extra variables the template sees ({"enable_thinking": false})
 
 
 class LoadLoRARequest(_Body):

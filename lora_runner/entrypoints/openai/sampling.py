@@ -7,6 +7,7 @@ request that asks for one gets a 400 naming the field, never a silently differen
 from __future__ import annotations
 
 from lora_runner.entrypoints.openai.errors import APIError
+from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.structured_outputs_params import StructuredOutputsParams
@@ -64,22 +65,28 @@ def requested_prompt_logprobs(body: CompletionRequest | ChatCompletionRequest, m
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None,
+                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
     """The engine's SamplingParams (400 for values it rejects). Completions with echo and logprobs
     ask for the prompt's logprobs too, with as many alternatives; `prompt_logprobs` (the request's
-    field, requested_prompt_logprobs) asks for them with its own count (the larger one is computed)."""
+    field, requested_prompt_logprobs) asks for them with its own count (the larger one is computed).
+    defaults: the values of fields the body leaves out (--generation-config), before SamplingParams' own."""
     echo_logprobs = isinstance(body, CompletionRequest) and body.echo and logprobs is not None
     asked = [k for k in (logprobs if echo_logprobs else None, prompt_logprobs) if k is not None]
+
+    def given(name: str, fallback):
+        value = getattr(body, name)
+        value = getattr(defaults, name) if value is None else value
+        return fallback if value is None else value
+
     try:
         return SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", -1),
+            min_p=given("min_p", 0.0),
             seed=body.seed, n=body.n, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             stop=body.stop, include_stop_str_in_output=body.include_stop_str_in_output, min_tokens=body.min_tokens,
             truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=max(asked) if asked else None,
             skip_special_tokens=body.skip_special_tokens,

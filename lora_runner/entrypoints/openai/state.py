@@ -18,9 +18,11 @@ from adapters.versions import ServedAdapter
 from lora_runner.engine.protocol import EngineClient
 from lora_runner.entrypoints.openai.connections import ConnectionLimits
 from lora_runner.entrypoints.openai.errors import APIError
+from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.load_executor import LoadExecutor
 from lora_runner.entrypoints.openai.metrics import ServerMetrics
 from lora_runner.entrypoints.openai.tenants import KeyRing, Tenant
+from lora_runner.entrypoints.openai.tool_calls.choice import AUTO_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,12 @@ class ServerConfig:
     (504 after; see load_executor).
     strict_request_fields: a generation request with a field the server does not know is a 400
     (default: the field is ignored, logged and named in the X-Ignored-Fields header, as vLLM ignores it).
+    chat_template: the Jinja template chat requests render with instead of the tokenizer's
+    (--chat-template). trust_request_chat_template: a request may bring its own template (vLLM's flag;
+    off by default, as in vLLM: a template is code the server runs). enable_log_requests: log each
+    generation request's id, model, prompt length and sampling parameters at INFO (never its text).
+    generation_config: where requests' sampling defaults come from (generation_defaults: "auto", "vllm"
+    or a folder). tool_call_parser: how tool_choice "auto"'s calls are read (tool_calls.choice.AUTO_PARSERS).
     stream_send_timeout: seconds one chunk of a streamed response may wait for its client to take
     it; past that the client is taken to have stopped reading: its requests are aborted and the
     connection closed.
@@ -82,6 +90,11 @@ class ServerConfig:
     adapter_load_timeout: float = 60.0
     stream_send_timeout: float = 30.0
     strict_request_fields: bool = False
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    enable_log_requests: bool = False
+    generation_config: str = "auto"
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -104,6 +117,10 @@ class ServerConfig:
         for allowed in self.allowed_adapter_paths:
             if not (os.path.isabs(allowed) and os.path.isdir(allowed)):
                 raise ValueError(f"allowed adapter path {allowed!r} must be an absolute path to an existing directory")
+        if self.tool_call_parser not in AUTO_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser} is not available: this server reads tool "
+                             f"calls with {', '.join(AUTO_PARSERS)} (mistral, qwen3_coder / qwen3_xml and the "
+                             "others are not implemented)")
         self.connection_limits  # noqa: B018 - validates the connection limits (ValueError)
 
     @property
@@ -128,6 +145,7 @@ class ServerState:
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         self.max_tokens_limit = min(config.max_tokens_limit or self.max_model_len, self.max_model_len)
         self.max_logprobs = engine.max_logprobs  # checked here too, so an excess is a 400 before any work
+        self.sampling_defaults = SamplingDefaults()  # --generation-config's (set by launch.build_state)
         self.draining = False  # set on shutdown: new generations get 503
         self._in_flight = 0
         self._in_flight_per_tenant: Counter[str] = Counter()

@@ -3,7 +3,8 @@ constraint the engine enforces, and the parser that reads the calls back out of 
 
 As vLLM: ``tool_choice`` defaults to "auto" with tools and "none" without; "none" still renders the
 tools into the prompt (vLLM's default, without --exclude-tools-when-tool-choice-none) but never
-parses calls; "auto" parses Hermes-style ``<tool_call>`` markup; "required" constrains the output to a
+parses calls; "auto" parses Hermes-style ``<tool_call>`` markup (or, with --tool-call-parser, Llama 3 JSON or pythonic
+calls: whole_call_parsers); "required" constrains the output to a
 JSON array of at least one {"name", "arguments"} call of the given tools; a named function
 constrains the output to that function's parameters schema (the output is the call's arguments).
 """
@@ -19,6 +20,7 @@ from lora_runner.entrypoints.openai.tool_calls.definitions import checked_tools
 from lora_runner.entrypoints.openai.tool_calls.deltas import Extracted
 from lora_runner.entrypoints.openai.tool_calls.forced_parsers import NamedFunctionParser, RequiredCallsParser
 from lora_runner.entrypoints.openai.tool_calls.hermes_parser import HermesToolParser
+from lora_runner.entrypoints.openai.tool_calls.whole_call_parsers import Llama3JsonToolParser, PythonicToolParser
 from lora_runner.structured_outputs_params import StructuredOutputsParams
 
 ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
@@ -59,8 +61,13 @@ class WholeOutput:
         return self.parser.feed(self._text, True) if finished else Extracted()
 
 
-def tool_plan(body: ChatCompletionRequest) -> ToolPlan:
-    """The request's plan; 400 for bad tools, a tool_choice without tools, or a name not among them."""
+# tool_choice "auto"'s parser of each --tool-call-parser name (vLLM's names)
+AUTO_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser}
+
+
+def tool_plan(body: ChatCompletionRequest, auto_parser: str = "hermes") -> ToolPlan:
+    """The request's plan; 400 for bad tools, a tool_choice without tools, or a name not among them.
+    auto_parser: the AUTO_PARSERS entry that reads tool_choice "auto"'s calls (--tool-call-parser)."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -73,7 +80,8 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan(tools)
     offered = frozenset(parameters)  # only these names become tool calls
     if choice in (None, "auto"):
-        return ToolPlan(tools, None, lambda: HermesToolParser(offered))
+        parser = AUTO_PARSERS[auto_parser]
+        return ToolPlan(tools, None, lambda: parser(offered))
     if choice == "required":
         return ToolPlan(tools, _structured(required_calls_schema(parameters)), lambda: RequiredCallsParser(offered))
     return _named(tools, parameters, choice)
