@@ -121,9 +121,9 @@ class EngineConfig:
         "loses its own least recently used first, and one grammar bigger than this fails its request with "
         "StructuredOutputError (HTTP 400); at most structured_outputs_cache_bytes", default=256 << 20))
     structured_outputs_mask_budget_ms: float = field(**_doc(
-        "milliseconds one request's structured-output token mask may take to compute in a step; a request over "
-        "it finishes alone with \"error\" (StructuredOutputError), so an ambiguous grammar cannot slow every "
-        "step for everyone", default=250.0))
+        "milliseconds (of the step thread's CPU time) one request's structured-output token mask may take to "
+        "compute in a step; a request over it finishes alone with \"error\" (StructuredOutputError), so an "
+        "ambiguous grammar cannot slow every step for everyone", default=250.0))
     speculative_config: dict | str | None = field(hash=False, **_doc(
         'speculative decoding, in vLLM\'s spelling (a dict, or its JSON text on the command line): {"method": '
         '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} verifies up to k '
