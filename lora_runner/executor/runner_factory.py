@@ -28,4 +28,5 @@ def make_runner(spec: WorkerSpec, model, model_config, *, lora_slots, prompt_slo
         max_blocks_per_seq=spec.max_blocks_per_seq, max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank,
         dtype=spec.dtype, device=device, seed=spec.seed, prompt_slots=prompt_slots, vocab_slots=vocab_slots, tp=tp)
     runner.eos_token_ids = spec.eos_token_ids
+    runner.batch_invariant = spec.batch_invariant
     return runner
