@@ -47,12 +47,12 @@ def _random_batch(gen: random.Random, adapters: dict) -> tuple[list[tuple], int,
     """(companion requests, chunk, batch size, requests added per step) drawn from gen."""
     names = [None, *adapters]
     companions = []
-    for i in range(gen.randrange(0, 7)):
+    for i in range(gen.randrange(0, 6)):
         name = gen.choice(names)
         lora = None if name is None else LoRARequest(name, 1 + sorted(adapters).index(name), adapters[name][0])
         params = SamplingParams(temperature=gen.choice([0.0, 0.8]), seed=gen.randrange(1000),
-                                max_tokens=gen.randrange(1, 10), logprobs=gen.choice([None, 2]), ignore_eos=True)
-        companions.append((f"c{i}", [gen.randrange(3, 256) for _ in range(gen.randrange(1, 30))], params, lora))
+                                max_tokens=gen.randrange(1, 7), logprobs=gen.choice([None, 2]), ignore_eos=True)
+        companions.append((f"c{i}", [gen.randrange(3, 256) for _ in range(gen.randrange(1, 25))], params, lora))
     return companions, gen.choice(CHUNKS), gen.choice(BATCH_SIZES), gen.choice([None, 1, 2])
 
 
