@@ -62,6 +62,13 @@ def rows_matmul(x: torch.Tensor, multiply: Callable[[torch.Tensor], torch.Tensor
     return torch.cat(blocks)[:num_rows]
 
 
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ weight.T ([N, K]) -> [T, N]: in row blocks (rows_matmul) while the mode is on, else one call."""
+    if enabled():
+        return rows_matmul(x, lambda block: block @ weight.T)
+    return x @ weight.T
+
+
 def _slot_tokens(meta: LoRAMeta, num_tokens: int) -> list[tuple[int, torch.Tensor]]:
     """(slot, its token ids [m] ascending) for every slot present among the first num_tokens tokens."""
     slots = meta.token_slots[:num_tokens].cpu()  # [T]

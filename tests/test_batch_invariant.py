@@ -67,10 +67,12 @@ def _run_fixed(engine, prompt, lora, companions, per_step, gen: random.Random):
     return output.outputs[0].token_ids, output.outputs[0].logprobs, output.prompt_logprobs
 
 
-def _differing(engine_checkpoint, prompt, batch_invariant: bool, num_batches: int) -> list[tuple]:
-    """The batches (chunk, batch size, companions) whose fixed-request result is not the alone run's bits."""
+def _differing(engine_checkpoint, prompt, batch_invariant: bool, num_batches: int,
+               fixed_adapter: str = FIXED_ADAPTER) -> list[tuple]:
+    """The batches (chunk, batch size, companions) whose fixed-request result is not the alone run's bits;
+    engine_checkpoint: (model dir, _, {adapter name: (dir, _)})."""
     path, _, adapters = engine_checkpoint
-    fixed_lora = LoRARequest(FIXED_ADAPTER, 1 + sorted(adapters).index(FIXED_ADAPTER), adapters[FIXED_ADAPTER][0])
+    fixed_lora = LoRARequest(fixed_adapter, 1 + sorted(adapters).index(fixed_adapter), adapters[fixed_adapter][0])
     engines, gen = _engines(path, batch_invariant), random.Random(1)
     alone = _run_fixed(engines(64, 8), prompt, fixed_lora, [], None, gen)
     differing = []
@@ -84,6 +86,20 @@ def _differing(engine_checkpoint, prompt, batch_invariant: bool, num_batches: in
 
 def test_fixed_request_is_bitwise_invariant_in_50_random_batches(engine_checkpoint, fixed_prompt):
     assert _differing(engine_checkpoint, fixed_prompt, batch_invariant=True, num_batches=NUM_BATCHES) == []
+
+
+def test_moe_model_is_bitwise_invariant(tmp_path, fixed_prompt):
+    """A mixture-of-experts model (Qwen3-MoE shaped) with LoRA on its router and experts: the expert
+    groups change with the batch, each expert's GEMMs and LoRA run in fixed row blocks."""
+    from test_moe import save_moe
+    from test_moe_lora import family_adapters
+
+    from lora_runner.model import load_model
+
+    hf = save_moe(tmp_path / "model", "qwen3_moe", seed=22)
+    adapters = family_adapters(tmp_path, hf, load_model(str(tmp_path / "model"))[1].spec(), seed=3)
+    checkpoint = (str(tmp_path / "model"), hf, adapters)
+    assert _differing(checkpoint, fixed_prompt, batch_invariant=True, num_batches=12, fixed_adapter="all-experts") == []
 
 
 def test_without_the_mode_the_same_batches_differ(engine_checkpoint, fixed_prompt):
