@@ -150,3 +150,31 @@ def test_rows_matmul_row_results_do_not_depend_on_the_other_rows():
             rows[position] = row[0]
             got = invariant.rows_matmul(rows, lambda block: block @ weight.T)
             assert torch.equal(got[position], alone[0]), (num_rows, position)
+
+
+def test_lora_ops_in_the_mode_keep_their_semantics():
+    """The mode's LoRA path (add_lora, and lora_shrink + lora_expand) against the default torch path in
+    float64 (the oracle dtype), with slice scales, DoRA column scales and a bias, slots in any order
+    and tokens without an adapter left bit-identical."""
+    from punica_kernels import LoRAMeta, add_lora, load_table, lora_expand, lora_shrink
+
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor([2, -1, 0, 2, 2, -1, 0, 1, 2])  # [T]
+    sizes, rank, in_features = (5, 3, 3), 4, 7
+    meta = LoRAMeta(16, 3, "cpu")
+    load_table(meta, slots)
+    x = torch.randn(9, in_features, generator=gen, dtype=torch.float64)
+    lora_a = torch.randn(3, 3, rank, in_features, generator=gen, dtype=torch.float64)
+    lora_b = torch.randn(3, sum(sizes), rank, generator=gen, dtype=torch.float64)
+    scales = dict(slice_scales=torch.rand(3, 3, generator=gen, dtype=torch.float64),
+                  column_scales=torch.rand(3, sum(sizes), generator=gen, dtype=torch.float64),
+                  bias=torch.randn(sum(sizes), generator=gen, dtype=torch.float64))
+    y = torch.randn(9, sum(sizes), generator=gen, dtype=torch.float64)
+    want = add_lora(y.clone(), x, lora_a, lora_b, meta, sizes, backend="torch", **scales)
+    with invariant.active():
+        got = add_lora(y.clone(), x, lora_a, lora_b, meta, sizes, backend="torch", **scales)
+        inter = lora_shrink(x, lora_a, meta, torch.full((9, 3, rank), float("nan"), dtype=torch.float64))
+        split = lora_expand(y.clone(), inter, lora_b, meta, sizes, backend="torch", **scales)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(split, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got[slots == -1], y[slots == -1])
