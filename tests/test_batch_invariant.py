@@ -17,7 +17,8 @@ from lora_runner import EngineConfig, SamplingParams
 from punica_kernels import invariant
 
 FIXED_ADAPTER = "r16-patterns"  # rank 16 with per-module ranks and alphas
-FIXED_PARAMS = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+# seeded sampling at temperature 1 (an RL sampler): the sampled tokens as well as the logprobs must repeat
+FIXED_PARAMS = SamplingParams(temperature=1.0, seed=7, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)
 CHUNKS = (8, 16, 64)  # max_num_batched_tokens: the 21-token prompt in three, two or one step
 BATCH_SIZES = (2, 4, 8)  # max_num_seqs
 NUM_BATCHES = 50
