@@ -179,3 +179,14 @@ def test_lora_ops_in_the_mode_keep_their_semantics():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(split, want, rtol=1e-12, atol=1e-12)
     assert torch.equal(got[slots == -1], y[slots == -1])
+
+
+def test_mode_refuses_a_checkpoint_quantized_in_its_config():
+    """EngineConfig cannot see a GPTQ/AWQ checkpoint's config.json: the runner's factory refuses it."""
+    from types import SimpleNamespace
+
+    from lora_runner.executor.runner_factory import make_runner
+
+    with pytest.raises(ValueError, match="unquantized"):
+        make_runner(SimpleNamespace(batch_invariant=True), None, SimpleNamespace(quantization=object()),
+                    lora_slots=None, device=torch.device("cpu"))
