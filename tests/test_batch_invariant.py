@@ -30,7 +30,7 @@ def fixed_prompt():
     return [gen.randrange(3, 256) for _ in range(21)]
 
 
-def _engines(path: str, batch_invariant: bool) -> dict:
+def _engines(path: str, batch_invariant: bool, **overrides) -> dict:
     """One engine per (chunk, batch size), built on first use (prefix caching on: a later batch may
     also find the fixed prompt's blocks cached, one more way its computation can change)."""
     engines = {}
@@ -39,7 +39,7 @@ def _engines(path: str, batch_invariant: bool) -> dict:
         if (chunk, seqs) not in engines:
             engines[chunk, seqs] = make_engine(path, max_num_batched_tokens=chunk, max_num_seqs=seqs,
                                                max_loras=2, enable_prefix_caching=True,
-                                               batch_invariant=batch_invariant)
+                                               batch_invariant=batch_invariant, **overrides)
         return engines[chunk, seqs]
     return get
 
@@ -69,12 +69,12 @@ def _run_fixed(engine, prompt, lora, companions, per_step, gen: random.Random):
 
 
 def _differing(engine_checkpoint, prompt, batch_invariant: bool, num_batches: int,
-               fixed_adapter: str = FIXED_ADAPTER) -> list[tuple]:
+               fixed_adapter: str = FIXED_ADAPTER, **overrides) -> list[tuple]:
     """The batches (chunk, batch size, companions) whose fixed-request result is not the alone run's bits;
     engine_checkpoint: (model dir, _, {adapter name: (dir, _)})."""
     path, _, adapters = engine_checkpoint
     fixed_lora = LoRARequest(fixed_adapter, 1 + sorted(adapters).index(fixed_adapter), adapters[fixed_adapter][0])
-    engines, gen = _engines(path, batch_invariant), random.Random(1)
+    engines, gen = _engines(path, batch_invariant, **overrides), random.Random(1)
     alone = _run_fixed(engines(64, 8), prompt, fixed_lora, [], None, gen)
     differing = []
     for _ in range(num_batches):
@@ -101,6 +101,14 @@ def test_moe_model_is_bitwise_invariant(tmp_path, fixed_prompt):
     adapters = family_adapters(tmp_path, hf, load_model(str(tmp_path / "model"))[1].spec(), seed=3)
     checkpoint = (str(tmp_path / "model"), hf, adapters)
     assert _differing(checkpoint, fixed_prompt, batch_invariant=True, num_batches=12, fixed_adapter="all-experts") == []
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_are_bitwise_invariant(engine_checkpoint, fixed_prompt):
+    """At tensor_parallel_size=2 (worker processes): each rank's GEMMs in row blocks, the all-reduce's
+    sums element by element in rank order."""
+    assert _differing(engine_checkpoint, fixed_prompt, batch_invariant=True, num_batches=4,
+                      tensor_parallel_size=2) == []
 
 
 def test_without_the_mode_the_same_batches_differ(engine_checkpoint, fixed_prompt):
