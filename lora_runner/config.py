@@ -129,6 +129,10 @@ class EngineConfig:
         '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} verifies up to k '
         'tokens per decoding sequence and step, proposed from its own prompt and output (README: Speculative '
         'decoding); None: off', default=None))
+    batch_invariant: bool = field(**_doc(
+        "a request's tokens and logprobs are bitwise identical whether it runs alone or beside any other requests, "
+        "adapters, chunk sizes and batch sizes (fixed-shape GEMM blocks, per-token attention and LoRA; README: "
+        "Adapter versions and RL loops), at a cost in speed; float CPU models only (unquantized)", default=False))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -194,6 +198,7 @@ class EngineConfig:
         self.torch_device()  # validates device
         self.torch_dtype()  # validates dtype
         self.check_parallel()
+        self._check_batch_invariant()
 
     def speculative(self) -> SpeculativeConfig | None:
         """speculative_config checked and typed; None when speculative decoding is off."""
@@ -223,6 +228,20 @@ class EngineConfig:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "uni" if self.tensor_parallel_size == 1 else "mp"
+
+    def _check_batch_invariant(self) -> None:
+        """ValueError where batch_invariant cannot hold: on CUDA the Triton LoRA shrink splits K by the batch's
+        token count (punica_kernels.triton_ops.choose_split_k), the attention kernels differ between decode and
+        prefill steps and decode steps replay graphs; quantized layers run GEMMs outside the mode's blocks."""
+        if not self.batch_invariant:
+            return
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.torch_device().type != "cpu":
+            raise ValueError("batch_invariant is CPU-only for now: on CUDA the Triton kernels' reductions depend on "
+                             "the batch (split-K by token count, decode vs prefill attention); use device='cpu'")
+        if self.quantization is not None:
+            raise ValueError(f"batch_invariant needs an unquantized model, got quantization={self.quantization!r}")
 
     def check_parallel(self) -> None:
         """ValueError when tensor_parallel_size cannot run on the chosen device (CUDA: one GPU per rank)."""

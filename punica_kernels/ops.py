@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from . import reference
+from . import invariant, reference
 from .meta import LoRAMeta, same_device
 from .scales import Scales
 
@@ -88,6 +88,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     _check_y_and_b(y, lora_b, meta, slice_sizes, rank=lora_a.shape[2], dtype=x.dtype)
     scales = _checked_scales(y, meta, len(slice_sizes), slice_scales, column_scales, bias)
     if _resolve(backend, x) == "torch":
+        if invariant.enabled():  # the batch-invariant mode (punica_kernels.invariant): per-row fixed shapes
+            return invariant.add_lora(y, x, lora_a, lora_b, meta, slice_sizes, scales)
         return reference.add_lora(y, x, lora_a, lora_b, meta, slice_sizes, scales)
     return triton_ops.add_lora(y, x, lora_a, lora_b, meta, slice_sizes, scales)
 
@@ -112,6 +114,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,
         out = x.new_empty((x.shape[0], n_slices, rank), dtype=reference.compute_dtype(x.dtype))
     _check_inter(out, x.shape[0], n_slices, rank, x.dtype, meta)
     if run_on == "torch":
+        if invariant.enabled():
+            return invariant.lora_shrink(x, lora_a, meta, out)
         return reference.lora_shrink(x, lora_a, meta, out)
     return triton_ops.lora_shrink(x, lora_a, meta, out)
 
@@ -140,6 +144,8 @@ def lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta
     _check_inter(inter, y.shape[0], len(slice_sizes), inter.shape[2], y.dtype, meta)
     scales = _checked_scales(y, meta, len(slice_sizes), slice_scales, column_scales, bias)
     if _resolve(backend, y) == "torch":
+        if invariant.enabled():
+            return invariant.lora_expand(y, inter, lora_b, meta, slice_sizes, scales)
         return reference.lora_expand(y, inter, lora_b, meta, slice_sizes, scales)
     return triton_ops.lora_expand(y, inter, lora_b, meta, slice_sizes, scales)
 

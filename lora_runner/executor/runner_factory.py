@@ -20,6 +20,11 @@ def make_runner(spec: WorkerSpec, model, model_config, *, lora_slots, prompt_slo
     """A runner of ``spec``'s sizes over ``model`` on ``device``, reading the given adapter slots (LoRA slots
     without the vocabulary ones; prompt and vocabulary slots None when not served). ``num_kv_blocks``
     overrides the spec's (the memory profile's throwaway runner holds one sequence's worth)."""
+    if spec.batch_invariant and model_config.quantization is not None:
+        # a checkpoint quantized in its config.json (EngineConfig only sees its own quantization option): the
+        # quantized GEMMs run outside the batch-invariant mode's row blocks
+        raise ValueError("batch_invariant needs an unquantized model; this checkpoint is quantized "
+                         f"({type(model_config.quantization).__name__})")
     if num_kv_blocks is not None:
         spec = dataclasses.replace(spec, num_kv_blocks=num_kv_blocks)
     runner = ModelRunner(
@@ -28,4 +33,5 @@ def make_runner(spec: WorkerSpec, model, model_config, *, lora_slots, prompt_slo
         max_blocks_per_seq=spec.max_blocks_per_seq, max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank,
         dtype=spec.dtype, device=device, seed=spec.seed, prompt_slots=prompt_slots, vocab_slots=vocab_slots, tp=tp)
     runner.eos_token_ids = spec.eos_token_ids
+    runner.batch_invariant = spec.batch_invariant
     return runner

@@ -77,7 +77,7 @@ def worker_spec(cfg: EngineConfig, model_config: ModelConfig, limits: EngineLimi
         max_lora_rank=cfg.max_lora_rank, max_prompt_adapters=cfg.max_prompt_adapters,
         max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, seed=cfg.seed, eos_token_ids=frozenset(),
         threads_per_rank=max(1, threads // cfg.tensor_parallel_size), step_timeout_s=cfg.worker_step_timeout_s,
-        own_gpu_only=cfg.executor_backend == "ray")
+        own_gpu_only=cfg.executor_backend == "ray", batch_invariant=cfg.batch_invariant)
 
 
 def _make_manager(cfg: EngineConfig, model_config: ModelConfig, device: torch.device, base_weight,

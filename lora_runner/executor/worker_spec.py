@@ -39,6 +39,7 @@ class WorkerSpec:
     step_timeout_s: float
     startup_timeout_s: float = 600.0
     own_gpu_only: bool = False  # each rank's process sees only its GPU (a Ray actor): every rank uses cuda:0
+    batch_invariant: bool = False  # EngineConfig.batch_invariant: the runner runs its steps in that mode
 
     def rank_device(self, rank: int) -> torch.device:
         """The device rank `rank` runs on."""

@@ -43,7 +43,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lora_runner.model import batch_invariant
 from lora_runner.model.forward_context import AttentionMetadata
+from punica_kernels import invariant
 
 logger = logging.getLogger(__name__)
 
@@ -137,10 +139,13 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: Attention
     this step's K/V (see write_kv); H must be a multiple of H_kv (GQA: head h reads KV head
     h // (H / H_kv)). `sliding_window` w: a token at position p sees positions p-w+1..p only.
     `softcap` c: scores s = scale * q.k become c * tanh(s / c) before the softmax.
-    Padding tokens (past query_start_loc[-1]) get zeros. backend: see the module docstring.
+    Padding tokens (past query_start_loc[-1]) get zeros. backend: see the module docstring. In the
+    batch-invariant mode (punica_kernels.invariant) each token alone (lora_runner.model.batch_invariant).
     """
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap!r}")
+    if invariant.enabled():
+        return batch_invariant.paged_attention(query, kv_layer, attn, scale, sliding_window, softcap, _attend)
     if resolve_backend(backend, query) == "triton":
         return _triton_paged_attention(query, kv_layer, attn, scale, sliding_window, softcap)
     return _torch_paged_attention(query, kv_layer, attn, scale, sliding_window, softcap)

@@ -25,6 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from punica_kernels import invariant
+
 
 @functools.cache
 def _available() -> bool:
@@ -56,7 +58,12 @@ def dense(packed: torch.Tensor) -> torch.Tensor:
 def matmul(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W.T (+ bias) -> [T, N]: through ``packed`` when the weight was packed, else the
-    dense ``weight`` [N, K] with F.linear (the linears' and the LM head's one dispatch)."""
+    dense ``weight`` [N, K] with F.linear (the linears' and the LM head's one dispatch). In the
+    batch-invariant mode (punica_kernels.invariant) in fixed blocks of rows, so no row depends on T."""
+    if invariant.enabled():
+        if packed is not None:
+            return invariant.rows_matmul(x, lambda block: linear(block, packed, bias))
+        return invariant.rows_matmul(x, lambda block: F.linear(block, weight, bias))
     if packed is not None:
         return linear(x, packed, bias)
     return F.linear(x, weight, bias)

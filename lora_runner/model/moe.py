@@ -30,6 +30,7 @@ from torch import nn
 from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model.forward_context import ForwardContext, LoRAContext
 from lora_runner.model.lora_linear import LoRALinear, moe_lora_modules
+from punica_kernels import invariant
 
 _FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts\.gate_up_proj|experts\.down_proj"
                         r"|gate\.weight)")
@@ -125,8 +126,9 @@ def add_expert_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor,
         rows = (token_slots == slot).nonzero().squeeze(1)  # [m]
         x_rows = x[rows].to(compute)  # [m, K]
         for j, (offset, size) in enumerate(zip(linear.slice_offsets(), linear.slice_sizes)):
-            inter = (x_rows @ lora_a[slot, j].to(compute).T) * slice_scales[slot, j].to(compute)  # [m, R]
-            delta = inter @ lora_b[slot, offset:offset + size].to(compute).T  # [m, N_j]
+            # invariant.matmul: row blocks of a fixed shape in the batch-invariant mode, one matmul otherwise
+            inter = invariant.matmul(x_rows, lora_a[slot, j].to(compute)) * slice_scales[slot, j].to(compute)  # [m, R]
+            delta = invariant.matmul(inter, lora_b[slot, offset:offset + size].to(compute))  # [m, N_j]
             # added in the compute dtype and rounded once, as the dense linears' LoRA (punica_kernels.add_lora)
             y[rows, offset:offset + size] = (y[rows, offset:offset + size].to(compute) + delta).to(y.dtype)
     return y

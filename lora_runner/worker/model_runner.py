@@ -37,7 +37,7 @@ from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from lora_runner.worker.kv_cache import allocate_kv_cache
 from lora_runner.worker.lora_features import StepLoRAFeatures
 from lora_runner.worker.request_rows import InputBatch
-from punica_kernels import HostTileTable, LoRAMeta
+from punica_kernels import HostTileTable, LoRAMeta, invariant
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,9 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, device, seed)
         self.rejection_sampler = RejectionSampler(self.sampler)  # steps with draft tokens (spec_decode)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+        # EngineConfig.batch_invariant (set by make_runner): every forward and its logits run with
+        # punica_kernels.invariant's per-thread switch on, so a row's bits never depend on the batch
+        self.batch_invariant = False
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -152,6 +155,12 @@ class ModelRunner:
                             drafts: list[list[int]] | None = None) -> SamplerOutput:
         """Forward the step and sample its sampling sequences; with `drafts` (each sampling sequence's
         draft tokens, speculative decoding) every draft is verified at its position (RejectionSampler)."""
+        with invariant.active(self.batch_invariant):
+            return self._forward_and_sample_in_mode(shape, sampling, prompt_spans, drafts)
+
+    def _forward_and_sample_in_mode(self, shape: BatchShape, sampling: SamplingBatch, prompt_spans: Sequence[PromptSpan],
+                                    drafts: list[list[int]] | None) -> SamplerOutput:
+        """_forward_and_sample's body, run inside the runner's batch-invariant setting."""
         batch, key = self._upload(shape)
         if key is not None:
             hidden = self.decode_graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows

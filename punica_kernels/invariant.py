@@ -1,0 +1,137 @@
+"""Batch-invariant matmuls: a row's result the same bits whatever rows run beside it.
+
+A CPU GEMM's summation order depends on the number of rows M: MKL (``F.linear``, ``torch.mm``)
+takes a GEMV for one row and a blocked kernel for more, and oneDNN's prepacked linear blocks K by
+M for wide inputs (measured, fp32: a row alone and the same row among 2..600 others differ in the
+last bits of ``F.linear`` at every shape tried, and of the packed linear at K = 3072). Within one
+call shape the order does not depend on a row's position or on the other rows' values (measured
+at every position of blocks of 8 and 16 rows, K up to 3072). So :func:`rows_matmul` multiplies in
+blocks of exactly :data:`ROW_BLOCK` rows, the last one zero-padded: every row's result comes from
+the same call shape, whatever the batch.
+
+The mode is a per-thread switch (:func:`active`, read by :func:`enabled`) so that two engines in
+one process (or one engine's TP rank threads) each keep their own setting; the model runner sets
+it around every forward of an engine built with ``batch_invariant=True``. The torch LoRA path
+(:func:`add_lora`, :func:`lora_shrink`, :func:`lora_expand`) is here too: the ops route to it while
+the mode is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .meta import LoRAMeta
+from .scales import Scales
+
+ROW_BLOCK = 8  # rows per GEMM call in the mode: a decode row pays for 8 (measured cost: benchmarks/)
+
+_state = threading.local()
+
+
+def enabled() -> bool:
+    """Whether the batch-invariant mode is on in this thread."""
+    return getattr(_state, "on", False)
+
+
+@contextlib.contextmanager
+def active(on: bool = True) -> Iterator[None]:
+    """Turn the mode on (or off) in this thread for the block, restoring the previous setting."""
+    previous = enabled()
+    _state.on = on
+    try:
+        yield
+    finally:
+        _state.on = previous
+
+
+def rows_matmul(x: torch.Tensor, multiply: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """multiply(x) row by row-invariantly: x [T, K] in blocks of ROW_BLOCK rows (the last zero-padded),
+    each a fresh contiguous [ROW_BLOCK, K] tensor; multiply maps [ROW_BLOCK, K] -> [ROW_BLOCK, N].
+    Returns [T, N]."""
+    num_rows = x.shape[0]
+    padded = -(-num_rows // ROW_BLOCK) * ROW_BLOCK
+    if num_rows == 0:
+        return multiply(x.new_zeros(ROW_BLOCK, x.shape[1]))[:0]
+    x_pad = x.new_zeros(padded, x.shape[1])  # [T_pad, K]
+    x_pad[:num_rows] = x
+    blocks = [multiply(x_pad[start:start + ROW_BLOCK].clone()) for start in range(0, padded, ROW_BLOCK)]
+    return torch.cat(blocks)[:num_rows]
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ weight.T ([N, K]) -> [T, N]: in row blocks (rows_matmul) while the mode is on, else one call."""
+    if enabled():
+        return rows_matmul(x, lambda block: block @ weight.T)
+    return x @ weight.T
+
+
+def _slot_tokens(meta: LoRAMeta, num_tokens: int) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its token ids [m] ascending) for every slot present among the first num_tokens tokens."""
+    slots = meta.token_slots[:num_tokens].cpu()  # [T]
+    return [(slot, torch.nonzero(slots == slot).flatten().to(meta.token_slots.device))
+            for slot in sorted(set(slots.tolist()) - {-1})]
+
+
+def _shrink(x_rows: torch.Tensor, lora_a_slot: torch.Tensor) -> torch.Tensor:
+    """x_rows [m, K] @ A [n, R, K] -> [m, n, R] in float32 (float64 stays), row-invariantly."""
+    n_slices, rank, in_features = lora_a_slot.shape
+    weight = lora_a_slot.reshape(n_slices * rank, in_features).to(x_rows.dtype)  # [n*R, K]
+    return rows_matmul(x_rows, lambda block: block @ weight.T).view(-1, n_slices, rank)
+
+
+def _delta(inter_rows: torch.Tensor, lora_b_slot: torch.Tensor, slice_sizes: tuple[int, ...],
+           slice_scales: torch.Tensor | None) -> torch.Tensor:
+    """The slot's delta [m, N] of inter_rows [m, n, R]: slice j's intermediate (times its scale) @ B_j.T."""
+    inter_rows = inter_rows.to(torch.float64 if inter_rows.dtype == torch.float64 else torch.float32)
+    if slice_scales is not None:
+        inter_rows = inter_rows * slice_scales.to(inter_rows.dtype)[:, None]
+    parts, offset = [], 0
+    for j, width in enumerate(slice_sizes):
+        weight = lora_b_slot[offset:offset + width].to(inter_rows.dtype)  # [N_j, R]
+        parts.append(rows_matmul(inter_rows[:, j].contiguous(), lambda block, w=weight: block @ w.T))
+        offset += width
+    return torch.cat(parts, dim=1)
+
+
+def _update(y: torch.Tensor, tokens: torch.Tensor, slot: int, delta: torch.Tensor, scales: Scales) -> None:
+    """y[tokens] += delta, or with column scales c: c * y + (1 - c) * bias + c * delta (per row)."""
+    rows = y.index_select(0, tokens).to(delta.dtype)  # [m, N]
+    if scales.columns is not None:
+        columns = scales.columns[slot].to(delta.dtype)  # [N]
+        rows = rows * columns
+        if scales.bias is not None:
+            rows = rows + (1 - columns) * scales.bias.to(delta.dtype)
+        delta = delta * columns
+    y.index_copy_(0, tokens, (rows + delta).to(y.dtype))
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta, out: torch.Tensor) -> torch.Tensor:
+    """Semantics as punica_kernels.lora_shrink, each token's row computed independently of the batch."""
+    for slot, tokens in _slot_tokens(meta, x.shape[0]):
+        out.index_copy_(0, tokens, _shrink(x.index_select(0, tokens).to(out.dtype), lora_a[slot]))
+    return out
+
+
+def lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta: LoRAMeta,
+                slice_sizes: tuple[int, ...], scales: Scales) -> torch.Tensor:
+    """Semantics as punica_kernels.lora_expand, each token's row computed independently of the batch."""
+    for slot, tokens in _slot_tokens(meta, y.shape[0]):
+        slice_scales = None if scales.slices is None else scales.slices[slot]
+        delta = _delta(inter.index_select(0, tokens), lora_b[slot], slice_sizes, slice_scales)
+        _update(y, tokens, slot, delta, scales)
+    return y
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, meta: LoRAMeta,
+             slice_sizes: tuple[int, ...], scales: Scales) -> torch.Tensor:
+    """Semantics as punica_kernels.add_lora, each token's row computed independently of the batch."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    for slot, tokens in _slot_tokens(meta, x.shape[0]):
+        inter = _shrink(x.index_select(0, tokens).to(dtype), lora_a[slot])  # [m, n, R]
+        slice_scales = None if scales.slices is None else scales.slices[slot]
+        _update(y, tokens, slot, _delta(inter, lora_b[slot], slice_sizes, slice_scales), scales)
+    return y
