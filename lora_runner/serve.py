@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-# what `pip install lora-runner[serve]` brings that a plain install lacks
+# what the serve extra (`pip install -e ".[serve]"` in a checkout) brings that a plain install lacks
 SERVE_EXTRA_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client", "yaml"})
-MISSING_EXTRA = "lora-runner serve needs the serve extra ({}): pip install 'lora-runner[serve]'"
+# lora-runner is installed from a checkout (it is not on the package index under that name)
+MISSING_EXTRA = "lora-runner serve needs the serve extra ({}): pip install -e \".[serve]\" in the lora-runner checkout"
 
 
 def main(argv: list[str] | None = None) -> int:

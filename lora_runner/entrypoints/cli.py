@@ -198,6 +198,7 @@ def serve(args: argparse.Namespace) -> None:
     port is bound (Ray: checked) before the model loads, so a taken port is said at once."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, server, adapters = engine_config(args), server_config(args), startup_adapters(args)
+    check_local_adapter_paths(adapters)  # before minutes of model loading, and said once
     KeyRing.from_options(list(server.api_keys), server.tenant_keys)  # bad keys are said now, also for Ray
     layout = ray_config(args)
     if layout.enabled:
@@ -216,9 +217,37 @@ def serve(args: argparse.Namespace) -> None:
         config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)),
                                 **server.connection_limits.uvicorn_settings())
-        GracefulServer(config, state).run(sockets=[sock])
+        AnnouncingServer(config, state, listen_url(sock)).run(sockets=[sock])
     finally:
         sock.close()
+
+
+def check_local_adapter_paths(adapters: StartupAdapters) -> None:
+    """ValueError naming the first startup adapter whose local directory (a path starting with /, ./,
+    ../ or ~) does not exist; Hub ids and the files themselves are checked when the adapter loads."""
+    for request in (*adapters.loras, *adapters.prompt_adapters):
+        if _is_local_path(request.path) and not os.path.isdir(os.path.expanduser(request.path)):
+            raise ValueError(f"adapter {request.name!r}: no such directory {request.path}")
+
+
+def listen_url(sock) -> str:
+    """http://HOST:PORT of a bound socket (the port it really got, also for --port 0)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class AnnouncingServer(GracefulServer):
+    """Says once where it listens when uvicorn is up: uvicorn logs no address for sockets it is
+    handed (we bind ours before the model loads)."""
+
+    def __init__(self, config: uvicorn.Config, state, url: str) -> None:
+        super().__init__(config, state)
+        self.url = url
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            logger.info("listening on %s", self.url)
 
 
 def main(argv: list[str] | None = None) -> int:
