@@ -2,6 +2,7 @@
 
     python examples/multi_tenant.py                      # SmolLM2-135M-Instruct and its tenants
     python examples/multi_tenant.py --toy                # offline: a tiny demo model trained first
+    python examples/multi_tenant.py --print-paths        # DEMO_MODEL=... lines for `lora-runner serve`
     python examples/multi_tenant.py --model org/base --adapter a=org/lora-a --adapter b=./lora-b \\
         --prompt-adapter c=org/soft-prompt-c --prompt "Tell me a story"   # real Hub checkpoints
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -60,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rebuild", action="store_true", help="retrain the demo artifacts (SmolLM2: instead of the "
                    "shipped tenants)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--print-paths", action="store_true",
+                   help="fetch/build the demo model and tenants if needed, print their paths as shell variables "
+                        "(DEMO_MODEL, DEMO_LORAS, DEMO_PROMPT_ADAPTERS) for `lora-runner serve`, and serve nothing")
     args = p.parse_args(argv)
     if (args.adapter or args.prompt_adapter) and not args.model:
         p.error("--adapter and --prompt-adapter need --model (the demo model comes with its own tenants)")
@@ -161,6 +166,15 @@ def batch_lanes(tenants: dict[str, str], prompt_tenants: dict[str, str]) -> list
     return lanes + [Lane(BASE)]
 
 
+def shell_paths(setup: Setup) -> str:
+    """The demo's model and adapter paths as shell assignments, for `eval` before `lora-runner serve`
+    (they sit in hashed cache folders): DEMO_LORAS and DEMO_PROMPT_ADAPTERS hold NAME=PATH words."""
+    def words(adapters: dict[str, str]) -> str:
+        return shlex.quote(" ".join(f"{name}={path}" for name, path in adapters.items()))
+    return "\n".join([f"DEMO_MODEL={shlex.quote(setup.model)}", f"DEMO_LORAS={words(setup.tenants)}",
+                      f"DEMO_PROMPT_ADAPTERS={words(setup.prompt_tenants)}"])
+
+
 def one_line(text: str) -> str:
     """Output text on one line, for side-by-side printing."""
     return " ".join(text.split())
@@ -251,6 +265,9 @@ def main(argv=None) -> dict:
 
     start = time.perf_counter()
     setup = resolve_setup(args)
+    if args.print_paths:
+        print(shell_paths(setup))  # stdout holds only the assignments: logs go to stderr
+        return {"model": setup.model, "tenants": setup.tenants, "prompt_tenants": setup.prompt_tenants}
     model, tenants, hot, prompts, max_tokens = setup.model, setup.tenants, setup.hot, setup.prompts, setup.max_tokens
     if not tenants:
         logger.warning("no --adapter given: no LoRA tenants, nothing to hot-load")

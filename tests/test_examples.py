@@ -168,6 +168,24 @@ def test_demo_argument_errors(examples):
     assert [lane.label for lane in multi_tenant.batch_lanes({"a": "x"}, {})] == ["a", multi_tenant.BASE]
 
 
+def test_print_paths_feeds_lora_runner_serve(examples, capsys):
+    """--print-paths prints shell assignments whose words are `serve`'s --lora-modules / --prompt-adapters
+    values (a path with a space stays one word after eval)."""
+    _, multi_tenant = examples
+    from lora_runner.entrypoints.cli import adapter_spec
+
+    args = multi_tenant.parse_args(["--model", "/m dir", "--adapter", "a=/x/a", "--adapter", "b=/x/b",
+                                    "--prompt-adapter", "s=/y/s", "--print-paths"])
+    assert multi_tenant.main(["--model", "/m dir", "--adapter", "a=/x/a", "--adapter", "b=/x/b",
+                              "--prompt-adapter", "s=/y/s", "--print-paths"])["tenants"] == {"a": "/x/a", "b": "/x/b"}
+    printed = capsys.readouterr().out
+    assert printed == multi_tenant.shell_paths(multi_tenant.resolve_setup(args)) + "\n"
+    script = printed + 'printf "%s\\n" "$DEMO_MODEL" $DEMO_LORAS $DEMO_PROMPT_ADAPTERS'
+    words = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert words == ["/m dir", "a=/x/a", "b=/x/b", "s=/y/s"]
+    assert [adapter_spec(w) for w in words[1:]] == [("a", "/x/a", None), ("b", "/x/b", None), ("s", "/y/s", None)]
+
+
 def test_demo_falls_back_to_the_toy_model(examples, tmp_path, monkeypatch, caplog):
     """Without the package index the default demo serves the toy model, with a warning."""
     demo_artifacts, multi_tenant = examples
