@@ -208,7 +208,7 @@ def serve(args: argparse.Namespace) -> None:
         try:  # imported here: Ray is an optional dependency (lora-runner[ray]), needed only for replicas
             from lora_runner.entrypoints.ray.app import serve_on_ray
         except ImportError as exc:
-            raise ValueError("--num-replicas > 1 needs Ray Serve: pip install 'lora-runner[ray]'") from exc
+            raise ValueError("--num-replicas > 1 needs Ray Serve: pip install -e \".[ray]\" in the lora-runner checkout") from exc
         serve_on_ray(engine, server, adapters, layout)
         return
     sock = bind_listen_socket(args.host, args.port)
