@@ -26,6 +26,19 @@ def test_a_missing_local_startup_adapter_is_one_line_before_the_model_loads(monk
     assert loaded == []
 
 
+def test_a_bad_startup_adapter_is_one_line_before_the_model_loads(monkeypatch, tmp_path, engine_checkpoint,
+                                                                  capsys, caplog):
+    loaded = []
+    monkeypatch.setattr(cli, "build_state", lambda *a: loaded.append(a))
+    (tmp_path / "empty").mkdir()  # a folder, but no adapter in it
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", engine_checkpoint[0], "--device", "cpu", "--port", "0",
+                  "--lora-modules", f"sql={tmp_path / 'empty'}"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "adapter_config.json" in err, err
+    assert loaded == [] and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_a_hub_id_is_left_to_the_loader(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no folder of that name here: a Hub id, which only the loader can check
     adapters = cli.startup_adapters(SimpleNamespace(lora_modules=[("sql", "org/sql-lora", None)],

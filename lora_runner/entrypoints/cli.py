@@ -213,6 +213,8 @@ def serve(args: argparse.Namespace) -> None:
         return
     sock = bind_listen_socket(args.host, args.port)
     try:
+        if adapters.loras or adapters.prompt_adapters:
+            check_startup(engine, adapters)  # a bad startup adapter: one line now, not after the model loads
         state = build_state(engine, server, adapters)
         config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)),
