@@ -167,8 +167,8 @@ class EngineConfig:
             raise ValueError(f'distributed_executor_backend must be None, "uni", "mp" or "ray", got '
                              f'{self.distributed_executor_backend!r}')
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
-            raise ValueError('distributed_executor_backend="ray" needs Ray: pip install \'lora-runner[ray]\' '
-                             '(or use "mp")')
+            raise ValueError('distributed_executor_backend="ray" needs Ray: pip install -e ".[ray]" in the '
+                             'lora-runner checkout (or use "mp")')
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError('distributed_executor_backend="uni" runs one process: it needs tensor_parallel_size=1, '
                              f'got {self.tensor_parallel_size} (use "mp")')
