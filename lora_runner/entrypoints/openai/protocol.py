@@ -209,3 +209,27 @@ class UnloadLoRARequest(_Body):
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's body): a ``prompt``, or ``messages`` rendered as /v1/chat/completions
+    renders them (its template fields and tools). add_special_tokens: the tokenizer's (BOS) around a
+    prompt (default true, as vLLM); a chat prompt takes its special tokens from the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False  # vLLM: each token's text beside the ids
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    tools: list[ChatTool] | None = None
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's body): the text of token ids."""
+
+    model: str | None = None
+    tokens: list[int]
