@@ -6,6 +6,7 @@ model cannot tokenize for it either."""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import openai
@@ -111,3 +112,24 @@ def test_model_cards_carry_max_model_len(served):
     client = openai.OpenAI(base_url=served[0] + "/v1", api_key=OPERATOR, max_retries=0)
     cards = {card.id: card.model_extra for card in client.models.list().data}
     assert set(cards) == {"base", "a"} and all(card["max_model_len"] == 512 for card in cards.values())
+
+
+def test_without_served_model_name_the_base_card_shows_no_server_path(engine_checkpoint):
+    """The card names the model folder (not its absolute path); a request may name either, as vLLM's may
+    name the path it was started with."""
+    model = engine_checkpoint[0]
+    args = serve_args(model, {"a": engine_checkpoint[2]["r4"][0]})
+    args.served_model_name = None  # as `lora-runner serve MODEL_DIR` without --served-model-name
+    server, _ = start_server(args)
+    try:
+        listing = httpx.get(server.base_url + "/v1/models").text
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        cards = {card.id: card for card in client.models.list().data}
+        name = os.path.basename(model)
+        assert set(cards) == {name, "a"} and cards["a"].model_extra["parent"] == name
+        assert cards[name].model_extra["root"] == name and model not in listing
+        for requested in (name, model):
+            response = client.completions.create(model=requested, prompt="the cat", max_tokens=1)
+            assert response.choices[0].finish_reason == "length"
+    finally:
+        server.stop()

@@ -86,7 +86,8 @@ def test_named_function_with_defs_keeps_its_schema_as_the_root(served, client):
 def test_streamed_named_call_sends_one_entry_per_call_per_chunk(served, client):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     chunks, _, _ = _ask(served, client, pieces(ARGS, size=5), stream=True, tool_choice=choice)
-    entries = [chunk.choices[0].delta.tool_calls for chunk in chunks if chunk.choices and chunk.choices[0].delta.tool_calls]
+    entries = [chunk.choices[0].delta.tool_calls for chunk in chunks
+               if chunk.choices and chunk.choices[0].delta.tool_calls]
     assert entries and all(len({call.index for call in calls}) == len(calls) for calls in entries)
     first = entries[0][0]  # a client reading entry 0 of each chunk sees the whole arguments
     assert first.id.startswith("call_") and first.function.name == "get_weather"

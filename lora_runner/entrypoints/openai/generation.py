@@ -67,7 +67,7 @@ class Target:
 
 def resolve_target(state: ServerState, tenant: Tenant, model: str, prompt_adapter: str | None) -> Target:
     """404 (the same for unknown names and names the tenant may not use) unless both names resolve."""
-    if model == state.base_name:
+    if model in (state.base_name, state.config.model_path_alias):
         if not tenant.base:
             raise model_not_found(model)
         target = Target(model)

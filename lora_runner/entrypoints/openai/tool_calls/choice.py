@@ -76,7 +76,8 @@ def tool_plan(body: ChatCompletionRequest, auto_parser: str = "hermes") -> ToolP
                            "invalid_tool_choice")
         return ToolPlan()
     tools = checked_tools(body.tools)
-    parameters = {tool.function.name: NO_ARGUMENTS if tool.function.parameters is None else tool.function.parameters for tool in body.tools}
+    parameters = {tool.function.name: NO_ARGUMENTS if tool.function.parameters is None else tool.function.parameters
+                  for tool in body.tools}
     if choice == "none":
         return ToolPlan(tools)
     offered = frozenset(parameters)  # only these names become tool calls
@@ -101,7 +102,8 @@ def required_calls_schema(parameters: dict[str, dict]) -> dict:
     Each parameters schema moves into the root's ``$defs`` (embedded_schemas), so its own root-relative
     ``$ref``s (pydantic's ``#/$defs/...``) still resolve."""
     defs, arguments = embedded_schemas(parameters)
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "arguments": arguments[name]},
+    calls = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [name]}, "arguments": arguments[name]},
               "required": ["name", "arguments"], "additionalProperties": False}
              for name in parameters]
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
