@@ -10,6 +10,7 @@ no arguments ({}), as OpenAI means.
 import json
 
 import jsonschema
+import openai
 import pydantic
 import pytest
 from test_tool_calls_server import ARGS, TOOLS, _ask, _streamed, client, pieces, served  # noqa: F401 (fixtures)
@@ -111,3 +112,31 @@ def test_a_function_without_parameters_takes_no_arguments(served, client, tool_c
     (made,) = answer.choices[0].message.tool_calls
     assert (made.function.name, json.loads(made.function.arguments)) == ("ping", {})
     assert '"parameters"' not in prompt.split('"ping"')[1].split("\n")[0]  # the template sees none declared
+
+
+@pytest.fixture(scope="module")
+def real_client(engine_checkpoint, tmp_path_factory):
+    """An openai client of a real server on the tiny model (logprobs come from the engine)."""
+    from serve_support import model_with_chat_template, serve_args, start_server
+
+    model = model_with_chat_template(engine_checkpoint[0], tmp_path_factory.mktemp("token-ids") / "model")
+    server, _ = start_server(serve_args(model, {}))
+    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    server.stop()
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(real_client):
+    """vLLM's field: a token that is a piece of a character has no text (decoded: U+FFFD); its id does."""
+    chat = real_client.chat.completions.create(
+        model="base", messages=[{"role": "user", "content": "the cat"}], max_tokens=4, logprobs=True, top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    choice = chat.choices[0]
+    entries = choice.logprobs.content
+    assert [entry.token for entry in entries] == [f"token_id:{i}" for i in choice.model_extra["token_ids"]]
+    assert all(top.token.startswith("token_id:") for entry in entries for top in entry.top_logprobs)
+    legacy = real_client.completions.create(model="base", prompt="the cat sat", max_tokens=2, logprobs=1, echo=True,
+                                            extra_body={"return_tokens_as_token_ids": True})
+    tokens = legacy.choices[0].logprobs.tokens  # the echoed prompt's tokens too
+    assert len(tokens) > 2 and all(token.startswith("token_id:") for token in tokens)
+    plain = real_client.completions.create(model="base", prompt="the cat sat", max_tokens=2, logprobs=1)
+    assert not any(token.startswith("token_id:") for token in plain.choices[0].logprobs.tokens)

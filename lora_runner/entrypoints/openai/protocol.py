@@ -83,6 +83,7 @@ class _GenerationBody(_Body):
     skip_special_tokens: bool = True  # extension (vLLM): special tokens left out of the text
     spaces_between_special_tokens: bool = True  # extension (vLLM)
     return_token_ids: bool = False  # extension (vLLM): prompt_token_ids and token_ids of each choice
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs' tokens as "token_id:N"
     # extension (vLLM): the top k logprobs at each prompt position (capped by max_logprobs; not with stream)
     prompt_logprobs: int | None = Field(default=None, ge=0)
     # structured outputs (lora_runner.entrypoints.openai.sampling.structured_outputs): at most one of these
