@@ -7,6 +7,7 @@ parses calls; "auto" parses Hermes-style ``<tool_call>`` markup (or, with --tool
 calls: whole_call_parsers); "required" constrains the output to a
 JSON array of at least one {"name", "arguments"} call of the given tools; a named function
 constrains the output to that function's parameters schema (the output is the call's arguments).
+A function declared without ``parameters`` takes none (OpenAI's meaning): its arguments are ``{}``.
 """
 
 from __future__ import annotations
