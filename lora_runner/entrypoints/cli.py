@@ -22,6 +22,7 @@ from lora_runner.entrypoints.launch import StartupAdapters, build_state
 from lora_runner.entrypoints.listen_socket import bind_listen_socket, check_listen_address
 from lora_runner.entrypoints.openai.app import build_app
 from lora_runner.entrypoints.openai.connections import ConnectionLimits
+from lora_runner.entrypoints.openai.redact import public_model_name
 from lora_runner.entrypoints.openai.shutdown import GracefulServer
 from lora_runner.entrypoints.openai.state import ServerConfig
 from lora_runner.entrypoints.openai.tenants import KeyRing
@@ -151,7 +152,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """ServerConfig from the parsed options (ValueError naming a vLLM flag this server cannot honour)."""
     check_vllm_serve_flags(args)
-    return ServerConfig(served_model_name=args.served_model_name or args.model, api_keys=tuple(args.api_key),
+    served = args.served_model_name or public_model_name(args.model)  # a card never shows a server path
+    alias = args.model if not args.served_model_name and served != args.model else None  # as vLLM: the path works
+    return ServerConfig(served_model_name=served, model_path_alias=alias,
+                        api_keys=tuple(args.api_key),
                         tenant_keys=args.tenant_keys,
                         allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_updating_from_env(),
                         adapter_root=args.adapter_root, allow_hub_adapters=args.allow_hub_adapters,

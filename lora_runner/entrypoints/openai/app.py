@@ -9,6 +9,7 @@ cancelled them) the engine is shut down: what is still in flight is aborted, the
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from lora_runner.entrypoints.openai import admin, completions, uploads
+from lora_runner.entrypoints.openai import admin, completions, tokenize, uploads
 from lora_runner.entrypoints.openai.authentication import (
     TENANT_SCOPE_KEY,
     KeyCheckMiddleware,
@@ -31,7 +32,9 @@ from lora_runner.entrypoints.openai.ignored_fields import IgnoredFieldsHeaderMid
 from lora_runner.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRARequest,
+    TokenizeRequest,
     UnloadLoRARequest,
 )
 from lora_runner.entrypoints.openai.redact import public_path
@@ -88,6 +91,24 @@ def _add_routes(app: FastAPI) -> None:
     async def models(request: Request, tenant: Tenant = Depends(authenticate)) -> JSONResponse:
         return JSONResponse(list_models(_state(request), tenant))
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping(request: Request, tenant: Tenant = Depends(authenticate)) -> Response:
+        return await health(request)  # vLLM's /ping is its /health (behind the key, as every route but /health)
+
+    @app.get("/version")
+    async def version(tenant: Tenant = Depends(authenticate)) -> JSONResponse:
+        return JSONResponse({"version": _version()})
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request, tenant: Tenant = Depends(authenticate)) -> JSONResponse:
+        body = await parse_body(_state(request), request, TokenizeRequest)
+        return JSONResponse(await tokenize.tokenize(_state(request), tenant, body))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request, tenant: Tenant = Depends(authenticate)) -> JSONResponse:
+        body = await parse_body(_state(request), request, DetokenizeRequest)
+        return JSONResponse(await tokenize.detokenize(_state(request), tenant, body))
+
     @app.post("/v1/completions")
     async def create_completion(request: Request, tenant: Tenant = Depends(authenticate)):
         body = await parse_body(_state(request), request, CompletionRequest)  # off the loop, counts first
@@ -123,15 +144,25 @@ def list_models(state: ServerState, tenant: Tenant) -> dict:
     base = state.base_name
     entries = []
     if tenant.base:
-        entries.append(_model_card(base, root=base, parent=None))
+        entries.append(_model_card(base, root=base, parent=None, max_model_len=state.max_model_len))
     for adapter in state.adapters(tenant):
         root = public_path(adapter.request.path, adapter.request.root or state.config.adapter_root,
                            adapter.name) if tenant.admin \
             else adapter.name
-        entries.append(_model_card(adapter.name, root=root, parent=base, created=adapter.created, kind=adapter.kind))
+        entries.append(_model_card(adapter.name, root=root, parent=base, created=adapter.created, kind=adapter.kind,
+                                   max_model_len=state.max_model_len))
     return {"object": "list", "data": entries}
 
 
-def _model_card(name: str, root: str, parent: str | None, created: int = 0, kind: str = "base") -> dict:
+def _model_card(name: str, root: str, parent: str | None, created: int = 0, kind: str = "base",
+                max_model_len: int | None = None) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "lora-runner", "root": root,
-            "parent": parent, "kind": kind}
+            "parent": parent, "kind": kind, "max_model_len": max_model_len}
+
+
+def _version() -> str:
+    """The installed lora-runner's version ("unknown" when it runs from a source tree not installed)."""
+    try:
+        return importlib.metadata.version("lora-runner")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

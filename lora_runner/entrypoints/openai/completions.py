@@ -70,7 +70,9 @@ async def create_chat_completion(state: ServerState, tenant: Tenant, body: ChatC
         echo = [last.text()] if body.echo and last.role == "assistant" else None
         return await _generate(state, tenant, body, request, target, [prompt], max_tokens, logprobs, started,
                                ChatFormat, "chatcmpl", release,
-                               lambda ids: ChoiceExtras(echo, return_token_ids=body.return_token_ids), tools)
+                               lambda ids: ChoiceExtras(echo, return_token_ids=body.return_token_ids,
+                                                        return_tokens_as_token_ids=body.return_tokens_as_token_ids),
+                               tools)
     except BaseException:
         release()
         raise
@@ -133,8 +135,10 @@ def _completion_extras(state: ServerState, body: CompletionRequest, listed: list
     """Completions' echo (each prompt's text: the one sent, or its token ids' text when it came as ids or
     was truncated) and return_token_ids."""
     if not body.echo:
-        return ChoiceExtras(return_token_ids=body.return_token_ids)
+        return ChoiceExtras(return_token_ids=body.return_token_ids,
+                            return_tokens_as_token_ids=body.return_tokens_as_token_ids)
     texts = [given if isinstance(given, str) and body.truncate_prompt_tokens is None else state.prompt_text(ids)
              for given, ids in zip(listed, prompts)]
     return ChoiceExtras(texts, echo_logprobs=logprobs is not None, discard_generated=body.max_tokens == 0,
-                        return_token_ids=body.return_token_ids)
+                        return_token_ids=body.return_token_ids,
+                        return_tokens_as_token_ids=body.return_tokens_as_token_ids)

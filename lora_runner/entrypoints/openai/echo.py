@@ -28,6 +28,7 @@ class ChoiceExtras:
     echo_logprobs: bool = False  # the prompt tokens' logprobs first (completions echo with logprobs)
     discard_generated: bool = False  # max_tokens=0 with echo: the token the engine generates is not reported
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N", not by their text
     prompt_logprobs: int | None = None  # vLLM's field: the top k at each prompt position in the response
 
     def echo_text(self, prompt_index: int) -> str | None:

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from lora_runner.entrypoints.openai.tool_calls.deltas import ToolCallDelta, message_tool_calls
+from lora_runner.entrypoints.openai.tool_calls.deltas import ToolCallDelta, join_calls, message_tool_calls
 
 DONE_EVENT = "data: [DONE]\n\n"
 ADAPTER_VERSION_HEADER = "X-Adapter-Version"  # the adapter version a generation ran with (provenance)
@@ -145,7 +145,8 @@ class ChatFormat(CompletionFormat):
         content = {"content": delta.text} if delta.text or (delta.finish_reason is None and not delta.tool_calls) \
             else {}
         if delta.tool_calls:
-            content["tool_calls"] = [call.as_chunk() for call in delta.tool_calls]
+            # one entry per call: a client reading a call's first entry must see all of the chunk's text
+            content["tool_calls"] = [call.as_chunk() for call in join_calls([], delta.tool_calls)]
         return {"index": delta.index, "delta": content, "logprobs": _chat_logprobs(delta.logprobs),
                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason, **_token_ids(delta)}
 

@@ -67,7 +67,7 @@ class Target:
 
 def resolve_target(state: ServerState, tenant: Tenant, model: str, prompt_adapter: str | None) -> Target:
     """404 (the same for unknown names and names the tenant may not use) unless both names resolve."""
-    if model == state.base_name:
+    if model in (state.base_name, state.config.model_path_alias):
         if not tenant.base:
             raise model_not_found(model)
         target = Target(model)
@@ -201,7 +201,7 @@ class ChoiceRun:
         """The prompt tokens' entries echoed before the generated ones (the engine computed them)."""
         if output.prompt_logprobs is None:
             raise RuntimeError(f"request {self.request_id}: echo with logprobs, but no prompt logprobs came back")
-        return prompt_token_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs,
+        return prompt_token_logprobs(self._token_text, self.prompt_ids, output.prompt_logprobs,
                                      self.logprobs_k or 0)
 
     def _vllm_prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
@@ -219,8 +219,13 @@ class ChoiceRun:
         if self.extras.discard_generated:
             return []
         k = self.logprobs_k or 0
-        return [_token_logprob(self.state, token, table, k)
+        return [_token_logprob(self._token_text, token, table, k)
                 for token, table in zip(completion.token_ids, completion.logprobs)]
+
+    def _token_text(self, token: int) -> str:
+        """A token's text in logprobs: "token_id:N" with return_tokens_as_token_ids (vLLM's; a token that is
+        part of a character, as an emoji's bytes, has no text of its own: decoded it is U+FFFD)."""
+        return f"token_id:{token}" if self.extras.return_tokens_as_token_ids else self.state.token_text(token)
 
     def _record_latency(self, num_new: int) -> None:
         if num_new == 0:
@@ -246,9 +251,9 @@ class ChoiceRun:
             self.state.engine.abort(self.request_id)
 
 
-def _token_logprob(state: ServerState, token: int, table: dict[int, float], k: int) -> TokenLogprob:
+def _token_logprob(token_text: Callable[[int], str], token: int, table: dict[int, float], k: int) -> TokenLogprob:
     top = sorted(table.items(), key=lambda item: -item[1])[:k]
-    return TokenLogprob(state.token_text(token), table[token], [(state.token_text(t), lp) for t, lp in top])
+    return TokenLogprob(token_text(token), table[token], [(token_text(t), lp) for t, lp in top])
 
 
 async def _first_output(run: ChoiceRun) -> None:

@@ -83,6 +83,7 @@ class _GenerationBody(_Body):
     skip_special_tokens: bool = True  # extension (vLLM): special tokens left out of the text
     spaces_between_special_tokens: bool = True  # extension (vLLM)
     return_token_ids: bool = False  # extension (vLLM): prompt_token_ids and token_ids of each choice
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs' tokens as "token_id:N"
     # extension (vLLM): the top k logprobs at each prompt position (capped by max_logprobs; not with stream)
     prompt_logprobs: int | None = Field(default=None, ge=0)
     # structured outputs (lora_runner.entrypoints.openai.sampling.structured_outputs): at most one of these
@@ -209,3 +210,27 @@ class UnloadLoRARequest(_Body):
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's body): a ``prompt``, or ``messages`` rendered as /v1/chat/completions
+    renders them (its template fields and tools). add_special_tokens: the tokenizer's (BOS) around a
+    prompt (default true, as vLLM); a chat prompt takes its special tokens from the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False  # vLLM: each token's text beside the ids
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    tools: list[ChatTool] | None = None
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's body): the text of token ids."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -25,6 +25,14 @@ def _last_component(match: re.Match) -> str:
     return f".../{name}" if name else "..."
 
 
+def public_model_name(model: str) -> str:
+    """The base model's name in model cards when --served-model-name is not given: a local folder's
+    last component (its path is the server's), a Hub repo id as it is."""
+    if os.path.isabs(model) or os.path.isdir(model):
+        return os.path.basename(os.path.normpath(model)) or model
+    return model
+
+
 def public_path(path: str, root: str | None, name: str) -> str:
     """What a client may see of an adapter's `path`: relative to `root` when it lies inside it, a
     relative path (a Hub repo id) as it is, else only the adapter's `name`."""

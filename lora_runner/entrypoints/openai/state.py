@@ -65,6 +65,7 @@ class ServerConfig:
     """
 
     served_model_name: str
+    model_path_alias: str | None = None  # the model's path when the served name is its basename: requests may name it
     api_keys: tuple[str, ...] = ()
     tenant_keys: str | None = None
     allow_runtime_lora_updating: bool = False

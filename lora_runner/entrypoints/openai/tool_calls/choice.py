@@ -7,6 +7,7 @@ parses calls; "auto" parses Hermes-style ``<tool_call>`` markup (or, with --tool
 calls: whole_call_parsers); "required" constrains the output to a
 JSON array of at least one {"name", "arguments"} call of the given tools; a named function
 constrains the output to that function's parameters schema (the output is the call's arguments).
+A function declared without ``parameters`` takes none (OpenAI's meaning): its arguments are ``{}``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from dataclasses import dataclass
 
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
-from lora_runner.entrypoints.openai.tool_calls.definitions import checked_tools
+from lora_runner.entrypoints.openai.tool_calls.definitions import checked_tools, embedded_schemas
 from lora_runner.entrypoints.openai.tool_calls.deltas import Extracted
 from lora_runner.entrypoints.openai.tool_calls.forced_parsers import NamedFunctionParser, RequiredCallsParser
 from lora_runner.entrypoints.openai.tool_calls.hermes_parser import HermesToolParser
 from lora_runner.entrypoints.openai.tool_calls.whole_call_parsers import Llama3JsonToolParser, PythonicToolParser
 from lora_runner.structured_outputs_params import StructuredOutputsParams
 
-ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
+# the parameters of a function that declares none: OpenAI's "no arguments" (the empty object)
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ def tool_plan(body: ChatCompletionRequest, auto_parser: str = "hermes") -> ToolP
                            "invalid_tool_choice")
         return ToolPlan()
     tools = checked_tools(body.tools)
-    parameters = {tool.function.name: tool.function.parameters or ANY_OBJECT for tool in body.tools}
+    parameters = {tool.function.name: NO_ARGUMENTS if tool.function.parameters is None else tool.function.parameters
+                  for tool in body.tools}
     if choice == "none":
         return ToolPlan(tools)
     offered = frozenset(parameters)  # only these names become tool calls
@@ -96,11 +99,16 @@ def _named(tools: list[dict], parameters: dict[str, dict], choice: NamedToolChoi
 
 
 def required_calls_schema(parameters: dict[str, dict]) -> dict:
-    """The JSON schema of a list of at least one call: each {"name": one of the tools, "arguments": its parameters}."""
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "arguments": schema},
+    """The JSON schema of a list of at least one call: each {"name": one of the tools, "arguments": its parameters}.
+    Each parameters schema moves into the root's ``$defs`` (embedded_schemas), so its own root-relative
+    ``$ref``s (pydantic's ``#/$defs/...``) still resolve."""
+    defs, arguments = embedded_schemas(parameters)
+    calls = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [name]}, "arguments": arguments[name]},
               "required": ["name", "arguments"], "additionalProperties": False}
-             for name, schema in parameters.items()]
-    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+             for name in parameters]
+    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def _structured(schema: dict) -> StructuredOutputsParams:

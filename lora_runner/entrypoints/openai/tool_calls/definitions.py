@@ -95,3 +95,49 @@ def _check_schema(schema, where: str) -> None:
                 raise _invalid(f"{where}.{key} must be a list of schemas")
             for position, sub in enumerate(schema[key]):
                 _check_schema(sub, f"{where}.{key}[{position}]")
+
+
+def embedded_schemas(parameters: dict[str, dict]) -> tuple[dict, dict]:
+    """(root ``$defs``, {tool name: the schema to embed}) for embedding each tool's parameters schema
+    inside a larger one. A schema with local ``$ref``s cannot be copied in as it is: its pointers are
+    relative to its own root. It moves into the root's ``$defs`` under the tool's name, its own
+    ``$defs`` / ``definitions`` beside it as "<tool>.<def>" (names hold no "." or "/", so nothing
+    collides), every local ``$ref`` rewritten to match, and the embedded schema is a ``$ref`` to it."""
+    defs, embedded = {}, {}
+    for name, schema in parameters.items():
+        if not _has_local_ref(schema):
+            embedded[name] = schema
+            continue
+        root = {key: value for key, value in schema.items() if key not in ("$defs", "definitions")}
+        defs[name] = _rewritten_refs(root, name)
+        for key, separator in (("$defs", "."), ("definitions", ":")):
+            for def_name, sub in (schema.get(key) or {}).items():
+                defs[f"{name}{separator}{def_name}"] = _rewritten_refs(sub, name)
+        embedded[name] = {"$ref": f"#/$defs/{name}"}
+    return defs, embedded
+
+
+def _has_local_ref(value) -> bool:
+    if isinstance(value, dict):
+        return any((key == "$ref" and isinstance(sub, str) and sub.startswith("#")) or _has_local_ref(sub)
+                   for key, sub in value.items())
+    return isinstance(value, list) and any(_has_local_ref(sub) for sub in value)
+
+
+def _rewritten_refs(value, name: str):
+    """`value` with each local ``$ref`` of tool `name`'s schema pointing where embedded_schemas moved it
+    (recursion bounded: check_parameters bounded the depth)."""
+    if isinstance(value, list):
+        return [_rewritten_refs(sub, name) for sub in value]
+    if not isinstance(value, dict):
+        return value
+    out = {key: _rewritten_refs(sub, name) for key, sub in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        if ref.startswith("#/$defs/"):
+            out["$ref"] = f"#/$defs/{name}.{ref[len('#/$defs/'):]}"
+        elif ref.startswith("#/definitions/"):
+            out["$ref"] = f"#/$defs/{name}:{ref[len('#/definitions/'):]}"
+        else:  # the schema's root or a pointer into it
+            out["$ref"] = f"#/$defs/{name}{ref[1:]}"
+    return out
