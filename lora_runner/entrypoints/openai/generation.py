@@ -49,6 +49,7 @@ from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
 from lora_runner.entrypoints.openai.tool_calls.deltas import join_calls
 from lora_runner.outputs import RequestOutput
+from lora_runner.sample.sampler import NonFiniteLogitsError
 from lora_runner.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,15 @@ def check_lengths(state: ServerState, prompts: list[list[int]], max_tokens: int,
                            "context_length_exceeded")
 
 
+def _sample_error(error: BaseException | None, model: str, runs_adapter: bool) -> APIError:
+    """The answer for a sample the engine failed: an adapter's non-finite logits are its own fault (422
+    naming it; the batch's other rows were sampled), anything else as api_error_from maps it."""
+    if isinstance(error, NonFiniteLogitsError) and runs_adapter:
+        return APIError(422, f"the adapter `{model}` produced NaN or infinite logits for this request (its "
+                        "weights overflow the activations); other requests are unaffected", "non_finite_logits")
+    return api_error_from(error or RuntimeError("the request failed"))
+
+
 @dataclass
 class _Sent:
     """What has been sent of one sample (choice)."""
@@ -127,11 +137,12 @@ class ChoiceRun:
     def __init__(self, state: ServerState, index: int, request_id: str, prompt_ids: list[int],
                  gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1,
                  extras: ChoiceExtras = ChoiceExtras(), echo_text: str | None = None,
-                 new_parser: Callable[[], object] | None = None, model: str = "") -> None:
+                 new_parser: Callable[[], object] | None = None, model: str = "", runs_adapter: bool = False) -> None:
         self.state, self.index, self.request_id, self.prompt_len = state, index, request_id, len(prompt_ids)
         self.prompt_ids, self.extras, self.echo_text = prompt_ids, extras, echo_text
         self.parsers = None if new_parser is None else [new_parser() for _ in range(n)]  # tool calls, per sample
         self.model = model  # the request's `model` (its latency metrics' label)
+        self.runs_adapter = runs_adapter  # `model` names an adapter (blamed when its logits are not finite)
         self.gen, self.started, self.logprobs_k = gen, started, logprobs_k
         self.first: RequestOutput | None = None
         self.advance_first: list[Delta] = []  # the first output's deltas, sent before the rest
@@ -167,7 +178,7 @@ class ChoiceRun:
         if completion.finish_reason == "error":
             sent.done = True
             self._finished("error", sent.tokens)
-            raise api_error_from(completion.error or RuntimeError("the request failed"))
+            raise _sample_error(completion.error, self.model, self.runs_adapter)
         # the engine's incremental text: whole characters, stop strings cut
         text = "" if self.extras.discard_generated else completion.text_delta
         logprobs = self._logprobs(completion)
@@ -279,7 +290,8 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
         gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name,
                                     cache_salt=salt)
         runs.append(ChoiceRun(state, index * params.n, request_id, ids, gen, started, params.logprobs, params.n,
-                              extras, extras.echo_text(index), new_parser, model=target.model))
+                              extras, extras.echo_text(index), new_parser, model=target.model,
+                              runs_adapter=target.lora is not None or target.prompt_adapter is not None))
     results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     try:
