@@ -6,6 +6,10 @@ whose scales the loader reads (GPTQ, AWQ, compressed-tensors int4 and fp8). A se
 finite but huge weights overflow the activations fails its own requests with 422 naming it in the
 OpenAI error shape (before, 500 "internal server error"), streamed or not; a bystander LoRA's greedy
 tokens stay exact.
+
+Item 6: a response's logprob entries are counted before the request runs (prompts x n x (max_tokens
+plus echoed prompt) x (k+1), vLLM's prompt_logprobs per choice): over --max-logprob-entries is a 400
+and the engine never sees it; an lm-eval-style echo scoring request under the limit answers as before.
 """
 
 import re
@@ -21,6 +25,7 @@ from quant_support import save_ct_fp8, save_ct_w4a16
 from test_quant_int4_formats import write_int4_checkpoint
 
 LAYER = "model.layers.1.self_attn.k_proj"
+MAX_ENTRIES = 20_000  # the served fixture's --max-logprob-entries
 
 
 def _poison(path, tensor: str, value: float) -> None:
@@ -69,7 +74,7 @@ def served(engine_checkpoint, tmp_path_factory):
     model_dir = model_with_chat_template(checkpoint, work / "model")
     save_huge_lora(hf, work / "huge")
     loras = {"r8-qv": adapters["r8-qv"][0], "huge": str(work / "huge")}
-    server, state = start_server(serve_args(model_dir, loras))
+    server, state = start_server(serve_args(model_dir, loras, extra=["--max-logprob-entries", str(MAX_ENTRIES)]))
     yield server, state, model_dir, loras
     server.stop()
 
@@ -99,3 +104,67 @@ def test_an_adapter_whose_logits_overflow_is_named_in_a_4xx(served, route, body)
     assert set(error) == {"message", "type", "code"} and error["code"] == "non_finite_logits", error
     assert "`huge`" in error["message"] and "NaN or infinite" in error["message"], error
     _bystander_is_exact(served)
+
+
+# -- 6: a response's logprob entries are bounded before the request runs -------------------------------------
+
+def _counting_engine_calls(served, monkeypatch) -> list:
+    """The engine requests the server starts from now on (their prompts)."""
+    engine, calls = served[1].engine, []
+    generate = engine.generate
+
+    def counted(prompt, *args, **kwargs):
+        calls.append(prompt)
+        return generate(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", counted)
+    return calls
+
+
+LONG_PROMPT = "the cat sat on the mat and the dog said yes " * 6  # 66 tokens
+
+
+@pytest.mark.parametrize("body", [
+    # the issue's shape scaled down: 16 prompts x 66 tokens, n=16, prompt_logprobs=20 (about 320k entries)
+    {"prompt": [LONG_PROMPT] * 16, "n": 16, "max_tokens": 2, "prompt_logprobs": 20},
+    # each factor alone is legal; n multiplies the echoed prompt (16 x 66 x 21 > 20000)
+    {"prompt": LONG_PROMPT, "n": 16, "max_tokens": 0, "echo": True, "logprobs": 20},
+    {"prompt": "hello world", "n": 16, "max_tokens": 100, "logprobs": 20},
+])
+def test_a_response_over_the_logprob_entry_limit_is_refused_before_it_runs(served, monkeypatch, body):
+    import httpx
+
+    calls = _counting_engine_calls(served, monkeypatch)
+    response = httpx.post(served[0].base_url + "/v1/completions", json={"model": "r8-qv", **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "too_many_logprobs" and str(MAX_ENTRIES) in error["message"], error
+    assert calls == []  # refused before any engine work
+    _bystander_is_exact(served)
+
+
+def test_lm_eval_style_echo_scoring_under_the_limit_answers_exactly(served, monkeypatch):
+    """loglikelihood requests (echo, max_tokens=0, logprobs=1) over several prompts: each choice is its
+    prompt echoed with one entry per prompt token, the first null, the rest LLM.generate's prompt logprobs."""
+    import httpx
+    from serve_support import PROMPTS
+
+    from lora_runner import LLM, SamplingParams
+
+    calls = _counting_engine_calls(served, monkeypatch)
+    body = {"model": "base", "prompt": PROMPTS[:4] + [LONG_PROMPT], "max_tokens": 0, "echo": True, "logprobs": 1}
+    response = httpx.post(served[0].base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert len(calls) == 5
+    tokenizer = served[1].tokenizer
+    prompts = [tokenizer.encode(prompt) for prompt in body["prompt"]]
+    llm = LLM(served[2], device="cpu", dtype="float32", max_model_len=512)
+    try:
+        wanted = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)
+    finally:
+        llm.close()
+    for prompt, ids, want, choice in zip(body["prompt"], prompts, wanted, response.json()["choices"]):
+        assert choice["text"] == prompt
+        got = choice["logprobs"]["token_logprobs"]
+        assert len(got) == len(ids) and got[0] is None
+        assert got[1:] == pytest.approx([want.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))], abs=1e-5)

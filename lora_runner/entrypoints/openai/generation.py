@@ -150,6 +150,9 @@ class ChoiceRun:
         self.last_token_at: float | None = None
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # the prompt's tokens served from the prefix cache
+        # the prompt's logprobs entries, built once for the prompt and shared by its n samples' first deltas
+        self._echoed: list[TokenLogprob] | None = None
+        self._scored: list[dict | None] | None = None
 
     @property
     def choice_indices(self) -> range:
@@ -210,19 +213,23 @@ class ChoiceRun:
 
     def _prompt_logprobs(self, output: RequestOutput) -> list[TokenLogprob]:
         """The prompt tokens' entries echoed before the generated ones (the engine computed them)."""
-        if output.prompt_logprobs is None:
-            raise RuntimeError(f"request {self.request_id}: echo with logprobs, but no prompt logprobs came back")
-        return prompt_token_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs,
-                                     self.logprobs_k or 0)
+        if self._echoed is None:
+            if output.prompt_logprobs is None:
+                raise RuntimeError(f"request {self.request_id}: echo with logprobs, but no prompt logprobs came back")
+            self._echoed = prompt_token_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs,
+                                                 self.logprobs_k or 0)
+        return self._echoed
 
     def _vllm_prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
         """The request's prompt_logprobs field (vLLM's shape) when it asked for it, else None."""
         k = self.extras.prompt_logprobs
         if k is None:
             return None
-        if output.prompt_logprobs is None:
-            raise RuntimeError(f"request {self.request_id}: prompt_logprobs asked for, but none came back")
-        return vllm_prompt_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs, k)
+        if self._scored is None:
+            if output.prompt_logprobs is None:
+                raise RuntimeError(f"request {self.request_id}: prompt_logprobs asked for, but none came back")
+            self._scored = vllm_prompt_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs, k)
+        return self._scored
 
     def _logprobs(self, completion) -> list[TokenLogprob] | None:
         if completion.logprobs is None:

@@ -62,6 +62,9 @@ class ServerConfig:
     stream_send_timeout: seconds one chunk of a streamed response may wait for its client to take
     it; past that the client is taken to have stopped reading: its requests are aborted and the
     connection closed.
+    max_logprob_entries: the logprob entries (a token's logprob or one top alternative) one request's
+    response may carry, counted before it runs (400 over it; None: unbounded): n, prompts, echo and
+    prompt_logprobs multiply a response to hundreds of MiB otherwise.
     """
 
     served_model_name: str
@@ -95,6 +98,7 @@ class ServerConfig:
     enable_log_requests: bool = False
     generation_config: str = "auto"
     tool_call_parser: str = "hermes"
+    max_logprob_entries: int | None = 2_000_000
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -103,7 +107,7 @@ class ServerConfig:
                      "max_chat_messages", "prompt_threads", "max_concurrent_loads", "max_loads_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_prompt_tokens", "max_tokens_limit"):
+        for name in ("max_prompt_tokens", "max_tokens_limit", "max_logprob_entries"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.shutdown_timeout < 0:
