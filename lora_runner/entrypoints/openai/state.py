@@ -98,7 +98,7 @@ class ServerConfig:
     enable_log_requests: bool = False
     generation_config: str = "auto"
     tool_call_parser: str = "hermes"
-    max_logprob_entries: int | None = 2_000_000
+    max_logprob_entries: int | None = 1_000_000  # about 65 MiB of JSON
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
