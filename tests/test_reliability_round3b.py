@@ -10,6 +10,10 @@ tokens stay exact.
 Item 6: a response's logprob entries are counted before the request runs (prompts x n x (max_tokens
 plus echoed prompt) x (k+1), vLLM's prompt_logprobs per choice): over --max-logprob-entries is a 400
 and the engine never sees it; an lm-eval-style echo scoring request under the limit answers as before.
+
+Item 12: streams whose client never reads give their admission seats back once the engine has finished
+them (before, they held them until the send timeout), their unsent output charged to
+--max-unsent-bytes; a budget too small keeps the seats taken. Counted through the server's state.
 """
 
 import re
@@ -168,3 +172,60 @@ def test_lm_eval_style_echo_scoring_under_the_limit_answers_exactly(served, monk
         got = choice["logprobs"]["token_logprobs"]
         assert len(got) == len(ids) and got[0] is None
         assert got[1:] == pytest.approx([want.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))], abs=1e-5)
+
+
+# -- 12: a finished response its client does not read gives its seats back, within a byte budget --------------
+
+WAIT_S = 120  # a bound on how long the server may take, not a timing assertion
+
+
+def _until(predicate, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("max_unsent", [64 << 20, 1])
+def test_unread_finished_streams_free_their_seats_within_the_unsent_budget(engine_checkpoint, tmp_path, max_unsent):
+    """Two n=16 streams with logprobs whose client never reads: once the engine has finished them their
+    32 seats are free and what they hold unsent is charged to --max-unsent-bytes; a budget too small
+    for them keeps the seats taken (the old bound) until the connections go. A bystander stays exact."""
+    import socket
+
+    from serve_support import model_with_chat_template, serve_args, serve_configs
+    from test_reliability_stream import _stalled_stream
+
+    from lora_runner.entrypoints.launch import build_state
+    from lora_runner.entrypoints.openai.app import build_app
+    from lora_runner.entrypoints.openai.background import BackgroundServer
+
+    model_dir = model_with_chat_template(engine_checkpoint[0], tmp_path / "model")
+    loras = {"r8-qv": engine_checkpoint[2]["r8-qv"][0]}
+    state = build_state(*serve_configs(serve_args(model_dir, loras, extra=[
+        "--stream-send-timeout", "600", "--max-unsent-bytes", str(max_unsent)])))
+    server = BackgroundServer(build_app(state))
+    server._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)  # the stalled clients block a send
+    server.start()
+    try:
+        body = {"model": "base", "prompt": "the cat sat on the mat", "n": 16, "max_tokens": 120, "ignore_eos": True,
+                "logprobs": 5, "temperature": 1.0, "seed": 3, "stream": True}
+        socks = [_stalled_stream(server.port, body), _stalled_stream(server.port, body)]
+        engine = state.engine
+        _until(lambda: engine.num_in_flight() == 2, "the stalled streams started")
+        _until(lambda: (engine.get_stats().running, engine.get_stats().waiting) == (0, 0)
+               and engine.engine.has_unfinished_requests() is False, "the engine finished both")
+        assert engine.num_in_flight() == 2  # their outputs wait unread in the collectors
+        if max_unsent > 1:
+            _until(lambda: state.in_flight == 0, "the finished streams kept their seats")
+            assert 0 < state.unsent_bytes <= max_unsent
+        else:
+            assert state.in_flight == 32 and state.unsent_bytes == 0  # over the budget: seats kept
+        _bystander_is_exact((server, state, model_dir, loras))
+        for sock in socks:
+            sock.close()
+        _until(lambda: state.in_flight == 0 and state.unsent_bytes == 0, "a closed connection kept its share")
+    finally:
+        server.stop()

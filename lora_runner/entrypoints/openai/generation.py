@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -348,6 +349,37 @@ async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Reques
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _release_when_engine_done(state: ServerState, runs: list[ChoiceRun], release: Callable[[], None]) -> Callable:
+    """Give the request's seats back once the engine has finished every run, not when its client has
+    read the response: a client that stops reading would otherwise hold them until the send timeout.
+    What the finished runs still hold unsent is charged to ServerConfig.max_unsent_bytes; over what is
+    left, the seats stay taken (the bound on memory the seats gave). Returns the refund, for when the
+    response ends. (An engine client without ``when_finished`` releases the seats with the response.)"""
+    refunds = []
+    when_finished = getattr(state.engine, "when_finished", None)
+    if when_finished is None:
+        return lambda: None
+    pending, unread = {run.request_id for run in runs}, [0]
+
+    def done(request_id: str, nbytes: int) -> None:
+        pending.discard(request_id)
+        unread[0] += nbytes
+        if not pending:
+            refund = state.hold_unsent(unread[0])
+            if refund is not None:
+                refunds.append(refund)
+                release()
+
+    for run in runs:
+        when_finished(run.request_id, partial(done, run.request_id))
+
+    def refund_all() -> None:
+        for refund in refunds:
+            refund()
+
+    return refund_all
+
+
 class _ClosingStreamingResponse(TimedStreamingResponse):
     """Runs `cleanup` however the response ends: a client that went away, one that was gone before
     the body started (then the body iterator never ran, so its own cleanup cannot), or one that
@@ -382,6 +414,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
     except BaseException:
         release()
         raise
+    refund = _release_when_engine_done(state, runs, release)
     # every prompt's request was admitted by now (start_runs waited for its first output): its version is known
     fmt.adapter = adapter_provenance(runs[0].first)
     headers = {} if fmt.adapter is None else {ADAPTER_VERSION_HEADER: str(fmt.adapter["version"])}
@@ -389,6 +422,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
         async def cleanup() -> None:
             await close_runs(runs)
             release()
+            refund()
 
         return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup, continuous_usage), cleanup,
                                          state.config.stream_send_timeout, media_type="text/event-stream",
@@ -398,6 +432,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
     finally:
         await close_runs(runs)
         release()
+        refund()
     return JSONResponse(body, headers=headers)
 
 
