@@ -229,3 +229,31 @@ def test_unread_finished_streams_free_their_seats_within_the_unsent_budget(engin
         _until(lambda: state.in_flight == 0 and state.unsent_bytes == 0, "a closed connection kept its share")
     finally:
         server.stop()
+
+
+def test_a_response_that_ends_before_the_engine_reports_done_charges_nothing():
+    """The engine's "done" reaches the loop after the consumer read the last output and the response
+    ended: nothing is charged then (a charge no end() would ever refund), and the seats went back once."""
+    from types import SimpleNamespace
+
+    from lora_runner.entrypoints.openai.generation import _SeatsBackWhenDone
+    from lora_runner.entrypoints.openai.state import ServerState
+
+    callbacks, released = {}, []
+    state = SimpleNamespace(config=SimpleNamespace(max_unsent_bytes=1000), unsent_bytes=0,
+                            engine=SimpleNamespace(when_finished=callbacks.__setitem__))
+    state.hold_unsent = lambda nbytes: ServerState.hold_unsent(state, nbytes)
+    runs = [SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")]
+    seats = _SeatsBackWhenDone(state, runs, lambda: released.append(1))
+    callbacks["a"](300)
+    assert released == [] and state.unsent_bytes == 0  # b is still running
+    callbacks["b"](200)
+    assert released == [1] and state.unsent_bytes == 500
+    seats.end()
+    assert state.unsent_bytes == 0
+
+    late = _SeatsBackWhenDone(state, runs, lambda: released.append(2))
+    late.end()  # the response ended first
+    callbacks["a"](300)
+    callbacks["b"](200)
+    assert state.unsent_bytes == 0 and released == [1]

@@ -349,35 +349,37 @@ async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Reques
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _release_when_engine_done(state: ServerState, runs: list[ChoiceRun], release: Callable[[], None]) -> Callable:
-    """Give the request's seats back once the engine has finished every run, not when its client has
+class _SeatsBackWhenDone:
+    """Gives a request's seats back once the engine has finished every run, not when its client has
     read the response: a client that stops reading would otherwise hold them until the send timeout.
-    What the finished runs still hold unsent is charged to ServerConfig.max_unsent_bytes; over what is
-    left, the seats stay taken (the bound on memory the seats gave). Returns the refund, for when the
-    response ends. (An engine client without ``when_finished`` releases the seats with the response.)"""
-    refunds = []
-    when_finished = getattr(state.engine, "when_finished", None)
-    if when_finished is None:
-        return lambda: None
-    pending, unread = {run.request_id for run in runs}, [0]
+    What the finished runs still hold unsent is charged to ServerConfig.max_unsent_bytes (ServerState.
+    hold_unsent); over what is left the seats stay taken (the bound on memory they gave). ``end`` (when
+    the response ends) refunds the charge. An engine client without ``when_finished``: the seats go
+    back with the response, as before."""
 
-    def done(request_id: str, nbytes: int) -> None:
-        pending.discard(request_id)
-        unread[0] += nbytes
-        if not pending:
-            refund = state.hold_unsent(unread[0])
-            if refund is not None:
-                refunds.append(refund)
-                release()
+    def __init__(self, state: ServerState, runs: list[ChoiceRun], release: Callable[[], None]) -> None:
+        self.state, self.release = state, release
+        self.pending = {run.request_id for run in runs}
+        self.unread = 0  # bytes the finished runs' collectors held when they finished
+        self.ended = False
+        self.refund: Callable[[], None] | None = None
+        when_finished = getattr(state.engine, "when_finished", None)
+        for run in runs if when_finished is not None else ():
+            when_finished(run.request_id, partial(self._done, run.request_id))
 
-    for run in runs:
-        when_finished(run.request_id, partial(done, run.request_id))
+    def _done(self, request_id: str, nbytes: int) -> None:
+        self.pending.discard(request_id)
+        self.unread += nbytes
+        if not self.pending and not self.ended:  # a response that ended first has nothing left to charge
+            self.refund = self.state.hold_unsent(self.unread)
+            if self.refund is not None:
+                self.release()
 
-    def refund_all() -> None:
-        for refund in refunds:
-            refund()
-
-    return refund_all
+    def end(self) -> None:
+        """The response ended: what was charged is free again."""
+        self.ended = True
+        if self.refund is not None:
+            self.refund()
 
 
 class _ClosingStreamingResponse(TimedStreamingResponse):
@@ -414,7 +416,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
     except BaseException:
         release()
         raise
-    refund = _release_when_engine_done(state, runs, release)
+    seats = _SeatsBackWhenDone(state, runs, release)
     # every prompt's request was admitted by now (start_runs waited for its first output): its version is known
     fmt.adapter = adapter_provenance(runs[0].first)
     headers = {} if fmt.adapter is None else {ADAPTER_VERSION_HEADER: str(fmt.adapter["version"])}
@@ -422,7 +424,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
         async def cleanup() -> None:
             await close_runs(runs)
             release()
-            refund()
+            seats.end()
 
         return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup, continuous_usage), cleanup,
                                          state.config.stream_send_timeout, media_type="text/event-stream",
@@ -432,7 +434,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
     finally:
         await close_runs(runs)
         release()
-        refund()
+        seats.end()
     return JSONResponse(body, headers=headers)
 
 
