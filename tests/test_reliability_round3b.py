@@ -257,3 +257,17 @@ def test_a_response_that_ends_before_the_engine_reports_done_charges_nothing():
     callbacks["a"](300)
     callbacks["b"](200)
     assert state.unsent_bytes == 0 and released == [1]
+
+
+def test_chat_prompt_logprobs_are_counted_once_as_they_are_returned_once(served, monkeypatch):
+    """Chat returns prompt_logprobs once on the response, whatever n: 16 x 66 x 21 entries would be over
+    the limit, 66 x 21 are not, and the request answers with one field of the prompt's length."""
+    import httpx
+
+    calls = _counting_engine_calls(served, monkeypatch)
+    body = {"model": "base", "messages": [{"role": "user", "content": LONG_PROMPT}], "n": 16, "max_tokens": 2,
+            "prompt_logprobs": 20}
+    response = httpx.post(served[0].base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert len(calls) == 1 and len(response.json()["prompt_logprobs"]) == len(calls[0]) > 66
+    assert len(response.json()["choices"]) == 16
