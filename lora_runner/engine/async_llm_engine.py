@@ -7,7 +7,9 @@ holds at most one output, merged from every step its consumer has not read yet, 
 asyncio loop of the request's ``generate`` call with ``loop.call_soon_threadsafe``. A consumer that
 falls over ``max_pending_output_bytes`` behind has its request aborted. A ``generate`` iterator
 that is cancelled or closed early (a client that disconnected) aborts its request, so the engine
-frees its KV blocks and adapter references at the next step. An exception raised by ``step()`` is
+frees its KV blocks and adapter references at the next step. ``when_finished`` tells the caller
+when the engine is done with a request even though its last output is not read yet (the server
+gives the request's seats back then). An exception raised by ``step()`` is
 logged, delivered to every waiting iterator and leaves the engine dead: later calls raise
 :class:`EngineDeadError`.
 """

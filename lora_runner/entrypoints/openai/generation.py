@@ -11,7 +11,8 @@ The engine hands the runs DELTA outputs (only what is new; those not read yet ar
 and nothing between the engine and the socket queues without bound: a streamed response whose
 client stops reading waits at most ServerConfig.stream_send_timeout for a send, then its requests
 are aborted (their sequence slots and KV blocks freed) and the connection is closed; a client that
-disconnects is aborted at once.
+disconnects is aborted at once. Once the engine has finished a request, its admission seats go back
+even while its client has not read it, its unsent output charged to ServerConfig.max_unsent_bytes.
 
 A chat request with tools reads each sample's text through a tool-call parser (new_parser, one per
 sample; lora_runner.entrypoints.openai.tool_calls): what it finds goes out as tool-call deltas instead
