@@ -7,7 +7,9 @@ holds at most one output, merged from every step its consumer has not read yet, 
 asyncio loop of the request's ``generate`` call with ``loop.call_soon_threadsafe``. A consumer that
 falls over ``max_pending_output_bytes`` behind has its request aborted. A ``generate`` iterator
 that is cancelled or closed early (a client that disconnected) aborts its request, so the engine
-frees its KV blocks and adapter references at the next step. An exception raised by ``step()`` is
+frees its KV blocks and adapter references at the next step. ``when_finished`` tells the caller
+when the engine is done with a request even though its last output is not read yet (the server
+gives the request's seats back then). An exception raised by ``step()`` is
 logged, delivered to every waiting iterator and leaves the engine dead: later calls raise
 :class:`EngineDeadError`.
 """
@@ -67,6 +69,8 @@ class _OutputCollector:
         self._ready = asyncio.Event()  # set (on the loop) after a put into an empty collector
         self._total: RequestOutput | None = None  # a CUMULATIVE request's output so far (consumer side)
         self.overflowed = False
+        self._done = False  # the engine put the request's finished output (or failed it)
+        self._on_done: Callable[[int], None] | None = None  # called on the loop once _done (when_finished)
 
     def put(self, output: RequestOutput) -> None:
         """Hand one step's (delta) output to the consumer (from any thread)."""
@@ -84,16 +88,52 @@ class _OutputCollector:
             held = self._nbytes + output.approx_prompt_logprobs_nbytes()
             overflow = held > self.max_bytes and not output.finished and not self.overflowed
             self.overflowed = self.overflowed or overflow
+            on_done = self._finish() if output.finished else None
+            unread = held
         if wake:
             self._wake()
         if overflow:
             self.on_overflow()
+        if on_done is not None:
+            self._call_soon(partial(on_done, unread))
+
+    def when_done(self, callback: Callable[[int], None]) -> None:
+        """Call `callback(unread bytes)` (on the loop) once the engine is done with the request, read or
+        not; at once (on the loop) when it already is. From the loop's thread."""
+        with self._lock:
+            self._on_done = callback
+            on_done = self._finish() if self._done else None
+            unread = self._unread()
+        if on_done is not None:
+            self._call_soon(partial(on_done, unread))
+
+    def _unread(self) -> int:
+        """approx_nbytes of the output waiting for the consumer (under the lock)."""
+        if self._pending is None:
+            return 0
+        return self._nbytes + self._pending.approx_prompt_logprobs_nbytes()
+
+    def _finish(self) -> Callable[[int], None] | None:
+        """Mark the request done (under the lock); the callback to call, taken so it runs once."""
+        self._done = True
+        on_done, self._on_done = self._on_done, None
+        return on_done
+
+    def _call_soon(self, callback: Callable[[], None]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            logger.debug("dropped a wake-up for a closed event loop")
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with `exc`, raised once the pending output was taken (from any thread)."""
         with self._lock:
             self._error = exc
+            on_done = self._finish()
+            unread = self._unread()
         self._wake()
+        if on_done is not None:
+            self._call_soon(partial(on_done, unread))
 
     async def get(self) -> RequestOutput:
         """The next output (merged from every step since the last get); raises the stream's error."""
@@ -118,10 +158,7 @@ class _OutputCollector:
         return self._total.copy()  # the consumer may keep it; _total goes on growing
 
     def _wake(self) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._ready.set)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            logger.debug("dropped an output for a closed event loop")
+        self._call_soon(self._ready.set)
 
 
 class AsyncLLMEngine(AdapterAPI):
@@ -249,6 +286,19 @@ class AsyncLLMEngine(AdapterAPI):
             self._unregister(request_id, stream)
             if not finished:
                 self.abort(request_id)
+
+    def when_finished(self, request_id: str, callback: Callable[[int], None]) -> None:
+        """Call `callback(unread bytes)` on the caller's loop once the engine has finished `request_id` (its
+        last output handed to its collector, or its stream failed), even while that output waits for a
+        consumer that does not read: the engine holds nothing for it any more; the argument is what
+        the collector still holds (RequestOutput.approx_nbytes). At once (0) for an id without a live
+        iterator (finished and read, aborted). From the loop that runs the request's ``generate``."""
+        with self._wake:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            asyncio.get_running_loop().call_soon(callback, 0)
+        else:
+            stream.when_done(callback)
 
     def _overflowed(self, request_id: str) -> None:
         logger.warning("request %r: over %d bytes of output unread by its consumer; aborting it",

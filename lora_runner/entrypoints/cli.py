@@ -112,6 +112,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of --max-pending-requests one tenant may hold when keys name several tenants (429)")
     add("--max-prompts-per-request", type=int, default=256, help="prompts in one completion request (400)")
     add("--max-chat-messages", type=int, default=1024, help="messages in one chat request (400)")
+    add("--max-logprob-entries", type=int, default=ServerConfig.max_logprob_entries,
+        help="logprob entries one response may carry, counted before it runs (400 over it)")
+    add("--max-unsent-bytes", type=int, default=ServerConfig.max_unsent_bytes,
+        help="output bytes, in all, finished responses may hold unsent after giving their seats back")
     add("--prompt-threads", type=int, default=2, help="threads that tokenize and render chat templates")
     add("--max-connections", type=int, default=ConnectionLimits.max_connections,
         help="open connections; past it the oldest without a request in progress is closed")
@@ -174,7 +178,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         chat_template=load_chat_template(args.chat_template),
                         trust_request_chat_template=args.trust_request_chat_template,
                         enable_log_requests=args.enable_log_requests, generation_config=args.generation_config,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, max_logprob_entries=args.max_logprob_entries,
+                        max_unsent_bytes=args.max_unsent_bytes)
 
 
 def runtime_updating_from_env() -> bool:

@@ -13,7 +13,7 @@ import time
 
 from fastapi import Request
 
-from lora_runner.entrypoints.openai.echo import ChoiceExtras
+from lora_runner.entrypoints.openai.echo import ChoiceExtras, check_logprob_entries, logprob_entries
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.formatting import ChatFormat, CompletionFormat
 from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation, virtual_tokens
@@ -108,12 +108,16 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     if state.config.enable_log_requests:  # lengths and parameters only: a prompt is the tenant's to read
         logger.info("request %s: model=%r prompt_tokens=%s params=%r", fmt.response_id, body.model,
                     [len(ids) for ids in prompts], params)
+    extras = dataclasses.replace(extras_of(prompts), prompt_logprobs=prompt_logprobs)
+    check_logprob_entries(logprob_entries([len(ids) for ids in prompts], body.n, max_tokens, logprobs, extras,
+                                          prompt_logprobs_per_choice=format_type is CompletionFormat),
+                          state.config.max_logprob_entries)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
                                 include_usage, started, release, cache_salt=body.cache_salt,
                                 continuous_usage=continuous_usage,
-                                extras=dataclasses.replace(extras_of(prompts), prompt_logprobs=prompt_logprobs),
+                                extras=extras,
                                 new_parser=tools.parser_factory(body.stream))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.formatting import TokenLogprob
 
 
@@ -68,3 +69,29 @@ def vllm_prompt_logprobs(token_text: Callable[[int], str], prompt_ids: list[int]
         entries.append({str(t): {"logprob": max(table[t], MIN_JSON_LOGPROB), "rank": rank,
                                  "decoded_token": token_text(t)} for t, rank in chosen.items()})
     return entries
+
+
+def logprob_entries(prompt_lens: list[int], n: int, max_tokens: int, logprobs: int | None, extras: ChoiceExtras,
+                    prompt_logprobs_per_choice: bool) -> int:
+    """How many logprob entries (a token's logprob or one of its top alternatives) the response may carry:
+    the generated tokens' (n x max_tokens x (k+1) per prompt), the echoed prompt's (each choice), and
+    vLLM's prompt_logprobs (each choice on completions, once per prompt on chat). Known before running."""
+    total = 0
+    for length in prompt_lens:
+        if logprobs is not None:
+            total += n * max_tokens * (logprobs + 1)
+            if extras.echo_logprobs:
+                total += n * length * (logprobs + 1)
+        if extras.prompt_logprobs is not None:
+            total += (n if prompt_logprobs_per_choice else 1) * length * (extras.prompt_logprobs + 1)
+    return total
+
+
+def check_logprob_entries(entries: int, limit: int | None) -> None:
+    """400 before any work for a request whose response could carry more than `limit` logprob entries
+    (ServerConfig.max_logprob_entries; None: unbounded): what its building holds in memory grows with it."""
+    if limit is not None and entries > limit:
+        raise APIError(400, f"this request could return {entries} logprob entries (prompts x n x tokens x "
+                       f"(logprobs + 1), prompt_logprobs included), more than the limit of {limit} "
+                       "(--max-logprob-entries): send fewer prompts, a smaller n, max_tokens or logprobs",
+                       "too_many_logprobs")

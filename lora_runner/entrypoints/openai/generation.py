@@ -11,7 +11,8 @@ The engine hands the runs DELTA outputs (only what is new; those not read yet ar
 and nothing between the engine and the socket queues without bound: a streamed response whose
 client stops reading waits at most ServerConfig.stream_send_timeout for a send, then its requests
 are aborted (their sequence slots and KV blocks freed) and the connection is closed; a client that
-disconnects is aborted at once.
+disconnects is aborted at once. Once the engine has finished a request, its admission seats go back
+even while its client has not read it, its unsent output charged to ServerConfig.max_unsent_bytes.
 
 A chat request with tools reads each sample's text through a tool-call parser (new_parser, one per
 sample; lora_runner.entrypoints.openai.tool_calls): what it finds goes out as tool-call deltas instead
@@ -27,6 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -49,6 +51,7 @@ from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
 from lora_runner.entrypoints.openai.tool_calls.deltas import join_calls
 from lora_runner.outputs import RequestOutput
+from lora_runner.sample.sampler import NonFiniteLogitsError
 from lora_runner.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -112,6 +115,15 @@ def check_lengths(state: ServerState, prompts: list[list[int]], max_tokens: int,
                            "context_length_exceeded")
 
 
+def _sample_error(error: BaseException | None, model: str, runs_adapter: bool) -> APIError:
+    """The answer for a sample the engine failed: an adapter's non-finite logits are its own fault (422
+    naming it; the batch's other rows were sampled), anything else as api_error_from maps it."""
+    if isinstance(error, NonFiniteLogitsError) and runs_adapter:
+        return APIError(422, f"the adapter `{model}` produced NaN or infinite logits for this request (its "
+                        "weights overflow the activations); other requests are unaffected", "non_finite_logits")
+    return api_error_from(error or RuntimeError("the request failed"))
+
+
 @dataclass
 class _Sent:
     """What has been sent of one sample (choice)."""
@@ -127,11 +139,12 @@ class ChoiceRun:
     def __init__(self, state: ServerState, index: int, request_id: str, prompt_ids: list[int],
                  gen: AsyncIterator[RequestOutput], started: float, logprobs_k: int | None, n: int = 1,
                  extras: ChoiceExtras = ChoiceExtras(), echo_text: str | None = None,
-                 new_parser: Callable[[], object] | None = None, model: str = "") -> None:
+                 new_parser: Callable[[], object] | None = None, model: str = "", runs_adapter: bool = False) -> None:
         self.state, self.index, self.request_id, self.prompt_len = state, index, request_id, len(prompt_ids)
         self.prompt_ids, self.extras, self.echo_text = prompt_ids, extras, echo_text
         self.parsers = None if new_parser is None else [new_parser() for _ in range(n)]  # tool calls, per sample
         self.model = model  # the request's `model` (its latency metrics' label)
+        self.runs_adapter = runs_adapter  # `model` names an adapter (blamed when its logits are not finite)
         self.gen, self.started, self.logprobs_k = gen, started, logprobs_k
         self.first: RequestOutput | None = None
         self.advance_first: list[Delta] = []  # the first output's deltas, sent before the rest
@@ -139,6 +152,9 @@ class ChoiceRun:
         self.last_token_at: float | None = None
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # the prompt's tokens served from the prefix cache
+        # the prompt's logprobs entries, built once for the prompt and shared by its n samples' first deltas
+        self._echoed: list[TokenLogprob] | None = None
+        self._scored: list[dict | None] | None = None
 
     @property
     def choice_indices(self) -> range:
@@ -167,7 +183,7 @@ class ChoiceRun:
         if completion.finish_reason == "error":
             sent.done = True
             self._finished("error", sent.tokens)
-            raise api_error_from(completion.error or RuntimeError("the request failed"))
+            raise _sample_error(completion.error, self.model, self.runs_adapter)
         # the engine's incremental text: whole characters, stop strings cut
         text = "" if self.extras.discard_generated else completion.text_delta
         logprobs = self._logprobs(completion)
@@ -199,19 +215,23 @@ class ChoiceRun:
 
     def _prompt_logprobs(self, output: RequestOutput) -> list[TokenLogprob]:
         """The prompt tokens' entries echoed before the generated ones (the engine computed them)."""
-        if output.prompt_logprobs is None:
-            raise RuntimeError(f"request {self.request_id}: echo with logprobs, but no prompt logprobs came back")
-        return prompt_token_logprobs(self._token_text, self.prompt_ids, output.prompt_logprobs,
-                                     self.logprobs_k or 0)
+        if self._echoed is None:
+            if output.prompt_logprobs is None:
+                raise RuntimeError(f"request {self.request_id}: echo with logprobs, but no prompt logprobs came back")
+            self._echoed = prompt_token_logprobs(self._token_text, self.prompt_ids, output.prompt_logprobs,
+                                                 self.logprobs_k or 0)
+        return self._echoed
 
     def _vllm_prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
         """The request's prompt_logprobs field (vLLM's shape) when it asked for it, else None."""
         k = self.extras.prompt_logprobs
         if k is None:
             return None
-        if output.prompt_logprobs is None:
-            raise RuntimeError(f"request {self.request_id}: prompt_logprobs asked for, but none came back")
-        return vllm_prompt_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs, k)
+        if self._scored is None:
+            if output.prompt_logprobs is None:
+                raise RuntimeError(f"request {self.request_id}: prompt_logprobs asked for, but none came back")
+            self._scored = vllm_prompt_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs, k)
+        return self._scored
 
     def _logprobs(self, completion) -> list[TokenLogprob] | None:
         if completion.logprobs is None:
@@ -284,7 +304,8 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
         gen = state.engine.generate(ids, params, request_id, target.lora, target.prompt_adapter, tenant=tenant.name,
                                     cache_salt=salt)
         runs.append(ChoiceRun(state, index * params.n, request_id, ids, gen, started, params.logprobs, params.n,
-                              extras, extras.echo_text(index), new_parser, model=target.model))
+                              extras, extras.echo_text(index), new_parser, model=target.model,
+                              runs_adapter=target.lora is not None or target.prompt_adapter is not None))
     results = await asyncio.gather(*(_first_output(run) for run in runs), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     try:
@@ -334,6 +355,39 @@ async def merged(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Reques
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class _SeatsBackWhenDone:
+    """Gives a request's seats back once the engine has finished every run, not when its client has
+    read the response: a client that stops reading would otherwise hold them until the send timeout.
+    What the finished runs still hold unsent is charged to ServerConfig.max_unsent_bytes (ServerState.
+    hold_unsent); over what is left the seats stay taken (the bound on memory they gave). ``end`` (when
+    the response ends) refunds the charge. An engine client without ``when_finished``: the seats go
+    back with the response, as before."""
+
+    def __init__(self, state: ServerState, runs: list[ChoiceRun], release: Callable[[], None]) -> None:
+        self.state, self.release = state, release
+        self.pending = {run.request_id for run in runs}
+        self.unread = 0  # bytes the finished runs' collectors held when they finished
+        self.ended = False
+        self.refund: Callable[[], None] | None = None
+        when_finished = getattr(state.engine, "when_finished", None)
+        for run in runs if when_finished is not None else ():
+            when_finished(run.request_id, partial(self._done, run.request_id))
+
+    def _done(self, request_id: str, nbytes: int) -> None:
+        self.pending.discard(request_id)
+        self.unread += nbytes
+        if not self.pending and not self.ended:  # a response that ended first has nothing left to charge
+            self.refund = self.state.hold_unsent(self.unread)
+            if self.refund is not None:
+                self.release()
+
+    def end(self) -> None:
+        """The response ended: what was charged is free again."""
+        self.ended = True
+        if self.refund is not None:
+            self.refund()
+
+
 class _ClosingStreamingResponse(TimedStreamingResponse):
     """Runs `cleanup` however the response ends: a client that went away, one that was gone before
     the body started (then the body iterator never ran, so its own cleanup cannot), or one that
@@ -368,6 +422,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
     except BaseException:
         release()
         raise
+    seats = _SeatsBackWhenDone(state, runs, release)
     # every prompt's request was admitted by now (start_runs waited for its first output): its version is known
     fmt.adapter = adapter_provenance(runs[0].first)
     headers = {} if fmt.adapter is None else {ADAPTER_VERSION_HEADER: str(fmt.adapter["version"])}
@@ -375,6 +430,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
         async def cleanup() -> None:
             await close_runs(runs)
             release()
+            seats.end()
 
         return _ClosingStreamingResponse(_events(runs, fmt, include_usage, cleanup, continuous_usage), cleanup,
                                          state.config.stream_send_timeout, media_type="text/event-stream",
@@ -384,6 +440,7 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
     finally:
         await close_runs(runs)
         release()
+        seats.end()
     return JSONResponse(body, headers=headers)
 
 

@@ -62,6 +62,11 @@ class ServerConfig:
     stream_send_timeout: seconds one chunk of a streamed response may wait for its client to take
     it; past that the client is taken to have stopped reading: its requests are aborted and the
     connection closed.
+    max_logprob_entries: the logprob entries (a token's logprob or one top alternative) one request's
+    response may carry, counted before it runs (400 over it; None: unbounded): n, prompts, echo and
+    prompt_logprobs multiply a response to hundreds of MiB otherwise. max_unsent_bytes: the output, in
+    all, that responses whose generation has ended may hold unsent while their seats are given back
+    (a response over what is left keeps its seats until it is sent or its send times out).
     """
 
     served_model_name: str
@@ -96,15 +101,18 @@ class ServerConfig:
     enable_log_requests: bool = False
     generation_config: str = "auto"
     tool_call_parser: str = "hermes"
+    max_logprob_entries: int | None = 1_000_000  # about 65 MiB of JSON
+    max_unsent_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
         for name in ("max_body_bytes", "max_n", "max_pending_requests", "max_prompts_per_request",
-                     "max_chat_messages", "prompt_threads", "max_concurrent_loads", "max_loads_per_tenant"):
+                     "max_chat_messages", "prompt_threads", "max_concurrent_loads", "max_loads_per_tenant",
+                     "max_unsent_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_prompt_tokens", "max_tokens_limit"):
+        for name in ("max_prompt_tokens", "max_tokens_limit", "max_logprob_entries"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.shutdown_timeout < 0:
@@ -149,6 +157,7 @@ class ServerState:
         self.sampling_defaults = SamplingDefaults()  # --generation-config's (set by launch.build_state)
         self.draining = False  # set on shutdown: new generations get 503
         self._in_flight = 0
+        self.unsent_bytes = 0  # held by finished responses whose seats were given back (hold_unsent)
         self._in_flight_per_tenant: Counter[str] = Counter()
         # one tenant's share of the seats; a server with a single tenant gives it every seat
         share = math.floor(config.max_tenant_share * config.max_pending_requests)
@@ -232,3 +241,24 @@ class ServerState:
                 self._in_flight_per_tenant[tenant.name] -= count
 
         return release
+
+    @property
+    def in_flight(self) -> int:
+        """Generation seats (sequences) held now."""
+        return self._in_flight
+
+    def hold_unsent(self, nbytes: int) -> Callable[[], None] | None:
+        """Charge `nbytes` of a finished response's unsent output to max_unsent_bytes; the (idempotent)
+        refund, or None when it does not fit (the response then keeps its seats)."""
+        if self.unsent_bytes + nbytes > self.config.max_unsent_bytes:
+            return None
+        self.unsent_bytes += nbytes
+        refunded = False
+
+        def refund() -> None:
+            nonlocal refunded
+            if not refunded:
+                refunded = True
+                self.unsent_bytes -= nbytes
+
+        return refund

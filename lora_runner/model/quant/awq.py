@@ -97,6 +97,7 @@ class AWQFormat:
     modules_to_not_convert: tuple[str, ...] = ()  # module names the checkpoint keeps in full precision
     suffixes: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
     optional_suffixes: ClassVar[tuple[str, ...]] = ()
+    scale_suffix: ClassVar[str] = "scales"  # the tensor holding the scales (named when it is not finite)
     # per tensor, (dim, rows or columns per element) along N and along K (tensor-parallel shards)
     shard_axes: ClassVar[dict] = {"qweight": ((1, "pack"), (0, 1)), "qzeros": ((1, "pack"), (0, "group")),
                                   "scales": ((1, 1), (0, "group"))}

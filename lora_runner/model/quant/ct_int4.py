@@ -107,6 +107,7 @@ class CTInt4Format:
     ignore: tuple[str, ...] = ()  # the config's module names / "re:" patterns left unquantized (e.g. lm_head)
     suffixes: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_shape")
     optional_suffixes: ClassVar[tuple[str, ...]] = ()
+    scale_suffix: ClassVar[str] = "weight_scale"  # the tensor holding the scales (named when it is not finite)
     # per tensor, (dim, rows or columns per element) along N and along K (tensor-parallel shards);
     # weight_shape is replaced by the shard's own (N, K)
     shard_axes: ClassVar[dict] = {"weight_packed": ((0, 1), (1, "pack")), "weight_scale": ((0, 1), (1, "group")),

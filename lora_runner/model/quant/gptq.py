@@ -117,6 +117,7 @@ class GPTQFormat:
     zero_offset: int  # added to the stored zero point (1 for the v1 checkpoint format)
     suffixes: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
     optional_suffixes: ClassVar[tuple[str, ...]] = ("g_idx",)
+    scale_suffix: ClassVar[str] = "scales"  # the tensor holding the scales (named when it is not finite)
     # per tensor, (dim, rows or columns per element) along N and along K (tensor-parallel shards)
     shard_axes: ClassVar[dict] = {"qweight": ((1, 1), (0, "pack")), "qzeros": ((1, "pack"), (0, "group")),
                                   "scales": ((1, 1), (0, "group")), "g_idx": (None, (0, 1))}

@@ -115,6 +115,7 @@ class Int4Format(Protocol):
     group_size: int
     suffixes: tuple[str, ...]  # the tensor-name suffixes of one linear layer, e.g. ("qweight", "qzeros", "scales")
     optional_suffixes: tuple[str, ...]  # those a layer may lack, e.g. ("g_idx",)
+    scale_suffix: str  # the suffix of the scales tensor, e.g. "scales"
 
     def convert(self, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
                 dtype: torch.dtype) -> Int4Weight:

@@ -125,6 +125,9 @@ class Int4Linear:
                 part = self.form.convert(tensors, layer.in_features, size, layer.dtype)
             except ValueError as err:
                 raise ValueError(f"{name}: {err}") from err
+            if not torch.isfinite(part.scales).all():  # else every completion fails later as "non-finite logits"
+                raise ValueError(f"checkpoint tensor {name}.{self.form.scale_suffix} holds NaN or infinite scales "
+                                 f"(in {layer.dtype}); the checkpoint is corrupt")
             if (part.out_features, part.in_features) != (size, layer.in_features):
                 raise ValueError(f"checkpoint tensors of {name} convert to a [{part.out_features}, "
                                  f"{part.in_features}] weight, the model expects {[size, layer.in_features]}")
