@@ -142,6 +142,16 @@ def _streamed(chunks):
     return content, calls, finish
 
 
+def _calls(answer, stream: bool) -> tuple[str, list[tuple[str, dict]]]:
+    """(finish reason, [(function name, decoded arguments)]) of one choice, streamed or whole."""
+    if stream:
+        _, calls, finish = _streamed(answer)
+        return finish, [(deltas[0].function.name, json.loads("".join(d.function.arguments or "" for d in deltas)))
+                        for deltas in calls.values()]
+    choice = answer.choices[0]
+    return choice.finish_reason, [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+
+
 def test_auto_parses_the_call_and_the_text_before_it(served, client):
     response, prompt, params = _ask(served, client, pieces("Let me check.\n" + CALL))
     choice = response.choices[0]
@@ -200,13 +210,7 @@ def test_required_constrains_the_output_to_a_list_of_calls(served, client, strea
     assert schema["minItems"] == 1
     assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
     assert schema["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER_PARAMS
-    if stream:
-        _, calls, finish = _streamed(answer)
-        got = [(deltas[0].function.name, json.loads("".join(d.function.arguments or "" for d in deltas)))
-               for deltas in calls.values()]
-    else:
-        finish = answer.choices[0].finish_reason
-        got = [(c.function.name, json.loads(c.function.arguments)) for c in answer.choices[0].message.tool_calls]
+    finish, got = _calls(answer, stream)
     assert finish == "tool_calls" and got == [("get_time", {}), ("get_weather", {"city": "Rome"})]
 
 

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from test_tool_calls_server import ARGS, TOOLS, _ask, _streamed, client, pieces, served  # noqa: F401 (fixtures)
+from test_tool_calls_server import ARGS, TOOLS, _ask, _calls, client, pieces, served  # noqa: F401 (fixtures)
 
 xgrammar = pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
@@ -66,13 +66,7 @@ def test_required_with_pydantic_defs_and_refs_compiles_and_validates(served, cli
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert _accepts(schema, GOOD) and not _accepts(schema, BAD) and not _accepts(schema, BAD_NESTED)
-    if stream:
-        _, calls, finish = _streamed(answer)
-        got = [(deltas[0].function.name, json.loads("".join(d.function.arguments or "" for d in deltas)))
-               for deltas in calls.values()]
-    else:
-        finish = answer.choices[0].finish_reason
-        got = [(c.function.name, json.loads(c.function.arguments)) for c in answer.choices[0].message.tool_calls]
+    finish, got = _calls(answer, stream)
     assert finish == "tool_calls" and got == [(call["name"], call["arguments"]) for call in GOOD]
 
 
