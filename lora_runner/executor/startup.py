@@ -16,6 +16,7 @@ decided here from the model and the device. The engine sets the end ids afterwar
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -119,7 +120,7 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
 
 
 def _runner_of_manager(cfg: EngineConfig, model, model_config: ModelConfig, manager: AdapterManager,
-                       device: torch.device, limits: EngineLimits | None):
+                       device: torch.device, limits: EngineLimits | None) -> Callable[[int], ModelRunner]:
     """make(num_kv_blocks) -> a runner over ``manager``'s slots, sized by ``limits`` (None: the defaults the
     start-up memory profile runs with, before the limits exist)."""
     if limits is None:
@@ -127,13 +128,13 @@ def _runner_of_manager(cfg: EngineConfig, model, model_config: ModelConfig, mana
         limits = EngineLimits(max_model_len=max_model_len, max_num_batched_tokens=max_batched, num_kv_blocks=0,
                               max_blocks_per_seq=max_blocks)
     spec = worker_spec(cfg, model_config, limits, threads=1)
-    return partial(_make_in_process_runner, spec, model, model_config, manager, device)
 
+    def make(num_kv_blocks: int) -> ModelRunner:
+        return make_runner(spec, model, model_config, lora_slots=manager.lora_slots,
+                           prompt_slots=manager.prompt_slots, vocab_slots=manager.vocab_slots, device=device,
+                           num_kv_blocks=num_kv_blocks)
 
-def _make_in_process_runner(spec: WorkerSpec, model, model_config: ModelConfig, manager: AdapterManager,
-                            device: torch.device, num_kv_blocks: int) -> ModelRunner:
-    return make_runner(spec, model, model_config, lora_slots=manager.lora_slots, prompt_slots=manager.prompt_slots,
-                       vocab_slots=manager.vocab_slots, device=device, num_kv_blocks=num_kv_blocks)
+    return make
 
 
 def _start_workers(cfg: EngineConfig, threads: int, on_load_done) -> StartedExecutor:

@@ -231,16 +231,12 @@ class ServerState:
             raise APIError(503, "the server is at capacity; retry later", "server_busy")
         self._in_flight += count
         self._in_flight_per_tenant[tenant.name] += count
-        released = False
 
         def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._in_flight -= count
-                self._in_flight_per_tenant[tenant.name] -= count
+            self._in_flight -= count
+            self._in_flight_per_tenant[tenant.name] -= count
 
-        return release
+        return _once(release)
 
     @property
     def in_flight(self) -> int:
@@ -253,12 +249,21 @@ class ServerState:
         if self.unsent_bytes + nbytes > self.config.max_unsent_bytes:
             return None
         self.unsent_bytes += nbytes
-        refunded = False
 
         def refund() -> None:
-            nonlocal refunded
-            if not refunded:
-                refunded = True
-                self.unsent_bytes -= nbytes
+            self.unsent_bytes -= nbytes
 
-        return refund
+        return _once(refund)
+
+
+def _once(undo: Callable[[], None]) -> Callable[[], None]:
+    """``undo`` made idempotent: a seat release or a byte refund given back twice counts once."""
+    done = False
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            undo()
+
+    return call
