@@ -80,8 +80,9 @@ class EngineConfig:
         "refuse adapter files larger than this, checked before reading (None: the largest file a valid "
         "adapter of this model at max_lora_rank can be, in float32: adapters.file_limits)", default=None))
     max_logprobs: int = field(**_doc(
-        "the most logprobs (SamplingParams.logprobs) one request may ask for (as in vLLM); a request over "
-        "it is refused with ValueError at add_request", default=20))
+        "the most logprobs (SamplingParams.logprobs) one request may ask for (as in vLLM; -1: no cap, so "
+        "logprobs=-1 may ask for the whole vocabulary); a request over it is refused with ValueError at "
+        "add_request", default=20))
     scheduling_policy: str = field(**_doc(
         f'one of {POLICIES}: "fair" admits the least-served tenant first (Virtual Token Counter, see '
         'lora_runner.core.fairness), "fcfs" in arrival order', default="fair"))
@@ -139,8 +140,9 @@ class EngineConfig:
             raise ValueError(f"model must be a local directory or a Hub repo id, got {self.model!r}")
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "block_size"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("max_prompt_adapters", "max_prompt_adapter_tokens", "max_logprobs"):
+        for name in ("max_prompt_adapters", "max_prompt_adapter_tokens"):
             _check_int(name, getattr(self, name), minimum=0)
+        _check_int("max_logprobs", self.max_logprobs, minimum=-1)  # -1: no cap (vLLM's)
         for name in ("max_cpu_loras", "max_model_len", "max_num_batched_tokens",
                      "kv_cache_memory_bytes", "max_adapter_bytes", "cpu_threads"):
             if getattr(self, name) is not None:

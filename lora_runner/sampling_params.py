@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import copy
 import enum
-import math
 from dataclasses import InitVar, dataclass, field
 
+from lora_runner.sampling_checks import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_COUNT, MAX_LOGIT_BIAS,
+                                         check_logprob_counts, check_token_filters)
+from lora_runner.sampling_checks import check_real as _check_real
+from lora_runner.sampling_checks import is_int as _is_int
 from lora_runner.structured_outputs_params import (GuidedDecodingParams, StructuredOutputsParams,
                                                    as_structured_outputs)
 
@@ -23,10 +26,6 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample by argmax, as in vLL
 # scaled by it stays finite (1e300 would turn the logits into inf and NaN)
 MAX_REPETITION_PENALTY = 100.0
 MAX_TEMPERATURE = 100.0  # above it every token is (nearly) equally likely: nothing more to ask for
-MAX_ALLOWED_TOKEN_IDS = 1 << 20  # longest allowed_token_ids list (a vocabulary of a million ids)
-MAX_BAD_WORDS = 256  # most bad_words one request may give (each is matched every step)
-MAX_BAD_WORD_CHARS = 256  # longest bad word
-MAX_COUNT = 2**31 - 1  # most top_k, max_tokens, min_tokens, logprobs and largest stop token id (fits int32)
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 # vLLM's SamplingParams options with no counterpart here: the values that ask for nothing, and why others cannot be
 VLLM_ONLY_OPTIONS = {
@@ -64,7 +63,8 @@ class SamplingParams:
     construction means none. ignore_eos: keep going past the model's EOS ids. logprobs: k >= 0 to
     return, per generated token, a dict token_id -> logprob of the k most likely tokens plus the
     chosen one (raw model log-probabilities: log_softmax of the float32 logits, before
-    temperature/top-k/top-p); the engine caps k at its max_logprobs setting.
+    temperature/top-k/top-p and logit_bias); -1: every token of the vocabulary (vLLM's); the engine
+    caps k at its max_logprobs setting (-1 there: no cap), counting -1 as the vocabulary size.
     presence_penalty / frequency_penalty: numbers in [-2, 2] (OpenAI's semantics): each token's
     logit drops by presence_penalty if it occurs among this request's generated tokens, plus
     frequency_penalty times how often it does. repetition_penalty: a number in [0.01, 100]
@@ -84,7 +84,7 @@ class SamplingParams:
     whole prompt, which must fit), as vLLM.
     prompt_logprobs: k >= 0 to return, per prompt position after the first, a dict token_id -> logprob
     of the k most likely tokens there plus the actual prompt token (vLLM's RequestOutput.prompt_logprobs,
-    whose first entry is None); capped by max_logprobs like logprobs. Every prompt position is computed
+    whose first entry is None); -1 and the max_logprobs cap as for logprobs. Every prompt position is computed
     for it: the prefix cache does not serve such a request's prompt.
     skip_special_tokens: leave special tokens (EOS, chat markers) out of the output text (vLLM's default
     True). spaces_between_special_tokens: with skip_special_tokens=False, put a space between a special
@@ -96,7 +96,9 @@ class SamplingParams:
     (None: any), as vLLM. bad_words: at most MAX_BAD_WORDS (256) non-empty strings of at most
     MAX_BAD_WORD_CHARS characters, never generated (vLLM's semantics: each word's token sequences, with and
     without a leading space; the last token of a sequence is banned while the tokens before it end the
-    output so far). Both are checked with the engine's vocabulary at add_request.
+    output so far). logit_bias: a dict token id -> a number in [-100, 100] added to that token's logit before
+    the penalties and sampling (OpenAI's and vLLM's; at most MAX_LOGIT_BIAS entries; the logprobs stay the
+    raw model's). All three are checked with the engine's vocabulary at add_request.
     output_kind: RequestOutputKind.CUMULATIVE (each output holds everything so far) or DELTA (each
     holds only what is new since the previous one).
     guided_decoding (vLLM's older spelling, read at construction only): a GuidedDecodingParams (or a dict of
@@ -137,6 +139,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled; None: any
     bad_words: list[str] | None = None  # words never generated (vLLM's semantics, see the docstring)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (lora_runner.sample.token_masks)
     # the token sequences of bad_words, set by the engine at add_request (its tokenizer); None: not yet
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # CUMULATIVE (the whole output so far in every RequestOutput) or DELTA (only the new part)
@@ -172,8 +175,9 @@ class SamplingParams:
     def validate(self, max_logprobs: int | None = None, vocab_size: int | None = None) -> None:
         """Check every field; ValueError naming the field.
 
-        max_logprobs: the most logprobs a request may ask for (None: no cap). vocab_size: token ids
-        (stop_token_ids) must lie in [0, vocab_size), and logprobs may not exceed it (None: no check).
+        max_logprobs: the most logprobs a request may ask for (None or -1: no cap). vocab_size: token ids
+        (stop_token_ids, allowed_token_ids, logit_bias) must lie in [0, vocab_size), and logprobs may not
+        exceed it, -1 counting as it (None: no check).
         """
         _check_real("temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}] (below 1e-5 = greedy)")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:  # False for NaN too
@@ -206,26 +210,7 @@ class SamplingParams:
         self._validate_stop_token_ids(vocab_size)
         self._validate_logprobs(max_logprobs, vocab_size)
         self._validate_stop_strings()
-        self._validate_token_filters(vocab_size)
-
-    def _validate_token_filters(self, vocab_size: int | None) -> None:
-        ids = self.allowed_token_ids
-        if ids is not None:
-            if not isinstance(ids, list) or not 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS:
-                raise ValueError(f"allowed_token_ids must be None or a list of 1..{MAX_ALLOWED_TOKEN_IDS} token ids")
-            top = MAX_COUNT if vocab_size is None else vocab_size - 1
-            if any(not _is_int(t) or not 0 <= t <= top for t in ids):
-                where = "the model's vocabulary" if vocab_size is not None else "int32"
-                raise ValueError(f"allowed_token_ids must be integers in [0, {top}] ({where}), "
-                                 f"got {list(ids)!r:.200}")
-        words = self.bad_words
-        if words is not None:
-            if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
-                raise ValueError(f"bad_words must be None or a list of at most {MAX_BAD_WORDS} strings")
-            for word in words:
-                if not isinstance(word, str) or not 0 < len(word.strip()) or len(word) > MAX_BAD_WORD_CHARS:
-                    raise ValueError(f"bad_words must hold non-blank strings of at most {MAX_BAD_WORD_CHARS} "
-                                     f"characters, got {word!r:.80}")
+        check_token_filters(self, vocab_size)
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -271,15 +256,7 @@ class SamplingParams:
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not _is_int(value) or not 0 <= value <= MAX_COUNT:
-                raise ValueError(f"{name} must be None or an integer in [0, {MAX_COUNT}], got {value!r}")
-            for limit, what in ((max_logprobs, "the engine's max_logprobs"), (vocab_size, "the vocabulary size")):
-                if limit is not None and value > limit:
-                    raise ValueError(f"{name}={value} is over {what} ({limit})")
+        check_logprob_counts(self, max_logprobs, vocab_size)
 
     def _validate_stop_strings(self) -> None:
         stop = self.stop
@@ -313,7 +290,7 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         """A copy that shares nothing mutable with this object (stop_token_ids, stop, allowed_token_ids,
-        bad_words and structured_outputs are copied).
+        bad_words, logit_bias and structured_outputs are copied).
 
         Not validated: call ``validate`` on the copy. An over-long stop_token_ids is not copied
         (validate rejects it), so cloning stays cheap whatever the caller put there.
@@ -333,6 +310,8 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.bad_words, (list, tuple)) and len(self.bad_words) <= MAX_BAD_WORDS:
             self.bad_words = list(self.bad_words)
+        if isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS:
+            self.logit_bias = dict(self.logit_bias)
         if isinstance(self.structured_outputs, StructuredOutputsParams):
             self.structured_outputs = self.structured_outputs.copy()
 
@@ -340,19 +319,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when tokens are picked by argmax (temperature below GREEDY_TEMPERATURE)."""
         return self.temperature < GREEDY_TEMPERATURE
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_real(name: str, value, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    try:
-        float(value)
-    except OverflowError:  # an int too large for a float
-        raise ValueError(f"{name} must be {what}, got an integer of {value.bit_length()} bits") from None
 
 
 def _copied_token_list(ids):

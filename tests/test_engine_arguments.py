@@ -18,7 +18,7 @@ from test_engine_bad_adapters import GREEDY, OFFLINE, good_requests, hub_cache  
 # (SamplingParams kwargs, the field the message must name)
 BAD_SAMPLING = [(dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
                 (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"),
-                (dict(max_tokens=0), "max_tokens"), (dict(logprobs=-1), "logprobs"),
+                (dict(max_tokens=0), "max_tokens"), (dict(logprobs=-2), "logprobs"),
                 (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(seed="7"), "seed")]
 
 

@@ -38,7 +38,7 @@ def test_our_packages_have_no_import_cycle():
 
 # lora_runner's layers from the bottom: a module may import its own layer and the layers below it
 LAYERS = [
-    {"device", "sampling_params", "structured_outputs_params", "outputs", "request_times", "distributed"},  # plain values, no engine state; TP rank + collectives
+    {"device", "sampling_params", "sampling_checks", "structured_outputs_params", "outputs", "request_times", "distributed"},  # plain values, no engine state; TP rank + collectives
     {"core", "model"},  # scheduling state (no tensors); the decoder (no scheduling)
     {"config", "sample", "spec_decode"},  # EngineConfig (reads core's fairness policies); sampling; speculation
     {"worker"},  # the device side of a step

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import httpx
 import pytest
 from serve_support import serve_args, start_server
 
@@ -29,13 +30,14 @@ def served(engine_checkpoint):
     server.stop()
 
 
-def evaluate(server, model_dir: str, tasks: list[str]) -> dict:
-    """lm_eval's results for `tasks` (only ours indexed; no bootstrap: the figures are not the point)."""
+def evaluate(server, model_dir: str | None, tasks: list[str]) -> dict:
+    """lm_eval's results for `tasks` (only ours indexed; no bootstrap: the figures are not the point).
+    model_dir None: no tokenizer argument, as a vLLM user runs it (lm_eval finds /tokenizer_info)."""
+    tokenizer = {} if model_dir is None else {"tokenizer_backend": "huggingface", "tokenizer": model_dir}
     return lm_eval.simple_evaluate(
         model="local-completions",
-        model_args={"base_url": server.base_url + "/v1/completions", "model": "base",
-                    "tokenizer_backend": "huggingface", "tokenizer": model_dir, "num_concurrent": 1,
-                    "max_retries": 1, "tokenized_requests": True},
+        model_args={"base_url": server.base_url + "/v1/completions", "model": "base", **tokenizer,
+                    "num_concurrent": 1, "max_retries": 1, "tokenized_requests": True},
         tasks=tasks, task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
         log_samples=True, bootstrap_iters=0)
 
@@ -70,3 +72,19 @@ def test_lm_eval_loglikelihood_and_generation_against_the_server(served, monkeyp
         assert [s["resps"][0][0] for s in gen_samples] == [o.outputs[0].text for o in greedy]
     finally:
         llm.close()
+
+
+def test_lm_eval_needs_no_tokenizer_argument(served, monkeypatch):
+    """Without tokenizer=, lm_eval's local-completions detects the server's /tokenizer_info and tokenizes
+    through /tokenize (no Hub lookup of the served name "base": offline here, so one would fail) and scores
+    exactly as with the model's own tokenizer."""
+    server, model_dir = served
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    remote = evaluate(server, None, ["lora_runner_loglikelihood"])["samples"]["lora_runner_loglikelihood"]
+    local = evaluate(server, model_dir, ["lora_runner_loglikelihood"])["samples"]["lora_runner_loglikelihood"]
+    assert [s["resps"] for s in remote] == [s["resps"] for s in local]
+    info = httpx.get(server.base_url + "/tokenizer_info").json()  # what lm_eval read
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert (info["eos_token"], info["model_max_length"]) == (tokenizer.eos_token, 512)
+    assert model_dir not in str(info)  # vLLM's name_or_path is left out: no response shows a server path

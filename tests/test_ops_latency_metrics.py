@@ -50,7 +50,7 @@ def test_a_preempted_request_keeps_its_first_scheduling_time():
 
 
 class _IdleEngine:
-    is_running = True
+    is_running, model_name = True, "org/model"
 
     def get_stats(self):
         adapters = AdapterStats(**{f.name: 0 for f in dataclasses.fields(AdapterStats)})

@@ -105,7 +105,7 @@ def test_prompt_logprobs_of_parallel_samples_and_the_limit(engine_checkpoint):
     prompt = _prompt(9, seed=4)
     with pytest.raises(ValueError, match="prompt_logprobs=5 is over the engine's max_logprobs"):
         engine.add_request("over", prompt, SamplingParams(prompt_logprobs=5))
-    for bad in (-1, 1.5, True):
+    for bad in (-2, 1.5, True):  # -1 is the whole vocabulary (vLLM)
         with pytest.raises(ValueError, match="prompt_logprobs must be None or an integer"):
             SamplingParams(prompt_logprobs=bad)
     params = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=2, prompt_logprobs=1)

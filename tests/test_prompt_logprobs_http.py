@@ -146,7 +146,8 @@ def test_prompt_logprobs_field_on_completions_and_chat_matches_peft(served, clie
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"prompt_logprobs": 21}, "at most 20 prompt_logprobs"),  # the engine's max_logprobs (default 20)
+    # the engine's max_logprobs (default 20)
+    ({"prompt_logprobs": 21}, r"prompt_logprobs=21 is more than this server.s --max-logprobs \(20"),
     ({"prompt_logprobs": 1, "stream": True}, "not available with stream"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
 ])

@@ -247,7 +247,7 @@ ERRORS = [  # (body changes to a valid completion, status, code)
     ({"stop": [""]}, 400, "invalid_value"),
     ({"stop": ["x" * 257]}, 400, "invalid_value"),
     ({"min_tokens": 5}, 400, "invalid_value"),  # over max_tokens
-    ({"logit_bias": {"5": 1.0}}, 400, "unsupported_parameter"),
+    ({"logit_bias": {"5": 101.0}}, 400, "invalid_value"),  # in [-100, 100] (tests/test_vllm_logprobs_bias.py)
     ({"best_of": 3}, 400, "unsupported_parameter"),
     ({"stream_options": {"include_usage": True}}, 400, "invalid_value"),
     ({"logprobs": 21}, 400, "invalid_value"),

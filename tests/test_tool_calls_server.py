@@ -56,6 +56,7 @@ class CannedEngine:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.reply, self.received = tokenizer, ["hello"], []
+        self.vocab_size = len(tokenizer)
 
     async def generate(self, prompt, params, request_id, lora_request=None, prompt_adapter_request=None,
                        tenant=None, cache_salt=None):

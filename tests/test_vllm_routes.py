@@ -96,7 +96,7 @@ def test_version_and_ping(served):
 
 @pytest.mark.parametrize("method, path, body", [
     ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
-    ("GET", "/version", None), ("GET", "/ping", None)])
+    ("GET", "/version", None), ("GET", "/ping", None), ("GET", "/tokenizer_info", None)])
 def test_the_routes_need_a_key_as_models_does(served, method, path, body):
     assert httpx.request(method, served[0] + path, json=body).status_code == 401
     assert httpx.request(method, served[0] + "/v1/models").status_code == 401

@@ -223,8 +223,13 @@ class AsyncLLMEngine(AdapterAPI):
 
     @property
     def max_logprobs(self) -> int:
-        """The most logprobs one request may ask for."""
+        """The most logprobs one request may ask for (-1: no cap)."""
         return self.engine.config.max_logprobs
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size."""
+        return self.engine.model_config.vocab_size
 
     def get_tokenizer(self):
         """The model's transformers tokenizer, or None."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.core.request import Request
 from lora_runner.engine.parallel_sampling import sample_ids
+from lora_runner.sampling_checks import whole_vocabulary_counts
 from lora_runner.sampling_params import SamplingParams
 
 # new_request(sample id, prompt token ids, the sample's params, prompt, lora_request, prompt_adapter_request,
@@ -60,13 +61,15 @@ class InputProcessor:
 
     def checked_params(self, params: SamplingParams | None) -> SamplingParams:
         """A private, validated copy of the request's params (ValueError naming a bad field), so a
-        caller changing its object later does not affect the request."""
+        caller changing its object later does not affect the request; logprobs / prompt_logprobs of -1
+        (the whole vocabulary) are the vocabulary size in it."""
         if params is None:
             return SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params.clone()
         params.validate(max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
+        whole_vocabulary_counts(params, self.vocab_size)
         return params
 
     def prompt_token_ids(self, prompt: str | list[int], truncate: int | None = None) -> list[int]:

@@ -36,7 +36,11 @@ class EngineClient(Protocol):
 
     @property
     def max_logprobs(self) -> int:
-        """The most logprobs one request may ask for (EngineConfig.max_logprobs)."""
+        """The most logprobs one request may ask for (EngineConfig.max_logprobs; -1: no cap)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: token ids lie in [0, vocab_size); logprobs=-1 asks for this many."""
 
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,

@@ -25,6 +25,8 @@ class EngineStats:
     kv_blocks_cached: blocks holding a cached prefix (held by requests or evictable).
     spec_decode: speculative decoding's cumulative counters (verify steps, draft tokens, accepted ones,
     accepted per draft position; a copy); None when it is off.
+    running_loras / waiting_loras: the distinct LoRA names of the running / waiting requests, sorted
+    (vLLM's lora_requests_info); max_loras: the LoRAs one step may run (the scheduler's).
     steps: step() calls since start. adapters: the adapter manager's cumulative counters, read when
     the snapshot is handed out (``LLMEngine.stats``: loads also finish between steps, and the step
     thread need not take the tiers' locks every step for them); None in the step's own part.
@@ -41,6 +43,9 @@ class EngineStats:
     kv_blocks_cached: int = 0
     adapters: AdapterStats | None = None
     spec_decode: SpecDecodingStats | None = None
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @classmethod
     def collect(cls, scheduler, block_manager, steps: int) -> EngineStats:
@@ -50,5 +55,12 @@ class EngineStats:
                    preemptions=scheduler.num_preemptions, steps=steps,
                    prefix_cache_queries=scheduler.prefix_query_tokens, prefix_cache_hits=scheduler.prefix_hit_tokens,
                    kv_blocks_cached=block_manager.num_cached_blocks,
+                   running_loras=_lora_names(scheduler.running), waiting_loras=_lora_names(scheduler.waiting),
+                   max_loras=scheduler.max_loras,
                    spec_decode=None if getattr(scheduler, "speculator", None) is None else replace(
                        scheduler.spec, accepted_per_position=list(scheduler.spec.accepted_per_position)))
+
+
+def _lora_names(requests) -> tuple[str, ...]:
+    """The distinct LoRA names of `requests`, sorted (one set over the queue: no per-request work beyond it)."""
+    return tuple(sorted({r.lora_request.name for r in requests if r.lora_request is not None}))

@@ -6,10 +6,12 @@ with probability probs[i]. A seeded request draws its q from its own torch.Gener
 tokens do not depend on what else is batched with it. All rows are computed together and the
 results reach the host in one transfer per step.
 
-Penalties (SamplingParams.presence_penalty, frequency_penalty, repetition_penalty;
+The logit bias (SamplingParams.logit_bias, lora_runner.sample.token_masks) is added first, then
+penalties (SamplingParams.presence_penalty, frequency_penalty, repetition_penalty;
 lora_runner.sample.penalties) change the logits of the rows that set them before
-greedy/temperature/top-k/top-p; a step without penalised rows skips all of it. The logprobs
-returned stay the raw model log-probabilities (before penalties, like the other settings).
+greedy/temperature/top-k/top-p (vLLM's order); a step without biased or penalised rows skips all of
+it. The logprobs returned stay the raw model log-probabilities (before bias and penalties, like the
+other settings).
 Masks come next (lora_runner.sample.token_masks): banned ids (min_tokens, bad_words), allowed_token_ids
 and the structured-output bitmask of the step's constrained rows; a step without any touches nothing.
 
@@ -30,7 +32,7 @@ import torch
 from lora_runner.sample.penalties import apply_penalties
 from lora_runner.sample.prompt_logprobs import PromptLogprobsChunk
 from lora_runner.sample.sampling_state import History, SamplingBatch, explicit_batch
-from lora_runner.sample.token_masks import apply_allowed_token_ids, apply_grammar_bitmask
+from lora_runner.sample.token_masks import apply_allowed_token_ids, apply_grammar_bitmask, apply_logit_bias
 from lora_runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class PreparedLogits:
     """Sampler.prepare's result: the rows' logits ready to pick tokens from."""
 
     raw: torch.Tensor  # [S, V] float32 model logits (non-finite rows zeroed): the logprobs read them
-    penalized: torch.Tensor  # [S, V] after penalties, bans, allowed ids and the grammar mask
+    penalized: torch.Tensor  # [S, V] after logit bias, penalties, bans, allowed ids and the grammar mask
     finite: torch.Tensor  # [S] bool: the row's logits were finite (else it fails)
     settings: _RowSettings
 
@@ -188,12 +190,13 @@ class Sampler:
 
     def prepare(self, logits: torch.Tensor, batch: SamplingBatch) -> PreparedLogits:
         """The part of sampling before a token is picked (shared with the rejection sampler,
-        lora_runner.spec_decode): non-finite rows zeroed and flagged, penalties, bans and masks applied."""
+        lora_runner.spec_decode): non-finite rows zeroed and flagged, logit bias, penalties, bans and masks applied."""
         finite = _finite_rows(logits)  # [S]
         if not (logits.is_cpu and bool(finite.all())):  # on the host the check is free: skip the copy
             logits = torch.where(finite[:, None], logits, 0.0)  # [S, V]; a broken row's numbers reach no other row
         settings = self._settings(batch)
-        penalized = self._apply_penalties(logits, batch)  # [S, V]; `logits` stay raw for the logprobs
+        biased = apply_logit_bias(logits, batch.bias) if batch.bias else logits  # [S, V]
+        penalized = self._apply_penalties(biased, batch)  # [S, V]; `logits` stay raw for the logprobs
         if penalized is not logits:  # a tiny repetition_penalty can overflow a row: it fails alone
             finite &= torch.isfinite(penalized).all(dim=-1)
             penalized = torch.where(finite[:, None], penalized, 0.0)

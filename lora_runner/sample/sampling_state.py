@@ -3,8 +3,8 @@
 The runner keeps each running request in a fixed row (lora_runner.worker.request_rows.InputBatch). When
 a request is placed in a row, ``SamplingState.add_request`` writes its settings into the same row of
 these arrays, once: temperature, top-k, top-p, the greedy flag, its own generator (seeded requests),
-its logprob count, its penalties, min_tokens with the ids banned until then (its stop ids, from the
-one stop rule lora_runner.core.stop_rule), and where its prompt lies among the row's token ids.
+its logprob count, its penalties, its logit bias, min_tokens with the ids banned until then (its stop
+ids, from the one stop rule lora_runner.core.stop_rule), and where its prompt lies among the row's token ids.
 
 Each step ``batch(rows, token_ids, num_tokens)`` indexes the arrays by the step's sampled rows and
 derives what changes per step from the row's token count alone: the min_tokens ban (its generated
@@ -47,6 +47,8 @@ class SamplingBatch:
     errors: dict[int, BaseException] = field(default_factory=dict)  # row -> why its settings are unusable
     min_p: np.ndarray | None = None  # [S] float32; None: 0 (off) for every row
     allowed: dict[int, np.ndarray] = field(default_factory=dict)  # row -> the only ids it may sample (int64)
+    # row -> (token ids [B] int64, the biases added to their logits [B] float32): SamplingParams.logit_bias
+    bias: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     # structured outputs (lora_runner.engine.structured): the constrained rows and their packed bitmasks
     grammar_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [C]
     grammar_bitmask: torch.Tensor | None = None  # [C, ceil(V / 32)] int32; None: no row is constrained
@@ -77,6 +79,7 @@ class SamplingBatch:
             errors={0: self.errors[row]} if row in self.errors else {},
             min_p=None if self.min_p is None else self.min_p[one],
             allowed={0: self.allowed[row]} if row in self.allowed else {},
+            bias={0: self.bias[row]} if row in self.bias else {},
             grammar_rows=np.zeros(len(constrained), np.int64),
             grammar_bitmask=self.grammar_bitmask[constrained] if constrained.size else None)
 
@@ -100,6 +103,7 @@ class SamplingBatch:
             seeded=sorted(remap(dict(self.seeded)).items()), histories=remap(self.histories),
             ban_rows=ban_new.astype(np.int64), ban_ids=self.ban_ids[ban_at], errors=remap(self.errors),
             min_p=None if self.min_p is None else self.min_p[index], allowed=remap(self.allowed),
+            bias=remap(self.bias),
             grammar_rows=np.asarray([i for i, _ in constrained], np.int64),
             grammar_bitmask=(self.grammar_bitmask[[j for _, j in constrained]]
                              if self.grammar_bitmask is not None and constrained else None))
@@ -139,6 +143,7 @@ class SamplingState:
         self.has_error = np.zeros(rows, bool)  # [R]
         self.allowed: dict[int, np.ndarray] = {}  # row -> its allowed_token_ids (sorted int64), rows that set them
         self.bad_words: dict[int, list[list[int]]] = {}  # row -> its bad words' token sequences
+        self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> its logit_bias (ids, values)
         self._eos_token_ids = frozenset(eos_token_ids)
 
     @property
@@ -197,6 +202,10 @@ class SamplingState:
         self._write_stop_ids(row, params)
         self.allowed.pop(row, None)
         self.bad_words.pop(row, None)
+        self.bias.pop(row, None)
+        if params.logit_bias:
+            self.bias[row] = (np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias)),
+                              np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
         if params.allowed_token_ids is not None:
             self.allowed[row] = np.unique(np.asarray(params.allowed_token_ids, np.int64))
         if params.bad_words_token_ids:
@@ -208,6 +217,7 @@ class SamplingState:
         self.has_generator[row] = self.has_error[row] = False
         self.allowed.pop(row, None)
         self.bad_words.pop(row, None)
+        self.bias.pop(row, None)
 
     def batch(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray) -> SamplingBatch:
         """The settings of the sampled rows `rows` [S] (batch order), with their min_tokens bans and
@@ -252,7 +262,8 @@ class SamplingState:
             self.has_penalties[rows], seeded=[(i, self.generators[rows[i]]) for i in random_seeded.tolist()],
             errors=errors, min_p=self.min_p[rows],
             allowed={i: self.allowed[row] for i, row in enumerate(rows.tolist()) if row in self.allowed}
-            if self.allowed else {})
+            if self.allowed else {},
+            bias={i: self.bias[row] for i, row in enumerate(rows.tolist()) if row in self.bias} if self.bias else {})
 
     def _write_stop_ids(self, row: int, params: SamplingParams) -> None:
         # the ids come from the stop rule the output processor applies; only min_tokens decides when

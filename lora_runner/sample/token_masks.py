@@ -1,8 +1,9 @@
-"""Masks that take ids out of a row's choice: structured-output bitmasks, allowed_token_ids, bad_words.
+"""Masks that take ids out of a row's choice (structured-output bitmasks, allowed_token_ids, bad_words),
+and the logit bias that shifts ids' odds (SamplingParams.logit_bias).
 
-All of them set logits to -inf after the penalties and before temperature / top-k / top-p (greedy
-rows included), on a copy: the logprobs stay the raw model's, as in vLLM. Rows without a mask are
-never touched.
+The masks set logits to -inf after the penalties and before temperature / top-k / top-p (greedy
+rows included); the bias is added before the penalties, as in vLLM. Both work on a copy: the logprobs
+stay the raw model's, as in vLLM. Rows without a mask or a bias are never touched.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def apply_allowed_token_ids(logits: torch.Tensor, allowed: Mapping[int, np.ndarr
         keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)  # [V]
         keep[torch.from_numpy(ids).to(logits.device)] = True
         logits[row].masked_fill_(~keep, float("-inf"))
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> torch.Tensor:
+    """`logits` [S, V] with bias[r] = (ids [B] int64, values [B] float32) added to row r's logits at those ids:
+    a new tensor (one scatter for every biased row; each row's ids are distinct, as a dict's keys are)."""
+    rows = np.concatenate([np.full(len(ids), row, np.int64) for row, (ids, _) in bias.items()])  # [N]
+    ids = np.concatenate([ids for ids, _ in bias.values()])  # [N]
+    values = np.concatenate([values for _, values in bias.values()])  # [N]
+    device = logits.device
+    index = (torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device))
+    return logits.index_put(index, torch.from_numpy(values).to(device), accumulate=True)  # [S, V]
 
 
 def bad_word_bans(generated: Sequence[int], bad_words_token_ids: Sequence[Sequence[int]]) -> list[int]:

@@ -104,6 +104,10 @@ def _add_routes(app: FastAPI) -> None:
         body = await parse_body(_state(request), request, TokenizeRequest)
         return JSONResponse(await tokenize.tokenize(_state(request), tenant, body))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route(request: Request, tenant: Tenant = Depends(authenticate)) -> JSONResponse:
+        return JSONResponse(await tokenize.tokenizer_info(_state(request), tenant))
+
     @app.post("/detokenize")
     async def detokenize_route(request: Request, tenant: Tenant = Depends(authenticate)) -> JSONResponse:
         body = await parse_body(_state(request), request, DetokenizeRequest)

@@ -82,8 +82,8 @@ def _checked(state: ServerState, tenant: Tenant, body: CompletionRequest | ChatC
     """(logprobs, Target) after the checks both routes make first: unsupported fields and the
     logprobs limit (400), then the model and prompt adapter the tenant may use (404)."""
     check_supported(body, state.config.max_n)
-    logprobs = requested_logprobs(body, state.max_logprobs)
-    requested_prompt_logprobs(body, state.max_logprobs)  # its 400s before any work too
+    logprobs = requested_logprobs(body, state.max_logprobs, state.engine.vocab_size)
+    requested_prompt_logprobs(body, state.max_logprobs, state.engine.vocab_size)  # its 400s before any work too
     return logprobs, resolve_target(state, tenant, body.model, body.prompt_adapter)
 
 
@@ -99,7 +99,7 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     if keep is not None and keep != 0:  # 0 is refused by SamplingParams below
         prompts = [ids[-(state.max_model_len if keep == -1 else keep):] for ids in prompts]
     check_lengths(state, prompts, max_tokens, virtual_tokens(state, target))
-    prompt_logprobs = requested_prompt_logprobs(body, state.max_logprobs)
+    prompt_logprobs = requested_prompt_logprobs(body, state.max_logprobs, state.engine.vocab_size)
     tools = tools or ToolPlan()
     # a constraint's schema is validated, copied and serialized here: on the pool, as a big one takes seconds
     params = await state.off_loop(_sampling_params, body, max_tokens, logprobs, prompt_logprobs,

@@ -11,7 +11,8 @@ Read at scrape time from the stats snapshot
 the engine publishes after each step (EngineClient.get_stats): running and waiting requests, KV
 blocks in use and cached, preemptions, prefix-cache queries and hits (tokens), and every field of
 the adapter manager's cumulative stats (slot loads are the slot misses; hits appear when the
-manager counts them).
+manager counts them). vLLM's names of the same numbers (``vllm:*``) are read from these at scrape time
+(lora_runner.entrypoints.openai.vllm_metrics).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adapters.manager import AdapterStats
 from lora_runner.engine.protocol import EngineClient
+from lora_runner.entrypoints.openai.vllm_metrics import VllmCollector
 from lora_runner.request_times import RequestTimes
 
 logger = logging.getLogger(__name__)
@@ -34,9 +36,14 @@ OTHER_MODEL = "other"  # the latency label of adapters not named at start-up
 
 
 class ServerMetrics:
-    """The server's metrics; ``render()`` gives the Prometheus text format."""
+    """The server's metrics; ``render()`` gives the Prometheus text format.
 
-    def __init__(self, engine: EngineClient) -> None:
+    model_name: the base model's served name (its own latency series, and vLLM's ``model_name`` label);
+    None: the engine's model_name.
+    """
+
+    def __init__(self, engine: EngineClient, model_name: str | None = None) -> None:
+        self.engine = engine
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("lora_runner_requests", "Generation requests accepted, per served model",
@@ -62,6 +69,9 @@ class ServerMetrics:
         self.runtime_loads = Counter("lora_runner_runtime_adapter_loads", "load_lora_adapter calls, per result",
                                      ["result"], registry=reg)
         reg.register(_EngineCollector(engine))
+        model_name = engine.model_name if model_name is None else model_name
+        self.label_model(model_name)
+        reg.register(VllmCollector(self, model_name))
 
     def label_model(self, name: str) -> None:
         """Give `name` (the base model or an adapter named at start-up) its own latency series."""

@@ -71,7 +71,7 @@ class _GenerationBody(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None  # extension (vLLM)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> a number in [-100, 100] added to its logit
     user: str | None = None  # an end-user id for the caller's own records; not used by the engine
     ignore_eos: bool = False  # extension (vLLM)
     stop_token_ids: list[int] | None = None  # extension (vLLM)
@@ -84,8 +84,9 @@ class _GenerationBody(_Body):
     spaces_between_special_tokens: bool = True  # extension (vLLM)
     return_token_ids: bool = False  # extension (vLLM): prompt_token_ids and token_ids of each choice
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs' tokens as "token_id:N"
-    # extension (vLLM): the top k logprobs at each prompt position (capped by max_logprobs; not with stream)
-    prompt_logprobs: int | None = Field(default=None, ge=0)
+    # extension (vLLM): the top k logprobs at each prompt position (-1: the whole vocabulary; capped by
+    # --max-logprobs; not with stream)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)
     # structured outputs (lora_runner.entrypoints.openai.sampling.structured_outputs): at most one of these
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None  # extension (vLLM)
@@ -103,7 +104,7 @@ class CompletionRequest(_GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     # 0 only with echo: the prompt scored, nothing generated (lora_runner.entrypoints.openai.echo)
     max_tokens: int | None = Field(default=None, ge=0)
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=-1)  # -1 (vLLM's): the whole vocabulary
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
@@ -186,7 +187,7 @@ class ChatCompletionRequest(_GenerationBody):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=-1)  # -1 (vLLM's): the whole vocabulary
     max_completion_tokens: int | None = Field(default=None, ge=1)
     echo: bool = False  # extension (vLLM): the last message's content before the reply when it is the assistant's
     # extensions (vLLM), rendered as LLM.chat renders them (lora_runner.entrypoints.openai.prompts.template_options)

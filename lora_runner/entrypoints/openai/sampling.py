@@ -1,7 +1,8 @@
 """From an OpenAI request body to the engine's SamplingParams, refusing what cannot be honoured.
 
-The engine has no best_of, suffix or logit_bias yet: a
-request that asks for one gets a 400 naming the field, never a silently different result.
+The engine has no best_of or suffix yet: a request that asks for one gets a 400 naming the field,
+never a silently different result. Logprob counts of -1 (vLLM's: the whole vocabulary) become the
+vocabulary size here, so the response's size bound (--max-logprob-entries) counts every entry.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from lora_runner.sampling_checks import WHOLE_VOCABULARY
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.structured_outputs_params import StructuredOutputsParams
 
@@ -21,8 +23,6 @@ def check_supported(body: CompletionRequest | ChatCompletionRequest, max_n: int)
     """400 for every field set to something the engine cannot do."""
     if body.n > max_n:
         raise APIError(400, f"n must be <= {max_n}, got {body.n}", "invalid_value")
-    if body.logit_bias:
-        raise _unsupported("logit_bias", "logit bias")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "invalid_value")
     if isinstance(body, CompletionRequest):
@@ -35,33 +35,46 @@ def check_supported(body: CompletionRequest | ChatCompletionRequest, max_n: int)
             raise _unsupported("best_of", "best_of > 1")
 
 
-def requested_logprobs(body: CompletionRequest | ChatCompletionRequest, max_logprobs: int) -> int | None:
-    """How many top logprobs per token the request wants (None: no logprobs); 400 over the limit."""
+def requested_logprobs(body: CompletionRequest | ChatCompletionRequest, max_logprobs: int,
+                       vocab_size: int) -> int | None:
+    """How many top logprobs per token the request wants (None: no logprobs; -1: the vocabulary size);
+    400 over the limit (max_logprobs: --max-logprobs, -1 for no cap)."""
     if isinstance(body, CompletionRequest):
-        count = body.logprobs
+        count, field = body.logprobs, "logprobs"
     elif body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "invalid_value")
     else:
-        count = (body.top_logprobs or 0) if body.logprobs else None
-    if count is not None and count > max_logprobs:
-        raise APIError(400, f"at most {max_logprobs} logprobs per token, got {count}", "invalid_value")
-    return count
+        count, field = ((body.top_logprobs or 0) if body.logprobs else None), "top_logprobs"
+    return None if count is None else _counted(field, count, max_logprobs, vocab_size)
 
 
-def requested_prompt_logprobs(body: CompletionRequest | ChatCompletionRequest, max_logprobs: int) -> int | None:
+def requested_prompt_logprobs(body: CompletionRequest | ChatCompletionRequest, max_logprobs: int,
+                              vocab_size: int) -> int | None:
     """How many top logprobs per prompt position the request's ``prompt_logprobs`` (vLLM) wants (None:
-    none); 400 over the limit or with stream (as vLLM: the response carries them, no chunk does;
-    ``prompt_logprobs=0`` with stream is accepted and returns nothing, as there)."""
+    none; -1: the vocabulary size); 400 over the limit or with stream (as vLLM: the response carries
+    them, no chunk does; ``prompt_logprobs=0`` with stream is accepted and returns nothing, as there)."""
     count = body.prompt_logprobs
     if count is None:
         return None
     if body.stream:
-        if count > 0:
+        if count != 0:
             raise APIError(400, "prompt_logprobs are not available with stream=true", "invalid_value")
         return None
-    if count > max_logprobs:
-        raise APIError(400, f"at most {max_logprobs} prompt_logprobs per token, got {count}", "invalid_value")
-    return count
+    return _counted("prompt_logprobs", count, max_logprobs, vocab_size)
+
+
+def _counted(field: str, count: int, max_logprobs: int, vocab_size: int) -> int:
+    """`count` with -1 (the whole vocabulary) as `vocab_size`; 400 naming --max-logprobs over its cap
+    (-1: none, as vLLM's) or over the vocabulary."""
+    whole = count == WHOLE_VOCABULARY
+    asked = vocab_size if whole else count
+    what = f"{field}=-1 (the whole vocabulary, {vocab_size} tokens)" if whole else f"{field}={count}"
+    if max_logprobs != WHOLE_VOCABULARY and asked > max_logprobs:
+        raise APIError(400, f"{what} is more than this server's --max-logprobs ({max_logprobs}; -1 there lifts "
+                       "the cap)", "invalid_value")
+    if asked > vocab_size:
+        raise APIError(400, f"{what} is more than the model's vocabulary ({vocab_size} tokens)", "invalid_value")
+    return asked
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
@@ -92,7 +105,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             structured_outputs=structured_outputs(body), allowed_token_ids=body.allowed_token_ids,
-            bad_words=body.bad_words)
+            bad_words=body.bad_words, logit_bias=logit_bias(body.logit_bias))
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from exc
 
@@ -126,3 +139,19 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> Struc
         raise ValueError("set at most one of response_format (json_object / json_schema), structured_outputs "
                          "and the guided_* fields")
     return asked[0] if asked else None
+
+
+def logit_bias(body_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as strings, as JSON keys are) as SamplingParams' dict token id ->
+    bias; ValueError (a 400) for a key that is not a token id. The ids and values are SamplingParams'
+    to check (the vocabulary, [-100, 100])."""
+    if body_bias is None:
+        return None
+    bias = {}
+    for key, value in body_bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise ValueError(f"logit_bias keys must be token ids (decimal integers as strings), got {key!r:.40}")
+        if int(key) in bias:  # "7" and "07"
+            raise ValueError(f"logit_bias names token {int(key)} twice")
+        bias[int(key)] = value
+    return bias

@@ -1,4 +1,6 @@
-"""vLLM's /tokenize and /detokenize: the ids the server would generate from, and the text of ids.
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: the ids the server would generate from, the text of
+ids, and the tokenizer's special tokens and chat template (lm-eval's remote tokenizer reads all three, so
+``local-completions`` needs no ``tokenizer=`` argument against this server).
 
 A chat body is rendered exactly as /v1/chat/completions renders it (prompts.chat_prompt, with its
 checks: message count, template trust, tools), so a client can count a conversation's tokens before
@@ -60,3 +62,18 @@ async def detokenize(state: ServerState, tenant: Tenant, body: DetokenizeRequest
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "invalid_value")
     return {"prompt": await state.off_loop(tokenizer.decode, body.tokens)}
+
+
+async def tokenizer_info(state: ServerState, tenant: Tenant) -> dict:
+    """vLLM's TokenizerInfoResponse, as lm-eval's remote tokenizer reads it: tokenizer_class, the special
+    tokens, model_max_length (the server's max_model_len) and the chat template chat requests render with
+    (--chat-template, else the tokenizer's). vLLM's name_or_path and other init arguments are left out:
+    no response shows a server path."""
+    tokenizer = _tokenizer(state, tenant, None)
+    info = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": state.max_model_len}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = getattr(tokenizer, name, None)
+    template = state.config.chat_template or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        info["chat_template"] = template
+    return info
