@@ -41,12 +41,13 @@ def block_m_for(num_pairs: int) -> int:
     return PREFILL_BLOCK_M if num_pairs >= PREFILL_PAIRS else DECODE_BLOCK_M
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+# top_k a runtime int, never specialized (1 for down): one config serves every model's k
+@triton.jit(do_not_specialize=["num_pairs", "top_k"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr,
-    num_pairs, num_columns, num_features,
+    num_pairs, top_k, num_columns, num_features,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
-    TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -55,7 +56,7 @@ def _moe_gemm_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + offs_m).to(tl.int64)  # [BLOCK_M]
         row_mask = pairs < num_pairs
-        a_rows = (pairs // TOP_K) * stride_am  # [BLOCK_M] the pair's token (gate_up) or the pair itself (down)
+        a_rows = (pairs // top_k) * stride_am  # [BLOCK_M] the pair's token (gate_up) or the pair itself (down)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < num_columns
         w_rows = expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn  # [BLOCK_N]
@@ -79,7 +80,7 @@ def moe_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align: Mo
     """Semantics: out[p] = a[p // top_k] @ weight[expert(p)].T (* pair_weights[p]) for every pair p.
 
     a [rows, K] (tokens for top_k = k, pairs for top_k = 1); weight [E, N, K] same dtype; out [P, N]
-    any float dtype, every row written; pair_weights [P] (any float dtype) or None. One launch, grid
+    any float dtype, every row written; pair_weights [P] float32 or None. One launch, grid
     (max_blocks, cdiv(N, BLOCK_N)).
     """
     num_columns, num_features = weight.shape[1], weight.shape[2]
@@ -88,18 +89,18 @@ def moe_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align: Mo
     grid = (align.max_blocks, triton.cdiv(num_columns, BLOCK_N))
     kernel_for(_moe_gemm_kernel, a.device)[grid](
         a, weight, out, align.sorted_pairs, align.block_experts, out if pair_weights is None else pair_weights,
-        align.num_pairs, num_columns, num_features, *a.stride(), *weight.stride(), *out.stride(),
-        TOP_K=top_k, MUL_WEIGHT=pair_weights is not None, BLOCK_M=align.block_m, BLOCK_N=BLOCK_N,
+        align.num_pairs, top_k, num_columns, num_features, *a.stride(), *weight.stride(), *out.stride(),
+        MUL_WEIGHT=pair_weights is not None, BLOCK_M=align.block_m, BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K, DOT_PRECISION=_dot_precision(a.dtype), num_warps=4)
     return out
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "top_k"])
 def _moe_lora_shrink_kernel(
     x_ptr, a_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, block_slots_ptr, slot_ranks_ptr,
-    num_pairs, num_features,
+    num_pairs, top_k, num_features,
     stride_xm, stride_xk, stride_as, stride_ae, stride_aj, stride_ar, stride_ak, stride_om, stride_oj, stride_or,
-    TOP_K: tl.constexpr, N_SLICES: tl.constexpr, RANK: tl.constexpr,
+    N_SLICES: tl.constexpr, RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_NR: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -110,7 +111,7 @@ def _moe_lora_shrink_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + offs_m).to(tl.int64)  # [BLOCK_M]
         row_mask = pairs < num_pairs
-        x_rows = (pairs // TOP_K) * stride_xm  # [BLOCK_M]
+        x_rows = (pairs // top_k) * stride_xm  # [BLOCK_M]
         offs_i = tl.arange(0, BLOCK_NR)  # the slices' A rows stacked: x is read once for all slices
         slice_of_i, rank_of_i = offs_i // RANK, offs_i % RANK
         i_mask = (slice_of_i < N_SLICES) & (rank_of_i < rank)  # rows beyond the slot's rank are never read
@@ -145,8 +146,8 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_ranks: torch.Ten
     block_k = max(16, min(BLOCK_K, 64 * 32 * 4 // x.element_size() // block_nr))
     kernel_for(_moe_lora_shrink_kernel, x.device)[(align.max_blocks,)](
         x, lora_a, out, align.sorted_pairs, align.block_experts, align.block_slots, slot_ranks,
-        align.num_pairs, num_features, *x.stride(), *lora_a.stride(), *out.stride(),
-        TOP_K=top_k, N_SLICES=n_slices, RANK=rank, BLOCK_M=align.block_m, BLOCK_NR=block_nr, BLOCK_K=block_k,
+        align.num_pairs, top_k, num_features, *x.stride(), *lora_a.stride(), *out.stride(),
+        N_SLICES=n_slices, RANK=rank, BLOCK_M=align.block_m, BLOCK_NR=block_nr, BLOCK_K=block_k,
         DOT_PRECISION=_dot_precision(x.dtype), num_warps=4 if block_nr <= 64 else 8)
     return out
 
@@ -203,7 +204,8 @@ def moe_lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, 
     (* pair_weights[p]) for every pair p of expert e and slot s >= 0; other rows stay bit-identical.
 
     y [P, N] in place, N = n * W (slices of equal width W: gate/up, or down alone); inter [P, n, R]
-    float32; lora_b [L, E, N, R]; slice_scales [L, E, n] float32; slot_ranks [L] int32. Added in
+    float32; lora_b [L, E, N, R]; slice_scales [L, E, n] float32; slot_ranks [L] int32; pair_weights [P]
+    float32 or None. Added in
     float32 and rounded once, as the dense LoRA. Grid (max_blocks, n * cdiv(W, BLOCK_N)).
     """
     n_slices, rank = inter.shape[1], inter.shape[2]
@@ -245,7 +247,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if lora is not None:
         _add_lora(gate_up, x, gate_up_lora, slot_ranks, align, top_k, None)
     hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]  # [P, I]
-    pair_weights = topk_weights.reshape(-1)  # [P]
+    pair_weights = topk_weights.reshape(-1).float()  # [P] exact for any dtype; one kernel variant
     down = moe_gemm(hidden, w_down, x.new_empty(num_pairs, w_down.shape[1]), align, 1, pair_weights)  # [P, H]
     if lora is not None:
         _add_lora(down, hidden, down_lora, slot_ranks, align, 1, pair_weights)
