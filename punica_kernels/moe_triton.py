@@ -86,12 +86,16 @@ def moe_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align: Mo
     num_columns, num_features = weight.shape[1], weight.shape[2]
     if align.max_blocks == 0:
         return out
+    # fp32 tiles at BLOCK_K 64 spill on sm_80 (255 registers): half the K step, and 8 warps for the large block
+    half = a.element_size() == 2
+    block_k = BLOCK_K if half else BLOCK_K // 2
+    num_warps = 4 if half or align.block_m == DECODE_BLOCK_M else 8
     grid = (align.max_blocks, triton.cdiv(num_columns, BLOCK_N))
     kernel_for(_moe_gemm_kernel, a.device)[grid](
         a, weight, out, align.sorted_pairs, align.block_experts, out if pair_weights is None else pair_weights,
         align.num_pairs, top_k, num_columns, num_features, *a.stride(), *weight.stride(), *out.stride(),
         MUL_WEIGHT=pair_weights is not None, BLOCK_M=align.block_m, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, DOT_PRECISION=_dot_precision(a.dtype), num_warps=4)
+        BLOCK_K=block_k, DOT_PRECISION=_dot_precision(a.dtype), num_warps=num_warps)
     return out
 
 
@@ -142,8 +146,9 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_ranks: torch.Ten
     block_nr = max(16, triton.next_power_of_2(n_slices * rank))
     if align.max_blocks == 0:
         return out
-    # the [BLOCK_NR, BLOCK_K] A tile stays at 64 half elements a thread (as the dense shrink's bound)
-    block_k = max(16, min(BLOCK_K, 64 * 32 * 4 // x.element_size() // block_nr))
+    # the [BLOCK_NR, BLOCK_K] A tile and the [BLOCK_M, BLOCK_K] x tile stay at 64 bytes a thread (the dense
+    # shrink's bound, punica_kernels.triton_ops); beyond it fp32 spills on sm_80 at BLOCK_M 64
+    block_k = max(16, min(BLOCK_K, 64 * 32 * 4 // x.element_size() // max(block_nr, align.block_m)))
     kernel_for(_moe_lora_shrink_kernel, x.device)[(align.max_blocks,)](
         x, lora_a, out, align.sorted_pairs, align.block_experts, align.block_slots, slot_ranks,
         align.num_pairs, top_k, num_features, *x.stride(), *lora_a.stride(), *out.stride(),
