@@ -507,7 +507,7 @@ class MoEShape:
     intermediate: int  # each expert's
     num_experts: int
     top_k: int
-    float_weights: bool  # Mixtral: routing weights float32 (the down GEMM reads them so); Qwen MoEs: model dtype
+    float_weights: bool  # the routing weights as the model passes them: float32 (Mixtral) or the model dtype (Qwen)
 
 
 MOE_MODELS = {"qwen3-30b-a3b": MoEShape(hidden=2048, intermediate=768, num_experts=128, top_k=8, float_weights=False),
@@ -537,9 +537,10 @@ def _drive_moe(shape: MoEShape) -> None:
             token_slots = torch.arange(num_tokens) % MAX_LORAS  # [T]
             slot_ranks = torch.empty(MAX_LORAS, dtype=torch.int32)
             for rank in MOE_LORA_RANKS:
-                lora = (token_slots, slot_ranks, _moe_lora_operands(MAX_LORAS, experts, 2, 2 * inter, hidden, rank, dtype),
-                        _moe_lora_operands(MAX_LORAS, experts, 1, hidden, inter, rank, dtype))
-                moe_triton.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora)
+                gate_up = _moe_lora_operands(MAX_LORAS, experts, 2, 2 * inter, hidden, rank, dtype)
+                down = _moe_lora_operands(MAX_LORAS, experts, 1, hidden, inter, rank, dtype)
+                moe_triton.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids,
+                                     (token_slots, slot_ranks, gate_up, down))
 
 
 def _moe_lora_operands(slots: int, experts: int, n_slices: int, out_features: int, in_features: int, rank: int,
