@@ -156,7 +156,7 @@ def test_ops_write_every_pair_and_leave_rows_without_an_adapter(dtype):
 
 # ---------------------------------------------------------------- the block's fused path (moe_fused)
 
-def _block_and_lora(num_tokens: int, seed: int):
+def _block_and_lora(num_tokens: int, seed: int, device: str = "cpu"):
     """A Qwen3-MoE-shaped block with random weights, and a LoRA context with random expert slots."""
     from adapters.slots import LoRASlots
     from lora_runner.model.config import ModelConfig
@@ -170,10 +170,10 @@ def _block_and_lora(num_tokens: int, seed: int):
                          moe_intermediate_size=INTERMEDIATE, norm_topk_prob=True, moe_layers=(0,),
                          moe_naming="qwen_moe")
     gen = torch.Generator().manual_seed(seed)
-    block = SparseMoeBlock(config, 0, torch.float32, "cpu")
+    block = SparseMoeBlock(config, 0, torch.float32, device)
     for param in block.parameters():
         param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    slots = LoRASlots(types.SimpleNamespace(modules=moe_lora_modules(config, 0)), 3, 16)
+    slots = LoRASlots(types.SimpleNamespace(modules=moe_lora_modules(config, 0)), 3, 16, device)
     slots.slot_ranks.copy_(torch.tensor([8, 0, 16], dtype=torch.int32))
     for expert in range(5):
         for projection in ("gate_up", "down"):
@@ -182,8 +182,8 @@ def _block_and_lora(num_tokens: int, seed: int):
             lora_b.copy_(torch.randn(lora_b.shape, generator=gen) * 0.3)
             lora_a[0, :, 8:] = lora_b[0, :, 8:] = 0.0  # slot 0 holds a rank-8 adapter
             slots.scales(0, f"experts.{expert}.{projection}")[0].copy_(torch.rand(3, lora_a.shape[1], generator=gen))
-    meta = LoRAMeta(num_tokens, 3, "cpu")
-    load_table(meta, torch.tensor([0, 2, -1, 2, 0, -1, 0])[torch.arange(num_tokens) % 7])
+    meta = LoRAMeta(num_tokens, 3, device)
+    load_table(meta, torch.tensor([0, 2, -1, 2, 0, -1, 0])[torch.arange(num_tokens) % 7].to(device))
     return block, LoRAContext(meta, slots), gen
 
 
@@ -218,3 +218,64 @@ def test_stack_in_place_views_consecutive_tensors_and_rebinds_the_others():
     tensors[1][2, 3] = 7.0  # a write through an entry lands in the stack
     assert stacked[1, 2, 3] == 7.0
     assert stack_in_place(tensors).data_ptr() == stacked.data_ptr()  # now consecutive: a view
+
+
+# ---------------------------------------------------------------- compiled, on a CUDA device (the device run)
+
+def _to(value, device):
+    """Tensors of a nested tuple moved to ``device``."""
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [3, 300])  # the decode block size and the prefill one
+def test_compiled_fused_moe_with_expert_lora_matches_float64(num_tokens, dtype):
+    slot_ranks = torch.tensor([4, 16, 0, 20], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(num_tokens)
+    token_slots = torch.tensor([0, 1, 3, -1])[torch.randint(0, 4, (num_tokens,), generator=gen)]
+    case = _case(num_tokens, 6, 2, True, dtype, seed=num_tokens, slots=token_slots, slot_ranks=slot_ranks)
+    x, w_gate_up, w_down, weights, experts, lora = case
+    got = fused_moe(*_to(case, "cuda"))
+    clean = (lora[0], lora[1], *(tuple(t.nan_to_num(0.0) for t in factors) for factors in lora[2:]))
+    expected = reference_moe(x, w_gate_up, w_down, weights, experts, clean, stored=dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else TOLERANCE[dtype]
+    torch.testing.assert_close(got.cpu().double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_fused_moe_replays_in_a_cuda_graph_for_any_routing_and_adapter_mix():
+    """No host sync: captured once, replayed over new routing and token slots, equal to the eager call."""
+    slot_ranks = torch.tensor([4, 16, 0, 20], dtype=torch.int32)
+    case = _to(_case(16, 6, 2, True, torch.float16, seed=7, slots=torch.zeros(16, dtype=torch.int64),
+                     slot_ranks=slot_ranks), "cuda")
+    x, w_gate_up, w_down, weights, experts, lora = case
+    fused_moe(*case)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(*case)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        new_weights, new_experts = _routing(16, 6, 2, True, gen)
+        weights.copy_(new_weights)
+        experts.copy_(new_experts)
+        lora[0].copy_(torch.tensor([0, 1, 3, -1])[torch.randint(0, 4, (16,), generator=gen)])
+        graph.replay()
+        assert torch.equal(out, fused_moe(*case))
+
+
+@pytest.mark.gpu
+def test_block_on_cuda_takes_the_fused_kernels_and_matches_its_torch_loop(monkeypatch):
+    from lora_runner.model import moe_fused
+
+    block, lora, gen = _block_and_lora(9, seed=3, device="cuda")
+    hidden = torch.randn(9, HIDDEN, generator=gen).cuda()
+    weights, experts = block.route(hidden, None)
+    calls, fused = [], moe_fused.fused_routed_experts
+    monkeypatch.setattr(moe_fused, "fused_routed_experts", lambda *args: calls.append(1) or fused(*args))
+    got = block.routed_experts(hidden, weights, experts, lora)
+    assert calls == [1]
+    monkeypatch.setattr(moe_fused, "fused_supported", lambda block: False)  # the torch loop, on the same tensors
+    torch.testing.assert_close(got, block.routed_experts(hidden, weights, experts, lora), rtol=1e-4, atol=1e-4)
