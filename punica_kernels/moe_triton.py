@@ -140,7 +140,8 @@ def moe_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_ranks: torch.Ten
     """Semantics: out[p, j] = x[p // top_k] @ lora_a[s, e, j].T for every pair p of expert e and slot s >= 0.
 
     x [rows, K]; lora_a [L, E, n, R, K] same dtype; slot_ranks [L] int32; out [P, n, R] float32: rows
-    of pairs without a slot are not written, nor ranks beyond the slot's (rounded up to 16). Grid (max_blocks,).
+    of pairs without a slot (or on a slot of rank 0) are not written; A is not read beyond the slot's rank
+    rounded up to 16 (those columns of out are written as zeros). Grid (max_blocks,).
     """
     _, _, n_slices, rank, num_features = lora_a.shape
     block_nr = max(16, triton.next_power_of_2(n_slices * rank))
