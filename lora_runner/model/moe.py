@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_runner.distributed import SINGLE, TensorParallel
-from lora_runner.model.forward_context import ForwardContext, LoRAContext
 from lora_runner.model import moe_fused
+from lora_runner.model.forward_context import ForwardContext, LoRAContext
 from lora_runner.model.lora_linear import LoRALinear, moe_lora_modules
 from punica_kernels import invariant
 
