@@ -2,9 +2,9 @@
 LoRA shrink / expand over (token, expert, adapter slot) blocks, one launch per op for every expert and
 adapter in the batch.
 
-The pairs come from :func:`punica_kernels.moe_align.moe_align` (pair p = t * k + j; blocks of one
-expert, and one slot when aligned with the pairs' slots); every kernel runs one program per block (times
-column blocks) and skips blocks without work. Layouts (E experts, L adapter slots, R the slots' rank)::
+The pairs come from :func:`punica_kernels.moe_align.moe_align` (pair p = t * k + j): the GEMMs take
+blocks of one expert, the LoRA ops blocks of one (expert, slot); every kernel runs one program per block
+(times column blocks) and skips blocks without work (past the last group, or without an adapter). Layouts (E experts, L adapter slots, R the slots' rank)::
 
     w_gate_up   [E, 2I, H]        gate rows, then up rows (transformers 5's fused experts.gate_up_proj)
     w_down      [E, H, I]
@@ -242,21 +242,22 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     """
     num_tokens, top_k = topk_ids.shape
     num_pairs, intermediate = num_tokens * top_k, w_down.shape[2]
-    block_m = block_m_for(num_pairs)
-    if lora is None:
-        align = moe_align(topk_ids, w_gate_up.shape[0], block_m)
-    else:
+    block_m, num_experts = block_m_for(num_pairs), w_gate_up.shape[0]
+    # the GEMMs' blocks are by expert alone: blocks by (expert, slot) would read an expert's weights once
+    # per adapter among its tokens, and decode is bound by reading the weights
+    align = moe_align(topk_ids, num_experts, block_m)
+    if lora is not None:
         token_slots, slot_ranks, gate_up_lora, down_lora = lora
         pair_slots = token_slots[:num_tokens].repeat_interleave(top_k)  # [P]
-        align = moe_align(topk_ids, w_gate_up.shape[0], block_m, pair_slots, slot_ranks.shape[0])
+        lora_align = moe_align(topk_ids, num_experts, block_m, pair_slots, slot_ranks.shape[0])
     gate_up = moe_gemm(x, w_gate_up, x.new_empty(num_pairs, 2 * intermediate), align, top_k)  # [P, 2I]
     if lora is not None:
-        _add_lora(gate_up, x, gate_up_lora, slot_ranks, align, top_k, None)
+        _add_lora(gate_up, x, gate_up_lora, slot_ranks, lora_align, top_k, None)
     hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]  # [P, I]
     pair_weights = topk_weights.reshape(-1).float()  # [P] exact for any dtype; one kernel variant
     down = moe_gemm(hidden, w_down, x.new_empty(num_pairs, w_down.shape[1]), align, 1, pair_weights)  # [P, H]
     if lora is not None:
-        _add_lora(down, hidden, down_lora, slot_ranks, align, 1, pair_weights)
+        _add_lora(down, hidden, down_lora, slot_ranks, lora_align, 1, pair_weights)
     return down.view(num_tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
 
 
