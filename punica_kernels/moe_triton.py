@@ -258,7 +258,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     down = moe_gemm(hidden, w_down, x.new_empty(num_pairs, w_down.shape[1]), align, 1, pair_weights)  # [P, H]
     if lora is not None:
         _add_lora(down, hidden, down_lora, slot_ranks, lora_align, 1, pair_weights)
-    return down.view(num_tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
+    return down.view(num_tokens, top_k, w_down.shape[1]).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
 
 
 def _add_lora(y: torch.Tensor, x: torch.Tensor, factors: tuple, slot_ranks: torch.Tensor, align: MoEAlignment,

@@ -155,6 +155,12 @@ def test_ops_write_every_pair_and_leave_rows_without_an_adapter(dtype):
     assert not torch.allclose(out[with_slot].double(), before[with_slot].double(), atol=1e-2)
 
 
+def test_fused_moe_of_no_tokens_is_empty():
+    slot_ranks = torch.tensor([8], dtype=torch.int32)
+    case = _case(0, 4, 2, True, torch.float32, seed=0, slots=torch.zeros(0, dtype=torch.int64), slot_ranks=slot_ranks)
+    assert fused_moe(*case[:5]).shape == (0, HIDDEN) and fused_moe(*case).shape == (0, HIDDEN)
+
+
 # ---------------------------------------------------------------- the block's fused path (moe_fused)
 
 def _block_and_lora(num_tokens: int, seed: int, device: str = "cpu"):
