@@ -15,6 +15,7 @@ real meta after a prepare) and the bytes moved over the ideal (A, B of the slots
 
     python benchmarks/kernel_report.py                  # both targets (a few minutes on 2 cores)
     python benchmarks/kernel_report.py --targets sm_90 --kernels sgmv   # the SGMV kernels only
+    python benchmarks/kernel_report.py --kernels moe    # the fused MoE kernels only
 
 Writes results/kernel_report-<time>.json (``--out`` to change) and prints the tables.
 """
@@ -38,7 +39,7 @@ COLUMNS = [("target", "target", "s"), ("dtypes", "dtypes", "s"), ("constexprs", 
 DECODE_COLUMNS = [("packed", "module", "s"), ("shrink_grid", "shrink grid", "s"), ("shrink_work", "with work", "d"),
                   ("expand_grid", "expand grid", "s"), ("expand_programs", "expand programs", "d"),
                   ("expand_work", "with work", "d"), ("bytes_ratio", "bytes / ideal", ".3f")]
-DRIVERS = {"all": aot.all_drivers, "sgmv": aot.sgmv_drivers}
+DRIVERS = {"all": aot.all_drivers, "sgmv": aot.sgmv_drivers, "moe": aot.moe_drivers}
 
 
 def report_row(report: aot.KernelReport) -> dict:

@@ -41,7 +41,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from adapters.spec import ModelSpec
 from lora_runner.model import paged_attention
 from lora_runner.model.lora_linear import decoder_lora_modules
-from punica_kernels import embedding_triton, triton_ops, w4a16_triton
+from punica_kernels import embedding_triton, moe_triton, triton_ops, w4a16_triton
 from punica_kernels.host_tiles import TableLoader
 from punica_kernels.meta import LoRAMeta
 from punica_kernels.scales import Scales
@@ -425,7 +425,7 @@ def _plain(scales: Scales) -> Scales:
 
 def all_drivers() -> list[Driver]:
     """Every Triton launcher of the engine. A new kernel is covered by adding its drivers here."""
-    return sgmv_drivers() + paged_attention_drivers() + vocab_lora_drivers() + w4a16_drivers()
+    return sgmv_drivers() + paged_attention_drivers() + vocab_lora_drivers() + w4a16_drivers() + moe_drivers()
 
 
 def vocab_lora_drivers() -> list[Driver]:
@@ -497,6 +497,59 @@ def _drive_w4a16(model: str) -> None:
                     w4a16_triton.w4a16_matmul(x[:num_tokens], qweight, scales, zeros, g_idx, W4A16_GROUP_SIZE,
                                               bias, out[:num_tokens])
 
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The routed experts of one MoE model: what the fused MoE kernels' configs depend on."""
+
+    hidden: int
+    intermediate: int  # each expert's
+    num_experts: int
+    top_k: int
+    float_weights: bool  # the routing weights as the model passes them: float32 (Mixtral) or the model dtype (Qwen)
+
+
+MOE_MODELS = {"qwen3-30b-a3b": MoEShape(hidden=2048, intermediate=768, num_experts=128, top_k=8, float_weights=False),
+              "mixtral-8x7b": MoEShape(hidden=4096, intermediate=14336, num_experts=8, top_k=2, float_weights=True)}
+MOE_LORA_RANKS = (16, 64)  # each rank is a constexpr variant of shrink and expand: the usual and the widest
+MOE_TOKENS = (4, 512)  # a decode batch and a prefill: each of the block sizes moe_triton.block_m_for picks
+
+
+def moe_drivers() -> list[Driver]:
+    """One driver per MoE model: moe_triton.fused_moe (alignment, both grouped GEMMs) in each dtype, without
+    LoRA and with expert LoRA of each rank in MOE_LORA_RANKS (shrink and expand of gate_up and down), at a
+    decode and a prefill size. Weights are broadcast views (stride 0 over experts and slots, which Triton
+    specializes as it would the real, 16-divisible strides): nothing is allocated at the models' sizes."""
+    return [Driver(f"fused moe {name}", functools.partial(_drive_moe, shape)) for name, shape in MOE_MODELS.items()]
+
+
+def _drive_moe(shape: MoEShape) -> None:
+    hidden, inter, experts, top_k = shape.hidden, shape.intermediate, shape.num_experts, shape.top_k
+    for dtype in DTYPES:
+        w_gate_up = torch.empty(1, 2 * inter, hidden, dtype=dtype).expand(experts, -1, -1)  # [E, 2I, H]
+        w_down = torch.empty(1, hidden, inter, dtype=dtype).expand(experts, -1, -1)  # [E, H, I]
+        for num_tokens in MOE_TOKENS:
+            x = torch.empty(num_tokens, hidden, dtype=dtype)  # [T, H]
+            topk_ids = (torch.arange(num_tokens * top_k) % experts).view(num_tokens, top_k)  # [T, k]
+            topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32 if shape.float_weights else dtype)
+            moe_triton.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+            token_slots = torch.arange(num_tokens) % MAX_LORAS  # [T]
+            slot_ranks = torch.empty(MAX_LORAS, dtype=torch.int32)
+            for rank in MOE_LORA_RANKS:
+                gate_up = _moe_lora_operands(MAX_LORAS, experts, 2, 2 * inter, hidden, rank, dtype)
+                down = _moe_lora_operands(MAX_LORAS, experts, 1, hidden, inter, rank, dtype)
+                moe_triton.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids,
+                                     (token_slots, slot_ranks, gate_up, down))
+
+
+def _moe_lora_operands(slots: int, experts: int, n_slices: int, out_features: int, in_features: int, rank: int,
+                       dtype: torch.dtype) -> tuple:
+    """Never-read expert LoRA factors as moe_triton takes them (lora_a [L, E, n, R, K], lora_b [L, E, N, R],
+    slice_scales [L, E, n]), broadcast over slots and experts."""
+    return (torch.empty(1, 1, n_slices, rank, in_features, dtype=dtype).expand(slots, experts, -1, -1, -1),
+            torch.empty(1, 1, out_features, rank, dtype=dtype).expand(slots, experts, -1, -1),
+            torch.empty(1, 1, n_slices).expand(slots, experts, -1))
 
 ATTENTION_BLOCK_SIZES = (16, 32)
 SLIDING_WINDOWS = (None, 1024)

@@ -96,7 +96,7 @@ def test_every_gpu_test_collects_on_the_image():
 def test_the_device_run_dry_run_runs_every_part_under_the_limit(tmp_path):
     """benchmarks/device/run.py --dry-run, its imports limited as on the device: every part but the tests
     (collected by the test above) runs and reports; the JSON and the markdown table are written."""
-    parts = "setup,model,kernels,splitk,profile,graphs,prefix,quant"
+    parts = "setup,model,kernels,splitk,moe,profile,graphs,prefix,quant"
     code = (f"import os, runpy; os.environ['OUT'] = {str(tmp_path)!r}; "
             f"sys.argv = ['run.py', '--dry-run', '--parts', {parts!r}]; "
             "runpy.run_path('benchmarks/device/run.py', run_name='__main__')")
@@ -105,6 +105,7 @@ def test_the_device_run_dry_run_runs_every_part_under_the_limit(tmp_path):
     results = json.loads((tmp_path / "device_run.json").read_text())
     assert {name: part["status"] for name, part in results["parts"].items()} == dict.fromkeys(parts.split(","), "ok")
     assert results["copy_gbps"] > 0 and all(row["differing"] == 0 for row in results["splitk"])
+    assert {(row["adapters"], "error" in row) for row in results["moe_kernels"]} == {(0, False), (8, False)}
     assert all(row["repeat_identical"] and row["same_as_eager"] == 1 for row in results["graphs_vs_eager"])
     assert {row["weights"] for row in results["quant_decode"]} == {"bf16", "fp8", "w4a16"}
     assert results["prefix_cache"]["cold_ttft_ms"] > 0 and results["profile"]["decode"]

@@ -87,6 +87,17 @@ def splitk(run):
                       plan.profile.sizes.dtype, run.results)
 
 
+def moe(run):
+    """The fused MoE kernels vs the per-expert torch loop, base and with 8 expert LoRAs, on a Qwen3-30B-A3B
+    layer (bench_moe_kernels; the dry run: a toy layer under the Triton interpreter)."""
+    import bench_moe_kernels
+
+    layer = bench_moe_kernels.TOY if run.dry_run else bench_moe_kernels.QWEN3_30B_A3B
+    rows = run.results["moe_kernels"] = []
+    bench_moe_kernels.run_rows(layer, run.plan.moe_tokens, _device(run), run.plan.profile.sizes.dtype,
+                               run.deadline("moe"), rows, min_seconds=0.01 if run.dry_run else 0.05)
+
+
 def profile(run):
     """One graphed engine; lora_decode_profile's sections on it (the engine stays for the next parts)."""
     if run.model_dir is None:
@@ -133,5 +144,5 @@ def close_engine(run) -> None:
         gpu_check.free_device_memory()
 
 
-PARTS = dict(setup=setup, tests=tests, model=model, kernels=kernels, splitk=splitk, profile=profile, graphs=graphs,
-             prefix=prefix, quant=quant)
+PARTS = dict(setup=setup, tests=tests, model=model, kernels=kernels, splitk=splitk, moe=moe, profile=profile,
+             graphs=graphs, prefix=prefix, quant=quant)

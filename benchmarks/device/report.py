@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bench_moe_kernels
 import gpu_check
 import lora_decode_profile as profile_sections
 from common import markdown_table
@@ -23,6 +24,7 @@ DRY_RUN_NOTES = dict(
     tests="collected; every gpu test is skipped without CUDA (no per-test timeout where pytest-timeout is missing)",
     kernels="add_lora's torch path (no Triton, no graph replay): GB/s of a CPU",
     splitk="the Triton split-K shrink under TRITON_INTERPRET=1 at K=256",
+    moe="the fused MoE kernels under TRITON_INTERPRET=1 on a toy layer (no graph replay)",
     profile="decode graphs emulated (RerunGraph); 'kernels' are aten ops, no LoRA kernel is named on CPU",
     graphs="RerunGraph replays vs the eager path", prefix="the CPU engine", quant="FP8 and W4A16 on their CPU paths")
 
@@ -102,6 +104,8 @@ def report(results: dict) -> str:
     tables = [("split-K determinism", results.get("splitk"), [
         ("tokens", "T", "d"), ("hidden", "K", "d"), ("split_k", "splits", "d"), ("repeats", "repeats", "d"),
         ("differing", "differing outputs", "d")]),
+        ("fused MoE vs per-expert torch loop (Qwen3-30B-A3B layer)", results.get("moe_kernels"),
+         bench_moe_kernels.COLUMNS),
         ("graphs vs eager (one engine)", results.get("graphs_vs_eager"), [
             ("requests", "requests", "d"), ("adapters", "adapters", "d"), ("graph_replays", "replays", "d"),
             ("repeat_identical", "graphs repeat", ""), ("same_as_eager", "same as eager", ".0%"),

@@ -11,6 +11,7 @@ is rewritten after every part, so a slow or failing part loses only its own resu
   model      ONE random Llama-shaped model (gpu_check.write_random_model), written once, used by all below
   kernels    add_lora GB/s at decode sizes (gpu_check.run_kernels), % of the measured bandwidth
   splitk     the split-K shrink gives bitwise-identical outputs over repeated runs
+  moe        fused MoE kernels vs a per-expert torch loop, base and with expert LoRA (bench_moe_kernels)
   profile    one graphed bf16 engine: lora_decode_profile's decode tok/s (requests x adapters, vs base),
              kernels per graph replay and us per kernel, host table ms, prefill with and without LoRA
   graphs     the same engine, graphs vs its eager path: same tokens, and graphs repeat bit for bit
@@ -57,6 +58,7 @@ class Plan:
     w4a16_group: int
     budget_s: float
     limits: dict  # part -> seconds
+    moe_tokens: tuple[int, ...] = (1, 32, 256)  # the moe part's batch sizes
 
 
 def plans():
@@ -68,14 +70,14 @@ def plans():
                                                 kernel_distinct=(8, 32)),
                test_workers=8, test_timeout_s=120, splitk_hidden=4096, splitk_tokens=(1, 8, 32), splitk_repeats=50,
                prefix_len=1024, prefix_repeats=3, quant_batches=(1, 32), w4a16_group=128, budget_s=440.0,
-               limits=dict(setup=20, tests=150, model=45, kernels=20, splitk=15, profile=120, graphs=25, prefix=15,
-                           quant=120))
+               limits=dict(setup=20, tests=150, model=45, kernels=20, splitk=15, moe=25, profile=120, graphs=25,
+                           prefix=15, quant=120))
     dry = Plan(profile.SMOKE, dataclasses.replace(gpu_check.CPU_SMOKE, kernel_tokens=(4,), kernel_ranks=(16,),
                                                   kernel_distinct=(2,)),
                test_workers=0, test_timeout_s=120, splitk_hidden=256, splitk_tokens=(1, 4), splitk_repeats=3,
                prefix_len=32, prefix_repeats=1, quant_batches=(1, 4), w4a16_group=32, budget_s=900.0,
-               limits=dict(setup=20, tests=300, model=30, kernels=60, splitk=120, profile=240, graphs=60, prefix=30,
-                           quant=120))
+               limits=dict(setup=20, tests=300, model=30, kernels=60, splitk=120, moe=60, profile=240, graphs=60,
+                           prefix=30, quant=120), moe_tokens=(4,))
     return gpu, dry
 
 

@@ -6,7 +6,8 @@ top-k experts per token, the k probabilities renormalised to sum 1 (Mixtral alwa
 weighted expert output is cast). Tokens are grouped by expert; each expert hit makes one GEMM per
 projection (gate,up packed -> "gate_up"; down) over its tokens, and the weighted outputs are summed
 per token in ascending expert order (transformers' order). Qwen2-MoE adds a shared expert every token
-takes, weighted by sigmoid(shared_expert_gate(x)). A clear torch path: no fused kernel yet.
+takes, weighted by sigmoid(shared_expert_gate(x)). That torch path serves the CPU; on CUDA the routed experts
+run through the fused Triton kernels (:meth:`SparseMoeBlock.routed_experts`, lora_runner.model.moe_fused).
 
 Every projection is a :class:`LoRALinear` of its own, built from the descriptors
 lora_runner.model.lora_linear.moe_lora_modules declares (one per expert per projection, PEFT /
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_runner.distributed import SINGLE, TensorParallel
+from lora_runner.model import moe_fused
 from lora_runner.model.forward_context import ForwardContext, LoRAContext
 from lora_runner.model.lora_linear import LoRALinear, moe_lora_modules
 from punica_kernels import invariant
@@ -97,15 +99,24 @@ class SparseMoeBlock(nn.Module):
             raise RuntimeError("mixture-of-experts layers do not run in CUDA graphs yet: serve this model with "
                                "enforce_eager=True")
         weights, experts = self.route(hidden, ctx.lora)  # [T, k] each
-        slots = None if ctx.lora is None else ctx.lora.meta.token_slots[:hidden.shape[0]]  # [T]
-        out = torch.zeros_like(hidden)  # [T, H]
-        for expert in experts.unique().tolist():  # ascending: each token sums its experts in transformers' order
-            token_idx, k_pos = torch.where(experts == expert)  # [M] each
-            y = self.experts[expert](hidden[token_idx], None if slots is None else slots[token_idx], ctx.lora)
-            out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
+        out = self.routed_experts(hidden, weights, experts, ctx.lora)  # [T, H]
         if self.shared_expert is not None:  # every token, its LoRA as any linear's
             shared = self.shared_expert.forward_all(hidden, ctx.lora)  # [T, H]
             out = out + torch.sigmoid(self.shared_expert_gate(hidden, ctx.lora)) * shared
+        return out
+
+    def routed_experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                       lora: LoRAContext | None) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{experts[t, j]}(hidden[t]) [T, H], each with the token's expert LoRA:
+        the fused Triton kernels on CUDA (lora_runner.model.moe_fused), else a torch loop over the experts hit."""
+        if hidden.device.type == "cuda" and moe_fused.fused_supported(self):
+            return moe_fused.fused_routed_experts(self, hidden, weights, experts, lora)
+        slots = None if lora is None else lora.meta.token_slots[:hidden.shape[0]]  # [T]
+        out = torch.zeros_like(hidden)  # [T, H]
+        for expert in experts.unique().tolist():  # ascending: each token sums its experts in transformers' order
+            token_idx, k_pos = torch.where(experts == expert)  # [M] each
+            y = self.experts[expert](hidden[token_idx], None if slots is None else slots[token_idx], lora)
+            out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
         return out
 
 
