@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from functools import partial
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.entrypoints.openai.echo import ChoiceExtras, prompt_token_logprobs, vllm_prompt_logprobs
@@ -46,6 +45,7 @@ from lora_runner.entrypoints.openai.formatting import (
     adapter_provenance,
     sse,
 )
+from lora_runner.entrypoints.openai.response_body import SharedJSON, whole_response
 from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
@@ -154,7 +154,7 @@ class ChoiceRun:
         self.num_cached_tokens = 0  # the prompt's tokens served from the prefix cache
         # the prompt's logprobs entries, built once for the prompt and shared by its n samples' first deltas
         self._echoed: list[TokenLogprob] | None = None
-        self._scored: list[dict | None] | None = None
+        self._scored: SharedJSON | None = None
 
     @property
     def choice_indices(self) -> range:
@@ -222,15 +222,17 @@ class ChoiceRun:
                                                  self.logprobs_k or 0)
         return self._echoed
 
-    def _vllm_prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
-        """The request's prompt_logprobs field (vLLM's shape) when it asked for it, else None."""
+    def _vllm_prompt_logprobs(self, output: RequestOutput) -> SharedJSON | None:
+        """The request's prompt_logprobs field (vLLM's shape) when it asked for it, else None: one object for
+        the prompt's n choices, serialised once (response_body.SharedJSON)."""
         k = self.extras.prompt_logprobs
         if k is None:
             return None
         if self._scored is None:
             if output.prompt_logprobs is None:
                 raise RuntimeError(f"request {self.request_id}: prompt_logprobs asked for, but none came back")
-            self._scored = vllm_prompt_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs, k)
+            self._scored = SharedJSON(vllm_prompt_logprobs(self.state.token_text, self.prompt_ids,
+                                                           output.prompt_logprobs, k))
         return self._scored
 
     def _logprobs(self, completion) -> list[TokenLogprob] | None:
@@ -408,9 +410,12 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
                          prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
                          stream: bool, include_usage: bool, started: float, release: Callable[[], None],
                          cache_salt: str | None = None, continuous_usage: bool = False,
-                         extras: ChoiceExtras = ChoiceExtras(), new_parser: Callable[[], object] | None = None):
+                         extras: ChoiceExtras = ChoiceExtras(), new_parser: Callable[[], object] | None = None,
+                         on_body_end: Callable[[], None] = lambda: None):
     """Start and answer one generation request (streamed or whole) on the seats the caller took
-    (ServerState.admit); `release` (idempotent) gives them back however the request ends. cache_salt:
+    (ServerState.admit); `release` (idempotent) gives them back however the request ends. A whole response's
+    body is built and serialised off the event loop (response_body.whole_response), and `on_body_end` is called
+    once it was sent (the refund of the bytes reserved for it; the caller's when this raises). cache_salt:
     the body's (combined with the tenant's, engine_cache_salt). continuous_usage: every streamed chunk
     carries the usage so far (stream_options.continuous_usage_stats). extras: echo and token ids
     (lora_runner.entrypoints.openai.echo). new_parser: the tool-call parser of each sample (a chat request
@@ -436,12 +441,13 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
                                          state.config.stream_send_timeout, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", **headers})
     try:
-        body = await _cancel_on_disconnect(request, _collect(runs, fmt))
+        deltas, usage = await _cancel_on_disconnect(request, _collect(runs))
     finally:
         await close_runs(runs)
         release()
         seats.end()
-    return JSONResponse(body, headers=headers)
+    return await whole_response(state.off_loop, partial(fmt.response, deltas, usage), headers,
+                                state.config.stream_send_timeout, on_body_end)
 
 
 def _usage(runs: list[ChoiceRun]) -> Usage:
@@ -449,7 +455,8 @@ def _usage(runs: list[ChoiceRun]) -> Usage:
                  sum(r.num_cached_tokens for r in runs))
 
 
-async def _collect(runs: list[ChoiceRun], fmt: CompletionFormat) -> dict:
+async def _collect(runs: list[ChoiceRun]) -> tuple[list[Delta], Usage]:
+    """Every choice's whole Delta (by index) and the usage, once every run finished."""
     totals = {choice: Delta(choice, logprobs=None) for run in runs for choice in run.choice_indices}
     for delta in (d for run in runs for d in run.advance_first):
         totals[delta.index] = _join(totals[delta.index], delta)
@@ -458,7 +465,7 @@ async def _collect(runs: list[ChoiceRun], fmt: CompletionFormat) -> dict:
             raise api_error_from(item)
         for delta in run.advance(item):
             totals[delta.index] = _join(totals[delta.index], delta)
-    return fmt.response([totals[choice] for choice in sorted(totals)], _usage(runs))
+    return [totals[choice] for choice in sorted(totals)], _usage(runs)
 
 
 def _join(total: Delta, delta: Delta | None) -> Delta:
@@ -483,8 +490,8 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
             if fmt.role_chunk:
                 for choice in run.choice_indices:
                     yield sse(fmt.opening_chunk(choice, include_usage))
-            for delta in run.advance_first:
-                yield chunk(delta)
+            for delta in run.advance_first:  # an echoed or scored prompt's chunk may be MiBs: off the loop
+                yield await run.state.off_loop(chunk, delta) if _is_large(delta) else chunk(delta)
         async for run, item in rest:
             try:
                 if isinstance(item, BaseException):
@@ -501,6 +508,13 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
     finally:
         await rest.aclose()
         await cleanup()
+
+
+LARGE_DELTA_ENTRIES = 256  # logprob entries past which a chunk is serialised off the event loop
+
+
+def _is_large(delta: Delta) -> bool:
+    return delta.prompt_logprobs is not None or len(delta.logprobs or ()) > LARGE_DELTA_ENTRIES
 
 
 async def _cancel_on_disconnect(request: Request, coro):
