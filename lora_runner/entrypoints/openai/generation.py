@@ -198,8 +198,8 @@ class ChoiceRun:
         sent.opened = True
         if opening and self.echo_text is not None:
             text = self.echo_text + text
-            if logprobs is not None and self.extras.echo_logprobs:
-                logprobs = self._prompt_logprobs(output) + logprobs
+            if self.extras.echo_logprobs:  # also for a sample that opens before it sampled (no logprobs yet)
+                logprobs = self._prompt_logprobs(output) + (logprobs or [])
         scored = self._vllm_prompt_logprobs(output) if opening else None
         if completion.finished:
             sent.done = True
@@ -484,14 +484,17 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
     def chunk(delta: Delta) -> str:
         return sse(fmt.chunk(delta, include_usage, _usage(runs) if continuous_usage else None))
 
+    async def written(delta: Delta) -> str:  # an echoed or scored prompt's chunk may be MiBs: off the loop
+        return await runs[0].state.off_loop(chunk, delta) if _is_large(delta) else chunk(delta)
+
     rest = merged(runs)
     try:
         for run in runs:
             if fmt.role_chunk:
                 for choice in run.choice_indices:
                     yield sse(fmt.opening_chunk(choice, include_usage))
-            for delta in run.advance_first:  # an echoed or scored prompt's chunk may be MiBs: off the loop
-                yield await run.state.off_loop(chunk, delta) if _is_large(delta) else chunk(delta)
+            for delta in run.advance_first:
+                yield await written(delta)
         async for run, item in rest:
             try:
                 if isinstance(item, BaseException):
@@ -501,7 +504,7 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
                 yield sse(error_body(err.status, err.message, err.code))
                 continue
             for delta in deltas:
-                yield chunk(delta)
+                yield await written(delta)
         if include_usage:
             yield sse(fmt.usage_chunk(_usage(runs)))
         yield DONE_EVENT
@@ -510,11 +513,11 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
         await cleanup()
 
 
-LARGE_DELTA_ENTRIES = 256  # logprob entries past which a chunk is serialised off the event loop
+LARGE_DELTA_TOKENS = 64  # tokens with logprobs (an echoed prompt's) past which a chunk is serialised off the loop
 
 
 def _is_large(delta: Delta) -> bool:
-    return delta.prompt_logprobs is not None or len(delta.logprobs or ()) > LARGE_DELTA_ENTRIES
+    return delta.prompt_logprobs is not None or len(delta.logprobs or ()) > LARGE_DELTA_TOKENS
 
 
 async def _cancel_on_disconnect(request: Request, coro):
