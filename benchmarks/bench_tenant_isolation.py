@@ -88,12 +88,16 @@ def bystander_run(base_url: str) -> list[float]:
 
 def post(base_url: str, key: str, body: dict, route: str = "/v1/completions") -> tuple[int, float, int]:
     """(status, seconds, response bytes) of one request; an error's message is logged once per kind."""
-    start = time.monotonic()
-    response = httpx.post(base_url + route, json=body, timeout=600, headers={"Authorization": f"Bearer {key}"})
-    if response.status_code != 200 and response.status_code not in _logged:
-        _logged.add(response.status_code)
-        log.info("%d: %s", response.status_code, response.text[:300])
-    return response.status_code, time.monotonic() - start, len(response.content)
+    start, nbytes = time.monotonic(), 0
+    # read as it comes and dropped: the client shares this process, and its copy must not count as the server's
+    with httpx.stream("POST", base_url + route, json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {key}"}) as response:
+        for chunk in response.iter_bytes():
+            nbytes += len(chunk)
+            if response.status_code != 200 and response.status_code not in _logged:
+                _logged.add(response.status_code)
+                log.info("%d: %s", response.status_code, chunk[:300])
+    return response.status_code, time.monotonic() - start, nbytes
 
 
 _logged: set[int] = set()

@@ -224,15 +224,15 @@ class ChoiceRun:
 
     def _vllm_prompt_logprobs(self, output: RequestOutput) -> SharedJSON | None:
         """The request's prompt_logprobs field (vLLM's shape) when it asked for it, else None: one object for
-        the prompt's n choices, serialised once (response_body.SharedJSON)."""
+        the prompt's n choices, made and serialised once as the body is written (response_body.SharedJSON)."""
         k = self.extras.prompt_logprobs
         if k is None:
             return None
         if self._scored is None:
             if output.prompt_logprobs is None:
                 raise RuntimeError(f"request {self.request_id}: prompt_logprobs asked for, but none came back")
-            self._scored = SharedJSON(vllm_prompt_logprobs(self.state.token_text, self.prompt_ids,
-                                                           output.prompt_logprobs, k))
+            self._scored = SharedJSON(partial(vllm_prompt_logprobs, self.state.token_text, self.prompt_ids,
+                                              output.prompt_logprobs, k))
         return self._scored
 
     def _logprobs(self, completion) -> list[TokenLogprob] | None:

@@ -34,14 +34,22 @@ def _dumps(value: Any) -> str:
 
 
 class SharedJSON:
-    """A value several choices carry (a prompt's prompt_logprobs, one for its n samples): one object, its JSON
-    text made once, on first use (in the thread that writes the body)."""
+    """A value several choices carry (a prompt's prompt_logprobs, one for its n samples): made by `make()` and
+    serialised once, both on first use (in the thread that writes the body, not on the event loop)."""
 
-    __slots__ = ("value", "_text")
+    __slots__ = ("_make", "_value", "_text")
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._value: Any = None
         self._text: str | None = None
+
+    @property
+    def value(self) -> Any:
+        """The value (made now if it was not yet)."""
+        if self._make is not None:
+            self._value, self._make = self._make(), None
+        return self._value
 
     def text(self) -> str:
         """The value's JSON."""
