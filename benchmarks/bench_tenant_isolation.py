@@ -170,10 +170,10 @@ def attack_unread_streams(base_url: str, state) -> dict:
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)  # what the finished streams still hold a second after the engine finished them
-    seats = state.in_flight
+    seats = state._in_flight_per_tenant["a"]  # the attacker's (the bystander holds one while it runs)
     for sock in socks:
         sock.close()
-    return {"statuses": ["unread"], "seats_held_after_done": seats}
+    return {"statuses": ["unread"], "a_seats_held_after_done": seats}
 
 
 ATTACKS = {"ambiguous grammar": attack_ambiguous, "schema flood": attack_schema_flood,
