@@ -114,12 +114,15 @@ def test_a_streamed_echoed_prompts_chunks_are_serialised_off_the_loop(served, mo
         return real(payload)
 
     monkeypatch.setattr(generation, "sse", recorded)
+    built = _recording(monkeypatch, generation, "prompt_token_logprobs")
     stream = _client(served).completions.create(model="base", prompt=[LONG_PROMPT] * 2, n=4, max_tokens=2, echo=True,
                                                 logprobs=3, stream=True, temperature=1.0, seed=0)
     assert len([chunk for chunk in stream]) >= 8
     echoed = [name for name, tokens in made if tokens >= 66]
     assert len(echoed) == 8 and all(name.startswith("lora-runner-prompts") for name in echoed), made
     assert any(not name.startswith("lora-runner-prompts") for name, _ in made)  # small chunks stay on the loop
+    # each prompt's echoed entries are built once, on the prompt pool too
+    assert len(built) == 2 and all(name.startswith("lora-runner-prompts") for name in built), built
 
 
 @pytest.mark.parametrize("n", [1, 4])

@@ -213,6 +213,16 @@ class ChoiceRun:
             delta.prompt_token_ids = self.prompt_ids if opening else None
         return delta
 
+    @property
+    def echoes_logprobs(self) -> bool:
+        """True when its choices start with the echoed prompt's logprobs entries."""
+        return self.echo_text is not None and self.extras.echo_logprobs
+
+    def prepare_echo(self, output: RequestOutput) -> None:
+        """Build the echoed prompt's entries from `output` (its first), when they came (not in a failed one)."""
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs(output)
+
     def _prompt_logprobs(self, output: RequestOutput) -> list[TokenLogprob]:
         """The prompt tokens' entries echoed before the generated ones (the engine computed them)."""
         if self._echoed is None:
@@ -314,6 +324,8 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
         if errors:  # mapped here: a bare ValueError of add_request reaching the app's handler dropped the connection
             raise api_error_from(errors[0]) if isinstance(errors[0], Exception) else errors[0]
         for run in runs:  # an adapter that failed to load shows up here, before any byte is sent
+            if run.echoes_logprobs:  # a long echoed prompt's entries take a while: built on the prompt pool
+                await state.off_loop(run.prepare_echo, run.first)
             run.advance_first = run.advance(run.first)
     except BaseException:
         await close_runs(runs)
