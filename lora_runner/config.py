@@ -125,6 +125,11 @@ class EngineConfig:
         "milliseconds (of the step thread's CPU time) one request's structured-output token mask may take to "
         "compute in a step; a request over it finishes alone with \"error\" (StructuredOutputError), so an "
         "ambiguous grammar cannot slow every step for everyone", default=250.0))
+    structured_outputs_step_mask_budget_ms: float = field(**_doc(
+        "milliseconds (of the step thread's CPU time) the structured-output token masks of all requests together "
+        "may take in one step; over it, the slowest requests of that step finish with \"error\" "
+        "(StructuredOutputError) until the others' masks fit, so many constraints each under "
+        "structured_outputs_mask_budget_ms cannot slow every step together", default=500.0))
     speculative_config: dict | str | None = field(hash=False, **_doc(
         'speculative decoding, in vLLM\'s spelling (a dict, or its JSON text on the command line): {"method": '
         '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} verifies up to k '
@@ -189,10 +194,10 @@ class EngineConfig:
         if self.structured_outputs_tenant_cache_bytes > self.structured_outputs_cache_bytes:
             raise ValueError(f"structured_outputs_tenant_cache_bytes ({self.structured_outputs_tenant_cache_bytes}) "
                              f"must be at most structured_outputs_cache_bytes ({self.structured_outputs_cache_bytes})")
-        budget = self.structured_outputs_mask_budget_ms
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-            raise ValueError(f"structured_outputs_mask_budget_ms must be a positive number of milliseconds, "
-                             f"got {budget!r}")
+        for name in ("structured_outputs_mask_budget_ms", "structured_outputs_step_mask_budget_ms"):
+            budget = getattr(self, name)
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {budget!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)  # validates it
             if isinstance(self.speculative_config, str):  # JSON text (the command line) is kept as its dict

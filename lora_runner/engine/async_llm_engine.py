@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from adapters import LoRARequest, PromptAdapterRequest
@@ -185,6 +186,7 @@ class AsyncLLMEngine(AdapterAPI):
         self._stopping = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lora-runner-step", daemon=True)
+        self._intake = ThreadPoolExecutor(1, thread_name_prefix="lora-runner-intake")  # add_request, in order
         self._accepts_tenant = "tenant" in inspect.signature(engine.add_request).parameters
         self._accepts_cache_salt = "cache_salt" in inspect.signature(engine.add_request).parameters
         self.num_aborted = 0  # requests aborted through abort() (closed or cancelled iterators included)
@@ -259,7 +261,7 @@ class AsyncLLMEngine(AdapterAPI):
         """Add a request and yield its RequestOutputs, the last one with ``finished`` set.
 
         Raises what ``LLMEngine.add_request`` raises (ValueError, AdapterError) before the first
-        output, EngineDeadError when the step thread is gone, or the exception that killed it.
+        output (add_request runs in the engine's one intake thread, off the event loop, in call order), EngineDeadError when the step thread is gone, or the exception that killed it.
         Closing or cancelling the iterator early aborts the request. tenant: passed on to the
         engine's fair scheduling when its add_request takes it, else unused. cache_salt: passed on
         likewise (the prefix cache's separation of tenants, LLMEngine.add_request). Outputs not read yet
@@ -271,11 +273,17 @@ class AsyncLLMEngine(AdapterAPI):
         stream = _OutputCollector(asyncio.get_running_loop(), cumulative, self.max_pending_output_bytes,
                                   partial(self._overflowed, request_id))
         self._register(request_id, stream)
+        # add_request validates, copies (a constraint's schema too, n times) and tokenizes: in the one intake
+        # thread, off the loop that serves every other stream; one thread keeps the callers' order
+        added = asyncio.get_running_loop().run_in_executor(
+            self._intake, partial(self._add, request_id, prompt, _as_delta(params), lora_request,
+                                  prompt_adapter_request, tenant, cache_salt))
         try:
-            self._add(request_id, prompt, _as_delta(params), lora_request, prompt_adapter_request, tenant,
-                      cache_salt)
+            await asyncio.shield(added)
         except BaseException:
             self._unregister(request_id, stream)
+            if not added.done():  # cancelled while adding: abort the request once it is in
+                added.add_done_callback(partial(self._abort_added, request_id))
             raise
         finished = False
         try:
@@ -304,6 +312,10 @@ class AsyncLLMEngine(AdapterAPI):
             asyncio.get_running_loop().call_soon(callback, 0)
         else:
             stream.when_done(callback)
+
+    def _abort_added(self, request_id: str, added: asyncio.Future) -> None:
+        if not added.cancelled() and added.exception() is None:
+            self.abort(request_id)
 
     def _overflowed(self, request_id: str) -> None:
         logger.warning("request %r: over %d bytes of output unread by its consumer; aborting it",
@@ -421,6 +433,7 @@ class AsyncLLMEngine(AdapterAPI):
         if self._thread.is_alive():
             logger.warning("the step thread did not stop within %.1f s", timeout)
         self._fail_all_if_waiting(EngineDeadError("the engine was shut down"))
+        self._intake.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     def _fail_all_if_waiting(self, exc: BaseException) -> None:

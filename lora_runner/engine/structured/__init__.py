@@ -11,7 +11,8 @@ never sees a constraint never imports xgrammar (backend.py).
 Tenants: compilations are queued, cached and bounded in bytes per tenant (compile_queue); a request that
 finishes before its compilation started drops it (``RequestGrammar.release``). Each request's mask fill is
 timed: one over ``mask_budget_s`` fails that request alone at its next token, so an ambiguous grammar
-costs the other requests one step at most instead of every step.
+costs the other requests one step at most instead of every step; and when a step's fills together pass
+``step_budget_s``, its slowest fail the same way until the rest fit.
 """
 
 from __future__ import annotations
@@ -45,16 +46,18 @@ class StructuredOutputs:
             (EngineConfig.structured_outputs_compile_timeout_s).
         tenant_bytes / total_bytes: the compiled grammars' bounds (EngineConfig.structured_outputs_*cache_bytes).
         mask_budget_s: the time one request's mask fill may take in a step (structured_outputs_mask_budget_ms).
+        step_budget_s: the time all of a step's mask fills may take together (structured_outputs_step_mask_budget_ms);
+            over it the slowest fail, as over mask_budget_s, until the rest fit.
         clock: the time source of the mask budget: the step thread's CPU time, so that a step thread merely
             descheduled on a busy host fails nobody (tests inject one).
     """
 
     def __init__(self, get_tokenizer: Callable, vocab_size: int, stop_token_ids: Callable[[], Collection[int]],
                  wake: Callable[[], None] = lambda: None, *, timeout_s: float, tenant_bytes: int = TENANT_CACHE_BYTES,
-                 total_bytes: int = TOTAL_CACHE_BYTES, mask_budget_s: float = 0.25,
+                 total_bytes: int = TOTAL_CACHE_BYTES, mask_budget_s: float = 0.25, step_budget_s: float = 0.5,
                  clock: Callable[[], float] = time.thread_time) -> None:
         self.tenant_bytes, self.total_bytes = tenant_bytes, total_bytes
-        self.mask_budget_s, self._clock = mask_budget_s, clock
+        self.mask_budget_s, self.step_budget_s, self._clock = mask_budget_s, step_budget_s, clock
         self._get_tokenizer = get_tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
@@ -100,6 +103,7 @@ class StructuredOutputs:
         if not rows:
             return [], None
         bitmask = xgrammar().allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W] int32, all allowed
+        costs = []  # (seconds, request) of each fill within the per-request budget
         for index, row in enumerate(rows):
             request = sampled[row]
             start = self._clock()
@@ -107,7 +111,20 @@ class StructuredOutputs:
             elapsed = self._clock() - start
             if elapsed > self.mask_budget_s:  # it fails at its next token (RequestGrammar.accept), alone
                 request.grammar.over_budget(elapsed, self.mask_budget_s)
+            else:
+                costs.append((elapsed, request))
+        self._over_step_budget(costs)
         return rows, bitmask
+
+    def _over_step_budget(self, costs: list[tuple[float, Request]]) -> None:
+        """Many fills each under mask_budget_s may still slow the step for everyone together: over
+        step_budget_s, the slowest fail (at their next token, as over mask_budget_s) until the rest fit."""
+        total = sum(elapsed for elapsed, _ in costs)
+        for elapsed, request in sorted(costs, key=lambda cost: -cost[0]):
+            if total <= self.step_budget_s:
+                return
+            request.grammar.over_budget(elapsed, self.step_budget_s, step=True)
+            total -= elapsed
 
     def close(self) -> None:
         """Stop the compile threads (compilations in flight are left to finish on their own)."""

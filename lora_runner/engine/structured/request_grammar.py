@@ -67,11 +67,15 @@ class RequestGrammar:
         if release is not None:
             release(self._future)
 
-    def over_budget(self, elapsed_s: float, budget_s: float) -> None:
-        """Its mask took `elapsed_s` in a step, over `budget_s`: the request fails at its next token."""
+    def over_budget(self, elapsed_s: float, budget_s: float, step: bool = False) -> None:
+        """Its mask took `elapsed_s` in a step, over `budget_s` a request may take (`step`: it was the slowest
+        of a step whose masks together took over the `budget_s` a step may): it fails at its next token."""
+        over = (f"the slowest of a step whose masks together took over the {budget_s * 1000:g} ms a step may "
+                "(structured_outputs_step_mask_budget_ms)" if step else
+                f"over the {budget_s * 1000:g} ms a request may take")
         self._budget_error = StructuredOutputError(
-            f"structured_outputs: computing the allowed tokens took {elapsed_s * 1000:.0f} ms in one step, over the "
-            f"{budget_s * 1000:g} ms a request may take; simplify the constraint (an ambiguous grammar)")
+            f"structured_outputs: computing the allowed tokens took {elapsed_s * 1000:.0f} ms in one step, {over}; "
+            "simplify the constraint (an ambiguous grammar)")
 
     def fill(self, bitmask: torch.Tensor, index: int, eos_allowed: bool = True) -> None:
         """Write the ids the constraint allows next into row `index` of `bitmask` [C, ceil(V / 32)] int32;

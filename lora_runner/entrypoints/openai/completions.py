@@ -20,6 +20,7 @@ from lora_runner.entrypoints.openai.generation import check_lengths, resolve_tar
 from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.prompts import chat_prompt, check_chat, completion_prompt_list, encode_prompts
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from lora_runner.entrypoints.openai.response_body import ENTRY_JSON_BYTES
 from lora_runner.entrypoints.openai.sampling import (check_supported, requested_logprobs, requested_prompt_logprobs,
                                                      sampling_params)
 from lora_runner.entrypoints.openai.state import ServerState
@@ -109,16 +110,25 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
         logger.info("request %s: model=%r prompt_tokens=%s params=%r", fmt.response_id, body.model,
                     [len(ids) for ids in prompts], params)
     extras = dataclasses.replace(extras_of(prompts), prompt_logprobs=prompt_logprobs)
-    check_logprob_entries(logprob_entries([len(ids) for ids in prompts], body.n, max_tokens, logprobs, extras,
+    prompt_lens = [len(ids) for ids in prompts]
+    check_logprob_entries(logprob_entries(prompt_lens, body.n, max_tokens, logprobs, extras,
                                           prompt_logprobs_per_choice=format_type is CompletionFormat),
                           state.config.max_logprob_entries)
+    # what a whole response's building holds (a prompt's prompt_logprobs once for its n choices) counts in the
+    # tenant's share until it was sent (a stream holds a chunk at a time, its unread output bounded apart)
+    held = 0 if body.stream else logprob_entries(prompt_lens, body.n, max_tokens, logprobs, extras,
+                                                 prompt_logprobs_per_choice=False)
+    refund = state.reserve_response(tenant, held * ENTRY_JSON_BYTES) if held else (lambda: None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
-    return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
-                                include_usage, started, release, cache_salt=body.cache_salt,
-                                continuous_usage=continuous_usage,
-                                extras=extras,
-                                new_parser=tools.parser_factory(body.stream))
+    try:
+        return await run_generation(state, request, tenant, target, prompts, params, fmt, body.stream,
+                                    include_usage, started, release, cache_salt=body.cache_salt,
+                                    continuous_usage=continuous_usage, extras=extras,
+                                    new_parser=tools.parser_factory(body.stream), on_body_end=refund)
+    except BaseException:
+        refund()
+        raise
 
 
 def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,

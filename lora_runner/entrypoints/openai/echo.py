@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.formatting import TokenLogprob
@@ -41,6 +42,7 @@ def prompt_token_logprobs(token_text: Callable[[int], str], prompt_ids: list[int
                           prompt_logprobs: list[dict[int, float] | None], k: int) -> list[TokenLogprob]:
     """The prompt tokens' logprobs entries (RequestOutput.prompt_logprobs) as OpenAI's echo reports them:
     the first has no logprob and no alternatives, each later one its logprob and the top k."""
+    token_text = cache(token_text)  # the same few tokens come back in many positions' top k
     entries = []
     for token, table in zip(prompt_ids, prompt_logprobs):
         if table is None:
@@ -58,6 +60,7 @@ def vllm_prompt_logprobs(token_text: Callable[[int], str], prompt_ids: list[int]
                          prompt_logprobs: list[dict[int, float] | None], k: int) -> list[dict | None]:
     """RequestOutput.prompt_logprobs as vLLM's response field: the top k of each position (ranked 1..k)
     and the prompt token there (rank None when it is not among the top k)."""
+    token_text = cache(token_text)
     entries: list[dict | None] = []
     for token, table in zip(prompt_ids, prompt_logprobs):
         if table is None:

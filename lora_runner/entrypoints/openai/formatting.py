@@ -2,7 +2,9 @@
 
 A ``Delta`` is what one choice gained since the last chunk: text, per-token logprobs
 (token string, logprob, top alternatives), tool-call deltas (chat with tools) and the finish reason
-once it finished.
+once it finished. A whole response's choices are made one at a time as its body is written
+(response_body.LazyArray), and a prompt's prompt_logprobs, shared by its n choices, are serialised once
+(response_body.SharedJSON).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from lora_runner.entrypoints.openai.response_body import LazyArray, SharedJSON, json_pieces
 from lora_runner.entrypoints.openai.tool_calls.deltas import ToolCallDelta, join_calls, message_tool_calls
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -24,9 +27,13 @@ def adapter_provenance(output) -> dict | None:
     return None if ref is None else {"name": ref.name, "version": ref.version}
 
 
+def _compact(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
 def sse(payload: dict) -> str:
-    """One server-sent event carrying `payload` as JSON."""
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    """One server-sent event carrying `payload` as JSON (a SharedJSON in it spliced as its one text)."""
+    return f"data: {''.join(json_pieces(payload, _compact))}\n\n"
 
 
 @dataclass
@@ -51,7 +58,8 @@ class Delta:
     token_ids: list[int] | None = None  # return_token_ids (vLLM): the generated ids of this delta
     prompt_token_ids: list[int] | None = None  # return_token_ids: the prompt's, in a choice's first delta
     tool_calls: list[ToolCallDelta] | None = None  # chat: tool-call pieces (whole calls in a response)
-    prompt_logprobs: list[dict | None] | None = None  # vLLM's field (echo.vllm_prompt_logprobs), first delta only
+    # vLLM's field (echo.vllm_prompt_logprobs), first delta only: one object for the prompt's n choices
+    prompt_logprobs: SharedJSON | None = None
 
 
 @dataclass
@@ -100,8 +108,9 @@ class CompletionFormat:
         return {**self._head(), "choices": [], "usage": usage.as_dict()}
 
     def response(self, deltas: list[Delta], usage: Usage) -> dict:
-        """The whole (non-streamed) response: each delta holds a choice's full text."""
-        return {**self._head(), "choices": [self._choice(d) for d in deltas], "usage": usage.as_dict()}
+        """The whole (non-streamed) response: each delta holds a choice's full text (its dict made as the body
+        is written)."""
+        return {**self._head(), "choices": LazyArray(self._choice, deltas), "usage": usage.as_dict()}
 
     def _choice(self, delta: Delta) -> dict:
         start = self._text_offsets.get(delta.index, 0)
@@ -130,9 +139,9 @@ class ChatFormat(CompletionFormat):
 
     def response(self, deltas: list[Delta], usage: Usage) -> dict:
         """The whole (non-streamed) chat completion."""
-        choices = [{"index": d.index, "message": _message(d), "logprobs": _chat_logprobs(d.logprobs),
-                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason, **_token_ids(d, prompt=False)}
-                   for d in deltas]
+        choices = LazyArray(lambda d: {
+            "index": d.index, "message": _message(d), "logprobs": _chat_logprobs(d.logprobs),
+            "finish_reason": d.finish_reason, "stop_reason": d.stop_reason, **_token_ids(d, prompt=False)}, deltas)
         prompt_ids = next((d.prompt_token_ids for d in deltas if d.prompt_token_ids is not None), None)
         extra = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}  # vLLM: on the response
         prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from functools import partial
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from adapters import LoRARequest, PromptAdapterRequest
 from lora_runner.entrypoints.openai.echo import ChoiceExtras, prompt_token_logprobs, vllm_prompt_logprobs
@@ -46,6 +45,7 @@ from lora_runner.entrypoints.openai.formatting import (
     adapter_provenance,
     sse,
 )
+from lora_runner.entrypoints.openai.response_body import SharedJSON, whole_response
 from lora_runner.entrypoints.openai.send_timeout import TimedStreamingResponse
 from lora_runner.entrypoints.openai.state import ServerState
 from lora_runner.entrypoints.openai.tenants import Tenant
@@ -154,7 +154,7 @@ class ChoiceRun:
         self.num_cached_tokens = 0  # the prompt's tokens served from the prefix cache
         # the prompt's logprobs entries, built once for the prompt and shared by its n samples' first deltas
         self._echoed: list[TokenLogprob] | None = None
-        self._scored: list[dict | None] | None = None
+        self._scored: SharedJSON | None = None
 
     @property
     def choice_indices(self) -> range:
@@ -198,8 +198,8 @@ class ChoiceRun:
         sent.opened = True
         if opening and self.echo_text is not None:
             text = self.echo_text + text
-            if logprobs is not None and self.extras.echo_logprobs:
-                logprobs = self._prompt_logprobs(output) + logprobs
+            if self.extras.echo_logprobs:  # also for a sample that opens before it sampled (no logprobs yet)
+                logprobs = self._prompt_logprobs(output) + (logprobs or [])
         scored = self._vllm_prompt_logprobs(output) if opening else None
         if completion.finished:
             sent.done = True
@@ -213,6 +213,16 @@ class ChoiceRun:
             delta.prompt_token_ids = self.prompt_ids if opening else None
         return delta
 
+    @property
+    def echoes_logprobs(self) -> bool:
+        """True when its choices start with the echoed prompt's logprobs entries."""
+        return self.echo_text is not None and self.extras.echo_logprobs
+
+    def prepare_echo(self, output: RequestOutput) -> None:
+        """Build the echoed prompt's entries from `output` (its first), when they came (not in a failed one)."""
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs(output)
+
     def _prompt_logprobs(self, output: RequestOutput) -> list[TokenLogprob]:
         """The prompt tokens' entries echoed before the generated ones (the engine computed them)."""
         if self._echoed is None:
@@ -222,15 +232,17 @@ class ChoiceRun:
                                                  self.logprobs_k or 0)
         return self._echoed
 
-    def _vllm_prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
-        """The request's prompt_logprobs field (vLLM's shape) when it asked for it, else None."""
+    def _vllm_prompt_logprobs(self, output: RequestOutput) -> SharedJSON | None:
+        """The request's prompt_logprobs field (vLLM's shape) when it asked for it, else None: one object for
+        the prompt's n choices, made and serialised once as the body is written (response_body.SharedJSON)."""
         k = self.extras.prompt_logprobs
         if k is None:
             return None
         if self._scored is None:
             if output.prompt_logprobs is None:
                 raise RuntimeError(f"request {self.request_id}: prompt_logprobs asked for, but none came back")
-            self._scored = vllm_prompt_logprobs(self.state.token_text, self.prompt_ids, output.prompt_logprobs, k)
+            self._scored = SharedJSON(partial(vllm_prompt_logprobs, self.state.token_text, self.prompt_ids,
+                                              output.prompt_logprobs, k))
         return self._scored
 
     def _logprobs(self, completion) -> list[TokenLogprob] | None:
@@ -312,6 +324,8 @@ async def start_runs(state: ServerState, tenant: Tenant, target: Target, prompts
         if errors:  # mapped here: a bare ValueError of add_request reaching the app's handler dropped the connection
             raise api_error_from(errors[0]) if isinstance(errors[0], Exception) else errors[0]
         for run in runs:  # an adapter that failed to load shows up here, before any byte is sent
+            if run.echoes_logprobs:  # a long echoed prompt's entries take a while: built on the prompt pool
+                await state.off_loop(run.prepare_echo, run.first)
             run.advance_first = run.advance(run.first)
     except BaseException:
         await close_runs(runs)
@@ -408,9 +422,12 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
                          prompts: list[list[int]], params: SamplingParams, fmt: CompletionFormat,
                          stream: bool, include_usage: bool, started: float, release: Callable[[], None],
                          cache_salt: str | None = None, continuous_usage: bool = False,
-                         extras: ChoiceExtras = ChoiceExtras(), new_parser: Callable[[], object] | None = None):
+                         extras: ChoiceExtras = ChoiceExtras(), new_parser: Callable[[], object] | None = None,
+                         on_body_end: Callable[[], None] = lambda: None):
     """Start and answer one generation request (streamed or whole) on the seats the caller took
-    (ServerState.admit); `release` (idempotent) gives them back however the request ends. cache_salt:
+    (ServerState.admit); `release` (idempotent) gives them back however the request ends. A whole response's
+    body is built and serialised off the event loop (response_body.whole_response), and `on_body_end` is called
+    once it was sent (the refund of the bytes reserved for it; the caller's when this raises). cache_salt:
     the body's (combined with the tenant's, engine_cache_salt). continuous_usage: every streamed chunk
     carries the usage so far (stream_options.continuous_usage_stats). extras: echo and token ids
     (lora_runner.entrypoints.openai.echo). new_parser: the tool-call parser of each sample (a chat request
@@ -436,12 +453,13 @@ async def run_generation(state: ServerState, request: Request, tenant: Tenant, t
                                          state.config.stream_send_timeout, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", **headers})
     try:
-        body = await _cancel_on_disconnect(request, _collect(runs, fmt))
+        deltas, usage = await _cancel_on_disconnect(request, _collect(runs))
     finally:
         await close_runs(runs)
         release()
         seats.end()
-    return JSONResponse(body, headers=headers)
+    return await whole_response(state.off_loop, partial(fmt.response, deltas, usage), headers,
+                                state.config.stream_send_timeout, on_body_end)
 
 
 def _usage(runs: list[ChoiceRun]) -> Usage:
@@ -449,7 +467,8 @@ def _usage(runs: list[ChoiceRun]) -> Usage:
                  sum(r.num_cached_tokens for r in runs))
 
 
-async def _collect(runs: list[ChoiceRun], fmt: CompletionFormat) -> dict:
+async def _collect(runs: list[ChoiceRun]) -> tuple[list[Delta], Usage]:
+    """Every choice's whole Delta (by index) and the usage, once every run finished."""
     totals = {choice: Delta(choice, logprobs=None) for run in runs for choice in run.choice_indices}
     for delta in (d for run in runs for d in run.advance_first):
         totals[delta.index] = _join(totals[delta.index], delta)
@@ -458,7 +477,7 @@ async def _collect(runs: list[ChoiceRun], fmt: CompletionFormat) -> dict:
             raise api_error_from(item)
         for delta in run.advance(item):
             totals[delta.index] = _join(totals[delta.index], delta)
-    return fmt.response([totals[choice] for choice in sorted(totals)], _usage(runs))
+    return [totals[choice] for choice in sorted(totals)], _usage(runs)
 
 
 def _join(total: Delta, delta: Delta | None) -> Delta:
@@ -477,6 +496,9 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
     def chunk(delta: Delta) -> str:
         return sse(fmt.chunk(delta, include_usage, _usage(runs) if continuous_usage else None))
 
+    async def written(delta: Delta) -> str:  # an echoed or scored prompt's chunk may be MiBs: off the loop
+        return await runs[0].state.off_loop(chunk, delta) if _is_large(delta) else chunk(delta)
+
     rest = merged(runs)
     try:
         for run in runs:
@@ -484,7 +506,7 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
                 for choice in run.choice_indices:
                     yield sse(fmt.opening_chunk(choice, include_usage))
             for delta in run.advance_first:
-                yield chunk(delta)
+                yield await written(delta)
         async for run, item in rest:
             try:
                 if isinstance(item, BaseException):
@@ -494,13 +516,20 @@ async def _events(runs: list[ChoiceRun], fmt: CompletionFormat, include_usage: b
                 yield sse(error_body(err.status, err.message, err.code))
                 continue
             for delta in deltas:
-                yield chunk(delta)
+                yield await written(delta)
         if include_usage:
             yield sse(fmt.usage_chunk(_usage(runs)))
         yield DONE_EVENT
     finally:
         await rest.aclose()
         await cleanup()
+
+
+LARGE_DELTA_TOKENS = 64  # tokens with logprobs (an echoed prompt's) past which a chunk is serialised off the loop
+
+
+def _is_large(delta: Delta) -> bool:
+    return delta.prompt_logprobs is not None or len(delta.logprobs or ()) > LARGE_DELTA_TOKENS
 
 
 async def _cancel_on_disconnect(request: Request, coro):

@@ -66,7 +66,9 @@ class ServerConfig:
     response may carry, counted before it runs (400 over it; None: unbounded): n, prompts, echo and
     prompt_logprobs multiply a response to hundreds of MiB otherwise. max_unsent_bytes: the output, in
     all, that responses whose generation has ended may hold unsent while their seats are given back
-    (a response over what is left keeps its seats until it is sent or its send times out).
+    (a response over what is left keeps its seats until it is sent or its send times out), and that whole
+    responses with logprobs may hold while they are built and sent (reserve_response; a tenant gets
+    max_tenant_share of it).
     """
 
     served_model_name: str
@@ -156,7 +158,8 @@ class ServerState:
         self.sampling_defaults = SamplingDefaults()  # --generation-config's (set by launch.build_state)
         self.draining = False  # set on shutdown: new generations get 503
         self._in_flight = 0
-        self.unsent_bytes = 0  # held by finished responses whose seats were given back (hold_unsent)
+        self.unsent_bytes = 0  # held by finished responses whose seats were given back (hold_unsent), reserved ones
+        self._reserved_per_tenant: Counter[str] = Counter()  # reserve_response's, by tenant
         self._in_flight_per_tenant: Counter[str] = Counter()
         # one tenant's share of the seats; a server with a single tenant gives it every seat
         share = math.floor(config.max_tenant_share * config.max_pending_requests)
@@ -251,6 +254,31 @@ class ServerState:
 
         def refund() -> None:
             self.unsent_bytes -= nbytes
+
+        return _once(refund)
+
+
+    def reserve_response(self, tenant: Tenant, nbytes: int) -> Callable[[], None]:
+        """Charge a whole response's `nbytes` (estimated before it runs) to max_unsent_bytes and to `tenant`'s
+        share of it (max_tenant_share when the keys name several tenants); the (idempotent) refund, for when its
+        body was sent. 429 over the tenant's share, 503 over the total; a tenant holding none (a server holding
+        none) may take one over it, as one response is bounded already (max_logprob_entries)."""
+        limit = self.config.max_unsent_bytes
+        share = math.floor(self.config.max_tenant_share * limit) if self.tenant_seats is not None else limit
+        held = self._reserved_per_tenant[tenant.name]
+        if held and held + nbytes > share:
+            raise APIError(429, f"this key's responses being built hold about {held} bytes; with this one's "
+                           f"{nbytes} that passes its share of {share} (--max-unsent-bytes x --max-tenant-share); "
+                           "retry when they were read", "tenant_share_exceeded")
+        if self.unsent_bytes and self.unsent_bytes + nbytes > limit:
+            raise APIError(503, f"responses being built or unsent hold about {self.unsent_bytes} bytes, and this "
+                           f"one's {nbytes} more pass --max-unsent-bytes ({limit}); retry later", "server_busy")
+        self.unsent_bytes += nbytes
+        self._reserved_per_tenant[tenant.name] += nbytes
+
+        def refund() -> None:
+            self.unsent_bytes -= nbytes
+            self._reserved_per_tenant[tenant.name] -= nbytes
 
         return _once(refund)
 
