@@ -4,8 +4,9 @@ Each family's tiny random checkpoint (tests/test_moe) is served by a tp=1 engine
 engine (the real multiprocess executor: one worker per rank holding its shard of every expert, of
 the shared expert and of each adapter) over one mixed batch: the base model, per-expert LoRA on every
 expert (+ q/v), per-expert LoRA on two experts only, router + shared-expert-gate LoRA, PEFT's
-attention-only LoRA and PEFT's ``target_parameters`` LoRA on the fused experts, over 2 slots (so
-the ranks re-write slots on evictions), chunked prefill and preemption. Greedy tokens are equal and
+attention-only LoRA, a DoRA (attention, and Qwen2-MoE's shared expert) and PEFT's ``target_parameters``
+LoRA on the fused experts, over 2 slots (so the ranks re-write slots on evictions), chunked prefill
+and preemption. Greedy tokens are equal and
 logprobs agree within 1e-5 (fp32). Qwen3-MoE is also read from transformers 5's fused expert layout
 (tp_shards' ranges of ``experts.gate_up_proj`` / ``down_proj``).
 
@@ -34,6 +35,7 @@ from factories import save_lora
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.distributed import TensorParallel
 from lora_runner.model import ModelConfig, load_model
+from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
 from lora_runner.model.forward_context import LoRAContext
 from lora_runner.model.moe import SparseMoeBlock
 from lora_runner.worker.kv_cache import kv_block_bytes
@@ -48,7 +50,7 @@ KV_BLOCKS = 10  # blocks of 4 tokens: too few for 4 requests of ~20 tokens, so t
 
 
 def engine_kwargs(model_dir: str, **overrides) -> dict:
-    """fp32 CPU; chunked prefill (16 tokens a step), preemption (KV_BLOCKS), 2 LoRA slots for 5 LoRAs."""
+    """fp32 CPU; chunked prefill (16 tokens a step), preemption (KV_BLOCKS), 2 LoRA slots for 6 LoRAs."""
     kv = KV_BLOCKS * kv_block_bytes(ModelConfig.from_dir(model_dir), 4, torch.float32)
     return dict(device="cpu", dtype="float32", max_num_seqs=4, max_model_len=40, block_size=4,
                 max_num_batched_tokens=16, max_loras=2, max_lora_rank=8, max_cpu_loras=8,
@@ -62,9 +64,14 @@ def write_adapters(root, hf, spec) -> dict[str, str]:
         assert write_adapter(root / name, spec, targets, r, alpha, seed=30 + i), name
         dirs[name] = str(root / name)
     save_lora(hf, root / "attention-only", seed=31, r=4, target_modules=("q_proj", "o_proj"))
+    # DoRA on attention and Qwen2-MoE's shared expert's down_proj (row-parallel: its column scale on the
+    # partial sums the block reduces once); not on the experts (refused: they apply plain LoRA only)
+    shared = ["shared_expert.down_proj"] if getattr(hf.config, "shared_expert_intermediate_size", None) else []
+    save_lora(hf, root / "dora", seed=33, r=4, lora_alpha=8, scale=0.15, use_dora=True,
+              target_modules=["q_proj", "o_proj", *shared])
     save_lora(hf, root / "fused", seed=32, r=3, lora_alpha=6, target_modules=["q_proj"],
               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    dirs.update({"attention-only": str(root / "attention-only"), "fused": str(root / "fused")})
+    dirs.update({name: str(root / name) for name in ("attention-only", "dora", "fused")})
     return dirs
 
 
@@ -100,7 +107,7 @@ def test_tp2_equals_tp1_for_a_mixed_batch_of_expert_adapters(family, fused, tmp_
     want, tp1 = serve(model_dir, dirs, 1)
     got, tp2 = serve(model_dir, dirs, 2)
     assert tp2.scheduler.num_preemptions == tp1.scheduler.num_preemptions > 0
-    assert tp2.adapters.manager.stats.lora_evictions > 0  # 5 LoRAs over 2 slots: every rank re-wrote slots
+    assert tp2.adapters.manager.stats.lora_evictions > 0  # 6 LoRAs over 2 slots: every rank re-wrote slots
     assert set(got) == set(want)
     for rid, (tokens, logprobs) in want.items():
         got_tokens, got_logprobs = got[rid]
@@ -123,13 +130,14 @@ class RecordingTP(TensorParallel):
 def block_outputs(model_dir: str, dirs: dict[str, str], tp: TensorParallel, hidden: torch.Tensor,
                   token_slots: torch.Tensor) -> list[torch.Tensor]:
     """Each MoE block's output over ``hidden`` [T, H] at ``tp``'s share, the adapters' shards in slots
-    0.. in ``dirs`` order, token i on slot token_slots[i] (-1: base)."""
+    0.. in ``dirs`` order (read whole, DoRA's scales from the checkpoint's W, then sharded), token i on
+    slot token_slots[i] (-1: base)."""
     model, config, _ = load_model(model_dir, tp=tp)
-    spec = config.spec()
+    spec, base_weight = config.spec(), checkpoint_base_weights(model_dir, config, torch.float32)  # DoRA's W
     slots = LoRASlots(shard_spec(spec, tp.rank, tp.world_size), len(dirs), 8)
     for slot, (name, path) in enumerate(dirs.items()):
-        slots.write(slot, shard_lora_weights(load_lora(name, path, spec, max_lora_rank=8), spec, tp.rank,
-                                             tp.world_size))
+        weights = load_lora(name, path, spec, max_lora_rank=8, base_weight=base_weight)
+        slots.write(slot, shard_lora_weights(weights, spec, tp.rank, tp.world_size))
     meta = punica_kernels.LoRAMeta(hidden.shape[0], len(dirs), "cpu")
     punica_kernels.load_table(meta, token_slots)
     ctx = SimpleNamespace(lora=LoRAContext(meta, slots))  # the block reads only the step's LoRA
@@ -142,11 +150,13 @@ def test_ranks_partial_sums_add_up_to_the_block_with_one_reduce(family, tmp_path
     model_dir = str(tmp_path / "model")
     dirs = write_adapters(tmp_path, hf, ModelConfig.from_dir(model_dir).spec())
     gen = torch.Generator().manual_seed(5)
-    hidden = torch.randn(12, hf.config.hidden_size, generator=gen)  # [T, H]
-    token_slots = torch.tensor([-1, 0, 1, 2, 3, 4, 0, -1, 4, 1, 2, 3])  # [T]: every adapter and the base
+    hidden = torch.randn(14, hf.config.hidden_size, generator=gen)  # [T, H]
+    token_slots = torch.tensor([-1, 0, 1, 2, 3, 4, 5, -1, 4, 5, 1, 2, 0, 3])  # [T]: every adapter and the base
     want = block_outputs(model_dir, dirs, TensorParallel(), hidden, token_slots)
     no_lora = block_outputs(model_dir, dirs, TensorParallel(), hidden, torch.full_like(token_slots, -1))
-    moving = (token_slots == 0) | (token_slots == 2) | (token_slots == 4)  # every expert, the router, fused
+    moving = (token_slots == 0) | (token_slots == 2) | (token_slots == 5)  # every expert, the router, fused
+    if family == "qwen2_moe":  # and the DoRA on the shared expert's down_proj
+        moving |= token_slots == 4
     assert all((w - b)[moving].abs().amax(dim=-1).min() > 1e-3 for w, b in zip(want, no_lora))  # LoRA shows
     ranks = [RecordingTP(rank, 2) for rank in range(2)]
     partial = [block_outputs(model_dir, dirs, tp, hidden, token_slots) for tp in ranks]

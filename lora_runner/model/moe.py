@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adapters.spec import LoRAModule
 from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model.forward_context import ForwardContext, LoRAContext
-from adapters.spec import LoRAModule
 from lora_runner.model.lora_linear import LoRALinear, moe_lora_modules
 from punica_kernels import invariant
 
