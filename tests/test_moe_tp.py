@@ -5,8 +5,8 @@ engine (the real multiprocess executor: one worker per rank holding its shard of
 the shared expert and of each adapter) over one mixed batch: the base model, per-expert LoRA on every
 expert (+ q/v), per-expert LoRA on two experts only, router + shared-expert-gate LoRA, PEFT's
 attention-only LoRA, a DoRA (attention, and Qwen2-MoE's shared expert) and PEFT's ``target_parameters``
-LoRA on the fused experts, over 2 slots (so the ranks re-write slots on evictions), chunked prefill
-and preemption. Greedy tokens are equal and
+LoRA on the fused experts, a soft prompt alone and beside the every-expert LoRA, over 2 slots (so the
+ranks re-write slots on evictions), chunked prefill and preemption. Greedy tokens are equal and
 logprobs agree within 1e-5 (fp32). Qwen3-MoE is also read from transformers 5's fused expert layout
 (tp_shards' ranges of ``experts.gate_up_proj`` / ``down_proj``).
 
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import punica_kernels
-from adapters import LoRARequest, LoRASlots
+from adapters import LoRARequest, LoRASlots, PromptAdapterRequest
 from adapters.lora import load_lora
 from adapters.sharding import shard_lora_weights, shard_spec
 from engine_support import run_to_completion
-from factories import save_lora
+from factories import save_lora, save_prompt_adapter
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.distributed import TensorParallel
 from lora_runner.model import ModelConfig, load_model
@@ -53,8 +53,8 @@ def engine_kwargs(model_dir: str, **overrides) -> dict:
     """fp32 CPU; chunked prefill (16 tokens a step), preemption (KV_BLOCKS), 2 LoRA slots for 6 LoRAs."""
     kv = KV_BLOCKS * kv_block_bytes(ModelConfig.from_dir(model_dir), 4, torch.float32)
     return dict(device="cpu", dtype="float32", max_num_seqs=4, max_model_len=40, block_size=4,
-                max_num_batched_tokens=16, max_loras=2, max_lora_rank=8, max_cpu_loras=8,
-                kv_cache_memory_bytes=kv, **overrides)
+                max_num_batched_tokens=16, max_loras=2, max_lora_rank=8, max_cpu_loras=8, max_prompt_adapters=1,
+                max_prompt_adapter_tokens=4, kv_cache_memory_bytes=kv, **overrides)
 
 
 def write_adapters(root, hf, spec) -> dict[str, str]:
@@ -75,22 +75,26 @@ def write_adapters(root, hf, spec) -> dict[str, str]:
     return dirs
 
 
-def mixed_requests(dirs: dict[str, str]) -> list[tuple]:
-    """The base model and each adapter, on prompts of 5..30 tokens."""
+def mixed_requests(dirs: dict[str, str], soft: str) -> list[tuple]:
+    """The base model and each adapter, on prompts of 5..30 tokens; the soft prompt alone and with the
+    every-expert LoRA."""
     rng = random.Random(3)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    names = [None, *dirs, "all-experts"]
+    names = [None, *dirs, "all-experts", None, "all-experts"]
+    soft_from = len(names) - 2
     return [(f"m{i}", [rng.randrange(3, 250) for _ in range(rng.randint(5, 30))], greedy,
-             None if name is None else LoRARequest(name, dirs[name])) for i, name in enumerate(names)]
+             None if name is None else LoRARequest(name, dirs[name]),
+             PromptAdapterRequest("soft", soft) if i >= soft_from else None) for i, name in enumerate(names)]
 
 
-def serve(model_dir: str, dirs: dict[str, str], tensor_parallel_size: int) -> tuple[dict, LLMEngine]:
+def serve(model_dir: str, dirs: dict[str, str], soft: str, tensor_parallel_size: int) -> tuple[dict, LLMEngine]:
     """{request id: (tokens, logprobs)} of the mixed batch on a fresh engine (closed), and the engine."""
     engine = LLMEngine(model_dir, **engine_kwargs(model_dir, tensor_parallel_size=tensor_parallel_size))
     try:
         for name, path in dirs.items():  # loaded before the run: no background-load timing in the schedule
             engine.add_lora(LoRARequest(name, path))
-        done = run_to_completion(engine, mixed_requests(dirs), per_step=3)
+        engine.add_prompt_adapter(PromptAdapterRequest("soft", soft))
+        done = run_to_completion(engine, mixed_requests(dirs, soft), per_step=3)
     finally:
         engine.close()
     return {rid: (out.outputs[0].token_ids, out.outputs[0].logprobs) for rid, out in done.items()}, engine
@@ -104,8 +108,9 @@ def test_tp2_equals_tp1_for_a_mixed_batch_of_expert_adapters(family, fused, tmp_
     hf = save_moe(tmp_path / "model", family, seed=41, fused=fused)
     model_dir = str(tmp_path / "model")
     dirs = write_adapters(tmp_path, hf, ModelConfig.from_dir(model_dir).spec())
-    want, tp1 = serve(model_dir, dirs, 1)
-    got, tp2 = serve(model_dir, dirs, 2)
+    save_prompt_adapter(hf, tmp_path / "soft", num_virtual_tokens=4, seed=7)
+    want, tp1 = serve(model_dir, dirs, str(tmp_path / "soft"), 1)
+    got, tp2 = serve(model_dir, dirs, str(tmp_path / "soft"), 2)
     assert tp2.scheduler.num_preemptions == tp1.scheduler.num_preemptions > 0
     assert tp2.adapters.manager.stats.lora_evictions > 0  # 6 LoRAs over 2 slots: every rank re-wrote slots
     assert set(got) == set(want)
