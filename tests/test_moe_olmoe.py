@@ -177,8 +177,14 @@ def test_expert_lora_matches_merged_weights_and_peft(tmp_path):
             assert_close(got, expected[s][start:end], f"tokens {start}..{end}, {seq_adapter[s] or 'base'}", atol=1e-4)
 
 
-def test_tensor_parallel_olmoe_is_refused_naming_the_norms(tmp_path):
+def test_tensor_parallel_olmoe_is_refused_naming_the_norms(tmp_path, monkeypatch):
+    """By the engine before any rank starts, and by a rank's attention layer."""
+    from lora_runner.executor import multiproc
+
     save_olmoe(tmp_path / "model", "renormalised")
     _, config, _ = load_model(str(tmp_path / "model"))
     with pytest.raises(ValueError, match="q and k over every head together.*tensor_parallel_size=1"):
         Attention(config, 0, torch.float32, "cpu", TensorParallel(rank=0, world_size=2))
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", lambda *a, **k: pytest.fail("a rank started"))
+    with pytest.raises(ValueError, match="q and k over every head together"):
+        LLMEngine(str(tmp_path / "model"), dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=1 << 20)

@@ -41,6 +41,7 @@ from lora_runner.executor.worker_spec import WorkerSpec
 from lora_runner.model import ModelConfig, load_model
 from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
 from lora_runner.model.layers import lora_base_weights
+from lora_runner.model.llama import check_attention_split
 from lora_runner.model.loader import resolve_model_dir
 from lora_runner.worker.cuda_graphs import cuda_graphs_available
 from lora_runner.worker.kv_cache import kv_block_bytes
@@ -153,6 +154,7 @@ def _start_workers(cfg: EngineConfig, threads: int, on_load_done) -> StartedExec
     model_dir = resolve_model_dir(cfg.model, revision=cfg.revision, local_files_only=cfg.local_files_only)
     model_config = ModelConfig.from_dir(model_dir, name_or_path=cfg.model, quantization=cfg.quantization)
     check_splits(model_config.spec(), cfg.tensor_parallel_size)  # ValueError before any process starts
+    check_attention_split(model_config, cfg.tensor_parallel_size)
     limits = worker_limits(cfg, model_config)
     executor = _rank_executor(cfg.executor_backend)(worker_spec(cfg, model_config, limits, threads),
                                                     cfg.tensor_parallel_size)

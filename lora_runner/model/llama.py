@@ -46,6 +46,15 @@ def make_norm(config: ModelConfig, size: int, dtype: torch.dtype, device) -> RMS
     return RMSNorm(size, config.rms_norm_eps, dtype, device, unit_offset=config.norm_unit_offset)
 
 
+def check_attention_split(config: ModelConfig, world_size: int) -> None:
+    """ValueError when this family's attention cannot be split over ``world_size`` ranks: OLMoE's q / k
+    norms span every head (the engine checks before any rank starts; each rank's layers again)."""
+    if config.qk_norm_whole and world_size > 1:
+        raise ValueError(f"{config.architecture} normalises q and k over every head together (q_norm / k_norm "
+                         "over the whole projection), which is not split over tensor-parallel ranks: serve it "
+                         "with tensor_parallel_size=1")
+
+
 class Attention(nn.Module):
     """Self-attention of one layer: packed qkv, RoPE, paged KV write + attention, o projection.
 
@@ -60,10 +69,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.num_heads, kv_rows = self.qkv.slice_sizes[0] // self.head_dim, self.qkv.slice_sizes[1]
         self.num_kv_heads = kv_rows // self.head_dim
-        if config.qk_norm_whole and tp.is_parallel:
-            raise ValueError(f"{config.architecture} normalises q and k over every head together (q_norm / k_norm "
-                             "over the whole projection), which is not split over tensor-parallel ranks: serve it "
-                             "with tensor_parallel_size=1")
+        check_attention_split(config, tp.world_size)
         if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE; OLMoE: over the whole projection
             whole = config.qk_norm_whole
             self.q_norm = make_norm(config, self.qkv.slice_sizes[0] if whole else self.head_dim, dtype, device)
