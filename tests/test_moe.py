@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 
 from factories import save_tiny_tokenizer
 from lora_runner import LLMEngine, SamplingParams
-from lora_runner.distributed import TensorParallel
 from lora_runner.model import load_model
 from lora_runner.model.lora_linear import collect_spec
 from lora_runner.model.moe import SparseMoeBlock
@@ -154,14 +153,15 @@ def test_engine_greedy_equals_transformers(name, tmp_path, greedy_oracle):
             assert abs(got[tokens[step]] - want) <= 1e-4, (request_id, step)
 
 
-def test_tensor_parallel_and_quantized_moe_are_refused():
+def test_quantized_moe_and_an_uneven_expert_split_are_refused():
+    """(tp=2 == tp=1: tests/test_moe_tp.py)"""
     from lora_runner.model.config import ModelConfig
 
     raw = build_moe("mixtral").config.to_dict() | {"architectures": ["MixtralForCausalLM"]}
     with pytest.raises(ValueError, match="quantized mixture-of-experts"):
         ModelConfig.from_dict(raw, quantization="fp8")
-    with pytest.raises(ValueError, match="tensor parallelism is not supported for mixture-of-experts"):
-        SparseMoeBlock(ModelConfig.from_dict(raw), 0, torch.float32, "cpu", TensorParallel(rank=0, world_size=2))
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(48\) is not divisible by tensor_parallel_size \(5\)"):
+        ModelConfig.from_dict(raw).spec().module(0, "experts.3.down").check_split(5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

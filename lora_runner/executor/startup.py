@@ -10,7 +10,11 @@
   reads DoRA's base weights from the checkpoint (no rank holds a whole row).
 
 Either way the adapter manager's weights are validated once here, and the runtime sizes (EngineLimits) are
-decided here from the model and the device. The engine sets the end ids afterwards (the executor's setter).
+decided here from the model and the device. The LoRA slots' bytes are logged (a mixture of experts' slot
+holds every expert's LoRA: 1.67 GiB for Qwen3-30B-A3B at rank 16 in bf16) and left out of the KV cache:
+in this process they are checked against the free device memory before they are allocated, then
+measured (the memory profile's resident bytes; on CPU the RAM left); for worker ranks on CPU they are
+taken off the RAM available before the ranks allocate them. The engine sets the end ids afterwards (the executor's setter).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from adapters.manager import AdapterManager
 from adapters.sharding import check_splits
+from adapters.slot_memory import lora_slot_bytes
 from lora_runner.config import EngineConfig
 from lora_runner.device import available_host_memory
 from lora_runner.distributed import TensorParallel
@@ -36,6 +41,7 @@ from lora_runner.executor.worker_spec import WorkerSpec
 from lora_runner.model import ModelConfig, load_model
 from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
 from lora_runner.model.layers import lora_base_weights
+from lora_runner.model.llama import check_attention_split
 from lora_runner.model.loader import resolve_model_dir
 from lora_runner.worker.cuda_graphs import cuda_graphs_available
 from lora_runner.worker.kv_cache import kv_block_bytes
@@ -99,6 +105,8 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
     model, model_config, model_dir = load_model(
         cfg.model, revision=cfg.revision, dtype=dtype, device=device, local_files_only=cfg.local_files_only,
         quantization=cfg.quantization)
+    # checked before they are allocated; once they are, the memory profile (CUDA) or the RAM left (CPU) counts them
+    lora_slot_memory(cfg, model_config, torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
     manager = _make_manager(cfg, model_config, device, lora_base_weights(model), on_load_done)
     runner_of = partial(_runner_of_manager, cfg, model, model_config, manager, device)
     use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
@@ -146,12 +154,8 @@ def _start_workers(cfg: EngineConfig, threads: int, on_load_done) -> StartedExec
     model_dir = resolve_model_dir(cfg.model, revision=cfg.revision, local_files_only=cfg.local_files_only)
     model_config = ModelConfig.from_dir(model_dir, name_or_path=cfg.model, quantization=cfg.quantization)
     check_splits(model_config.spec(), cfg.tensor_parallel_size)  # ValueError before any process starts
-    # a block on one rank (its KV heads); the host's memory holds every rank's blocks, a GPU one rank's
-    rank_block = kv_block_bytes(model_config, 1, dtype, TensorParallel(0, cfg.tensor_parallel_size))
-    limits = engine_limits(cfg, model_config.max_position_embeddings,
-                           rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), None,
-                           cfg.kv_cache_memory_bytes if device.type == "cuda" else None,
-                           available_host_memory() if device.type == "cpu" else None)
+    check_attention_split(model_config, cfg.tensor_parallel_size)
+    limits = worker_limits(cfg, model_config)
     executor = _rank_executor(cfg.executor_backend)(worker_spec(cfg, model_config, limits, threads),
                                                     cfg.tensor_parallel_size)
     # DoRA's norms need whole rows of W, which no rank holds: read from the checkpoint (dequantized)
@@ -159,6 +163,39 @@ def _start_workers(cfg: EngineConfig, threads: int, on_load_done) -> StartedExec
                             checkpoint_base_weights(model_dir, model_config, dtype), on_load_done,
                             make_slots=executor.slot_proxy)
     return StartedExecutor(executor, manager, model_config, model_dir, limits)
+
+
+def worker_limits(cfg: EngineConfig, model_config: ModelConfig) -> EngineLimits:
+    """The runtime sizes of an engine whose ranks are worker processes, decided before they start: on
+    CPU the host's RAM holds every rank's KV blocks and LoRA slots (the latter not allocated yet, so
+    taken off the RAM available now); on CUDA kv_cache_memory_bytes is per rank."""
+    device, dtype = cfg.torch_device(), cfg.torch_dtype()
+    # a block on one rank (its KV heads); the host's memory holds every rank's blocks, a GPU one rank's
+    rank_block = kv_block_bytes(model_config, 1, dtype, TensorParallel(0, cfg.tensor_parallel_size))
+    slots = lora_slot_memory(cfg, model_config)
+    return engine_limits(cfg, model_config.max_position_embeddings,
+                         rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), None,
+                         cfg.kv_cache_memory_bytes if device.type == "cuda" else None,
+                         max(available_host_memory() - slots, 0) if device.type == "cpu" else None)
+
+
+def lora_slot_memory(cfg: EngineConfig, model_config: ModelConfig, free_bytes: int | None = None) -> int:
+    """Bytes the ``max_loras`` LoRA slots of every rank take together, logged per slot (a mixture of
+    experts' slot holds every expert's LoRA: adapters.slot_memory). ValueError naming them when that is
+    more than ``free_bytes`` (the device memory free after the weights; None: not checked)."""
+    if cfg.max_loras == 0:
+        return 0
+    ranks, dtype = cfg.tensor_parallel_size, cfg.torch_dtype()
+    per_rank = [lora_slot_bytes(model_config.spec(), cfg.max_lora_rank, dtype, rank, ranks) for rank in range(ranks)]
+    total = cfg.max_loras * sum(b.per_slot for b in per_rank)
+    where = f" on each of {ranks} ranks" if ranks > 1 else ""
+    logger.info("LoRA slots at max_lora_rank=%d in %s%s: %s", cfg.max_lora_rank, dtype, where,
+                per_rank[0].describe(cfg.max_loras))
+    if free_bytes is not None and total > free_bytes:
+        raise ValueError(f"max_loras={cfg.max_loras} LoRA slots at max_lora_rank={cfg.max_lora_rank} take "
+                         f"{per_rank[0].describe(cfg.max_loras)}, more than the {free_bytes / 2**30:.2f} GiB free "
+                         "after the weights: lower max_loras or max_lora_rank")
+    return total
 
 
 def _rank_executor(backend: str) -> type:

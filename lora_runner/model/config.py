@@ -64,7 +64,7 @@ class RopeConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes and options of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3; Mixtral,
-    Qwen3-MoE and Qwen2-MoE: sparse-MoE MLPs)."""
+    Qwen3-MoE, Qwen2-MoE and OLMoE: sparse-MoE MLPs)."""
 
     architecture: str
     vocab_size: int
@@ -84,6 +84,8 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()  # per layer: attend to the last w tokens; None = full
     hidden_act: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head before RoPE
+    qk_norm_whole: bool = False  # OLMoE (with qk_norm): the q and k norms span the whole projection, every head
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the norms
     norm_unit_offset: bool = False  # Gemma: RMSNorm weights are applied as (1 + w)
     sandwich_norms: bool = False  # Gemma 2: norms after attention and around the MLP too
     embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype
@@ -96,7 +98,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     name_or_path: str | None = None
     quantization: QuantConfig | None = None  # quantized decoder linears (config.json or quantization="fp8")
-    # Sparse mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE; lora_runner/model/moe.py); num_experts 0: dense
+    # Sparse mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE; lora_runner/model/moe.py); 0: dense
     num_experts: int = 0  # routed experts of each sparse layer
     num_experts_per_tok: int = 0  # top-k
     moe_intermediate_size: int | None = None  # each expert's intermediate rows
@@ -125,7 +127,8 @@ class ModelConfig:
             raise ValueError(f"sliding windows must be positive, got {self.sliding_windows}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(HIDDEN_ACTS)}")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "embedding_scale"):
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "embedding_scale",
+                     "clip_qkv"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")

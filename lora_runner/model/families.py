@@ -20,6 +20,10 @@ architecture's config keys onto those options and refuses what is not implemente
   layers (``mlp_only_layers``, ``decoder_sparse_step``) keep the dense MLP of ``intermediate_size``.
 * Qwen2-MoE: Qwen2's attention (q/k/v bias: ``qkv_bias``), Qwen3-MoE's routing, plus a shared expert of
   ``shared_expert_intermediate_size`` every token takes, scaled by sigmoid(``shared_expert_gate``(x)).
+* OLMoE: Qwen3-MoE's routing (top-k renormalised with ``norm_topk_prob``, default off; routing weights
+  in the model dtype) over ``num_experts`` experts of ``intermediate_size`` rows in every layer, no
+  shared expert; its q and k RMSNorms span the whole projection (all heads: ``qk_norm_whole``, so
+  not split over tensor-parallel ranks), and ``clip_qkv`` clamps q, k and v after them.
 * Phi-3: fused ``qkv_proj`` / ``gate_up_proj`` in checkpoints and adapters, a sliding window on every
   layer, and LongRoPE ("longrope"; old configs say "su" or "yarn" for it).
 """
@@ -33,6 +37,7 @@ MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES.values())
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; GeGLU with the tanh approximation of GELU
@@ -110,6 +115,17 @@ def _gemma2(raw: dict[str, Any]) -> dict[str, Any]:
         sliding_windows=_windowed_layers(raw, raw["num_hidden_layers"], lambda i: i % 2 == 0))
 
 
+def _olmoe(raw: dict[str, Any]) -> dict[str, Any]:
+    if raw.get("sliding_window") is not None:
+        raise ValueError("sliding_window is not supported for OLMoE (transformers' OLMoE masks every layer fully)")
+    bias = bool(raw.get("attention_bias", False))
+    return dict(hidden_act=_silu_only(raw), qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_whole=True,
+                clip_qkv=raw.get("clip_qkv"), num_experts=_num_experts(raw),
+                num_experts_per_tok=raw.get("num_experts_per_tok", 8), moe_intermediate_size=raw["intermediate_size"],
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_layers=tuple(range(raw["num_hidden_layers"])),
+                moe_naming="qwen_moe")
+
+
 def _phi3(raw: dict[str, Any]) -> dict[str, Any]:
     window = raw.get("sliding_window")
     return dict(hidden_act=_silu_only(raw), fused_projections=True,
@@ -157,6 +173,7 @@ _FAMILIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3, "Gemma2ForCausalLM": _gemma2, "Phi3ForCausalLM": _phi3,
     "MixtralForCausalLM": _mixtral, "Qwen3MoeForCausalLM": _qwen3_moe, "Qwen2MoeForCausalLM": _qwen2_moe,
+    "OlmoeForCausalLM": _olmoe,
 }
 assert set(_FAMILIES) == set(SUPPORTED_ARCHITECTURES)
 

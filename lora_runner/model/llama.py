@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3; Mixtral, Qwen3-MoE and Qwen2-MoE
-with the sparse-MoE block of lora_runner.model.moe) over a flat batch and a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3; Mixtral, Qwen3-MoE, Qwen2-MoE and
+OLMoE with the sparse-MoE block of lora_runner.model.moe) over a flat batch and a paged KV cache.
 
 Projections sharing an input are packed (q,k,v -> "qkv"; gate,up -> "gate_up") so each layer makes
 four LoRA-aware matmuls, each built from the LoRA module it declares (lora_runner.model.lora_linear:
@@ -46,6 +46,15 @@ def make_norm(config: ModelConfig, size: int, dtype: torch.dtype, device) -> RMS
     return RMSNorm(size, config.rms_norm_eps, dtype, device, unit_offset=config.norm_unit_offset)
 
 
+def check_attention_split(config: ModelConfig, world_size: int) -> None:
+    """ValueError when this family's attention cannot be split over ``world_size`` ranks: OLMoE's q / k
+    norms span every head (the engine checks before any rank starts; each rank's layers again)."""
+    if config.qk_norm_whole and world_size > 1:
+        raise ValueError(f"{config.architecture} normalises q and k over every head together (q_norm / k_norm "
+                         "over the whole projection), which is not split over tensor-parallel ranks: serve it "
+                         "with tensor_parallel_size=1")
+
+
 class Attention(nn.Module):
     """Self-attention of one layer: packed qkv, RoPE, paged KV write + attention, o projection.
 
@@ -60,10 +69,12 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.num_heads, kv_rows = self.qkv.slice_sizes[0] // self.head_dim, self.qkv.slice_sizes[1]
         self.num_kv_heads = kv_rows // self.head_dim
-        if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            self.q_norm = make_norm(config, self.head_dim, dtype, device)
-            self.k_norm = make_norm(config, self.head_dim, dtype, device)
-        self.qk_norm = config.qk_norm
+        check_attention_split(config, tp.world_size)
+        if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE; OLMoE: over the whole projection
+            whole = config.qk_norm_whole
+            self.q_norm = make_norm(config, self.qkv.slice_sizes[0] if whole else self.head_dim, dtype, device)
+            self.k_norm = make_norm(config, self.qkv.slice_sizes[1] if whole else self.head_dim, dtype, device)
+        self.qk_norm, self.qk_norm_whole, self.clip_qkv = config.qk_norm, config.qk_norm_whole, config.clip_qkv
         self.layer = layer
         self.scale = config.attn_scale
         self.softcap = config.attn_logit_softcap
@@ -72,9 +83,13 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv(hidden, ctx.lora).split(self.qkv.slice_sizes, dim=-1)  # [T, H*D], [T, Hkv*D] x2
+        if self.qk_norm_whole:  # OLMoE: one norm over all heads of q, one over k
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q = RotaryEmbedding.apply(q, cos, sin)  # [T, H, D]
         k = RotaryEmbedding.apply(k, cos, sin)  # [T, Hkv, D]

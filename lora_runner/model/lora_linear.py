@@ -46,15 +46,20 @@ class LoRALinear(nn.Module):
 
     Row-parallel over several ranks: this rank holds the input columns of its shard, so base and
     LoRA (A's columns split, B whole) give partial sums, DoRA's column scale applied to each (exact:
-    it is linear per output column); ONE ``all_reduce`` sums them and the bias is added once, after it.
+    it is linear per output column); ONE ``all_reduce`` sums them and the bias is added once, after it
+    (``reduce=False``: the partial sum is returned; its owner reduces, as the MoE block does once
+    for all its experts).
     """
 
     def __init__(self, lora_module: LoRAModule, bias: bool, dtype: torch.dtype, device,
-                 method: LinearMethod = UNQUANTIZED, tp: TensorParallel = SINGLE):
+                 method: LinearMethod = UNQUANTIZED, tp: TensorParallel = SINGLE, reduce: bool = True):
         super().__init__()
         self.lora_module = lora_module  # the whole model's descriptor (ModelSpec.modules)
         local = lora_module.shard(tp.rank, tp.world_size)
-        self.reduce = tp if lora_module.parallel == ROW and tp.is_parallel else None
+        # reduce=False: a row-parallel linear whose owner sums partial outputs of several linears in one
+        # all-reduce (the MoE block's experts); it then returns this rank's partial sum, with no bias
+        assert reduce or not bias, "a row-parallel linear left unreduced cannot add its bias once"
+        self.reduce = tp if lora_module.parallel == ROW and tp.is_parallel and reduce else None
         self.method = method  # holds and multiplies by the base weight (lora_runner.model.quant.linear)
         self.in_features, self.out_features = local.in_features, local.out_features
         self.dtype, self.device = dtype, torch.device(device)
@@ -156,21 +161,24 @@ def moe_lora_modules(config, layer: int) -> tuple[LoRAModule, ...]:
     "shared_expert.down", "shared_expert_gate"; PEFT /
     checkpoint paths as Hub checkpoints name them per expert (Mixtral ``block_sparse_moe.experts.<e>.w1``
     (gate) / ``w3`` (up) / ``w2`` (down) and ``block_sparse_moe.gate``; Qwen3-MoE ``mlp.experts.<e>.
-    gate_proj`` / ``up_proj`` / ``down_proj`` and ``mlp.gate``). Not split over ranks (the block refuses
-    tensor parallelism); the experts apply plain LoRA only (``dora=False``). Each expert module is also
+    gate_proj`` / ``up_proj`` / ``down_proj`` and ``mlp.gate``). Over tensor-parallel ranks each expert
+    splits as a dense MLP (gate_up column-parallel, down row-parallel, by ``moe_intermediate_size`` rows;
+    the shared expert likewise by its own size), the router and the shared expert's gate are
+    replicated; the experts apply plain LoRA only (``dora=False``). Each expert module is also
     entry e of transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj``, which PEFT's
     ``target_parameters`` adapters target (``stacked``, adapters.stacked)."""
     parent, gate, up, down = _MOE_NAMES[config.moe_naming]
     prefix, hidden, rows = f"model.layers.{layer}.{parent}", config.hidden_size, config.moe_intermediate_size
     modules = [LoRAModule(layer, "router", hidden, (config.num_experts,), ((f"{prefix}.gate", (0,)),))]
     stacked, count = f"model.layers.{layer}.mlp.experts", config.num_experts  # transformers 5's fused parameters
+    split = Split(rows, 1, "moe_intermediate_size")  # each expert split as a dense MLP: intermediate rows
     for e in range(count):
         expert = f"{prefix}.experts.{e}"
         modules.append(LoRAModule(layer, f"experts.{e}.gate_up", hidden, (rows, rows),
-                                  ((f"{expert}.{gate}", (0,)), (f"{expert}.{up}", (1,))), dora=False,
-                                  stacked=(f"{stacked}.gate_up_proj", e, count)))
-        modules.append(LoRAModule(layer, f"experts.{e}.down", rows, (hidden,), ((f"{expert}.{down}", (0,)),),
-                                  dora=False, stacked=(f"{stacked}.down_proj", e, count)))
+                                  ((f"{expert}.{gate}", (0,)), (f"{expert}.{up}", (1,))), COLUMN,
+                                  out_splits=(split, split), dora=False, stacked=(f"{stacked}.gate_up_proj", e, count)))
+        modules.append(LoRAModule(layer, f"experts.{e}.down", rows, (hidden,), ((f"{expert}.{down}", (0,)),), ROW,
+                                  in_split=split, dora=False, stacked=(f"{stacked}.down_proj", e, count)))
     if getattr(config, "shared_expert_intermediate_size", None):  # Qwen2-MoE: a dense expert every token takes
         modules.extend(mlp_lora_modules(config, layer, "mlp.shared_expert", config.shared_expert_intermediate_size,
                                         "shared_expert."))

@@ -17,6 +17,12 @@ LoRA delta runs over the tokens routed to it (:func:`add_expert_lora`) before th
 or the routing weight (down), as PEFT's per-expert modules do. Checkpoints in transformers 5's fused
 layout (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) are read through
 :func:`split_fused_experts`.
+
+Tensor parallelism (adapters.sharding): each expert splits over the ranks along its intermediate rows
+as a dense MLP does (gate_up column-parallel, down row-parallel), the shared expert too; the router
+and the shared expert's gate are replicated, so every rank routes every token alike. The experts'
+partial outputs are summed over the ranks by one all-reduce after the block; their LoRA follows
+the split (B of gate_up by rows, A of down by columns), so it adds no collective.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adapters.spec import LoRAModule
 from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model import moe_fused
 from lora_runner.model.forward_context import ForwardContext, LoRAContext
@@ -68,20 +75,19 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config, layer: int, dtype: torch.dtype, device, tp: TensorParallel = SINGLE):
         super().__init__()
-        if tp.is_parallel:
-            raise ValueError(f"tensor parallelism is not supported for mixture-of-experts models "
-                             f"({config.architecture}); serve it with tensor_parallel_size=1")
         router, *projections = moe_lora_modules(config, layer)
         projections, shared = projections[:2 * config.num_experts], projections[2 * config.num_experts:]
-        self.router = LoRALinear(router, False, dtype, device)
-        self.experts = nn.ModuleList(
-            Expert(LoRALinear(gate_up, False, dtype, device), LoRALinear(down, False, dtype, device))
-            for gate_up, down in zip(projections[0::2], projections[1::2]))
+        self.router = LoRALinear(router, False, dtype, device)  # replicated: every rank routes alike
+        self.experts = nn.ModuleList(_expert(gate_up, down, dtype, device, tp)
+                                     for gate_up, down in zip(projections[0::2], projections[1::2]))
         self.shared_expert = self.shared_expert_gate = None
         if shared:  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             gate_up, down, gate = shared
-            self.shared_expert = Expert(LoRALinear(gate_up, False, dtype, device), LoRALinear(down, False, dtype, device))
-            self.shared_expert_gate = LoRALinear(gate, False, dtype, device)
+            self.shared_expert = _expert(gate_up, down, dtype, device, tp)
+            self.shared_expert_gate = LoRALinear(gate, False, dtype, device)  # replicated: a per-token scalar
+        # over several ranks every expert's down (and the shared one's) gives a partial sum; the weighted
+        # sum of them is linear in each, so ONE all-reduce after the block sums them all (none for LoRA)
+        self.reduce = tp if tp.is_parallel else None
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.weights_in_float = config.router_weights_in_float
 
@@ -103,6 +109,8 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:  # every token, its LoRA as any linear's
             shared = self.shared_expert.forward_all(hidden, ctx.lora)  # [T, H]
             out = out + torch.sigmoid(self.shared_expert_gate(hidden, ctx.lora)) * shared
+        if self.reduce is not None:
+            self.reduce.all_reduce(out)  # [T, H]: the sum of every rank's partial expert outputs
         return out
 
     def routed_experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -118,6 +126,13 @@ class SparseMoeBlock(nn.Module):
             y = self.experts[expert](hidden[token_idx], None if slots is None else slots[token_idx], lora)
             out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
         return out
+
+
+def _expert(gate_up: LoRAModule, down: LoRAModule, dtype: torch.dtype, device, tp: TensorParallel) -> Expert:
+    """An expert at ``tp``'s share: gate_up column-parallel, down row-parallel and left unreduced (the
+    block reduces once for all its experts)."""
+    return Expert(LoRALinear(gate_up, False, dtype, device, tp=tp), LoRALinear(down, False, dtype, device, tp=tp,
+                                                                               reduce=False))
 
 
 def add_expert_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora: LoRAContext,
@@ -145,26 +160,37 @@ def add_expert_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor,
     return y
 
 
+def match_fused_experts(name: str, config) -> tuple[int, str] | None:
+    """(layer, "experts.gate_up_proj" | "experts.down_proj" | "gate.weight") of a checkpoint tensor in
+    transformers 5's fused expert layout of an MoE layer, else None."""
+    match = _FUSED_KEY.fullmatch(name)
+    if match is None or int(match.group(1)) not in config.moe_layers:
+        return None
+    return int(match.group(1)), match.group(2)
+
+
 def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]], config) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors with transformers 5's fused expert tensors of each MoE layer (``experts.gate_up_proj``
     [E, 2I, H]: gate rows then up rows; ``experts.down_proj`` [E, H, I]; the router as ``mlp.gate``) renamed
     and split into the per-expert tensors the layers declare (moe_lora_modules); other tensors pass through."""
     for name, tensor in weights:
-        match = _FUSED_KEY.fullmatch(name)
-        if match is None or int(match.group(1)) not in config.moe_layers:
+        match = match_fused_experts(name, config)
+        if match is None:
             yield name, tensor
             continue
-        router, *projections = moe_lora_modules(config, int(match.group(1)))
+        layer, what = match
+        router, *projections = moe_lora_modules(config, layer)
         projections = projections[:2 * config.num_experts]  # the routed experts' (not the shared expert's)
-        if match.group(2) == "gate.weight":
+        if what == "gate.weight":
             yield f"{router.peft_modules[0][0]}.weight", tensor
             continue
-        fused_gate_up = match.group(2) == "experts.gate_up_proj"
+        fused_gate_up = what == "experts.gate_up_proj"
         modules = projections[0::2] if fused_gate_up else projections[1::2]
         if tensor.shape[0] != len(modules):
             raise ValueError(f"checkpoint tensor {name!r} holds {tensor.shape[0]} experts, config.json says "
                              f"{len(modules)}")
         for module, expert_weight in zip(modules, tensor):
-            rows = expert_weight.split(module.slice_sizes) if fused_gate_up else (expert_weight,)
+            # gate and up are equally wide: halves of the whole rows, or of a rank's share of each (tp_shards)
+            rows = expert_weight.chunk(len(module.slice_sizes)) if fused_gate_up else (expert_weight,)
             for (path, _), part in zip(module.peft_modules, rows):
                 yield f"{path}.weight", part

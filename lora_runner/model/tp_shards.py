@@ -6,7 +6,9 @@ reads one or more row ranges (column-parallel weights and biases: its heads of q
 intermediate rows of gate / up; vocabulary rows of embed_tokens and lm_head) or one column range
 (row-parallel o / down weights), through ``safe_open(...).get_slice``, so a large model is never
 whole in one process. Row-parallel biases, norms and per-tensor scales are read whole (they are
-small and replicated). A Phi-3 fused ``qkv_proj`` is three row ranges read and concatenated.
+small and replicated). A Phi-3 fused ``qkv_proj`` is three row ranges read and concatenated; a
+mixture of experts' fused ``experts.gate_up_proj`` [E, 2I, H] two row ranges along dim 1 (every
+expert's gate, then up rows), its ``experts.down_proj`` [E, H, I] one column range along dim 2.
 
 4-bit checkpoints (GPTQ, AWQ, compressed-tensors) are read in their own layouts: each format names,
 per tensor, its N and K dimensions and how many rows / columns one element covers (8 for a packed
@@ -27,6 +29,7 @@ from adapters.sharding import vocab_share
 from adapters.spec import COLUMN, ROW, LoRAModule
 from lora_runner.distributed import TensorParallel
 from lora_runner.model.lora_linear import LoRALinear, decoder_lora_modules
+from lora_runner.model.moe import match_fused_experts
 from lora_runner.model.quant.int4_layout import PACK
 
 Range = tuple[int, int]
@@ -52,6 +55,8 @@ def checkpoint_shard(model, name: str, shape: tuple[int, ...]) -> TensorShard | 
     tp, config = model.tp, model.config
     if not tp.is_parallel:
         return None
+    if config.num_experts and (fused := match_fused_experts(name, config)) is not None:
+        return _fused_experts_shard(model, *fused)
     target = model._map_name(name)
     if target is None:
         return None
@@ -74,6 +79,19 @@ def checkpoint_shard(model, name: str, shape: tuple[int, ...]) -> TensorShard | 
     if len(shape) == 0 or (kind != "weight" and shape[0] == 1):  # a per-tensor scale
         return None
     return TensorShard(0, _slice_ranges(module, index, tp))  # fused (Phi-3): every slice's rows in order
+
+
+def _fused_experts_shard(model, layer: int, what: str) -> TensorShard | None:
+    """This rank's part of a transformers 5 fused expert tensor (lora_runner.model.moe): of
+    ``experts.gate_up_proj`` [E, 2I, H] its gate rows and its up rows (dim 1), of ``experts.down_proj``
+    [E, H, I] its intermediate columns (dim 2); the router (``gate.weight``) whole. Every expert
+    splits alike, so expert 0's descriptor gives the ranges."""
+    if what == "gate.weight":
+        return None
+    expert = model.layers[layer].mlp.experts[0]
+    if what == "experts.gate_up_proj":
+        return TensorShard(1, _slice_ranges(expert.gate_up.lora_module, None, model.tp))
+    return TensorShard(2, (expert.down.lora_module.input_columns(model.tp.rank, model.tp.world_size),))
 
 
 def _slice_ranges(module: LoRAModule, index: int | None, tp: TensorParallel) -> tuple[Range, ...]:

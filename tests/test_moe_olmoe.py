@@ -1,0 +1,190 @@
+"""OLMoE (``OlmoeForCausalLM``) against transformers, base and with expert LoRA (fp32 CPU).
+
+OLMoE is Qwen3-MoE-like (top-k routing, renormalised only with ``norm_topk_prob``, the routing
+weights in the model dtype, no shared expert) but its q and k RMSNorms span the whole projection
+(every head together) and ``clip_qkv`` clamps q, k and v after them. Tiny random checkpoints
+written by transformers (save_pretrained's per-expert layout, and the fused in-memory tensors);
+logits within 1e-5 of transformers' over a prefill and decodes; an engine's greedy tokens equal
+transformers'; a per-expert adapter against the merged-weights oracle and PEFT's target_parameters
+adapter against PEFT's forward, in one batch with the base; per-head norms, no clamp or
+renormalising where the config does not are caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import punica_kernels
+from adapters.lora import load_lora
+from adapters.slots import LoRASlots
+from factories import save_lora, save_tiny_tokenizer
+from lora_runner import LLMEngine, SamplingParams
+from lora_runner.distributed import TensorParallel
+from lora_runner.model import load_model
+from lora_runner.model.forward_context import LoRAContext
+from lora_runner.model.llama import Attention
+from lora_runner.model.moe import SparseMoeBlock
+from test_model_harness import PagedDriver, assert_close, hf_logits
+from test_moe import SIZES
+from test_moe_lora import merged_model, write_adapter
+
+ATOL = 1e-5
+VARIANTS = {  # clip_qkv low enough that q, k or v values are clamped
+    "clip-raw-topk": dict(num_hidden_layers=2, intermediate_size=40, num_experts=6, num_experts_per_tok=2,
+                          clip_qkv=0.6, norm_topk_prob=False),
+    "renormalised": dict(num_hidden_layers=2, intermediate_size=48, num_experts=4, num_experts_per_tok=3,
+                         norm_topk_prob=True),
+}
+
+
+def save_olmoe(path, variant: str, seed: int = 0, fused: bool = False):
+    """A random transformers OLMoE (fp32, eval; norms randomized) saved in the per-expert or fused layout."""
+    import transformers
+
+    config = transformers.OlmoeConfig(**SIZES, **VARIANTS[variant])
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers sets norms to 1 and the router to 0, where a dropped one would hide
+        for name, param in hf.named_parameters():
+            if "norm" in name or name.endswith("gate.weight"):
+                param.add_(torch.randn(param.shape) * 0.3)
+    hf.save_pretrained(str(path))
+    if fused:
+        (path / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(path / "model.safetensors"))
+    save_tiny_tokenizer(path, hf.config.vocab_size)
+    return hf
+
+
+@pytest.fixture(scope="module", params=[(v, fused) for v in sorted(VARIANTS) for fused in (False, True)],
+                ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'per-expert'}")
+def olmoe(request, tmp_path_factory):
+    variant, fused = request.param
+    path = tmp_path_factory.mktemp(variant)
+    hf = save_olmoe(path, variant, seed=len(variant), fused=fused)
+    model, config, _ = load_model(str(path))
+    return hf, model, config, path
+
+
+def test_checkpoint_layout_is_the_one_asked_for(olmoe):
+    """Guards the layout parametrization: save_pretrained writes per-expert tensors, the fused files not."""
+    from safetensors import safe_open
+
+    *_, path = olmoe
+    with safe_open(f"{path}/model.safetensors", "pt") as handle:
+        keys = list(handle.keys())
+    assert any(k.endswith("experts.gate_up_proj") for k in keys) != any(".experts.0." in k for k in keys)
+
+
+def test_config_reads_olmoe(olmoe):
+    hf, model, config, path = olmoe
+    assert (config.architecture, config.qk_norm, config.qk_norm_whole) == ("OlmoeForCausalLM", True, True)
+    assert config.moe_layers == tuple(range(config.num_layers)) and config.shared_expert_intermediate_size is None
+    assert (config.num_experts, config.moe_intermediate_size) == (hf.config.num_experts, hf.config.intermediate_size)
+    assert config.norm_topk_prob == hf.config.norm_topk_prob and config.clip_qkv == hf.config.clip_qkv
+    assert not config.router_weights_in_float
+    attention = model.layers[0].self_attn
+    assert attention.q_norm.weight.shape == (config.num_heads * config.head_dim,)
+    assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
+
+
+def test_prefill_and_decodes_match_transformers(olmoe):
+    hf, model, config, _ = olmoe
+    gen = torch.Generator().manual_seed(1)
+    full = {s: torch.randint(3, 256, (n,), generator=gen) for s, n in enumerate((11, 7, 9))}
+    expected = {s: hf_logits(hf, tokens) for s, tokens in full.items()}
+    driver = PagedDriver(model, config, block_size=4, seed=2)
+    for start, end in ((0, 5), (5, 6), (6, 7)):
+        chunks = [(s, full[s][start:end]) for s in full]
+        for (s, _), got in zip(chunks, driver.step(chunks)):
+            assert_close(got, expected[s][start:end], f"seq {s} tokens {start}..{end}", atol=ATOL)
+
+
+def test_olmoe_details_matter(olmoe, monkeypatch):
+    """Guards the comparison: per-head q/k norms, no clamp, or the other renormalisation move the logits."""
+    hf, model, config, _ = olmoe
+    tokens = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(3))
+    expected = hf_logits(hf, tokens)
+    attentions = [layer.self_attn for layer in model.layers]
+    blocks = [layer.mlp for layer in model.layers]
+
+    def per_head_norms():  # the norm weights reused per head (Qwen3's way): its first head_dim entries
+        for attention in attentions:
+            monkeypatch.setattr(attention, "qk_norm_whole", False)
+            for norm in (attention.q_norm, attention.k_norm):
+                monkeypatch.setattr(norm, "weight", torch.nn.Parameter(norm.weight[:config.head_dim].clone()))
+
+    breaks = {"per-head norms": per_head_norms,
+              "renormalize": lambda: [monkeypatch.setattr(b, "renormalize", not b.renormalize) for b in blocks]}
+    if config.clip_qkv is not None:
+        breaks["no clamp"] = lambda: [monkeypatch.setattr(a, "clip_qkv", None) for a in attentions]
+    for name, apply in breaks.items():
+        apply()
+        (got,) = PagedDriver(model, config).step([(0, tokens)])
+        assert (got - expected).abs().max() > 1e-3, name
+        monkeypatch.undo()
+
+
+def test_engine_greedy_equals_transformers(tmp_path, greedy_oracle):
+    hf = save_olmoe(tmp_path / "model", "clip-raw-topk", seed=5)
+    engine = LLMEngine(str(tmp_path / "model"), dtype="float32", max_num_seqs=3, max_model_len=40, block_size=4,
+                       max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
+    gen = torch.Generator().manual_seed(6)
+    prompts = {f"r{i}": torch.randint(3, 256, (n,), generator=gen).tolist() for i, n in enumerate((6, 13, 3))}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for request_id, prompt in prompts.items():
+        tokens, logprobs = greedy_oracle(hf, prompt, 5)
+        completion = done[request_id].outputs[0]
+        assert completion.token_ids == tokens, request_id
+        for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
+            assert abs(got[tokens[step]] - want) <= 1e-4, (request_id, step)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's own warnings on target_parameters
+def test_expert_lora_matches_merged_weights_and_peft(tmp_path):
+    """One batch: the base, per-expert LoRA on every expert + q/v and the router (merged-weights oracle),
+    PEFT's target_parameters LoRA on the fused experts (PEFT's forward)."""
+    hf = save_olmoe(tmp_path / "model", "clip-raw-topk", seed=24)
+    model, config, _ = load_model(str(tmp_path / "model"))
+    spec = config.spec()
+    factors = write_adapter(tmp_path / "per-expert", spec, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj",
+                                                            "gate"], 4, 8, seed=2)
+    assert any(".experts.3.down_proj" in path for path in factors) and any(p.endswith("mlp.gate") for p in factors)
+    oracles = {"per-expert": merged_model(hf, factors, 2.0),
+               "fused": save_lora(hf, tmp_path / "fused", seed=1, r=3, lora_alpha=6, target_modules=["k_proj"],
+                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])}
+    slots, slot_of = LoRASlots(spec, 2, 8), {"fused": 1, "per-expert": 0}
+    slots.write(1, load_lora("fused", str(tmp_path / "fused"), spec, max_lora_rank=8))
+    slots.write(0, load_lora("per-expert", str(tmp_path / "per-expert"), spec, max_lora_rank=8))
+    seq_adapter = dict(enumerate([None, "fused", "per-expert"]))
+    gen = torch.Generator().manual_seed(4)
+    full = {s: torch.randint(3, 256, (8,), generator=gen) for s in seq_adapter}
+    expected = {s: hf_logits(oracles[a] if a else hf, full[s]) for s, a in seq_adapter.items()}
+    for s in (1, 2):  # each adapter moves the logits: a dropped delta would show
+        assert (expected[s] - hf_logits(hf, full[s])).abs().max() > 1e-2, seq_adapter[s]
+    meta, driver = punica_kernels.LoRAMeta(64, 2, "cpu"), PagedDriver(model, config, block_size=4, seed=1)
+    for start, end in ((0, 6), (6, 7), (7, 8)):
+        chunks = [(s, full[s][start:end]) for s in seq_adapter]
+        punica_kernels.load_table(meta, torch.tensor([slot_of.get(seq_adapter[s], -1) for s, t in chunks for _ in t]))
+        for (s, _), got in zip(chunks, driver.step(chunks, lora=LoRAContext(meta, slots))):
+            assert_close(got, expected[s][start:end], f"tokens {start}..{end}, {seq_adapter[s] or 'base'}", atol=1e-4)
+
+
+def test_tensor_parallel_olmoe_is_refused_naming_the_norms(tmp_path, monkeypatch):
+    """By the engine before any rank starts, and by a rank's attention layer."""
+    from lora_runner.executor import multiproc
+
+    save_olmoe(tmp_path / "model", "renormalised")
+    _, config, _ = load_model(str(tmp_path / "model"))
+    with pytest.raises(ValueError, match="q and k over every head together.*tensor_parallel_size=1"):
+        Attention(config, 0, torch.float32, "cpu", TensorParallel(rank=0, world_size=2))
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", lambda *a, **k: pytest.fail("a rank started"))
+    with pytest.raises(ValueError, match="q and k over every head together"):
+        LLMEngine(str(tmp_path / "model"), dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=1 << 20)
