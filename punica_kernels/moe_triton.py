@@ -60,7 +60,7 @@ def _moe_gemm_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < num_columns
         w_rows = expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn  # [BLOCK_N]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, num_features, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < num_features
@@ -121,7 +121,7 @@ def _moe_lora_shrink_kernel(
         i_mask = (slice_of_i < N_SLICES) & (rank_of_i < rank)  # rows beyond the slot's rank are never read
         a_rows = (slot.to(tl.int64) * stride_as + expert.to(tl.int64) * stride_ae
                   + slice_of_i.to(tl.int64) * stride_aj + rank_of_i.to(tl.int64) * stride_ar)  # [BLOCK_NR]
-        acc = tl.zeros((BLOCK_M, BLOCK_NR), dtype=tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_NR), 0.0, tl.float32)
         for k0 in range(0, num_features, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < num_features
@@ -174,7 +174,7 @@ def _moe_lora_expand_kernel(
     if (slot >= 0) & (rank > 0):
         expert = tl.load(block_experts_ptr + block)
         # program_id(1) numbers each slice's column blocks in turn (slices of equal width)
-        blocks_per_slice = tl.cdiv(slice_width, BLOCK_N)
+        blocks_per_slice = (slice_width + BLOCK_N - 1) // BLOCK_N  # not tl.cdiv: a jit helper the CPU twin cannot call
         slice_id = tl.program_id(1) // blocks_per_slice
         offs_n = (tl.program_id(1) % blocks_per_slice) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < slice_width
@@ -186,7 +186,7 @@ def _moe_lora_expand_kernel(
                         + slice_id * stride_gj)  # fp32
         b_rows = slot.to(tl.int64) * stride_bs + expert.to(tl.int64) * stride_be + columns * stride_bn  # [BLOCK_N]
         offs_r = tl.arange(0, BLOCK_R)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             r_mask = r0 + offs_r < RANK  # a rank under 16 pads the last step
             inter = tl.load(inter_ptr + (pairs * stride_im + slice_id * stride_ij)[:, None]
