@@ -1,0 +1,95 @@
+"""First contact with `lora-runner serve`, round 3: a startup adapter trained on another base is warned
+about once (not by the startup check and again by the load), and the shipped demo adapters name their
+base as the demo serves it (no warning at all)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from factories import edit_adapter_config, save_adapter_copy
+
+from adapters.base_model import model_name, same_base_model
+from lora_runner.entrypoints import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
+
+
+def _serve_until_up(monkeypatch, argv: list[str]) -> None:
+    """cli.main through the model load and uvicorn's startup, then straight to shutdown."""
+    async def no_main_loop(self):
+        return None
+
+    monkeypatch.setattr(cli.AnnouncingServer, "main_loop", no_main_loop)
+    assert cli.main(["serve", *argv, "--device", "cpu", "--port", str(_free_port())]) == 0
+
+
+def test_a_base_mismatch_is_warned_once_per_adapter(monkeypatch, engine_checkpoint, tmp_path, caplog):
+    model, _, adapters = engine_checkpoint
+    lora = save_adapter_copy(adapters["r4"][0], tmp_path / "elsewhere")
+    edit_adapter_config(lora, base_model_name_or_path="org/another-base")
+    with caplog.at_level(logging.WARNING):
+        _serve_until_up(monkeypatch, [model, "--lora-modules", f"other-base={lora}", f"again={lora}"])
+    warned = [r.getMessage() for r in caplog.records if "org/another-base" in r.getMessage()]
+    assert len(warned) == 2 and "'other-base'" in warned[0] and "'again'" in warned[1], warned  # one per adapter
+
+
+def test_the_same_model_by_name_is_no_mismatch():
+    demo_folder = "/home/me/.cache/lora-runner/demo/models/SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f"
+    assert same_base_model("HuggingFaceTB/SmolLM2-135M-Instruct", demo_folder)
+    assert same_base_model("/root/.cache/x/SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f/", demo_folder)
+    assert same_base_model("HuggingFaceTB/SmolLM2-135M-Instruct", "/models/SmolLM2-135M-Instruct.Q4_K_M.gguf")
+    assert not same_base_model("org/another-base", "org/our-base")
+    assert not same_base_model("HuggingFaceTB/SmolLM2-360M-Instruct", demo_folder)
+    assert model_name("/") == "" and not same_base_model("/", "/other/")
+
+
+def test_the_shipped_demo_adapters_record_the_model_the_demo_serves():
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import smollm2
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    served = os.path.join("/any/cache/models", f"{Path(smollm2.GGUF_NAME).stem}-{smollm2.GGUF_SHA256[:16]}")
+    configs = sorted((REPO / "examples" / "demo_adapters").glob("*/*/*/adapter_config.json"))
+    assert len(configs) == 5
+    for path in configs:
+        config = json.loads(path.read_text())
+        recorded = config["base_model_name_or_path"]
+        assert recorded == smollm2.BASE_HUB_ID and same_base_model(recorded, served), path
+        assert not os.path.isabs(config.get("tokenizer_name_or_path") or ""), path  # no trainer's path shipped
+
+
+@pytest.mark.parametrize("kind", ["lora", "prompt"])
+def test_loading_again_does_not_warn_again(engine_checkpoint, tmp_path, caplog, kind):
+    from factories import model_spec, save_prompt_adapter
+
+    from adapters.lora import load_lora
+    from adapters.prompt import load_prompt_adapter
+
+    _, hf, adapters = engine_checkpoint
+    spec = type(model_spec(hf))(**{**model_spec(hf).__dict__, "model_name": "org/our-base"})
+    path = tmp_path / kind
+    if kind == "lora":
+        save_adapter_copy(adapters["r4"][0], path)
+    else:
+        save_prompt_adapter(hf, path)
+    edit_adapter_config(path, base_model_name_or_path="org/their-base")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):  # the startup check, the load, a reload after eviction
+            if kind == "lora":
+                load_lora(f"reloaded-{kind}", str(path), spec, max_lora_rank=8)
+            else:
+                load_prompt_adapter(f"reloaded-{kind}", str(path), spec, max_prompt_adapter_tokens=8)
+    assert len([r for r in caplog.records if "org/their-base" in r.getMessage()]) == 1
