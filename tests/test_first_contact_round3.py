@@ -93,3 +93,34 @@ def test_loading_again_does_not_warn_again(engine_checkpoint, tmp_path, caplog, 
             else:
                 load_prompt_adapter(f"reloaded-{kind}", str(path), spec, max_prompt_adapter_tokens=8)
     assert len([r for r in caplog.records if "org/their-base" in r.getMessage()]) == 1
+
+
+def test_serving_the_demos_gguf_does_not_convert_it_again(monkeypatch, engine_checkpoint, tmp_path):
+    """The demo converts its .gguf into its own cache, beside the file; `serve FILE.gguf` (twice) then uses
+    that conversion instead of converting again into the default cache."""
+    import shutil
+
+    from lora_runner.model import gguf
+
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import smollm2
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    conversions = []
+
+    def convert(path, out_dir):  # stand-in for the dequantization: the tiny model as its result
+        conversions.append(path)
+        shutil.copytree(engine_checkpoint[0], out_dir, dirs_exist_ok=True)
+
+    monkeypatch.setattr(gguf, "convert_gguf", convert)
+    monkeypatch.setenv("LORA_RUNNER_CACHE", str(tmp_path / "default-cache"))
+    demo_root = tmp_path / "demo"
+    (demo_root / "models").mkdir(parents=True)
+    gguf_file = demo_root / "models" / smollm2.GGUF_NAME
+    gguf_file.write_bytes(b"the demo's weights")  # fetch_gguf finds it there and fetches nothing
+    converted = smollm2.real_model_dir(demo_root)
+    assert conversions == [gguf_file] and converted.parent == demo_root / "models"
+    for _ in range(2):
+        _serve_until_up(monkeypatch, [str(gguf_file)])
+    assert conversions == [gguf_file] and not (tmp_path / "default-cache").exists()
