@@ -124,3 +124,60 @@ def test_serving_the_demos_gguf_does_not_convert_it_again(monkeypatch, engine_ch
     for _ in range(2):
         _serve_until_up(monkeypatch, [str(gguf_file)])
     assert conversions == [gguf_file] and not (tmp_path / "default-cache").exists()
+
+
+def _model_with_generation_config(source: str, path: Path, **values) -> str:
+    import shutil
+
+    shutil.copytree(source, path)
+    file = path / "generation_config.json"
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    file.write_text(json.dumps({**config, **values}))
+    return str(path)
+
+
+def test_llm_takes_generation_config_defaults_as_vllm_does(engine_checkpoint, tmp_path):
+    from lora_runner import LLM, SamplingParams
+    from lora_runner.entrypoints.openai.generation_defaults import sampling_defaults
+
+    model = _model_with_generation_config(engine_checkpoint[0], tmp_path / "model", temperature=0.0, top_k=5,
+                                          max_new_tokens=3, repetition_penalty=1.3)
+    prompt = [1, 5, 9, 14]
+    auto = LLM(model, device="cpu")  # vLLM's default: generation_config="auto"
+    try:
+        defaults = auto.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k, defaults.max_tokens, defaults.repetition_penalty) == (
+            0.0, 5, 3, 1.3)
+        assert defaults == sampling_defaults("auto", model).sampling_params()  # the server's reader, the same values
+        got = auto.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids
+        explicit = SamplingParams(temperature=0.0, top_k=5, max_tokens=3, repetition_penalty=1.3)
+        assert list(got) == list(auto.generate(prompt, explicit, use_tqdm=False)[0].outputs[0].token_ids)
+        assert len(got) == 3
+        # a call's own params win whole, as in vLLM: SamplingParams() is max_tokens=16, not 3
+        own = auto.generate(prompt, SamplingParams(ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+        assert len(own) == 16
+    finally:
+        auto.close()
+    plain = LLM(model, device="cpu", generation_config="vllm")
+    try:
+        assert plain.get_default_sampling_params() == SamplingParams()
+    finally:
+        plain.close()
+
+
+def test_llm_generation_config_folder_and_bad_values(engine_checkpoint, tmp_path):
+    from lora_runner import LLM
+
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"top_p": 0.5, "max_new_tokens": 2}))
+    llm = LLM(engine_checkpoint[0], device="cpu", generation_config=str(folder))
+    try:
+        params = llm.get_default_sampling_params()
+        assert (params.top_p, params.max_tokens) == (0.5, 2)
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="no generation_config.json in that folder"):
+        LLM(engine_checkpoint[0], device="cpu", generation_config=str(tmp_path))
+    with pytest.raises(ValueError, match="generation_config must be 'auto', 'vllm' or a folder"):
+        LLM(engine_checkpoint[0], device="cpu", generation_config=3)
