@@ -181,3 +181,51 @@ def test_llm_generation_config_folder_and_bad_values(engine_checkpoint, tmp_path
         LLM(engine_checkpoint[0], device="cpu", generation_config=str(tmp_path))
     with pytest.raises(ValueError, match="generation_config must be 'auto', 'vllm' or a folder"):
         LLM(engine_checkpoint[0], device="cpu", generation_config=3)
+
+
+_PARSE_ONLY = """
+import sys
+from lora_runner.serve import console_main, main
+try:
+    {call}
+except SystemExit as exit:
+    print("exit", exit.code)
+print("loaded:", sorted(m for m in ("torch", "fastapi", "uvicorn", "transformers", "adapters") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("call", ["main(['--help'])", "console_main(['serve', '--help'])",
+                                  "console_main(['serve', 'model', '--lora-modules', 'no-equals-sign'])",
+                                  "main(['model', '--port', 'eighty'])"])
+def test_help_and_option_errors_answer_without_loading_the_server(call):
+    """`serve --help` took seconds importing torch and the server to print text: the command line is parsed
+    before any of them loads (the before/after seconds are in the commit message)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _PARSE_ONLY.format(call=call)], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.stdout.splitlines()[-1] == "loaded: []", done.stdout + done.stderr
+    assert ("exit 0" if "--help" in call else "exit 2") in done.stdout
+    if "--help" in call:
+        assert "--tool-call-parser" in done.stdout and "--max-num-seqs" in done.stdout
+    else:
+        assert done.stderr.count("\n") == 1 and "error:" in done.stderr, done.stderr
+
+
+def test_the_command_lines_server_defaults_are_the_servers():
+    import dataclasses
+
+    from lora_runner.entrypoints.openai.connections import ConnectionLimits
+    from lora_runner.entrypoints.openai.state import ServerConfig
+    from lora_runner.entrypoints.serve_args import SERVER_DEFAULTS
+
+    declared = {f.name: f.default for cls in (ServerConfig, ConnectionLimits) for f in dataclasses.fields(cls)}
+    assert {name: declared[name] for name in SERVER_DEFAULTS} == SERVER_DEFAULTS
+
+
+def test_python_m_serve_help_in_a_subprocess():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "lora_runner.serve", "--help"], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert done.returncode == 0 and "usage: python -m lora_runner.serve" in done.stdout
