@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 
+from adapters.base_model import warn_if_other_base
 from adapters.dora import BaseWeight, dora_column_scale
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.patterns import PeftTargets
@@ -171,10 +172,7 @@ def _check_config(name: str, config: dict, spec: ModelSpec) -> None:
         if not _is_finite_number(value) or value <= 0:
             raise InvalidAdapterError(f"adapter {name!r}: {field} must be a positive number (and finite), "
                                       f"got {value!r}")
-    base = config.get("base_model_name_or_path")
-    if base and spec.model_name and base != spec.model_name:
-        logger.warning("adapter %r was trained on base model %r, but the served model is %r", name, base,
-                       spec.model_name)
+    warn_if_other_base("adapter", name, config.get("base_model_name_or_path"), spec.model_name)
 
 
 def _targeted_ranks(name: str, config: dict, spec: ModelSpec, max_lora_rank: int) -> dict[str, tuple[int, float]]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.base_model import warn_if_other_base
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.spec import ModelSpec
 from adapters.files import AdapterDir
@@ -70,10 +71,7 @@ def _check_config(name: str, config: dict, spec: ModelSpec, max_tokens: int) -> 
     if token_dim is not None and token_dim != spec.hidden_size:
         raise InvalidAdapterError(f"adapter {name!r}: token_dim={token_dim} does not match the base model's "
                                   f"hidden size {spec.hidden_size} (adapter trained on a different model?)")
-    base = config.get("base_model_name_or_path")
-    if base and spec.model_name and base != spec.model_name:
-        logger.warning("prompt adapter %r was trained on base model %r, but the served model is %r", name, base,
-                       spec.model_name)
+    warn_if_other_base("prompt adapter", name, config.get("base_model_name_or_path"), spec.model_name)
     return num_tokens
 
 

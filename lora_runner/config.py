@@ -6,13 +6,13 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from lora_runner.core.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_PREFILL_WEIGHT, POLICIES, check_weight
-from lora_runner.device import resolve_device, resolve_dtype
-from lora_runner.model.quant.config import ONLINE_METHODS as QUANTIZATION_OPTIONS
 from lora_runner.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:  # torch (and the model package) load when a config is built, not with `serve --help`
+    import torch
 
 # a grammar (structured_outputs) still compiling after this long fails its request; bounded so that a hostile
 # constraint cannot hold a request (and its tenant's seat) for long, nor be failed before a real schema compiles
@@ -165,6 +165,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         for name in ("fairness_prefill_weight", "fairness_decode_weight"):
             check_weight(name, getattr(self, name))
+        from lora_runner.model.quant.config import ONLINE_METHODS as QUANTIZATION_OPTIONS
+
         if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_OPTIONS}, got {self.quantization!r} "
                              "(a checkpoint already quantized with compressed-tensors, GPTQ or AWQ is detected from "
@@ -218,6 +220,10 @@ class EngineConfig:
 
     def torch_device(self) -> torch.device:
         """The device "auto" resolves to (cuda when available, else cpu)."""
+        import torch
+
+        from lora_runner.device import resolve_device
+
         device = resolve_device(self.device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]', got {self.device!r}")
@@ -227,6 +233,8 @@ class EngineConfig:
 
     def torch_dtype(self) -> torch.dtype:
         """The dtype "auto" resolves to: bfloat16 on CUDA, float32 on CPU."""
+        from lora_runner.device import resolve_dtype
+
         return resolve_dtype(self.dtype, self.torch_device())
 
     @property
@@ -252,6 +260,8 @@ class EngineConfig:
 
     def check_parallel(self) -> None:
         """ValueError when tensor_parallel_size cannot run on the chosen device (CUDA: one GPU per rank)."""
+        import torch
+
         device, size = self.torch_device(), self.tensor_parallel_size
         if size > 1 and device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, "

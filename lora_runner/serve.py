@@ -1,7 +1,8 @@
 """``python -m lora_runner.serve MODEL [options]``: the same server as ``lora-runner serve``.
 
-Both entry points import the server only when run, so that without the ``serve`` extra they say in
-one line what to install instead of a traceback.
+Both entry points parse the command line first (lora_runner.entrypoints.serve_args: no torch, no
+server), so ``--help`` and a bad option answer at once; the server is imported only to run, and
+without the ``serve`` extra they say in one line what to install instead of a traceback.
 """
 
 from __future__ import annotations
@@ -17,23 +18,27 @@ MISSING_EXTRA = "lora-runner serve needs the serve extra ({}): pip install -e \"
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the `serve` options and run the server."""
-    try:
-        from lora_runner.entrypoints.cli import add_serve_arguments, run
-    except ModuleNotFoundError as exc:
-        return _missing_extra(exc)
-    parser = argparse.ArgumentParser(prog="python -m lora_runner.serve",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_serve_arguments(parser)
-    return run(parser.parse_args(argv), parser)
+    from lora_runner.entrypoints.serve_args import serve_parser
+
+    parser = serve_parser()
+    return _run(parser.parse_args(argv), parser)
 
 
 def console_main(argv: list[str] | None = None) -> int:
-    """The ``lora-runner`` console script (lora_runner.entrypoints.cli.main once the extra is installed)."""
+    """The ``lora-runner`` console script: ``lora-runner serve MODEL [options]``."""
+    from lora_runner.entrypoints.serve_args import command_parser
+
+    parser = command_parser()
+    return _run(parser.parse_args(argv), parser)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The server, imported only now: --help and option errors have answered without it (and its extra)."""
     try:
-        from lora_runner.entrypoints.cli import main as cli_main
+        from lora_runner.entrypoints.cli import run
     except ModuleNotFoundError as exc:
         return _missing_extra(exc)
-    return cli_main(argv)
+    return run(args, parser)
 
 
 def _missing_extra(exc: ModuleNotFoundError) -> int:

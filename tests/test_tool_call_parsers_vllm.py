@@ -95,5 +95,6 @@ def test_a_pythonic_server_returns_the_calls(pythonic_server, stream):
 
 
 def test_an_unknown_parser_is_refused_naming_the_available_ones():
-    with pytest.raises(ValueError, match="--tool-call-parser mistral .*hermes, llama3_json, pythonic"):
-        ServerConfig("base", tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="--tool-call-parser kimi_k2 .*hermes, llama3_json, pythonic, mistral, "
+                       "qwen3_xml, qwen3_coder"):
+        ServerConfig("base", tool_call_parser="kimi_k2")

@@ -32,7 +32,7 @@ def _refused(capsys, argv: list[str]) -> str:
     (["--trust-remote-code"], "--trust-remote-code"),
     (["--tokenizer", "/elsewhere/tokenizer"], "--tokenizer"),
     (["--lora-dtype", "bfloat16"], "--lora-dtype"),
-    (["--tool-call-parser", "mistral"], "--tool-call-parser mistral"),
+    (["--tool-call-parser", "kimi_k2"], "--tool-call-parser kimi_k2"),
     (["--generation-config", "/no/such/folder"], "--generation-config"),
     (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
 ])

@@ -53,7 +53,7 @@ def test_vllm_keywords_build_the_engine_our_keywords_build(llm, engine_checkpoin
     ("trust_remote_code", True), ("tokenizer", "org/another-tokenizer"), ("enable_chunked_prefill", False),
     ("pipeline_parallel_size", 2), ("kv_cache_dtype", "fp8"), ("lora_extra_vocab_size", 256),
     ("long_lora_scaling_factors", (4.0,)), ("download_dir", "/tmp/x"),
-    ("cpu_offload_gb", 4), ("skip_tokenizer_init", True), ("generation_config", "auto"), ("lora_dtype", "float16"),
+    ("cpu_offload_gb", 4), ("skip_tokenizer_init", True), ("tokenizer_revision", "v2"), ("lora_dtype", "float16"),
 ])
 def test_a_vllm_option_this_engine_lacks_is_one_value_error_naming_it(engine_checkpoint, name, value):
     path, _, _ = engine_checkpoint

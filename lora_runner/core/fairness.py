@@ -18,8 +18,10 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from lora_runner.core.request import Request
+if TYPE_CHECKING:  # annotations only: the config (and `serve --help`) read this module without torch
+    from lora_runner.core.request import Request
 
 POLICIES = ("fair", "fcfs")
 DEFAULT_PREFILL_WEIGHT = 1.0

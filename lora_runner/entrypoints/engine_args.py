@@ -31,6 +31,13 @@ DERIVED_DEFAULTS = {
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
+class _TorchTypes:
+    """Stands for torch in EngineConfig's type hints (``str | torch.dtype``): an option reads such a field
+    as its str, so building the command line (``serve --help`` included) need not import torch."""
+
+    dtype = device = type("TorchType", (), {})
+
+
 def option_name(field_name: str) -> str:
     """The option of an EngineConfig field: ``max_num_seqs`` -> ``--max-num-seqs``."""
     return "--" + field_name.replace("_", "-")
@@ -42,7 +49,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
     Raises ValueError for a field without ``metadata["help"]`` and TypeError for a field type
     the command line cannot express: a new field must say what it is before it ships."""
-    hints = typing.get_type_hints(EngineConfig)
+    hints = typing.get_type_hints(EngineConfig, localns={"torch": _TorchTypes})
     for field in dataclasses.fields(EngineConfig):
         text = field.metadata.get("help")
         if not text:

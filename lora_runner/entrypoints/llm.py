@@ -14,6 +14,7 @@ from lora_runner.engine.adapter_api import AdapterAPI
 from lora_runner.engine.adapters import EngineAdapters
 from lora_runner.engine.chat import as_conversations, chat_token_ids, encoding_token_ids, tensor_token_ids
 from lora_runner.engine.llm_engine import LLMEngine
+from lora_runner.entrypoints.openai.generation_defaults import sampling_defaults
 from lora_runner.entrypoints.vllm_compat import VLLM_PROMPT_KEYS, engine_kwargs, prompt_from_dict
 from lora_runner.outputs import RequestOutput
 from lora_runner.sampling_params import SamplingParams
@@ -31,7 +32,10 @@ class LLM(AdapterAPI):
     vLLM's keywords are read too (lora_runner.entrypoints.vllm_compat.VLLM_OPTIONS): ``enable_lora=True`` and other
     settings that ask for what this engine always does are accepted, ``max_prompt_adapter_token`` is
     max_prompt_adapter_tokens, and a feature this engine lacks (``trust_remote_code=True``, say) or an
-    unknown keyword is a ValueError naming it.
+    unknown keyword is a ValueError naming it. ``generation_config`` is vLLM's: "auto" (the default) takes
+    the model's generation_config.json sampling values (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_new_tokens as max_tokens) as the params of a call that passes none, "vllm" (or
+    None) ignores them, a folder reads its own file: as ``serve --generation-config``.
 
     ``generate(prompts, sampling_params, lora_request, prompt_adapter_request)`` returns one
     RequestOutput per prompt, in input order; ``chat(messages, ...)`` does the same for chat
@@ -40,9 +44,22 @@ class LLM(AdapterAPI):
     list_prompt_adapters.
     """
 
-    def __init__(self, model: str, **kwargs) -> None:
+    def __init__(self, model: str, generation_config: str | None = "auto", **kwargs) -> None:
+        # vLLM's default "auto": the model's generation_config.json sampling values, as `serve` takes them;
+        # another setting is checked before the model loads
+        defaults = None if generation_config == "auto" else sampling_defaults(generation_config or "vllm", "")
         self.engine = LLMEngine(model, **engine_kwargs(model, kwargs)) if kwargs else LLMEngine(model)
         self._ids = count()
+        try:
+            self._sampling_defaults = defaults or sampling_defaults("auto", str(self.engine.model_dir))
+        except (ValueError, OSError):  # a generation_config.json that is no JSON object
+            self.engine.close()
+            raise
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a call that passes none (vLLM's): SamplingParams' defaults, with the
+        model's generation_config.json values over them unless ``generation_config="vllm"`` (or None)."""
+        return self._sampling_defaults.sampling_params()
 
     def get_tokenizer(self):
         """The model's transformers tokenizer (None when the model directory has none), as vLLM's."""
@@ -72,7 +89,7 @@ class LLM(AdapterAPI):
         slots. Whatever it raises, none of its requests is left in the engine.
         """
         prompt_list, prompt_salts = _as_prompt_list(prompts)
-        params = _aligned(sampling_params if sampling_params is not None else SamplingParams(),
+        params = _aligned(sampling_params if sampling_params is not None else self.get_default_sampling_params(),
                           SamplingParams, len(prompt_list), "sampling_params")
         loras = _aligned(lora_request, LoRARequest, len(prompt_list), "lora_request")
         soft_prompts = _aligned(prompt_adapter_request, PromptAdapterRequest, len(prompt_list),

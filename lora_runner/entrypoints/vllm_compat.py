@@ -115,8 +115,6 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
                                      "CUDA graphs)"),
     "logits_processors": VllmOption(_none_or(), "custom logits processors are not supported; SamplingParams has "
                                     "allowed_token_ids, bad_words and structured_outputs"),
-    "generation_config": VllmOption(_none_or("vllm"), "sampling defaults are SamplingParams' own; "
-                                    "generation_config.json supplies only the EOS ids"),
     "guided_decoding_backend": VllmOption(_none_or("auto", "xgrammar"), "structured outputs are compiled by "
                                           "xgrammar"),
     "structured_outputs_config": VllmOption(_none_or(), "structured outputs are compiled by xgrammar "

@@ -6,7 +6,7 @@ Honoured: ``--chat-template`` (a file, or the template itself), ``--trust-reques
 ``--generation-config`` (auto / vllm / a folder: requests' sampling defaults), ``--enable-log-requests``
 (and the older ``--disable-log-requests``, a no-op: requests are not logged by default),
 ``--enable-auto-tool-choice`` (tool_choice "auto" is always served) and ``--tool-call-parser`` hermes,
-llama3_json or pythonic (ServerConfig refuses the others), ``--tokenizer`` naming the model itself, ``--lora-dtype auto``.
+llama3_json, pythonic, mistral, qwen3_xml or qwen3_coder (ServerConfig refuses the others), ``--tokenizer`` naming the model itself, ``--lora-dtype auto``.
 Refused: ``--trust-remote-code``, another tokenizer, another LoRA dtype.
 """
 
@@ -39,7 +39,8 @@ def add_vllm_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--enable-auto-tool-choice", action="store_true",
         help="accepted for vLLM compatibility: tool_choice \"auto\" is always served (see --tool-call-parser)")
     add("--tool-call-parser", default="hermes", metavar="NAME",
-        help="how tool_choice \"auto\" reads calls: hermes (<tool_call> markup), llama3_json or pythonic")
+        help="how tool_choice \"auto\" reads calls: hermes (<tool_call> markup), llama3_json, pythonic, "
+             "mistral ([TOOL_CALLS]), qwen3_xml or qwen3_coder (<function=...> markup)")
     add("--tokenizer", default=None, metavar="PATH", help="accepted when it names the model itself")
     add("--trust-remote-code", action="store_true", help="refused: models with custom code are not run")
     add("--lora-dtype", default="auto", help="accepted when auto (LoRA slots are kept in the model's dtype)")

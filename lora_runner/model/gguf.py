@@ -52,17 +52,24 @@ def file_digest(path: Path) -> str:
 def gguf_model_dir(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
     """The safetensors model dir of a GGUF file, converting it on first use (then cached).
 
+    The converted dir is ``<cache_dir>/<file stem>-<content key>``; without `cache_dir`, one that an earlier
+    call converted into the file's own folder (the demo's cache does: its .gguf and the converted model sit
+    side by side) is used first, so serving the demo's file does not convert it a second time, into
+    default_cache_dir().
+
     Raises FileNotFoundError for a missing file, ImportError (naming the package) without
     ``gguf``, and ValueError when transformers cannot read the file's architecture.
     """
     path = Path(gguf_path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    out = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    out = out / f"{path.stem}-{file_digest(path)[:16]}"
-    if (out / _DONE_MARKER).is_file():
-        logger.info("using the converted GGUF checkpoint %s", out)
-        return out
+    key = f"{path.stem}-{file_digest(path)[:16]}"
+    places = [Path(cache_dir).expanduser()] if cache_dir else [path.parent, default_cache_dir()]
+    for place in places:
+        if (place / key / _DONE_MARKER).is_file():
+            logger.info("using the converted GGUF checkpoint %s", place / key)
+            return place / key
+    out = places[-1] / key
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:

@@ -141,6 +141,8 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
             raise APIError(400, "a forced tool_choice constrains the output itself: drop the other output "
                            "constraint (response_format / structured_outputs)", "invalid_tool_choice")
         params = dataclasses.replace(params, structured_outputs=tools.structured)
+    if tools.keep_special_tokens:  # the tool-call parser reads a special token (ToolPlan)
+        params = dataclasses.replace(params, skip_special_tokens=False)
     return params
 
 

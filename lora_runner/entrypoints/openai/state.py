@@ -130,8 +130,7 @@ class ServerConfig:
                 raise ValueError(f"allowed adapter path {allowed!r} must be an absolute path to an existing directory")
         if self.tool_call_parser not in AUTO_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser} is not available: this server reads tool "
-                             f"calls with {', '.join(AUTO_PARSERS)} (mistral, qwen3_coder / qwen3_xml and the "
-                             "others are not implemented)")
+                             f"calls with {', '.join(AUTO_PARSERS)} (vLLM's others are not implemented)")
         self.connection_limits  # noqa: B018 - validates the connection limits (ValueError)
 
     @property

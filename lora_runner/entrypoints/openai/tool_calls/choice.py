@@ -4,7 +4,7 @@ constraint the engine enforces, and the parser that reads the calls back out of 
 As vLLM: ``tool_choice`` defaults to "auto" with tools and "none" without; "none" still renders the
 tools into the prompt (vLLM's default, without --exclude-tools-when-tool-choice-none) but never
 parses calls; "auto" parses Hermes-style ``<tool_call>`` markup (or, with --tool-call-parser, Llama 3 JSON or pythonic
-calls: whole_call_parsers); "required" constrains the output to a
+calls: whole_call_parsers; Mistral's [TOOL_CALLS]: mistral_parser; Qwen3-Coder's XML: qwen3_xml_parser); "required" constrains the output to a
 JSON array of at least one {"name", "arguments"} call of the given tools; a named function
 constrains the output to that function's parameters schema (the output is the call's arguments).
 A function declared without ``parameters`` takes none (OpenAI's meaning): its arguments are ``{}``.
@@ -21,6 +21,8 @@ from lora_runner.entrypoints.openai.tool_calls.definitions import checked_tools,
 from lora_runner.entrypoints.openai.tool_calls.deltas import Extracted
 from lora_runner.entrypoints.openai.tool_calls.forced_parsers import NamedFunctionParser, RequiredCallsParser
 from lora_runner.entrypoints.openai.tool_calls.hermes_parser import HermesToolParser
+from lora_runner.entrypoints.openai.tool_calls.mistral_parser import MistralToolParser
+from lora_runner.entrypoints.openai.tool_calls.qwen3_xml_parser import Qwen3XmlToolParser
 from lora_runner.entrypoints.openai.tool_calls.whole_call_parsers import Llama3JsonToolParser, PythonicToolParser
 from lora_runner.structured_outputs_params import StructuredOutputsParams
 
@@ -32,11 +34,13 @@ NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fals
 class ToolPlan:
     """How one chat request uses tools. tools: the definitions for the chat template (None: no
     tools); structured: the output constraint of a forced choice; new_parser: one parser per choice
-    (None: the output is plain content)."""
+    (None: the output is plain content); keep_special_tokens: the parser reads a special token (Mistral's
+    [TOOL_CALLS]), so the output is decoded with skip_special_tokens=False, as vLLM's parser asks."""
 
     tools: list[dict] | None = None
     structured: StructuredOutputsParams | None = None
     new_parser: Callable[[], object] | None = None
+    keep_special_tokens: bool = False
 
     def parser_factory(self, stream: bool) -> Callable[[], object] | None:
         """The parser of each choice: incremental for a stream, reading the whole output otherwise (so
@@ -63,8 +67,10 @@ class WholeOutput:
         return self.parser.feed(self._text, True) if finished else Extracted()
 
 
-# tool_choice "auto"'s parser of each --tool-call-parser name (vLLM's names)
-AUTO_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser}
+# tool_choice "auto"'s parser of each --tool-call-parser name (vLLM's names); each is built from the offered
+# functions' {name: parameters schema} (a name collection to most; qwen3's reads the arguments' types from it)
+AUTO_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
+                "mistral": MistralToolParser, "qwen3_xml": Qwen3XmlToolParser, "qwen3_coder": Qwen3XmlToolParser}
 
 
 def tool_plan(body: ChatCompletionRequest, auto_parser: str = "hermes") -> ToolPlan:
@@ -84,7 +90,8 @@ def tool_plan(body: ChatCompletionRequest, auto_parser: str = "hermes") -> ToolP
     offered = frozenset(parameters)  # only these names become tool calls
     if choice in (None, "auto"):
         parser = AUTO_PARSERS[auto_parser]
-        return ToolPlan(tools, None, lambda: parser(offered))
+        return ToolPlan(tools, None, lambda: parser(parameters),
+                        keep_special_tokens=getattr(parser, "keep_special_tokens", False))
     if choice == "required":
         return ToolPlan(tools, _structured(required_calls_schema(parameters)), lambda: RequiredCallsParser(offered))
     return _named(tools, parameters, choice)

@@ -32,7 +32,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _PREFIX = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag` (held back: it may be the tag)."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:size]):
@@ -43,6 +43,11 @@ def _partial_tag(text: str, tag: str) -> int:
 def loads_unique(text: str):
     """json.loads, but ValueError for an object that repeats a key (JSON readers disagree on which wins)."""
     return json.loads(text, object_pairs_hook=_unique_keys)
+
+
+def unique_keys_decoder() -> json.JSONDecoder:
+    """A JSONDecoder (for raw_decode: a value followed by more text) that refuses repeated keys, as loads_unique."""
+    return json.JSONDecoder(object_pairs_hook=_unique_keys)
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -125,7 +130,7 @@ class HermesToolParser:
         """Content up to the next ``<tool_call>``; True when one opened (the buffer then holds its body)."""
         start = self._buffer.find(OPEN)
         if start < 0:
-            keep = 0 if finished else _partial_tag(self._buffer, OPEN)
+            keep = 0 if finished else partial_tag(self._buffer, OPEN)
             self._content(out, self._buffer[:len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
@@ -139,13 +144,13 @@ class HermesToolParser:
         """The open call up to its ``</tool_call>`` (or the end); True when it closed."""
         end = self._buffer.find(CLOSE)
         if end < 0 and not finished:
-            keep = _partial_tag(self._buffer, CLOSE)
+            keep = partial_tag(self._buffer, CLOSE)
             self._stream_arguments(out, self._buffer[:len(self._buffer) - keep])
             return False
         body = self._buffer if end < 0 else self._buffer[:end]
         self._buffer = "" if end < 0 else self._buffer[end + len(CLOSE):]
         self._inside = False
-        parsed = call_arguments(body, self.offered)
+        parsed = self._parsed(body)
         if parsed is None:
             if self._streamed is not None:
                 logger.warning("tool call %s turned out malformed after its start was streamed", self._streamed.id)
@@ -162,6 +167,10 @@ class HermesToolParser:
         elif len(arguments) > len(self._sent_arguments):
             out.calls.append(ToolCallDelta(self._streamed.index, arguments=arguments[len(self._sent_arguments):]))
         return True
+
+    def _parsed(self, body: str) -> tuple[str, str] | None:
+        """(name, arguments JSON) of one closed call's body; None: it is content."""
+        return call_arguments(body, self.offered)
 
     def _stream_arguments(self, out: Extracted, body: str) -> None:
         """The open call's first delta once its name is known, then its arguments as they arrive."""
