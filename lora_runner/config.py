@@ -124,6 +124,10 @@ class EngineConfig:
         "milliseconds (of the step thread's CPU time) one request's structured-output token mask may take to "
         "compute in a step; a request over it finishes alone with \"error\" (StructuredOutputError), so an "
         "ambiguous grammar cannot slow every step for everyone", default=250.0))
+    structured_outputs_backend: str = field(**_doc(
+        'what compiles and enforces structured outputs: "xgrammar", "guidance" (llguidance, whose work per token '
+        'is also bounded by its parser limits, set from structured_outputs_mask_budget_ms; reads Lark grammars) '
+        'or "auto" (lora_runner.engine.structured.backend.AUTO_BACKEND)', default="auto"))
     speculative_config: dict | str | None = field(hash=False, **_doc(
         'speculative decoding, in vLLM\'s spelling (a dict, or its JSON text on the command line): {"method": '
         '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} verifies up to k '
@@ -191,6 +195,9 @@ class EngineConfig:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
             raise ValueError(f"structured_outputs_mask_budget_ms must be a positive number of milliseconds, "
                              f"got {budget!r}")
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
+            raise ValueError('structured_outputs_backend must be "auto", "xgrammar" or "guidance", got '
+                             f'{self.structured_outputs_backend!r}')
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)  # validates it
             if isinstance(self.speculative_config, str):  # JSON text (the command line) is kept as its dict

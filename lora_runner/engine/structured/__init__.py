@@ -1,4 +1,4 @@
-"""Structured outputs (SamplingParams.structured_outputs) through xgrammar, as vLLM V1 does it.
+"""Structured outputs (SamplingParams.structured_outputs) through xgrammar or llguidance, as vLLM V1 does it.
 
 At add_request a constrained request gets a RequestGrammar whose grammar compiles in a thread pool
 (grammar_compiler, cached by constraint); the scheduler admits it once the grammar is ready, or hands
@@ -6,12 +6,13 @@ it back failed. Each step the engine fills one bitmask row per sampled constrain
 (``step_bitmask``: plain tensor data that travels with the step) and the sampler bans what the rows
 disallow; the output processor advances each matcher by its token, and a completed constraint ends
 its request with "stop". A step without constrained requests has no bitmask at all, and an engine that
-never sees a constraint never imports xgrammar (backend.py).
+never sees a constraint imports no backend (backend.py: the interface; xgrammar_backend, guidance_backend).
 
 Tenants: compilations are queued, cached and bounded in bytes per tenant (compile_queue); a request that
 finishes before its compilation started drops it (``RequestGrammar.release``). Each request's mask fill is
 timed: one over ``mask_budget_s`` fails that request alone at its next token, so an ambiguous grammar
-costs the other requests one step at most instead of every step.
+costs the other requests one step at most instead of every step. llguidance also bounds the work of each
+mask itself (its parser limits, set from the same budget: guidance_backend.limits_for_budget).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from lora_runner.core.request import Request
 from lora_runner.core.stop_rule import stop_tokens
-from lora_runner.engine.structured.backend import StructuredOutputError, xgrammar
+from lora_runner.engine.structured.backend import StructuredOutputError
 from lora_runner.engine.structured.grammar_compiler import TENANT_CACHE_BYTES, TOTAL_CACHE_BYTES, GrammarCompiler
 from lora_runner.engine.structured.request_grammar import RequestGrammar
 from lora_runner.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class StructuredOutputs:
             (EngineConfig.structured_outputs_compile_timeout_s).
         tenant_bytes / total_bytes: the compiled grammars' bounds (EngineConfig.structured_outputs_*cache_bytes).
         mask_budget_s: the time one request's mask fill may take in a step (structured_outputs_mask_budget_ms).
+        backend: "auto", "xgrammar" or "guidance" (EngineConfig.structured_outputs_backend).
         clock: the time source of the mask budget: the step thread's CPU time, so that a step thread merely
             descheduled on a busy host fails nobody (tests inject one).
     """
@@ -52,7 +54,8 @@ class StructuredOutputs:
     def __init__(self, get_tokenizer: Callable, vocab_size: int, stop_token_ids: Callable[[], Collection[int]],
                  wake: Callable[[], None] = lambda: None, *, timeout_s: float, tenant_bytes: int = TENANT_CACHE_BYTES,
                  total_bytes: int = TOTAL_CACHE_BYTES, mask_budget_s: float = 0.25,
-                 clock: Callable[[], float] = time.thread_time) -> None:
+                 clock: Callable[[], float] = time.thread_time, backend: str = "auto") -> None:
+        self.backend = backend
         self.tenant_bytes, self.total_bytes = tenant_bytes, total_bytes
         self.mask_budget_s, self._clock = mask_budget_s, clock
         self._get_tokenizer = get_tokenizer
@@ -73,7 +76,8 @@ class StructuredOutputs:
                     raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
                 self._compiler = GrammarCompiler(tokenizer, self.vocab_size, self._stop_token_ids(),
                                                  timeout_s=self.timeout_s, tenant_bytes=self.tenant_bytes,
-                                                 total_bytes=self.total_bytes)
+                                                 total_bytes=self.total_bytes, backend=self.backend,
+                                                 mask_budget_s=self.mask_budget_s)
             return self._compiler
 
     def request_grammar(self, params: SamplingParams, tenant: str = "") -> RequestGrammar | None:
@@ -84,7 +88,7 @@ class StructuredOutputs:
         compiler = self.compiler
         future = compiler.compile(params.structured_outputs, tenant)
         grammar = RequestGrammar(future, time.monotonic() + self.timeout_s, self.timeout_s,
-                                 release=compiler.release)
+                                 release=compiler.release, make_matcher=compiler.backend.matcher)
         if not future.done():
             future.add_done_callback(lambda _: self._wake())
             timer = threading.Timer(self.timeout_s, self._wake)  # the deadline wakes an idle loop too
@@ -99,7 +103,7 @@ class StructuredOutputs:
         rows = [i for i, request in enumerate(sampled) if request.grammar is not None]
         if not rows:
             return [], None
-        bitmask = xgrammar().allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W] int32, all allowed
+        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [C, W]: all allowed
         for index, row in enumerate(rows):
             request = sampled[row]
             start = self._clock()

@@ -1,0 +1,155 @@
+"""The llguidance backend: a lazy lexer and an Earley parser whose work per token is bounded by its limits.
+
+Compiling builds the grammar and the lexer's first states only (milliseconds even for large schemas); the
+token mask of each step is computed then, walking the tokenizer's trie. Every mask computation is bounded
+by llguidance's parser limits (``LLParserLimits``: Earley items and lexer fuel per step): a grammar that
+needs more (``s: s s | "a" | "b"`` after a few dozen tokens) puts its matcher in an error state, which fails
+that request alone at its next token, the same wherever the step thread runs. The limits follow the
+operator's mask budget (``limits_for_budget``), so the one setting bounds both backends.
+
+A compiled grammar is a matcher at the start of its grammar; each request gets a deep copy. llguidance
+reports no sizes, so a compiled grammar counts an upper estimate (``GuidanceBackend.size_of``) measured by
+benchmarks/bench_structured_backends.py. Lark grammars are read natively, EBNF / GBNF converted to Lark.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+from lora_runner.engine.structured.backend import (Backend, Matcher, StructuredOutputError, import_backend,
+                                                   looks_like_lark)
+
+# llguidance's speed on one x86 core of a loaded host: ~200 Earley items and ~800 lexer fuel per ms; at the
+# default 250 ms budget this gives llguidance's own defaults (50_000 items, 200_000 fuel)
+ITEMS_PER_MS, LEXER_FUEL_PER_MS = 200, 800
+MAX_LEXER_STATES = 50_000  # lexer states one matcher may build (1-2 KiB each): bounds a matcher's growth
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,8}"  # at most 8 between JSON tokens (xgrammar_backend.MAX_JSON_WHITESPACE)
+BYTES_PER_GRAMMAR_CHAR = 64  # size_of's estimate: llguidance's grammar, parser tables and first lexer states
+MIN_GRAMMAR_BYTES = 256 << 10
+
+
+def limits_for_budget(mask_budget_s: float):
+    """llguidance's parser limits for a per-request mask budget of `mask_budget_s` (LLParserLimits)."""
+    budget_ms = mask_budget_s * 1000
+    return import_backend("llguidance").LLParserLimits(
+        step_max_items=max(1000, int(budget_ms * ITEMS_PER_MS)),
+        step_lexer_fuel=max(4000, int(budget_ms * LEXER_FUEL_PER_MS)),
+        max_lexer_states=MAX_LEXER_STATES, verbose_errors=False)  # an error names no other tenant's text
+
+
+@dataclass(frozen=True)
+class CompiledGuidance:
+    """A compiled constraint: a matcher at its grammar's start (requests get deep copies) and the grammar's size."""
+    start: object  # llguidance.LLMatcher, never advanced
+    grammar_chars: int  # characters of llguidance's grammar text (size_of's estimate)
+
+
+class GuidanceMatcher(Matcher):
+    """An llguidance LLMatcher behind the Matcher interface."""
+
+    def __init__(self, matcher, stop_token_ids: Collection[int]) -> None:
+        self._matcher = matcher
+        self.stop_token_ids = list(stop_token_ids)
+        self._terminated = False
+
+    def fill(self, bitmask: torch.Tensor, index: int) -> None:
+        row = bitmask[index]  # [ceil(V / 32)] int32, written in place by llguidance (the GIL released)
+        assert row.is_contiguous() and not row.is_cuda, "llguidance writes the mask into CPU memory"
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self._matcher.is_error():  # over its limits: the row says nothing, the request fails at its token
+            row.fill_(-1)
+
+    def step_error(self) -> str | None:
+        if not self._matcher.is_error():
+            return None
+        return self._matcher.get_error() or "llguidance stopped"
+
+    def accept_token(self, token_id: int) -> bool:
+        if not self._matcher.consume_token(token_id):
+            return False
+        self._terminated = token_id in self.stop_token_ids
+        return True
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def only_end_allowed(self) -> bool:
+        # stopped: no token but an end token is accepted now (and the grammar is complete)
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+
+class GuidanceBackend(Backend):
+    """Constraints compiled by llguidance (see the module docstring); ``mask_budget_s`` sets its limits."""
+
+    name = "guidance"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Collection[int], *,
+                 mask_budget_s: float = 0.25) -> None:
+        llg = import_backend("llguidance")  # StructuredOutputError when it is not installed
+        from llguidance.hf import from_tokenizer
+
+        self.stop_token_ids = sorted(stop_token_ids)
+        try:
+            self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.stop_token_ids or None)
+        except ValueError as exc:  # a slow (Python) tokenizer
+            raise StructuredOutputError(f"the guidance backend cannot read this model's tokenizer ({exc}); "
+                                        'serve with structured_outputs_backend="xgrammar"') from exc
+        self._llg = llg
+        self.limits = limits_for_budget(mask_budget_s)
+
+    def compile(self, kind: str, text: str) -> CompiledGuidance:
+        grammar = self._grammar(kind, text)
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            reason = matcher.get_error().strip().splitlines()
+            raise StructuredOutputError(f"structured_outputs.{kind.removesuffix('_compact')} cannot be compiled: "
+                                        f"{reason[0] if reason else 'llguidance refused it'}")
+        return CompiledGuidance(matcher, len(grammar))
+
+    def _grammar(self, kind: str, text: str) -> str:
+        """llguidance's grammar (its JSON text) for constraint (kind, text)."""
+        LLMatcher = self._llg.LLMatcher
+        if kind in ("json", "json_compact", "json_object"):
+            schema = '{"type": "object"}' if kind == "json_object" else text
+            options = {"whitespace_flexible": False} if kind == "json_compact" else {
+                "whitespace_pattern": JSON_WHITESPACE}
+            return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(text)
+        if kind == "grammar":
+            return LLMatcher.grammar_from_lark(text) if looks_like_lark(text) else self._llg.grammar_from("gbnf", text)
+        if kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(text)))
+        if kind == "structural_tag":
+            return structural_tag_grammar(self._llg, json.loads(text))
+        raise StructuredOutputError(f"unknown structured_outputs kind {kind!r}")
+
+    def size_of(self, compiled: CompiledGuidance) -> int:
+        """An upper estimate (llguidance reports no size): BYTES_PER_GRAMMAR_CHAR per character of the
+        grammar, at least MIN_GRAMMAR_BYTES (benchmarks/bench_structured_backends.py checks it against RSS)."""
+        return max(MIN_GRAMMAR_BYTES, BYTES_PER_GRAMMAR_CHAR * compiled.grammar_chars)
+
+    def matcher(self, compiled: CompiledGuidance) -> GuidanceMatcher:
+        return GuidanceMatcher(compiled.start.deep_copy(), self.stop_token_ids)
+
+
+def structural_tag_grammar(llg, tag: dict) -> str:
+    """llguidance's grammar for vLLM's structural tag ``{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}``: free text in which each trigger opens its structure, whose body follows its schema."""
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list):
+        raise StructuredOutputError('the guidance backend reads structural tags as {"structures": [...], '
+                                    '"triggers": [...]}; a "format" tag needs structured_outputs_backend="xgrammar"')
+    tags = []
+    for structure in structures:
+        begin = structure.get("begin", "")
+        trigger = next((t for t in triggers if isinstance(t, str) and t and begin.startswith(t)), None)
+        if trigger is None:
+            raise StructuredOutputError(f"structural_tag: the structure beginning {begin!r} starts with no trigger")
+        tags.append(llg.StructTag(trigger=trigger, begin=begin, grammar=structure.get("schema", {}),
+                                  end=structure.get("end", "")))
+    return llg.StructTag.to_grammar(tags)
