@@ -114,12 +114,14 @@ class GuidanceBackend(Backend):
         """llguidance's grammar (its JSON text) for constraint (kind, text)."""
         LLMatcher = self._llg.LLMatcher
         if kind in ("json", "json_compact", "json_object"):
-            schema = '{"type": "object"}' if kind == "json_object" else text
-            options = {"whitespace_flexible": False} if kind == "json_compact" else {
-                "whitespace_pattern": JSON_WHITESPACE}
+            schema = '{"type": "object"}' if kind == "json_object" else json.dumps(
+                closed_like_xgrammar(json.loads(text)))
+            # compact: one space after "," and ":", as xgrammar writes JSON without any_whitespace
+            options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "} \
+                if kind == "json_compact" else {"whitespace_pattern": JSON_WHITESPACE}
             return LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if kind == "regex":
-            return LLMatcher.grammar_from_regex(text)
+            return LLMatcher.grammar_from_regex(ascii_classes(text))
         if kind == "grammar":
             return LLMatcher.grammar_from_lark(text) if looks_like_lark(text) else self._llg.grammar_from("gbnf", text)
         if kind == "choice":
@@ -135,6 +137,69 @@ class GuidanceBackend(Backend):
 
     def matcher(self, compiled: CompiledGuidance) -> GuidanceMatcher:
         return GuidanceMatcher(compiled.start.deep_copy(), self.stop_token_ids)
+
+
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # their values are data, not schemas
+# their values map names to schemas (a map is no schema itself, even with a key named "properties")
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def closed_like_xgrammar(schema):
+    """A copy of `schema` (parsed JSON) closed as xgrammar's strict mode reads it, so that one schema allows the
+    same outputs on both backends: an object schema with ``properties`` and no word on others has
+    ``"additionalProperties": false``; an array schema with ``prefixItems`` and no ``items`` has ``"items": false``."""
+    if isinstance(schema, list):
+        return [closed_like_xgrammar(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_like_xgrammar(sub) for name, sub in value.items()}
+        else:
+            closed[key] = value if key in _DATA_KEYWORDS else closed_like_xgrammar(value)
+    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "unevaluatedProperties",
+                                                           "patternProperties"} & schema.keys():
+        closed["additionalProperties"] = False
+    if isinstance(schema.get("prefixItems"), list) and not {"items", "unevaluatedItems"} & schema.keys():
+        closed["items"] = False
+    return closed
+
+
+_ASCII_IN_CLASS = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(regex: str) -> str:
+    """`regex` with ``\\d`` and ``\\w`` (and ``\\D``, ``\\W`` outside brackets) meaning ASCII, as xgrammar and
+    JSON Schema (ECMA-262) read them: llguidance's Rust syntax reads them as Unicode (a Unicode 16 digit for
+    ``\\d``), so one constraint would allow other outputs on the two backends."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\" and i + 1 < len(regex):
+            escaped = regex[i + 1]
+            if in_class and escaped in _ASCII_IN_CLASS:
+                out.append(_ASCII_IN_CLASS[escaped])
+            elif not in_class and escaped in "dDwW":
+                out.append(f"(?-u:\\{escaped})")
+            else:
+                out.append(char + escaped)
+            i += 2
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+            head = "[^" if regex.startswith("[^", i) else "["
+            i += len(head)
+            out.append(head)
+            if regex.startswith("]", i):  # a "]" first in brackets is a member, not their end
+                out.append("]")
+                i += 1
+            continue
+        elif char == "]" and in_class:
+            in_class = False
+        out.append(char)
+        i += 1
+    return "".join(out)
 
 
 def structural_tag_grammar(llg, tag: dict) -> str:
