@@ -29,7 +29,7 @@ ITEMS_PER_MS, LEXER_FUEL_PER_MS = 200, 800
 MAX_LEXER_STATES = 50_000  # lexer states one matcher may build (1-2 KiB each): bounds a matcher's growth
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,8}"  # at most 8 between JSON tokens (xgrammar_backend.MAX_JSON_WHITESPACE)
 BYTES_PER_GRAMMAR_CHAR = 64  # size_of's estimate: llguidance's grammar, parser tables and first lexer states
-MIN_GRAMMAR_BYTES = 256 << 10
+MIN_GRAMMAR_BYTES = 64 << 10
 
 
 def limits_for_budget(mask_budget_s: float):
@@ -116,9 +116,11 @@ class GuidanceBackend(Backend):
         if kind in ("json", "json_compact", "json_object"):
             schema = '{"type": "object"}' if kind == "json_object" else json.dumps(
                 closed_like_xgrammar(json.loads(text)))
-            # compact: one space after "," and ":", as xgrammar writes JSON without any_whitespace
+            # compact: one space after "," and ":", as xgrammar writes JSON without any_whitespace; lenient: a
+            # keyword llguidance does not enforce (uniqueItems, not, if/then, contains) is ignored, as xgrammar does
             options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "} \
                 if kind == "json_compact" else {"whitespace_pattern": JSON_WHITESPACE}
+            options["lenient"] = True
             return LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(ascii_classes(text))
@@ -205,16 +207,21 @@ def ascii_classes(regex: str) -> str:
 def structural_tag_grammar(llg, tag: dict) -> str:
     """llguidance's grammar for vLLM's structural tag ``{"structures": [{"begin", "schema", "end"}],
     "triggers": [...]}``: free text in which each trigger opens its structure, whose body follows its schema."""
+    if "format" in tag:
+        raise StructuredOutputError('structured_outputs.structural_tag in xgrammar\'s "format" form needs '
+                                    'structured_outputs_backend="xgrammar"; the guidance backend reads vLLM\'s '
+                                    '{"structures": [...], "triggers": [...]}')
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not structures or not isinstance(triggers, list):
-        raise StructuredOutputError('the guidance backend reads structural tags as {"structures": [...], '
-                                    '"triggers": [...]}; a "format" tag needs structured_outputs_backend="xgrammar"')
+        raise StructuredOutputError("structured_outputs.structural_tag needs at least one structure and a list of "
+                                    "triggers")
     tags = []
     for structure in structures:
         begin = structure.get("begin", "")
         trigger = next((t for t in triggers if isinstance(t, str) and t and begin.startswith(t)), None)
         if trigger is None:
-            raise StructuredOutputError(f"structural_tag: the structure beginning {begin!r} starts with no trigger")
+            raise StructuredOutputError(f"structured_outputs.structural_tag: the structure beginning {begin!r} starts "
+                                        "with none of its triggers")
         tags.append(llg.StructTag(trigger=trigger, begin=begin, grammar=structure.get("schema", {}),
                                   end=structure.get("end", "")))
     return llg.StructTag.to_grammar(tags)

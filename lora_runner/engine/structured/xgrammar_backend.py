@@ -83,7 +83,7 @@ class XGrammarBackend(Backend):
         if kind == "choice":
             return compiler.compile_grammar(choice_grammar(json.loads(text)))
         if kind == "structural_tag":
-            return compiler.compile_structural_tag(text)
+            return compiler.compile_structural_tag(json.dumps(xgrammar_structural_tag(json.loads(text))))
         raise StructuredOutputError(f"unknown structured_outputs kind {kind!r}")
 
     def size_of(self, compiled) -> int:
@@ -94,6 +94,17 @@ class XGrammarBackend(Backend):
 
     def matcher(self, compiled) -> XGrammarMatcher:
         return XGrammarMatcher(compiled)
+
+
+def xgrammar_structural_tag(tag: dict) -> dict:
+    """xgrammar's structural tag (``{"type": "structural_tag", "format": ...}``) for `tag`: one already in that
+    form, or vLLM's ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` as triggered tags."""
+    if "format" in tag:
+        return tag
+    tags = [{"type": "tag", "begin": structure["begin"], "end": structure["end"],
+             "content": {"type": "json_schema", "json_schema": structure.get("schema", {})}}
+            for structure in tag["structures"]]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}}
 
 
 def choice_grammar(choices: list[str]) -> str:
