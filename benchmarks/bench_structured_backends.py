@@ -99,7 +99,8 @@ def ambiguous_run(backend, tokenizer, vocab: int, num_tokens: int) -> dict:
     """Random a/b tokens through `s ::= s s | "a" | "b"`: each mask's CPU ms, and what stopped it."""
     matcher = backend.matcher(backend.compile("grammar", AMBIGUOUS))
     ab_tokens = [i for i in range(vocab) if tokenizer.decode([i]) and set(tokenizer.decode([i])) <= {"a", "b"}]
-    rng, bitmask, masks_ms, stopped = random.Random(0), torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32), [], None
+    bitmask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)  # [1, W]
+    rng, masks_ms, stopped = random.Random(0), [], None
     for _ in range(num_tokens):
         start = time.process_time()
         matcher.fill(bitmask, 0)
@@ -148,7 +149,7 @@ def summary(result: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the cached SmolLM2 one)")
-    parser.add_argument("--ambiguous-tokens", type=int, default=400)
+    parser.add_argument("--ambiguous-tokens", type=int, default=200)
     parser.add_argument("--mask-budget-ms", type=float, default=250.0,
                         help="EngineConfig.structured_outputs_mask_budget_ms (llguidance's limits follow it)")
     parser.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)

@@ -127,7 +127,7 @@ class EngineConfig:
     structured_outputs_backend: str = field(**_doc(
         'what compiles and enforces structured outputs: "xgrammar", "guidance" (llguidance, whose work per token '
         'is also bounded by its parser limits, set from structured_outputs_mask_budget_ms; reads Lark grammars) '
-        'or "auto" (lora_runner.engine.structured.backend.AUTO_BACKEND)', default="auto"))
+        'or "auto" (guidance where llguidance is installed, else xgrammar)', default="auto"))
     speculative_config: dict | str | None = field(hash=False, **_doc(
         'speculative decoding, in vLLM\'s spelling (a dict, or its JSON text on the command line): {"method": '
         '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} verifies up to k '

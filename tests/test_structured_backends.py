@@ -26,7 +26,8 @@ from test_structured_ignore_eos import (  # noqa: E402, F401
     test_ignore_eos_keeps_a_constraint_that_could_end_going_to_max_tokens,
     test_min_tokens_alone_keeps_the_end_token_out_until_it_is_reached)
 from test_structured_outputs import (  # noqa: E402, F401
-    test_a_constraint_that_does_not_compile_fails_its_request_alone, test_min_tokens_past_a_complete_constraint_ends_it_with_stop,
+    test_a_constraint_that_does_not_compile_fails_its_request_alone,
+    test_min_tokens_past_a_complete_constraint_ends_it_with_stop,
     test_parallel_samples_each_follow_the_constraint, test_preempted_constrained_requests_keep_their_matchers,
     test_random_json_schemas_parse_and_validate_greedy_and_sampled, test_regex_choice_and_grammar,
     test_unconstrained_requests_keep_their_tokens_and_logprobs_beside_constrained_ones)
@@ -160,6 +161,18 @@ def test_the_backend_is_a_checked_engine_setting(value):
     with pytest.raises(ValueError, match="structured_outputs_backend must be"):
         EngineConfig(model="m", structured_outputs_backend=value)
     assert EngineConfig(model="m").structured_outputs_backend == "auto"
+
+
+def test_auto_is_guidance_where_llguidance_is_installed_and_xgrammar_elsewhere(monkeypatch):
+    import importlib.util
+
+    from lora_runner.engine.structured.backend import resolve_backend
+
+    assert resolve_backend("auto") == "guidance" and resolve_backend("xgrammar") == "xgrammar"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llguidance" else find_spec(name, *args))
+    assert resolve_backend("auto") == "xgrammar" and resolve_backend("guidance") == "guidance"
 
 
 def test_json_schema_outputs_agree_in_shape_across_backends(engine, checkpoint):

@@ -12,13 +12,15 @@ installed fails the request with StructuredOutputError (a ValueError: HTTP 400) 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 
 import torch
 
 BACKENDS = ("auto", "xgrammar", "guidance")  # EngineConfig.structured_outputs_backend
-AUTO_BACKEND = "xgrammar"  # what "auto" means (benchmarks/bench_structured_backends.py: the measurements)
+AUTO_BACKEND = "guidance"  # what "auto" means: the measurements in benchmarks/bench_structured_backends.py
+_PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}  # backend -> the package it imports
 REQUIREMENTS = {"xgrammar": "xgrammar>=0.1.20", "llguidance": "llguidance>=1.9"}  # as pyproject.toml's
 
 
@@ -54,9 +56,12 @@ def xgrammar():
 
 
 def resolve_backend(name: str) -> str:
-    """"xgrammar" or "guidance" for EngineConfig.structured_outputs_backend `name` ("auto": AUTO_BACKEND)."""
+    """"xgrammar" or "guidance" for EngineConfig.structured_outputs_backend `name`; "auto": AUTO_BACKEND where
+    its package is installed, else the other one (an install without llguidance keeps serving with xgrammar)."""
     assert name in BACKENDS, f"unknown structured-output backend {name!r}"
-    return AUTO_BACKEND if name == "auto" else name
+    if name != "auto":
+        return name
+    return AUTO_BACKEND if importlib.util.find_spec(_PACKAGES[AUTO_BACKEND]) is not None else "xgrammar"
 
 
 def looks_like_lark(grammar: str) -> bool:

@@ -101,8 +101,8 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
 
 def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
     """The output constraint the body asks for: ``response_format`` (OpenAI: json_object, json_schema;
-    text is none; vLLM's structural_tag), ``structured_outputs`` (vLLM) or vLLM's older ``guided_json`` / ``guided_regex`` /
-    ``guided_choice`` / ``guided_grammar``; None when unconstrained. ValueError (a 400) when more
+    text is none; vLLM's structural_tag), ``structured_outputs`` (vLLM) or vLLM's older ``guided_json`` /
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; None when unconstrained. ValueError (a 400) when more
     than one is set or the constraint is malformed (StructuredOutputsParams' checks)."""
     asked = []
     fmt = body.response_format
