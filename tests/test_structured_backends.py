@@ -175,6 +175,19 @@ def test_auto_is_guidance_where_llguidance_is_installed_and_xgrammar_elsewhere(m
     assert resolve_backend("auto") == "xgrammar" and resolve_backend("guidance") == "guidance"
 
 
+def test_a_tokenizer_llguidance_cannot_read_is_served_by_xgrammar_under_auto(tmp_path):
+    """The engine tests' word-level tokenizer has no decoder llguidance knows: "auto" falls back to xgrammar,
+    an explicit "guidance" says what to choose instead."""
+    from factories import save_tiny_tokenizer
+
+    from lora_runner.engine.structured.grammar_compiler import make_backend
+
+    tokenizer = save_tiny_tokenizer(tmp_path, 64)
+    assert make_backend("auto", tokenizer, 64, {2}).name == "xgrammar"
+    with pytest.raises(StructuredOutputError, match='structured_outputs_backend="xgrammar"'):
+        make_backend("guidance", tokenizer, 64, {2})
+
+
 def test_json_schema_outputs_agree_in_shape_across_backends(engine, checkpoint):
     """Greedy JSON under both backends on one schema: both valid, and the same value (they mask the same
     tokens where whitespace is off)."""

@@ -36,11 +36,16 @@ CACHE_ENTRIES = 128  # compiled constraints kept (least recently used dropped fi
 def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: Collection[int],
                  mask_budget_s: float = 0.25) -> Backend:
     """The backend `name` ("auto", "xgrammar", "guidance") for this tokenizer and vocabulary; StructuredOutputError
-    when its package is not installed or it cannot read the tokenizer."""
+    when its package is not installed or it cannot read the tokenizer ("auto" then tries xgrammar)."""
     if resolve_backend(name) == "guidance":
         from lora_runner.engine.structured.guidance_backend import GuidanceBackend
 
-        return GuidanceBackend(tokenizer, vocab_size, stop_token_ids, mask_budget_s=mask_budget_s)
+        try:
+            return GuidanceBackend(tokenizer, vocab_size, stop_token_ids, mask_budget_s=mask_budget_s)
+        except StructuredOutputError as exc:
+            if name != "auto":
+                raise
+            logger.warning("structured outputs: %s; using xgrammar instead", exc)
     from lora_runner.engine.structured.xgrammar_backend import XGrammarBackend
 
     return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)

@@ -95,7 +95,7 @@ class GuidanceBackend(Backend):
         self.stop_token_ids = sorted(stop_token_ids)
         try:
             self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.stop_token_ids or None)
-        except ValueError as exc:  # a slow (Python) tokenizer
+        except ValueError as exc:  # a slow (Python) tokenizer, or one whose decoder it does not know
             raise StructuredOutputError(f"the guidance backend cannot read this model's tokenizer ({exc}); "
                                         'serve with structured_outputs_backend="xgrammar"') from exc
         self._llg = llg
