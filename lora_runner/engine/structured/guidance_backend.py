@@ -26,6 +26,9 @@ from lora_runner.engine.structured.backend import (Backend, Matcher, StructuredO
 # llguidance's speed on one x86 core of a loaded host: ~200 Earley items and ~800 lexer fuel per ms; at the
 # default 250 ms budget this gives llguidance's own defaults (50_000 items, 200_000 fuel)
 ITEMS_PER_MS, LEXER_FUEL_PER_MS = 200, 800
+# floors for a tight budget: below them ordinary constraints fail (a "uri" format's lexer needs ~20_000 fuel
+# for one step); an ambiguous grammar still stops within a few dozen tokens at 2_000 items
+MIN_STEP_ITEMS, MIN_STEP_LEXER_FUEL = 2_000, 50_000
 MAX_LEXER_STATES = 50_000  # lexer states one matcher may build (1-2 KiB each): bounds a matcher's growth
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,8}"  # at most 8 between JSON tokens (xgrammar_backend.MAX_JSON_WHITESPACE)
 BYTES_PER_GRAMMAR_CHAR = 64  # size_of's estimate: llguidance's grammar, parser tables and first lexer states
@@ -36,8 +39,8 @@ def limits_for_budget(mask_budget_s: float):
     """llguidance's parser limits for a per-request mask budget of `mask_budget_s` (LLParserLimits)."""
     budget_ms = mask_budget_s * 1000
     return import_backend("llguidance").LLParserLimits(
-        step_max_items=max(1000, int(budget_ms * ITEMS_PER_MS)),
-        step_lexer_fuel=max(4000, int(budget_ms * LEXER_FUEL_PER_MS)),
+        step_max_items=max(MIN_STEP_ITEMS, int(budget_ms * ITEMS_PER_MS)),
+        step_lexer_fuel=max(MIN_STEP_LEXER_FUEL, int(budget_ms * LEXER_FUEL_PER_MS)),
         max_lexer_states=MAX_LEXER_STATES, verbose_errors=False)  # an error names no other tenant's text
 
 
