@@ -29,7 +29,7 @@ ITEMS_PER_MS, LEXER_FUEL_PER_MS = 200, 800
 # floors for a tight budget: below them ordinary constraints fail (a "uri" format's lexer needs ~20_000 fuel
 # for one step); an ambiguous grammar still stops within a few dozen tokens at 2_000 items
 MIN_STEP_ITEMS, MIN_STEP_LEXER_FUEL = 2_000, 50_000
-MAX_LEXER_STATES = 50_000  # lexer states one matcher may build (1-2 KiB each): bounds a matcher's growth
+MAX_LEXER_STATES = 10_000  # lexer states one matcher may build (1-2 KiB each): bounds its growth to ~20 MiB
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,8}"  # at most 8 between JSON tokens (xgrammar_backend.MAX_JSON_WHITESPACE)
 BYTES_PER_GRAMMAR_CHAR = 64  # size_of's estimate: llguidance's grammar, parser tables and first lexer states
 MIN_GRAMMAR_BYTES = 64 << 10
