@@ -26,7 +26,9 @@ from test_structured_ignore_eos import (  # noqa: E402, F401
     test_ignore_eos_keeps_a_constraint_that_could_end_going_to_max_tokens,
     test_min_tokens_alone_keeps_the_end_token_out_until_it_is_reached)
 from test_structured_outputs import (  # noqa: E402, F401
+    test_a_compilation_past_its_deadline_fails_its_request_alone,
     test_a_constraint_that_does_not_compile_fails_its_request_alone,
+    test_compilations_stuck_past_their_deadline_do_not_starve_later_constraints,
     test_min_tokens_past_a_complete_constraint_ends_it_with_stop,
     test_parallel_samples_each_follow_the_constraint, test_preempted_constrained_requests_keep_their_matchers,
     test_random_json_schemas_parse_and_validate_greedy_and_sampled, test_regex_choice_and_grammar,
