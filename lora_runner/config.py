@@ -130,6 +130,10 @@ class EngineConfig:
         "may take in one step; over it, the slowest requests of that step finish with \"error\" "
         "(StructuredOutputError) until the others' masks fit, so many constraints each under "
         "structured_outputs_mask_budget_ms cannot slow every step together", default=500.0))
+    structured_outputs_backend: str = field(**_doc(
+        'what compiles and enforces structured outputs: "xgrammar", "guidance" (llguidance, whose work per token '
+        'is also bounded by its parser limits, set from structured_outputs_mask_budget_ms; reads Lark grammars) '
+        'or "auto" (guidance where llguidance is installed, else xgrammar)', default="auto"))
     speculative_config: dict | str | None = field(hash=False, **_doc(
         'speculative decoding, in vLLM\'s spelling (a dict, or its JSON text on the command line): {"method": '
         '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} verifies up to k '
@@ -200,6 +204,9 @@ class EngineConfig:
             budget = getattr(self, name)
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
                 raise ValueError(f"{name} must be a positive number of milliseconds, got {budget!r}")
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
+            raise ValueError('structured_outputs_backend must be "auto", "xgrammar" or "guidance", got '
+                             f'{self.structured_outputs_backend!r}')
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)  # validates it
             if isinstance(self.speculative_config, str):  # JSON text (the command line) is kept as its dict

@@ -18,7 +18,7 @@ MAX_CONSTRAINT_CHARS = 64 * 1024  # longest schema / regex / grammar text one re
 MAX_CHOICES = 1024  # most alternatives of a `choice` constraint
 MAX_SCHEMA_DEPTH = 64  # deepest nesting of a JSON schema's dicts and lists (its converter recurses per level)
 
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass
@@ -27,7 +27,11 @@ class StructuredOutputsParams:
 
     json: a JSON schema (dict or JSON text). json_object: True for "any JSON object". regex: a
     regular expression the whole output matches. choice: the output is exactly one of these
-    strings. grammar: an EBNF grammar (GBNF dialect, as llama.cpp and xgrammar read it).
+    strings. grammar: an EBNF grammar (GBNF dialect, as llama.cpp and xgrammar read it), or a Lark grammar
+    (structured_outputs_backend "guidance"). structural_tag (vLLM): the JSON text of a structural tag, free
+    text in which each trigger opens a tagged part that follows its schema
+    (``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`` or
+    xgrammar's ``{"type": "structural_tag", "format": {...}}``).
     disable_any_whitespace (vLLM): a JSON output has no whitespace between its tokens (default: any).
 
     Raises ValueError when none or more than one kind is set, or a value has the wrong type or size.
@@ -39,6 +43,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None and isinstance(self.choice, tuple):
@@ -54,7 +59,8 @@ class StructuredOutputsParams:
         """Check that exactly one kind is set and its value is well formed; ValueError otherwise."""
         set_kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
-            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar, "
+                             "structural_tag; "
                              f"got {set_kinds or 'none'}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(f"structured_outputs.disable_any_whitespace must be True or False, "
@@ -73,6 +79,8 @@ class StructuredOutputsParams:
                     raise ValueError(f"structured_outputs.json is not JSON-serializable: {exc}") from None
             _check_text("json", text)
             _check_schema_depth(text)
+        if self.structural_tag is not None:
+            _check_structural_tag(self.structural_tag)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None:
@@ -119,7 +127,6 @@ _GUIDED_ONLY = {
     "disable_additional_properties": ((None, False), "JSON schemas are enforced as written; set "
                                       '"additionalProperties": false in the schema'),
     "whitespace_pattern": ((None,), "JSON whitespace is any whitespace or none (disable_any_whitespace)"),
-    "structural_tag": ((None,), "structural tags are not implemented"),
 }
 
 
@@ -131,7 +138,7 @@ class GuidedDecodingParams:
     json, regex, choice, grammar, json_object and disable_any_whitespace mean what they mean in
     StructuredOutputsParams. backend may be None, "auto" or "xgrammar"; disable_fallback and
     backend_was_auto change nothing (xgrammar has no fallback). ValueError, naming the field, for
-    whitespace_pattern, structural_tag, disable_additional_properties=True or another backend.
+    whitespace_pattern, disable_additional_properties=True or another backend.
     """
 
     json: str | dict | None = None
@@ -157,7 +164,7 @@ class GuidedDecodingParams:
             if not any(value is v or isinstance(v, str) and value == v for v in honoured):
                 raise ValueError(f"guided_decoding.{name}={value!r} is not supported: {reason}")
         return StructuredOutputsParams(json=self.json, json_object=self.json_object, regex=self.regex,
-                                       choice=self.choice, grammar=self.grammar,
+                                       choice=self.choice, grammar=self.grammar, structural_tag=self.structural_tag,
                                        disable_any_whitespace=self.disable_any_whitespace)
 
 
@@ -177,6 +184,18 @@ def as_structured_outputs(guided_decoding) -> StructuredOutputsParams:
     return guided_decoding.to_structured_outputs()
 
 
+def _check_structural_tag(text) -> None:
+    """ValueError unless `text` is a string holding a JSON object (and within the size limit)."""
+    if not isinstance(text, str):
+        raise ValueError(f"structured_outputs.structural_tag must be a string (JSON text), got {type(text).__name__}")
+    _check_text("structural_tag", text)
+    _check_schema_depth(text, "structural_tag")
+    tag = _json.loads(text)
+    if not isinstance(tag, dict) or not ({"structures", "triggers"} <= tag.keys() or "format" in tag):
+        raise ValueError('structured_outputs.structural_tag must be a JSON object with "structures" and "triggers" '
+                         '(vLLM\'s structural tag) or a "format" (xgrammar\'s)')
+
+
 def _check_text(name: str, text: str) -> None:
     if not text:
         raise ValueError(f"structured_outputs.{name} must not be empty")
@@ -185,16 +204,16 @@ def _check_text(name: str, text: str) -> None:
                          f"{MAX_CONSTRAINT_CHARS}")
 
 
-def _check_schema_depth(text: str) -> None:
+def _check_schema_depth(text: str, name: str = "json") -> None:
     """ValueError when the schema nests deeper than MAX_SCHEMA_DEPTH (or is no JSON at all)."""
     try:
         schema = _json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        raise ValueError(f"structured_outputs.{name} is not valid JSON: {exc}") from None
     stack = [(schema, 1)]
     while stack:
         value, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            raise ValueError(f"structured_outputs.{name} nests deeper than {MAX_SCHEMA_DEPTH} levels")
         children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))

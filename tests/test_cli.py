@@ -17,7 +17,7 @@ FIELDS = [field.name for field in dataclasses.fields(EngineConfig)]
 MODEL = "org/model"
 # str fields: a valid value other than the default (a new str field needs one here)
 STR_VALUES = {"revision": "v2", "device": "cpu", "dtype": "bfloat16", "scheduling_policy": "fcfs",
-              "quantization": "fp8", "distributed_executor_backend": "mp"}
+              "quantization": "fp8", "distributed_executor_backend": "mp", "structured_outputs_backend": "xgrammar"}
 # dict fields, given as JSON text: (the option's words, the dict the config then holds)
 JSON_VALUES = {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
 # settings that are only valid together: the option's partner and what the config then holds

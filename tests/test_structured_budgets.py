@@ -278,7 +278,8 @@ def test_the_real_ambiguous_grammar_is_stopped_by_the_mask_budget():
         pytest.skip("no cached SmolLM2 tokenizer (the GGUF tests download it)")
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=files[0])
     vocab = len(tokenizer)
-    structured = StructuredOutputs(lambda: tokenizer, vocab, lambda: {0}, timeout_s=60, mask_budget_s=0.005)
+    structured = StructuredOutputs(lambda: tokenizer, vocab, lambda: {0}, timeout_s=60, mask_budget_s=0.005,
+                                   backend="xgrammar")
     params = SamplingParams(structured_outputs=StructuredOutputsParams(grammar='root ::= s\ns ::= s s | "a" | "b"'),
                             max_tokens=1000)
     try:

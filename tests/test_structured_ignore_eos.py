@@ -19,7 +19,7 @@ SEEDS = range(6)  # a hot temperature samples the end token often where the mask
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     engine = make_engine(save_byte_checkpoint(tmp_path_factory.mktemp("ignore-eos"))[0], max_model_len=256,
-                         max_num_seqs=16)
+                         max_num_seqs=16, structured_outputs_backend="xgrammar")  # llguidance: test_structured_backends
     yield engine
     engine.close()
 

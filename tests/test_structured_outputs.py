@@ -27,7 +27,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    engine = make_engine(checkpoint[0], max_model_len=512, max_num_seqs=8)
+    # xgrammar here (some tests read its matchers); tests/test_structured_backends.py runs them on llguidance
+    engine = make_engine(checkpoint[0], max_model_len=512, max_num_seqs=8, structured_outputs_backend="xgrammar")
     yield engine
     engine.close()
 

@@ -106,7 +106,8 @@ class LLMEngine(AdapterAPI):
                                             tenant_bytes=cfg.structured_outputs_tenant_cache_bytes,
                                             total_bytes=cfg.structured_outputs_cache_bytes,
                                             mask_budget_s=cfg.structured_outputs_mask_budget_ms / 1000,
-                                            step_budget_s=cfg.structured_outputs_step_mask_budget_ms / 1000)
+                                            step_budget_s=cfg.structured_outputs_step_mask_budget_ms / 1000,
+                                            backend=cfg.structured_outputs_backend)
         self._stepping = threading.Lock()  # held by the one thread inside step()
         self._arrivals = count()
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)

@@ -1,4 +1,4 @@
-"""Structured outputs (SamplingParams.structured_outputs) through xgrammar, as vLLM V1 does it.
+"""Structured outputs (SamplingParams.structured_outputs) through xgrammar or llguidance, as vLLM V1 does it.
 
 At add_request a constrained request gets a RequestGrammar whose grammar compiles in a thread pool
 (grammar_compiler, cached by constraint); the scheduler admits it once the grammar is ready, or hands
@@ -6,13 +6,15 @@ it back failed. Each step the engine fills one bitmask row per sampled constrain
 (``step_bitmask``: plain tensor data that travels with the step) and the sampler bans what the rows
 disallow; the output processor advances each matcher by its token, and a completed constraint ends
 its request with "stop". A step without constrained requests has no bitmask at all, and an engine that
-never sees a constraint never imports xgrammar (backend.py).
+never sees a constraint imports no backend (backend.py: the interface; xgrammar_backend, guidance_backend).
 
 Tenants: compilations are queued, cached and bounded in bytes per tenant (compile_queue); a request that
 finishes before its compilation started drops it (``RequestGrammar.release``). Each request's mask fill is
 timed: one over ``mask_budget_s`` fails that request alone at its next token, so an ambiguous grammar
 costs the other requests one step at most instead of every step; and when a step's fills together pass
 ``step_budget_s``, its slowest fail the same way until the rest fit.
+llguidance also bounds the work of each mask itself (its parser limits, set from the per-request budget:
+guidance_backend.limits_for_budget).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from lora_runner.core.request import Request
 from lora_runner.core.stop_rule import stop_tokens
-from lora_runner.engine.structured.backend import StructuredOutputError, xgrammar
+from lora_runner.engine.structured.backend import StructuredOutputError
 from lora_runner.engine.structured.grammar_compiler import TENANT_CACHE_BYTES, TOTAL_CACHE_BYTES, GrammarCompiler
 from lora_runner.engine.structured.request_grammar import RequestGrammar
 from lora_runner.sampling_params import SamplingParams
@@ -48,6 +50,7 @@ class StructuredOutputs:
         mask_budget_s: the time one request's mask fill may take in a step (structured_outputs_mask_budget_ms).
         step_budget_s: the time all of a step's mask fills may take together (structured_outputs_step_mask_budget_ms);
             over it the slowest fail, as over mask_budget_s, until the rest fit.
+        backend: "auto", "xgrammar" or "guidance" (EngineConfig.structured_outputs_backend).
         clock: the time source of the mask budget: the step thread's CPU time, so that a step thread merely
             descheduled on a busy host fails nobody (tests inject one).
     """
@@ -55,7 +58,8 @@ class StructuredOutputs:
     def __init__(self, get_tokenizer: Callable, vocab_size: int, stop_token_ids: Callable[[], Collection[int]],
                  wake: Callable[[], None] = lambda: None, *, timeout_s: float, tenant_bytes: int = TENANT_CACHE_BYTES,
                  total_bytes: int = TOTAL_CACHE_BYTES, mask_budget_s: float = 0.25, step_budget_s: float = 0.5,
-                 clock: Callable[[], float] = time.thread_time) -> None:
+                 clock: Callable[[], float] = time.thread_time, backend: str = "auto") -> None:
+        self.backend = backend
         self.tenant_bytes, self.total_bytes = tenant_bytes, total_bytes
         self.mask_budget_s, self.step_budget_s, self._clock = mask_budget_s, step_budget_s, clock
         self._get_tokenizer = get_tokenizer
@@ -76,7 +80,8 @@ class StructuredOutputs:
                     raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
                 self._compiler = GrammarCompiler(tokenizer, self.vocab_size, self._stop_token_ids(),
                                                  timeout_s=self.timeout_s, tenant_bytes=self.tenant_bytes,
-                                                 total_bytes=self.total_bytes)
+                                                 total_bytes=self.total_bytes, backend=self.backend,
+                                                 mask_budget_s=self.mask_budget_s)
             return self._compiler
 
     def request_grammar(self, params: SamplingParams, tenant: str = "") -> RequestGrammar | None:
@@ -87,7 +92,7 @@ class StructuredOutputs:
         compiler = self.compiler
         future = compiler.compile(params.structured_outputs, tenant)
         grammar = RequestGrammar(future, time.monotonic() + self.timeout_s, self.timeout_s,
-                                 release=compiler.release)
+                                 release=compiler.release, make_matcher=compiler.backend.matcher)
         if not future.done():
             future.add_done_callback(lambda _: self._wake())
             timer = threading.Timer(self.timeout_s, self._wake)  # the deadline wakes an idle loop too
@@ -102,7 +107,7 @@ class StructuredOutputs:
         rows = [i for i, request in enumerate(sampled) if request.grammar is not None]
         if not rows:
             return [], None
-        bitmask = xgrammar().allocate_token_bitmask(len(rows), self.vocab_size)  # [C, W] int32, all allowed
+        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [C, W]: all allowed
         costs = []  # (seconds, request) of each fill within the per-request budget
         for index, row in enumerate(rows):
             request = sampled[row]

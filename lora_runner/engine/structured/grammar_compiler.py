@@ -1,12 +1,10 @@
-"""Constraint -> xgrammar CompiledGrammar, off the step thread, cached per tenant by (kind, text).
+"""Constraint -> compiled grammar (by the engine's backend), off the step thread, cached per tenant by (kind, text).
 
-Parsing a JSON schema into a grammar and compiling the grammar's token masks can take seconds for a
-large schema (xgrammar releases the GIL meanwhile), so both run in compile threads (compile_queue):
-each tenant's constraints wait in its own queue and the threads serve the tenants in turn; requests of
-one tenant with the same constraint, parallel samples included, share one compilation. Compiled
-grammars are bounded in bytes (xgrammar's ``CompiledGrammar.memory_size_bytes``) per tenant and in
-total; one still compiling counts an estimate (``reserve_bytes``). xgrammar's own compiler cache is
-bounded in bytes as well.
+Compiling a constraint can take seconds for a large schema (xgrammar precomputes token masks; llguidance
+compiles lazily), so it runs in compile threads (compile_queue): each tenant's constraints wait in its own
+queue and the threads serve the tenants in turn; requests of one tenant with the same constraint, parallel
+samples included, share one compilation. Compiled grammars are bounded in bytes (``Backend.size_of``) per
+tenant and in total; one still compiling counts an estimate (``reserve_bytes``).
 
 A compilation cannot be interrupted, so one that outlives ``timeout_s`` (a pathological constraint) fails
 its requests at its deadline (a repeat fails at once from the cache) and its thread is replaced. At most
@@ -17,14 +15,12 @@ ends (unconstrained requests never wait on any of this).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Collection
 from concurrent.futures import Future
 
-from lora_runner.engine.structured.backend import StructuredOutputError, xgrammar
+from lora_runner.engine.structured.backend import Backend, StructuredOutputError, resolve_backend
 from lora_runner.engine.structured.compile_queue import CompileQueue
-from lora_runner.engine.structured.string_lengths import bounded_strings_as_patterns
 from lora_runner.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -35,33 +31,46 @@ MAX_STUCK_PER_TENANT = 4  # ... of one tenant (the old global bound: one tenant 
 TENANT_CACHE_BYTES = 256 << 20  # EngineConfig.structured_outputs_tenant_cache_bytes's default
 TOTAL_CACHE_BYTES = 1 << 30  # EngineConfig.structured_outputs_cache_bytes's default
 CACHE_ENTRIES = 128  # compiled constraints kept (least recently used dropped first)
-XGRAMMAR_CACHE_BYTES = 64 << 20  # bound of xgrammar's own compiler cache
-# longest whitespace run between JSON tokens: unbounded, a model can stay in whitespace until max_tokens
-MAX_JSON_WHITESPACE = 8
+
+
+def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: Collection[int],
+                 mask_budget_s: float = 0.25) -> Backend:
+    """The backend `name` ("auto", "xgrammar", "guidance") for this tokenizer and vocabulary; StructuredOutputError
+    when its package is not installed or it cannot read the tokenizer ("auto" then tries xgrammar)."""
+    if resolve_backend(name) == "guidance":
+        from lora_runner.engine.structured.guidance_backend import GuidanceBackend
+
+        try:
+            return GuidanceBackend(tokenizer, vocab_size, stop_token_ids, mask_budget_s=mask_budget_s)
+        except StructuredOutputError as exc:
+            if name != "auto":
+                raise
+            logger.warning("structured outputs: %s; using xgrammar instead", exc)
+    from lora_runner.engine.structured.xgrammar_backend import XGrammarBackend
+
+    return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary.
+    """Compiles constraints for one tokenizer and vocabulary, with the backend `backend` names.
 
     Args:
-        tokenizer: the model's transformers tokenizer (its vocabulary, decoded by xgrammar).
+        tokenizer: the model's transformers tokenizer (its vocabulary, decoded by the backend).
         vocab_size: the model's (padded) vocabulary: ids past the tokenizer's stay banned.
         stop_token_ids: the ids that end a request; a finished constraint allows only these.
+        backend: "auto", "xgrammar" or "guidance" (EngineConfig.structured_outputs_backend).
+        mask_budget_s: the per-request mask budget, which sets llguidance's own per-step limits.
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Collection[int], *,
                  threads: int = COMPILE_THREADS, cache_entries: int = CACHE_ENTRIES,
                  timeout_s: float | None = None, max_stuck: int = MAX_STUCK_COMPILES,
                  max_stuck_per_tenant: int = MAX_STUCK_PER_TENANT, tenant_bytes: int = TENANT_CACHE_BYTES,
-                 total_bytes: int = TOTAL_CACHE_BYTES) -> None:
+                 total_bytes: int = TOTAL_CACHE_BYTES, backend: str = "auto", mask_budget_s: float = 0.25) -> None:
         self.vocab_size = vocab_size
-        xgr = xgrammar()  # StructuredOutputError when it is not installed
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                                 stop_token_ids=sorted(stop_token_ids) or None)
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=True,
-                                             cache_limit_bytes=XGRAMMAR_CACHE_BYTES)
+        self.backend = make_backend(backend, tokenizer, vocab_size, stop_token_ids, mask_budget_s)
         # a lambda, not the bound method: tests replace _compile_kind on the instance
-        self.queue = CompileQueue(lambda kind, text: self._compile(kind, text), _compiled_bytes,
+        self.queue = CompileQueue(lambda kind, text: self._compile(kind, text), self.backend.size_of,
                                   self.reserve_bytes, threads=threads, timeout_s=timeout_s,
                                   tenant_bytes=tenant_bytes, total_bytes=total_bytes,
                                   max_stuck_per_tenant=max_stuck_per_tenant, max_stuck=max_stuck,
@@ -91,47 +100,22 @@ class GrammarCompiler:
         self.queue.release(future)
 
     def reserve_bytes(self, kind: str, text: str) -> int:
-        """What a compilation counts until its real size is known: an estimate, as xgrammar tells the size
-        only once it is compiled: 256 bytes per character of the constraint, at least 1 MiB (the per-tenant
-        count of compilations in flight is what it bounds; the real size replaces it when it is known)."""
-        return max(1 << 20, 256 * len(text))
+        """What a compilation counts until its real size is known (Backend.reserve_bytes)."""
+        return self.backend.reserve_bytes(kind, text)
 
-    def _compile(self, kind: str, text: str):  # -> xgrammar.CompiledGrammar
+    def _compile(self, kind: str, text: str):  # -> the backend's compiled grammar
         try:
             return self._compile_kind(kind, text)
-        except Exception as exc:  # xgrammar raises RuntimeError / ValueError / MemoryError with the reason
+        except StructuredOutputError:
+            raise
+        except Exception as exc:  # the backends raise RuntimeError / ValueError / MemoryError with the reason
             raise StructuredOutputError(f"structured_outputs.{kind.removesuffix('_compact')} cannot be compiled: "
                                         f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
                                         ) from exc
 
-    def _compile_kind(self, kind: str, text: str):  # -> xgrammar.CompiledGrammar
-        compiler = self._compiler
-        if kind in ("json", "json_compact"):
-            text = json.dumps(bounded_strings_as_patterns(json.loads(text)))  # xgrammar's control characters
-            return compiler.compile_json_schema(text, any_whitespace=kind == "json",
-                                                max_whitespace_cnt=MAX_JSON_WHITESPACE if kind == "json" else None)
-        if kind == "json_object":  # any JSON object (xgrammar's builtin JSON grammar takes any value)
-            return compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=MAX_JSON_WHITESPACE)
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        if kind == "grammar":
-            return compiler.compile_grammar(text)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_grammar(json.loads(text)))
-        raise StructuredOutputError(f"unknown structured_outputs kind {kind!r}")
+    def _compile_kind(self, kind: str, text: str):
+        return self.backend.compile(kind, text)
 
     def close(self) -> None:
         """Stop taking compilations (running ones finish in their threads; nobody waits for them)."""
         self.queue.close()
-
-
-def _compiled_bytes(compiled) -> int:
-    """A CompiledGrammar's size in bytes, as xgrammar reports it (``memory_size_bytes``; an older xgrammar
-    without it: the length of its serialized form, which holds the same grammar and token masks)."""
-    size = getattr(compiled, "memory_size_bytes", None)
-    return int(size) if size is not None else len(compiled.serialize_json())
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar whose sentences are exactly `choices` (JSON string literals are EBNF's)."""
-    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)

@@ -1,4 +1,4 @@
-"""One request's constraint while it runs: its compilation's Future, then its own GrammarMatcher.
+"""One request's constraint while it runs: its compilation's Future, then its own Matcher (backend.Matcher).
 
 The scheduler asks ``state()`` before admitting the request (as it asks an adapter's load state):
 "loading" while the grammar compiles, "ready" once a matcher exists, "failed" (``error`` set) when
@@ -22,23 +22,27 @@ from concurrent.futures import Future
 
 import torch
 
-from lora_runner.engine.structured.backend import StructuredOutputError, compile_timeout_error, xgrammar
-from lora_runner.sample.token_masks import unpack_bitmask
+from lora_runner.engine.structured.backend import Matcher, StructuredOutputError, compile_timeout_error
 
 
 class RequestGrammar:
-    """The constraint of one request (see the module docstring). deadline: time.monotonic() after
-    which a compilation still running fails the request; timeout_s: for the message; release: called
-    once with the Future when the request is gone (GrammarCompiler.release)."""
+    """The constraint of one request (see the module docstring). deadline: time.monotonic() after which a
+    compilation still running fails the request; timeout_s: for the message; release: called once with the
+    Future when the request is gone (GrammarCompiler.release); make_matcher: compiled grammar -> a fresh
+    Matcher (Backend.matcher; None: xgrammar's)."""
 
     def __init__(self, future: Future, deadline: float, timeout_s: float,
-                 release: Callable[[Future], None] = lambda future: None) -> None:
+                 release: Callable[[Future], None] = lambda future: None,
+                 make_matcher: Callable[[object], Matcher] | None = None) -> None:
+        if make_matcher is None:
+            from lora_runner.engine.structured.xgrammar_backend import XGrammarMatcher as make_matcher
         self._future = future
+        self._make_matcher = make_matcher
         self._release = release
         self._budget_error: StructuredOutputError | None = None
         self._deadline = deadline
         self._timeout_s = timeout_s
-        self.matcher = None  # xgrammar.GrammarMatcher once the compilation is done
+        self.matcher: Matcher | None = None  # once the compilation is done
         self.error: StructuredOutputError | None = None
 
     def state(self) -> str:
@@ -49,7 +53,7 @@ class RequestGrammar:
             return "failed"
         if self._future.done():
             try:
-                self.matcher = xgrammar().GrammarMatcher(self._future.result())
+                self.matcher = self._make_matcher(self._future.result())
                 return "ready"
             except StructuredOutputError as exc:
                 self.error = exc
@@ -81,7 +85,12 @@ class RequestGrammar:
         """Write the ids the constraint allows next into row `index` of `bitmask` [C, ceil(V / 32)] int32;
         without its end tokens unless `eos_allowed` (ignore_eos and min_tokens: lora_runner.core.stop_rule)."""
         assert self.matcher is not None, "a request is sampled before its grammar is ready"
-        self.matcher.fill_next_token_bitmask(bitmask, index)
+        self.matcher.fill(bitmask, index)
+        step_error = self.matcher.step_error()
+        if step_error is not None and self._budget_error is None:  # the backend's own per-step bound
+            self._budget_error = StructuredOutputError(
+                f"structured_outputs: computing the allowed tokens went over the backend's per-step limits "
+                f"({step_error.splitlines()[0]}); simplify the constraint (an ambiguous grammar)")
         if not eos_allowed:
             for token_id in self.matcher.stop_token_ids:
                 bit = token_id % 32  # int32 words: bit 31 is the sign bit
@@ -108,12 +117,4 @@ class RequestGrammar:
     def only_end_allowed(self) -> bool:
         """True when the constraint is complete and no token but an end token may follow (the grammar's
         own stop ids): a JSON value closed with no whitespace left, a choice written out."""
-        matcher = self.matcher
-        if not matcher.is_completed():  # cheap, and false for most states: no bitmask then
-            return False
-        vocab_size = self._future.result().tokenizer_info.vocab_size
-        bitmask = xgrammar().allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
-        matcher.fill_next_token_bitmask(bitmask)
-        allowed = unpack_bitmask(bitmask, vocab_size)[0]  # [V] bool
-        allowed[list(matcher.stop_token_ids)] = False
-        return not bool(allowed.any())
+        return self.matcher.only_end_allowed()

@@ -35,16 +35,20 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    """``response_format`` (OpenAI): "text" (unconstrained), "json_object" (any JSON object) or
-    "json_schema" (``json_schema.schema``)."""
+    """``response_format`` (OpenAI): "text" (unconstrained), "json_object" (any JSON object), "json_schema"
+    (``json_schema.schema``) or vLLM's "structural_tag" (``structures`` and ``triggers``, or ``format``)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[dict] | None = None  # structural_tag: [{"begin", "schema", "end"}]
+    triggers: list[str] | None = None  # structural_tag: what opens a structure in free text
+    format: dict | None = None  # structural_tag in xgrammar's newer form
 
 
 class StructuredOutputsBody(_Body):
     """``structured_outputs`` (vLLM's request field): exactly one of json (a schema), regex, choice,
-    grammar (EBNF) or json_object (lora_runner.StructuredOutputsParams)."""
+    grammar (EBNF, or Lark with the guidance backend), json_object or structural_tag (its JSON text)
+    (lora_runner.StructuredOutputsParams)."""
 
     json_: dict | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -52,6 +56,7 @@ class StructuredOutputsBody(_Body):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    structural_tag: str | None = None
 
 
 class _GenerationBody(_Body):

@@ -7,6 +7,8 @@ vocabulary size here, so the response's size bound (--max-logprob-entries) count
 
 from __future__ import annotations
 
+import json
+
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -112,8 +114,8 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
 
 def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
     """The output constraint the body asks for: ``response_format`` (OpenAI: json_object, json_schema;
-    text is none), ``structured_outputs`` (vLLM) or vLLM's older ``guided_json`` / ``guided_regex`` /
-    ``guided_choice`` / ``guided_grammar``; None when unconstrained. ValueError (a 400) when more
+    text is none; vLLM's structural_tag), ``structured_outputs`` (vLLM) or vLLM's older ``guided_json`` /
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; None when unconstrained. ValueError (a 400) when more
     than one is set or the constraint is malformed (StructuredOutputsParams' checks)."""
     asked = []
     fmt = body.response_format
@@ -125,10 +127,12 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> Struc
         schema = fmt.json_schema.schema_
         asked.append(StructuredOutputsParams(json=schema) if schema is not None
                      else StructuredOutputsParams(json_object=True))
+    elif fmt is not None and fmt.type == "structural_tag":  # vLLM's: the whole format, as its JSON text
+        asked.append(StructuredOutputsParams(structural_tag=json.dumps(fmt.model_dump(exclude_none=True))))
     if body.structured_outputs is not None:
         so = body.structured_outputs
         asked.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                             json_object=so.json_object,
+                                             json_object=so.json_object, structural_tag=so.structural_tag,
                                              disable_any_whitespace=so.disable_any_whitespace))
     guided = dict(json=body.guided_json, regex=body.guided_regex, choice=body.guided_choice,
                   grammar=body.guided_grammar)
