@@ -7,7 +7,7 @@ touching the scheduler or the block manager, which only the step thread may read
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from adapters.manager import AdapterStats
 from lora_runner.outputs import SpecDecodingStats
@@ -24,7 +24,9 @@ class EngineStats:
     prefix cache / of those, found computed (cumulative, as vLLM's counters; 0 with caching off).
     kv_blocks_cached: blocks holding a cached prefix (held by requests or evictable).
     spec_decode: speculative decoding's cumulative counters (verify steps, draft tokens, accepted ones,
-    accepted per draft position; a copy); None when it is off.
+    accepted per draft position; a copy); None when it is off. spec_decode_by_adapter: the same per
+    adapter name (a LoRA's, else a soft prompt's; None: the base model), for the adapters whose
+    requests verified drafts ({} when off).
     steps: step() calls since start. adapters: the adapter manager's cumulative counters, read when
     the snapshot is handed out (``LLMEngine.stats``: loads also finish between steps, and the step
     thread need not take the tiers' locks every step for them); None in the step's own part.
@@ -41,6 +43,7 @@ class EngineStats:
     kv_blocks_cached: int = 0
     adapters: AdapterStats | None = None
     spec_decode: SpecDecodingStats | None = None
+    spec_decode_by_adapter: dict[str | None, SpecDecodingStats] = field(default_factory=dict)
 
     @classmethod
     def collect(cls, scheduler, block_manager, steps: int) -> EngineStats:
@@ -50,5 +53,11 @@ class EngineStats:
                    preemptions=scheduler.num_preemptions, steps=steps,
                    prefix_cache_queries=scheduler.prefix_query_tokens, prefix_cache_hits=scheduler.prefix_hit_tokens,
                    kv_blocks_cached=block_manager.num_cached_blocks,
-                   spec_decode=None if getattr(scheduler, "speculator", None) is None else replace(
-                       scheduler.spec, accepted_per_position=list(scheduler.spec.accepted_per_position)))
+                   spec_decode=None if getattr(scheduler, "speculator", None) is None else _copy(scheduler.spec),
+                   spec_decode_by_adapter={name: _copy(stats)
+                                           for name, stats in getattr(scheduler, "spec_by_adapter", {}).items()})
+
+
+def _copy(stats: SpecDecodingStats) -> SpecDecodingStats:
+    """A copy the step thread no longer changes."""
+    return replace(stats, accepted_per_position=list(stats.accepted_per_position))

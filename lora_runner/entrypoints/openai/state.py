@@ -146,8 +146,7 @@ class ServerState:
     def __init__(self, engine: EngineClient, config: ServerConfig, keys: KeyRing) -> None:
         self.engine, self.config, self.keys = engine, config, keys
         self.base_name = config.served_model_name  # reserved: no adapter may be served under it
-        self.metrics = ServerMetrics(engine)
-        self.metrics.label_model(config.served_model_name)
+        self.metrics = ServerMetrics(engine, base_name=config.served_model_name)  # labelled with its own series
         self.loads = LoadExecutor(config.max_concurrent_loads, config.max_loads_per_tenant,
                                   config.adapter_load_timeout)
         self.max_model_len = engine.max_model_len
