@@ -26,8 +26,7 @@ from lora_runner.spec_decode.grammar_masks import grammar_prefix, position_bitma
 from lora_runner.spec_decode.ngram import Speculator
 from structured_support import save_byte_checkpoint
 
-REGEX = "[abc ]{4,40}"  # the prompts repeat "abcd": the n-gram proposes a "d" the grammar cuts
-# request kind -> its settings beside greedy decoding with logprobs
+REGEX = "[abc ]{4,40}"  # the n-gram also proposes the prompts' "." and "R", which the grammar cuts
 # request kind -> its settings beside greedy decoding with logprobs. Penalties small enough that the tiny
 # random model's greedy loops (where n-gram drafts are accepted) hold for a while and then break where
 # the counts, including the drafts before each position, reach the gap between its top logits.
