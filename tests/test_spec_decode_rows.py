@@ -26,7 +26,7 @@ from lora_runner.spec_decode.grammar_masks import grammar_prefix, position_bitma
 from lora_runner.spec_decode.ngram import Speculator
 from structured_support import save_byte_checkpoint
 
-REGEX = "[abc ]{4,40}"  # the n-gram also proposes the prompts' "." and "R", which the grammar cuts
+REGEX = "[ac ]{4,40}"  # after "a" the n-gram proposes the "abcd" prompt's "b", which the grammar cuts
 # request kind -> its settings beside greedy decoding with logprobs. Penalties small enough that the tiny
 # random model's greedy loops (where n-gram drafts are accepted) hold for a while and then break where
 # the counts, including the drafts before each position, reach the gap between its top logits.
@@ -34,14 +34,14 @@ KINDS = {
     "penalties": dict(presence_penalty=0.02, frequency_penalty=0.05, repetition_penalty=1.05),
     "frequency": dict(frequency_penalty=0.08),
     "min_tokens": dict(min_tokens=10),  # with the ids of STOP_WORDS as stop ids (_requests)
+    "grammar": dict(structured_outputs=StructuredOutputsParams(regex=REGEX)),  # with the "abcd" prompt first
     "bad_words": dict(bad_words=["nd", "R"]),
-    "grammar": dict(structured_outputs=StructuredOutputsParams(regex=REGEX)),
     "plain": {},
 }
 STOP_WORDS = ("nd", "R", "r")  # one token each, the loops below: proposed as drafts, banned until min_tokens
 # the model loops on these (drafts get accepted); on the "R" one min_tokens' ban of "R" ends where a
 # verify step crosses min_tokens, and the request stops on the first "R" allowed
-PROMPTS = ["aaaaaaaaaaaa", "..........", "RRRRRRRRRRRR", "abababababab"]
+PROMPTS = ["aaaaaaaaaaaa", "..........", "RRRRRRRRRRRR", "abcdabcdabcd"]
 
 
 @pytest.fixture(scope="module")
