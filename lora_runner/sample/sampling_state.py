@@ -85,9 +85,9 @@ class SamplingBatch:
 
 
     def select(self, index: np.ndarray) -> SamplingBatch:
-        """The batch whose row i is row index[i] of this one ([N] int64; rows may repeat: an explicit
-        batch's sequence verified at each of its positions with the same settings; the engine's rows
-        give each position its own, SamplingState.batch's offsets)."""
+        """The batch whose row i is row index[i] of this one ([N] int64; a subset, such as the rejection
+        sampler's one-sequence retry, or rows repeated: an explicit batch's sequence verified at each
+        of its positions with the same settings, where the engine's rows give each position its own)."""
         index = np.asarray(index, np.int64)
         new_of = {old: np.flatnonzero(index == old) for old in np.unique(index).tolist()}  # old row -> new rows
         ban_new, ban_at = np.nonzero(index[:, None] == self.ban_rows[None, :])  # [N'] new row, its ban entry
