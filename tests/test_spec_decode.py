@@ -17,7 +17,8 @@ from lora_runner.entrypoints.vllm_compat import engine_kwargs
 from lora_runner.sample.sampler import Sampler, SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.spec_decode.config import SpeculativeConfig
-from lora_runner.spec_decode.ngram import MAX_BACKOFF_STEPS, Speculator, propose_ngram
+from lora_runner.spec_decode.adaptive import SpeculationPolicy
+from lora_runner.spec_decode.ngram import Speculator, propose_ngram
 from lora_runner.spec_decode.rejection_sampler import RejectionSampler
 from lora_runner.worker.batch_builder import BatchBuilder
 from lora_runner.worker.request_rows import InputBatch
@@ -78,7 +79,7 @@ def _request(prompt, output=(), **params) -> Request:
     return request
 
 
-def test_speculator_bounds_drafts_and_skips_requests_it_cannot_verify_per_position():
+def test_speculator_bounds_drafts_for_every_kind_of_request():
     speculator = Speculator(SpeculativeConfig.parse(NGRAM), max_model_len=64)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     assert speculator.drafts(_request(prompt, max_tokens=20), budget=100) == [7, 8, 5]
@@ -87,36 +88,17 @@ def test_speculator_bounds_drafts_and_skips_requests_it_cannot_verify_per_positi
     assert speculator.drafts(_request(prompt, max_tokens=1), budget=100) == []
     assert Speculator(SpeculativeConfig.parse(NGRAM), max_model_len=11).drafts(
         _request(prompt, max_tokens=20), budget=100) == [7]  # no draft past max_model_len
-    assert speculator.drafts(_request(prompt, max_tokens=20, repetition_penalty=1.2), budget=100) == []
-    assert speculator.drafts(_request(prompt, max_tokens=20, min_tokens=1), budget=100) == []
-    assert speculator.drafts(_request(prompt, [7], max_tokens=20, min_tokens=1), budget=100) == [8, 5, 6]
-
-
-def test_speculator_backs_off_after_misses_and_resumes_after_a_hit():
-    speculator = Speculator(SpeculativeConfig.parse(NGRAM), max_model_len=64)
-    request = _request([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], max_tokens=40)
-
-    def proposing(steps: int) -> list[bool]:
-        return [bool(speculator.drafts(request, budget=100)) for _ in range(steps)]
-    assert proposing(2) == [True, True]
-    speculator.observe(request, 3, 0)
-    assert proposing(2) == [False, True]  # one step skipped after one miss
-    speculator.observe(request, 3, 0)
-    assert proposing(4) == [False, False, False, True]  # 3 after two
-    for _ in range(10):
-        speculator.observe(request, 3, 0)
-    assert proposing(MAX_BACKOFF_STEPS + 1) == [False] * MAX_BACKOFF_STEPS + [True]  # bounded
-    speculator.observe(request, 3, 1)
-    assert proposing(1) == [True]  # an accepted draft resets it
-    speculator.observe(request, 3, 0)
-    assert proposing(2) == [False, True]
+    # settings applied per verified position (tests/test_spec_decode_rows.py) do not stop proposals
+    assert speculator.drafts(_request(prompt, max_tokens=20, repetition_penalty=1.2), budget=100) == [7, 8, 5]
+    assert speculator.drafts(_request(prompt, max_tokens=20, min_tokens=5), budget=100) == [7, 8, 5]
 
 
 # ------------------------------------------------------------------ scheduler: budget, blocks, rollback
 def _scheduler(num_blocks=32, budget=64) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, 4, enable_caching=True), max_num_seqs=4, max_num_batched_tokens=budget,
                      max_loras=1, adapter_state=lambda ref: "ready",
-                     speculator=Speculator(SpeculativeConfig.parse(NGRAM), max_model_len=64))
+                     speculator=SpeculationPolicy(Speculator(SpeculativeConfig.parse(NGRAM), max_model_len=64),
+                                                  SpeculativeConfig.parse(NGRAM)))
 
 
 class _Appender:

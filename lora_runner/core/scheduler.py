@@ -30,7 +30,10 @@ Speculative decoding (a ``speculator``, lora_runner.spec_decode): a running requ
 proposes after its last token, within the budget and only when the KV blocks for them are free
 (speculation never preempts). postprocess rolls the computed count back by the drafts the step
 rejected before it registers blocks, so the prefix cache holds only accepted tokens and the
-rejected drafts' KV slots are written again later.
+rejected drafts' KV slots are written again later. A step in which more requests decode than the
+speculator's ``disable_by_batch_size`` proposes no drafts. Verify steps are counted in the scheduler's
+``spec`` (all requests), ``spec_by_adapter`` (per adapter name, None for the base model) and each
+request's own ``spec``.
 """
 
 from __future__ import annotations
@@ -64,15 +67,22 @@ Place = Callable[[list[ScheduledRequest]], Placement]
 
 
 class DraftSource(Protocol):
-    """Where a speculating scheduler gets draft tokens (lora_runner.spec_decode.ngram.Speculator)."""
+    """Where a speculating scheduler gets draft tokens (lora_runner.spec_decode.adaptive.SpeculationPolicy)."""
 
     num_speculative_tokens: int  # k: the most drafts per request and step
+    disable_by_batch_size: int | None  # no drafts in a step where more requests decode; None: no limit
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens after a decoding request's last token, within `budget` tokens (that one included)."""
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verify step of `request` accepted the first `num_accepted` of its `num_drafts` drafts."""
+
+
+def _adapter_name(request: Request) -> str | None:
+    """The name of the adapter a request runs with (its LoRA, else its soft prompt), None for the base model."""
+    adapter = request.lora_request or request.prompt_adapter_request
+    return None if adapter is None else adapter.name
 
 
 def _no_grammar(request: Request) -> str:
@@ -132,6 +142,7 @@ class Scheduler:
         self.grammar_state = grammar_state
         self.speculator = speculator
         self.spec = SpecDecodingStats(speculator.num_speculative_tokens if speculator is not None else 0)
+        self.spec_by_adapter: dict[str | None, SpecDecodingStats] = {}  # adapter name (None: base) -> its counts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: oldest first
         self.num_preemptions = 0  # cumulative, for stats and tests
@@ -204,6 +215,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, picked: list[_Picked], budget: int) -> int:
         pending = deque(self.running)  # oldest first; victims are taken from the back
         kept: list[Request] = []
+        speculates = self._speculates_this_step()
         while pending:
             request = pending.popleft()
             if budget == 0:
@@ -211,7 +223,7 @@ class Scheduler:
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             end = request.num_computed_tokens + num_new
-            drafts = self._drafts(request, budget)
+            drafts = self._drafts(request, budget) if speculates else []
             if drafts and self.block_manager.can_allocate(request.request_id, end + len(drafts)):
                 end += len(drafts)
             else:
@@ -230,6 +242,14 @@ class Scheduler:
             budget -= num_new + len(drafts)
         self.running = kept
         return budget
+
+    def _speculates_this_step(self) -> bool:
+        """True when the step may verify drafts: speculation is on and no more running requests decode
+        than the speculator's disable_by_batch_size."""
+        if self.speculator is None:
+            return False
+        limit = self.speculator.disable_by_batch_size
+        return limit is None or sum(r.num_uncomputed_tokens == 1 for r in self.running) <= limit
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """The draft tokens a running request verifies this step: [] unless it decodes and speculates."""
@@ -423,6 +443,10 @@ class Scheduler:
             scheduled.request.spec = SpecDecodingStats(self.spec.num_speculative_tokens)
         scheduled.request.spec.add(num_drafts, accepted)
         self.spec.add(num_drafts, accepted)
+        adapter = _adapter_name(scheduled.request)
+        if adapter not in self.spec_by_adapter:
+            self.spec_by_adapter[adapter] = SpecDecodingStats(self.spec.num_speculative_tokens)
+        self.spec_by_adapter[adapter].add(num_drafts, accepted)
         self.speculator.observe(scheduled.request, num_drafts, accepted)
         return num_drafts - accepted
 

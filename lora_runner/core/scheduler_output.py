@@ -92,9 +92,11 @@ class Placement:
 class GrammarOutput:
     """The step's structured-output mask (vLLM's GrammarOutput), made after schedule() and handed to
     sampling beside the SchedulerOutput: for each constrained sampled row (its index among the step's
-    sampled rows) a packed bitmask row of the ids it may sample."""
+    sampled rows) a packed bitmask row of the ids it may sample. In a step with draft tokens the
+    sampled rows are the verified positions (a speculating sequence with d drafts has d + 1 in order;
+    position j's mask follows its first j drafts: lora_runner.spec_decode.grammar_masks)."""
 
-    rows: tuple[int, ...]  # [C] sampled-row index of each bitmask row
+    rows: tuple[int, ...]  # [C] sampled-row (position) index of each bitmask row
     bitmask: torch.Tensor  # [C, ceil(V / 32)] int32, bit t of a row: id t allowed
 
 

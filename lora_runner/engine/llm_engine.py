@@ -42,6 +42,8 @@ from lora_runner.executor.startup import start_executor
 from lora_runner.outputs import RequestOutput
 from lora_runner.sample.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
+from lora_runner.spec_decode.adaptive import SpeculationPolicy
+from lora_runner.spec_decode.grammar_masks import position_bitmask
 from lora_runner.spec_decode.ngram import Speculator
 
 logger = logging.getLogger(__name__)
@@ -112,10 +114,10 @@ class LLMEngine(AdapterAPI):
         self._arrivals = count()
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
 
-    def _speculator(self) -> Speculator | None:
+    def _speculator(self) -> SpeculationPolicy | None:
         """The scheduler's draft-token source when speculative decoding is on (README: Speculative decoding)."""
         spec = self.config.speculative()
-        return None if spec is None else Speculator(spec, self.limits.max_model_len)
+        return None if spec is None else SpeculationPolicy(Speculator(spec, self.limits.max_model_len), spec)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -305,8 +307,13 @@ class LLMEngine(AdapterAPI):
 
     def _grammar(self, sched: SchedulerOutput) -> GrammarOutput | None:
         """The step's structured-output mask over its sampled rows (filled on the step thread); None when
-        no row is constrained."""
-        rows, bitmask = self.structured.step_bitmask([s.request for s in sched.scheduled if s.samples])
+        no row is constrained. With draft tokens its rows are the verified positions (spec_decode.grammar_masks)."""
+        sampled = [s for s in sched.scheduled if s.samples]
+        if sched.scheduled_spec_decode_tokens:
+            rows, bitmask = position_bitmask([s.request for s in sampled], [s.draft_token_ids for s in sampled],
+                                             self.structured.vocab_size, self.structured.mask_budget_s)
+        else:
+            rows, bitmask = self.structured.step_bitmask([s.request for s in sampled])
         return None if bitmask is None else GrammarOutput(tuple(rows), bitmask)
 
     def _update(self, sched: SchedulerOutput, result: SamplerOutput) -> list[RequestOutput]:

@@ -7,7 +7,7 @@ touching the scheduler or the block manager, which only the step thread may read
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from adapters.manager import AdapterStats
 from lora_runner.outputs import SpecDecodingStats
@@ -24,7 +24,9 @@ class EngineStats:
     prefix cache / of those, found computed (cumulative, as vLLM's counters; 0 with caching off).
     kv_blocks_cached: blocks holding a cached prefix (held by requests or evictable).
     spec_decode: speculative decoding's cumulative counters (verify steps, draft tokens, accepted ones,
-    accepted per draft position; a copy); None when it is off.
+    accepted per draft position; a copy); None when it is off. spec_decode_by_adapter: the same per
+    adapter name (a LoRA's, else a soft prompt's; None: the base model), for the adapters whose
+    requests verified drafts ({} when off).
     running_loras / waiting_loras: the distinct LoRA names of the running / waiting requests, sorted
     (vLLM's lora_requests_info); max_loras: the LoRAs one step may run (the scheduler's).
     steps: step() calls since start. adapters: the adapter manager's cumulative counters, read when
@@ -46,6 +48,7 @@ class EngineStats:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    spec_decode_by_adapter: dict[str | None, SpecDecodingStats] = field(default_factory=dict)
 
     @classmethod
     def collect(cls, scheduler, block_manager, steps: int) -> EngineStats:
@@ -57,8 +60,14 @@ class EngineStats:
                    kv_blocks_cached=block_manager.num_cached_blocks,
                    running_loras=_lora_names(scheduler.running), waiting_loras=_lora_names(scheduler.waiting),
                    max_loras=scheduler.max_loras,
-                   spec_decode=None if getattr(scheduler, "speculator", None) is None else replace(
-                       scheduler.spec, accepted_per_position=list(scheduler.spec.accepted_per_position)))
+                   spec_decode=None if getattr(scheduler, "speculator", None) is None else _copy(scheduler.spec),
+                   spec_decode_by_adapter={name: _copy(stats)
+                                           for name, stats in getattr(scheduler, "spec_by_adapter", {}).items()})
+
+
+def _copy(stats: SpecDecodingStats) -> SpecDecodingStats:
+    """A copy the step thread no longer changes."""
+    return replace(stats, accepted_per_position=list(stats.accepted_per_position))
 
 
 def _lora_names(requests) -> tuple[str, ...]:

@@ -8,7 +8,10 @@ ids, from the one stop rule lora_runner.core.stop_rule), and where its prompt li
 
 Each step ``batch(rows, token_ids, num_tokens)`` indexes the arrays by the step's sampled rows and
 derives what changes per step from the row's token count alone: the min_tokens ban (its generated
-count against min_tokens) and the penalty histories (views of the row's token ids, no copy).
+count against min_tokens), the bad-word bans and the penalty histories (views of the row's token
+ids, no copy). A speculating row is sampled at each of its verified positions: position j reads
+the row's tokens and its first j draft tokens (written after them) as if they were generated, so
+the settings at every position are those plain decoding would have there (``offsets``).
 ``explicit_batch`` builds the same SamplingBatch from per-row lists (memory profile, tests).
 """
 
@@ -85,8 +88,9 @@ class SamplingBatch:
 
 
     def select(self, index: np.ndarray) -> SamplingBatch:
-        """The batch whose row i is row index[i] of this one ([N] int64; rows may repeat: a speculating
-        sequence is verified at each of its positions with its one row's settings)."""
+        """The batch whose row i is row index[i] of this one ([N] int64; a subset, such as the rejection
+        sampler's one-sequence retry, or rows repeated: an explicit batch's sequence verified at each
+        of its positions with the same settings, where the engine's rows give each position its own)."""
         index = np.asarray(index, np.int64)
         new_of = {old: np.flatnonzero(index == old) for old in np.unique(index).tolist()}  # old row -> new rows
         ban_new, ban_at = np.nonzero(index[:, None] == self.ban_rows[None, :])  # [N'] new row, its ban entry
@@ -219,11 +223,18 @@ class SamplingState:
         self.bad_words.pop(row, None)
         self.bias.pop(row, None)
 
-    def batch(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray) -> SamplingBatch:
+    def batch(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
+              offsets: np.ndarray | None = None) -> SamplingBatch:
         """The settings of the sampled rows `rows` [S] (batch order), with their min_tokens bans and
-        penalty histories read from the rows' token ids (token_ids [R, L], num_tokens [R]: InputBatch's)."""
+        penalty histories read from the rows' token ids (token_ids [R, L], num_tokens [R]: InputBatch's).
+
+        offsets [S] (speculative decoding): batch row i samples after the row's tokens and the next
+        offsets[i] token ids written after them (its draft tokens), so its min_tokens count, bad-word
+        prefix and penalty counts see those drafts as generated tokens; a row repeats in `rows` once
+        per verified position. None: every offset is 0."""
         batch = self.settings(rows)
-        num_generated = num_tokens[rows] - self.prompt_end[rows]  # [S] tokens generated before this one
+        ends = num_tokens[rows] if offsets is None else num_tokens[rows] + offsets  # [S] tokens before each one
+        num_generated = ends - self.prompt_end[rows]  # [S] tokens generated before this one
         under = np.flatnonzero(num_generated < self.min_tokens[rows])  # [U] rows that may not stop yet
         if under.size:
             ids = self.stop_ids[rows[under]]  # [U, K]
@@ -231,21 +242,22 @@ class SamplingState:
             batch.ban_rows = np.broadcast_to(under[:, None], ids.shape)[valid]  # [N]
             batch.ban_ids = ids[valid]  # [N]
         if self.bad_words:
-            self._add_bad_word_bans(batch, rows, token_ids, num_tokens)
+            self._add_bad_word_bans(batch, rows, token_ids, ends)
         for i in np.flatnonzero(batch.has_penalties).tolist():  # penalised rows only: views, no copy
             row = int(rows[i])
             start, end = int(self.prompt_start[row]), int(self.prompt_end[row])
-            batch.histories[i] = (token_ids[row, start:end], token_ids[row, end:int(num_tokens[row])])
+            batch.histories[i] = (token_ids[row, start:end], token_ids[row, end:int(ends[i])])
         return batch
 
     def _add_bad_word_bans(self, batch: SamplingBatch, rows: np.ndarray, token_ids: np.ndarray,
-                           num_tokens: np.ndarray) -> None:
-        """Append each bad-words row's bans (its generated tokens read from the row) to the batch's."""
+                           ends: np.ndarray) -> None:
+        """Append each bad-words row's bans (its generated tokens, up to ends[i], read from the row) to
+        the batch's."""
         extra_rows, extra_ids = [], []
         for i, row in enumerate(rows.tolist()):
             words = self.bad_words.get(row)
             if words:
-                banned = bad_word_bans(token_ids[row, int(self.prompt_end[row]):int(num_tokens[row])], words)
+                banned = bad_word_bans(token_ids[row, int(self.prompt_end[row]):int(ends[i])], words)
                 extra_rows += [i] * len(banned)
                 extra_ids += banned
         if extra_rows:

@@ -5,6 +5,13 @@ proposes up to k tokens per decode step from the request's own prompt and output
 lookup, lora_runner.spec_decode.ngram). As in vLLM, when only one of the lookup bounds is given the
 other takes its value, and when neither is given both are 5. ``"draft_model"`` (a second, smaller
 model) is refused: not supported yet.
+
+Adaptation (lora_runner.spec_decode.adaptive), for every method: ``"disable_by_batch_size": n``
+(vLLM's key) turns speculation off in steps where more than n running requests decode; ours,
+``"min_acceptance_rate": r`` (default 0.1, 0 turns it off) and ``"acceptance_probe_interval": m``
+(default 8): a request whose recent acceptance rate (an exponential moving average of accepted /
+proposed drafts per verify step) is below r stops proposing, and proposes again once every m of its
+decode steps to measure it anew.
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ from dataclasses import dataclass
 
 METHODS = ("ngram",)
 _NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+         "min_acceptance_rate", "acceptance_probe_interval"}
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is set
+DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
+DEFAULT_PROBE_INTERVAL = 8
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: most draft tokens verified per sequence and step
     prompt_lookup_min: int  # smallest n-gram matched
     prompt_lookup_max: int  # largest n-gram matched (tried first)
+    disable_by_batch_size: int | None = None  # no speculation in steps with more decoding requests; None: never
+    min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE  # a request's acceptance EMA below it: it pauses
+    acceptance_probe_interval: int = DEFAULT_PROBE_INTERVAL  # a paused request speculates once per this many steps
 
     @classmethod
     def parse(cls, value: Mapping | str) -> SpeculativeConfig:
@@ -57,4 +70,18 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config {name} must be an integer >= 1, got {number!r}")
         if low > high:
             raise ValueError(f"speculative_config prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
-        return cls(method, k, low, high)
+        return cls(method, k, low, high, *_adaptation(value))
+
+
+def _adaptation(value: Mapping) -> tuple[int | None, float, int]:
+    """The adaptation keys of a speculative_config (see the module docstring), checked."""
+    batch = value.get("disable_by_batch_size")
+    rate = value.get("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE)
+    interval = value.get("acceptance_probe_interval", DEFAULT_PROBE_INTERVAL)
+    if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
+        raise ValueError(f"speculative_config disable_by_batch_size must be an integer >= 1 or null, got {batch!r}")
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 1:
+        raise ValueError(f"speculative_config min_acceptance_rate must be a number in [0, 1], got {rate!r}")
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise ValueError(f"speculative_config acceptance_probe_interval must be an integer >= 1, got {interval!r}")
+    return batch, float(rate), interval

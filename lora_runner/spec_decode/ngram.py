@@ -5,19 +5,13 @@ output) are looked up among its earlier tokens; at the most recent earlier occur
 tokens that followed it are proposed. No model runs: a summary or an edit of a given text repeats
 spans of it, and those spans are what gets proposed.
 
-``Speculator`` is what the scheduler asks each step: whether a running request may speculate (see
-``speculates``) and its drafts, bounded by k, the step's token budget, the request's max_tokens and
-max_model_len. It adapts to each request's recent acceptance: after a verify step that accepted
-none of its drafts a request proposes nothing for 1, then 3, 7, ... (at most MAX_BACKOFF_STEPS)
-decode steps, and one accepted draft resets that; a request whose output does not repeat its
-input stops paying for verifying drafts that miss. Which drafts are proposed never changes the
-tokens a request gets, only how many steps it takes.
+``Speculator`` proposes a running request's drafts, bounded by k, the step's token budget, the
+request's max_tokens and max_model_len; which requests ask it, and when, is decided around it
+(lora_runner.spec_decode.adaptive). Which drafts are proposed never changes the tokens a request
+gets, only how many steps it takes.
 """
 
 from __future__ import annotations
-
-import weakref
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -39,29 +33,9 @@ def propose_ngram(token_ids: np.ndarray, k: int, min_n: int, max_n: int) -> list
     return []
 
 
-MAX_BACKOFF_STEPS = 16  # the longest run of decode steps without drafts after verify steps that missed
-
-
-@dataclass
-class _Backoff:
-    """A request's recent misses: verify steps in a row that accepted no draft, and decode steps left to skip."""
-
-    misses: int = 0
-    skip: int = 0
-
-
-def speculates(request: Request) -> bool:
-    """True when the request's next token may be verified with drafts: its sampling settings are the
-    same at every position of the verify step. Not for rows whose logits change with the tokens
-    before them (penalties, bad words, a structured-output grammar) nor while min_tokens bans its stop
-    ids; those decode one token per step."""
-    params = request.params
-    return (not params.has_penalties and not params.bad_words_token_ids and request.grammar is None
-            and params.structured_outputs is None and request.num_output_tokens >= params.min_tokens)
-
-
 class Speculator:
-    """The scheduler's source of draft tokens (see the module docstring).
+    """N-gram drafts of a request (see the module docstring; the scheduler asks it through
+    lora_runner.spec_decode.adaptive.SpeculationPolicy).
 
     Args:
         config: the engine's SpeculativeConfig.
@@ -71,7 +45,6 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self._backoff: weakref.WeakKeyDictionary[Request, _Backoff] = weakref.WeakKeyDictionary()
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -80,26 +53,12 @@ class Speculator:
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request whose one uncomputed token is scheduled, within `budget`
-        tokens of the step (the last token included); [] when it does not speculate."""
+        tokens of the step (the last token included); [] when nothing repeats or there is no room."""
         # the step yields at most drafts + 1 tokens: more drafts than tokens left to generate are wasted
         limit = min(self.config.num_speculative_tokens, budget - 1,
                     request.params.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens)
-        if limit < 1 or not speculates(request):
-            return []
-        backoff = self._backoff.get(request)
-        if backoff is not None and backoff.skip:
-            backoff.skip -= 1
+        if limit < 1:
             return []
         tokens = np.asarray(request.token_ids[request.num_virtual_tokens:], np.int64)  # soft-prompt ids excluded
         return propose_ngram(tokens, limit, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-
-    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A verify step of `request` accepted `num_accepted` of its `num_drafts` drafts (see the module
-        docstring for how that sets its next proposals)."""
-        backoff = self._backoff.setdefault(request, _Backoff())
-        if num_accepted:
-            backoff.misses = backoff.skip = 0
-        else:
-            backoff.misses += 1
-            backoff.skip = min(2 ** backoff.misses - 1, MAX_BACKOFF_STEPS)

@@ -4,8 +4,12 @@
 A speculating sequence with d drafts x_1..x_d is sampled at d + 1 positions of one forward pass:
 position j's logits are the model's after the sequence's tokens and x_1..x_j, computed with the
 sequence's own adapter. Every position goes through the Sampler's preparation with the sequence's
-settings (temperature, top-k / top-p / min-p, allowed ids, bans), so p_j below is exactly the
-distribution the one-token sampler would draw from at that position.
+settings as they stand after x_1..x_j (temperature, top-k / top-p / min-p and allowed ids; penalty
+counts, min_tokens and bad-word bans and the grammar mask that count the drafts before it as
+generated: lora_runner.sample.sampling_state, lora_runner.spec_decode.grammar_masks), so p_j below is
+exactly the distribution the one-token sampler would draw from at that position had x_1..x_j been
+sampled. Tokens after the first rejected draft are never kept, so a position whose settings assumed
+a draft that was not accepted is never read.
 
 - greedy: x_{j+1} is accepted while it equals argmax p_j; the first mismatch yields the argmax
   instead, and when all d match the bonus token argmax p_d follows (the tokens of plain decoding);
@@ -47,7 +51,7 @@ class RejectionSampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[Sequence[int]]) -> SamplerOutput:
         """Tokens of each sequence from `logits` [N, V], N = sum(len(drafts[s]) + 1): sequence s's
         positions in order, then the next sequence's; `batch`: one row per position (the sequence's
-        settings, SamplingBatch.select). Returns one row per sequence holding its 1 to d + 1 tokens.
+        settings at that position: InputBatch.sampling_batch; SamplingBatch.select repeats a row). Returns one row per sequence holding its 1 to d + 1 tokens.
         A sequence whose settings are broken or whose logits at a yielded position are not finite
         fails alone; should verifying them together raise, each is verified alone."""
         counts = np.fromiter((len(d) + 1 for d in drafts), np.int64, len(drafts))  # [S]

@@ -178,10 +178,10 @@ class ModelRunner:
         return result
 
     def _verify(self, logits: torch.Tensor, sampling: SamplingBatch, drafts: list[list[int]]) -> SamplerOutput:
-        """Verify the drafts from logits [N, V] at every position of the sampling sequences (each
-        verified with its sequence's settings, repeated per position)."""
-        counts = np.fromiter((len(d) + 1 for d in drafts), np.int64, len(drafts))  # [S]
-        return self.rejection_sampler(logits, sampling.select(np.repeat(np.arange(len(drafts)), counts)), drafts)
+        """Verify the drafts from logits [N, V] at every position of the sampling sequences; `sampling`
+        has one row per position (InputBatch.sampling_batch: penalties, bans and grammar masks of
+        position j see the sequence's drafts before it)."""
+        return self.rejection_sampler(logits, sampling, drafts)
 
     def _prompt_logits(self, batch: BatchInputs, flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of the flat batch's rows `flat` [n] (hidden `rows` [n, hidden]), with their

@@ -240,9 +240,17 @@ class InputBatch:
 
     def sampling_batch(self, step: ScheduledRows) -> SamplingBatch:
         """The sampling settings of the step's sampling sequences, in batch order (their min_tokens
-        bans and penalty histories read from the rows' token ids, before commit appends to them)."""
+        bans and penalty histories read from the rows' token ids, before commit appends to them).
+        A speculating sequence with d drafts has d + 1 rows, one per verified position in order, each
+        seeing the drafts before it (SamplingState.batch's offsets)."""
         assert self.sampling is not None, "these rows keep no sampling settings"
-        return self.sampling.batch(step.rows[step.seqs.sample], self.token_ids, self.num_tokens)
+        sampling = step.rows[step.seqs.sample]  # [S]
+        drafts = step.drafts[step.seqs.sample]  # [S]
+        if not drafts.any():
+            return self.sampling.batch(sampling, self.token_ids, self.num_tokens)
+        counts = drafts + 1  # [S] positions per sequence
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # [N] 0..d per sequence
+        return self.sampling.batch(np.repeat(sampling, counts), self.token_ids, self.num_tokens, offsets)
 
     def prompt_spans(self, step: ScheduledRows) -> list[PromptSpan]:
         """The prompt positions the step's chunks score for rows that ask for prompt logprobs

@@ -90,6 +90,10 @@ class Matcher(ABC):
     def only_end_allowed(self) -> bool:
         """True when the grammar is complete and nothing but an end token may follow."""
 
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding's rejected drafts)."""
+
     def step_error(self) -> str | None:
         """Why the last ``fill`` went over the backend's own per-step bound (None: it did not)."""
         return None

@@ -59,6 +59,7 @@ class GuidanceMatcher(Matcher):
         self._matcher = matcher
         self.stop_token_ids = list(stop_token_ids)
         self._terminated = False
+        self._end_unconsumed = False  # an end token accepted after llguidance stopped by itself
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         row = bitmask[index]  # [ceil(V / 32)] int32, written in place by llguidance (the GIL released)
@@ -73,13 +74,26 @@ class GuidanceMatcher(Matcher):
         return self._matcher.get_error() or "llguidance stopped"
 
     def accept_token(self, token_id: int) -> bool:
-        if not self._matcher.consume_token(token_id):
+        if self._matcher.is_stopped():  # complete (llguidance stops by itself): only an end token continues it
+            self._terminated = self._end_unconsumed = token_id in self.stop_token_ids and not self._matcher.is_error()
+            return self._terminated
+        # try_consume_tokens, not consume_token: a refused token leaves the matcher as it was (no error
+        # state), as xgrammar's accept_token does; speculative decoding probes drafts this way
+        if self._matcher.try_consume_tokens([token_id]) != 1:
             return False
         self._terminated = token_id in self.stop_token_ids
         return True
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._end_unconsumed:  # the end token accepted above without llguidance consuming it
+            num_tokens, self._end_unconsumed = num_tokens - 1, False
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+        # only an end token terminates, and nothing is accepted after it: any rollback undoes it
+        self._terminated = self._terminated and num_tokens == 0
 
     def only_end_allowed(self) -> bool:
         # stopped: no token but an end token is accepted now (and the grammar is complete)

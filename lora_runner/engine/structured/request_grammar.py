@@ -114,6 +114,12 @@ class RequestGrammar:
             raise StructuredOutputError(f"token {token_id} does not continue the output's constraint")
         return self.matcher.is_terminated() or (not may_stop and self.only_end_allowed())
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` tokens ``accept`` advanced by (speculative decoding's drafts,
+        lora_runner.spec_decode.grammar_masks)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
     def only_end_allowed(self) -> bool:
         """True when the constraint is complete and no token but an end token may follow (the grammar's
         own stop ids): a JSON value closed with no whitespace left, a choice written out."""

@@ -40,6 +40,9 @@ class XGrammarMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
     def only_end_allowed(self) -> bool:
         from lora_runner.sample.token_masks import unpack_bitmask
 

@@ -12,13 +12,17 @@ the engine publishes after each step (EngineClient.get_stats): running and waiti
 blocks in use and cached, preemptions, prefix-cache queries and hits (tokens), and every field of
 the adapter manager's cumulative stats (slot loads are the slot misses; hits appear when the
 manager counts them). vLLM's names of the same numbers (``vllm:*``) are read from these at scrape time
-(lora_runner.entrypoints.openai.vllm_metrics).
+(lora_runner.entrypoints.openai.vllm_metrics). With speculative decoding on: vLLM's counters of verify
+steps, draft tokens, accepted tokens and accepted tokens per draft position (``vllm:spec_decode_*``,
+labelled ``model_name`` = the base model's served name, ``position`` for the last), and the same per
+adapter (``lora_runner_spec_decode_*``, labelled ``model`` by the latency histograms' rule).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from adapters.manager import AdapterStats
 from lora_runner.engine.protocol import EngineClient
 from lora_runner.entrypoints.openai.vllm_metrics import VllmCollector
+from lora_runner.engine.stats import EngineStats
 from lora_runner.request_times import RequestTimes
 
 logger = logging.getLogger(__name__)
@@ -44,6 +49,7 @@ class ServerMetrics:
 
     def __init__(self, engine: EngineClient, model_name: str | None = None) -> None:
         self.engine = engine
+        self.base_name = engine.model_name if model_name is None else model_name  # its requests' label
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("lora_runner_requests", "Generation requests accepted, per served model",
@@ -68,10 +74,9 @@ class ServerMetrics:
         self._labelled: set[str] = set()  # the bounded set of model label values (model_label)
         self.runtime_loads = Counter("lora_runner_runtime_adapter_loads", "load_lora_adapter calls, per result",
                                      ["result"], registry=reg)
-        reg.register(_EngineCollector(engine))
-        model_name = engine.model_name if model_name is None else model_name
-        self.label_model(model_name)
-        reg.register(VllmCollector(self, model_name))
+        self.label_model(self.base_name)
+        reg.register(_EngineCollector(engine, self.adapter_label))
+        reg.register(VllmCollector(self, self.base_name))
 
     def label_model(self, name: str) -> None:
         """Give `name` (the base model or an adapter named at start-up) its own latency series."""
@@ -80,6 +85,10 @@ class ServerMetrics:
     def model_label(self, name: str) -> str:
         """`name` when it has its own series, else "other" (keeps the label set bounded)."""
         return name if name in self._labelled else OTHER_MODEL
+
+    def adapter_label(self, adapter: str | None) -> str:
+        """The label of an engine-side adapter name (None: the base model, under its served name)."""
+        return self.model_label(self.base_name if adapter is None else adapter)
 
     def request_finished(self, model: str, seconds_since_receipt: float, times: RequestTimes | None) -> None:
         """Observe a finished request's end-to-end latency and, when the engine reported its
@@ -101,8 +110,9 @@ class ServerMetrics:
 class _EngineCollector:
     """Engine state read at scrape time from the engine's stats snapshot (EngineClient.get_stats)."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, adapter_label: Callable[[str | None], str]) -> None:
         self.engine = engine
+        self.adapter_label = adapter_label
 
     def collect(self):
         """Yield the engine's gauges and adapter counters."""
@@ -126,6 +136,8 @@ class _EngineCollector:
         yield CounterMetricFamily("lora_runner_prefix_cache_hits", "Looked-up tokens found computed in the "
                                   "prefix cache", value=stats.prefix_cache_hits)
         yield from self._adapter_stats(stats.adapters)
+        if stats.spec_decode is not None:
+            yield from _spec_decode_series(stats, self.adapter_label)
 
     @staticmethod
     def _adapter_stats(stats: AdapterStats):
@@ -148,3 +160,40 @@ class _EngineCollector:
     def describe(self):
         """Nothing up front: the metric names are only known at collect time."""
         return []
+
+
+_SPEC_COUNTERS = (("num_drafts", "Verify steps of speculative decoding (sequences that verified drafts, per step)"),
+                  ("num_draft_tokens", "Draft tokens verified"),
+                  ("num_accepted_tokens", "Draft tokens accepted"))
+
+
+def _spec_decode_series(stats: EngineStats, adapter_label: Callable[[str | None], str]):
+    """Speculative decoding's counters: vLLM's names for the engine, ours per adapter label (adapters
+    that share a label, "other", are summed)."""
+    spec, base = stats.spec_decode, adapter_label(None)
+    per_label: dict[str, list] = {}  # label -> [num_drafts, num_draft_tokens, num_accepted_tokens, per position]
+    for adapter, counts in stats.spec_decode_by_adapter.items():
+        total = per_label.setdefault(adapter_label(adapter), [0, 0, 0, [0] * len(spec.accepted_per_position)])
+        for i, (name, _) in enumerate(_SPEC_COUNTERS):
+            total[i] += getattr(counts, name)
+        for position, accepted in enumerate(counts.accepted_per_position[:len(total[3])]):
+            total[3][position] += accepted
+    for i, (name, doc) in enumerate(_SPEC_COUNTERS):
+        engine = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
+        engine.add_metric([base], getattr(spec, name))
+        yield engine
+        ours = CounterMetricFamily(f"lora_runner_spec_decode_{name}", f"{doc}, per served model", labels=["model"])
+        for label, total in per_label.items():
+            ours.add_metric([label], total[i])
+        yield ours
+    doc = "Draft tokens accepted at each draft position (0: the first draft)"
+    engine = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", doc, labels=["model_name", "position"])
+    for position, accepted in enumerate(spec.accepted_per_position):
+        engine.add_metric([base, str(position)], accepted)
+    yield engine
+    ours = CounterMetricFamily("lora_runner_spec_decode_num_accepted_tokens_per_pos", f"{doc}, per served model",
+                               labels=["model", "position"])
+    for label, total in per_label.items():
+        for position, accepted in enumerate(total[3]):
+            ours.add_metric([label, str(position)], accepted)
+    yield ours
