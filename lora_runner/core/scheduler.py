@@ -30,7 +30,9 @@ Speculative decoding (a ``speculator``, lora_runner.spec_decode): a running requ
 proposes after its last token, within the budget and only when the KV blocks for them are free
 (speculation never preempts). postprocess rolls the computed count back by the drafts the step
 rejected before it registers blocks, so the prefix cache holds only accepted tokens and the
-rejected drafts' KV slots are written again later.
+rejected drafts' KV slots are written again later. The speculator sees the running requests once per
+step before any proposal (``prepare``: a draft model runs its batched forwards there) and hears of each
+request that leaves them, finished or preempted (``release``: a draft model frees its own KV blocks).
 """
 
 from __future__ import annotations
@@ -64,9 +66,17 @@ Place = Callable[[list[ScheduledRequest]], Placement]
 
 
 class DraftSource(Protocol):
-    """Where a speculating scheduler gets draft tokens (lora_runner.spec_decode.ngram.Speculator)."""
+    """Where a speculating scheduler gets draft tokens (lora_runner.spec_decode: ngram.Speculator,
+    draft_model.DraftModelSpeculator)."""
 
     num_speculative_tokens: int  # k: the most drafts per request and step
+
+    def prepare(self, running: list[Request]) -> None:
+        """Once per step before any drafts(): the running requests, oldest first (a draft model runs
+        its forwards for all of them here, batched)."""
+
+    def release(self, request: Request) -> None:
+        """`request` left the running set (finished, aborted or preempted): what is held for it goes."""
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens after a decoding request's last token, within `budget` tokens (that one included)."""
@@ -202,6 +212,8 @@ class Scheduler:
             out.finished_ids.append(request.request_id)
 
     def _schedule_running(self, out: SchedulerOutput, picked: list[_Picked], budget: int) -> int:
+        if self.speculator is not None:
+            self.speculator.prepare(self.running)
         pending = deque(self.running)  # oldest first; victims are taken from the back
         kept: list[Request] = []
         while pending:
@@ -239,6 +251,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request)
         request.preempt()
         self.waiting.appendleft(request)
         out.preempted_ids.append(request.request_id)
@@ -406,6 +420,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request)
         self._finished_ids.append(request.request_id)
         self._leaders.pop(request, None)
         if request in self._tenants:

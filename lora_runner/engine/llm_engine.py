@@ -25,7 +25,7 @@ from lora_runner.config import EngineConfig
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.fairness import VirtualTokenCounter, tenant_of
 from lora_runner.core.request import Request
-from lora_runner.core.scheduler import Scheduler
+from lora_runner.core.scheduler import DraftSource, Scheduler
 from lora_runner.core.scheduler_output import GrammarOutput, SchedulerOutput
 from lora_runner.device import set_cpu_threads
 from lora_runner.engine.adapter_api import AdapterAPI
@@ -43,6 +43,7 @@ from lora_runner.outputs import RequestOutput
 from lora_runner.sample.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.spec_decode.ngram import Speculator
+from lora_runner.worker.draft_runner import load_draft_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +111,23 @@ class LLMEngine(AdapterAPI):
         self._arrivals = count()
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
 
-    def _speculator(self) -> Speculator | None:
-        """The scheduler's draft-token source when speculative decoding is on (README: Speculative decoding)."""
-        spec = self.config.speculative()
-        return None if spec is None else Speculator(spec, self.limits.max_model_len)
+    def _speculator(self) -> DraftSource | None:
+        """The scheduler's draft-token source when speculative decoding is on (README: Speculative decoding):
+        n-gram lookup, or a draft model that runs in this process (at tensor_parallel_size > 1 too, unsharded)."""
+        spec, cfg = self.config.speculative(), self.config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return Speculator(spec, self.limits.max_model_len)
+        try:
+            return load_draft_speculator(
+                spec, target_config=self.model_config, target_dir=self.model_dir,
+                max_model_len=self.limits.max_model_len, max_num_batched_tokens=self.limits.max_num_batched_tokens,
+                max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.limits.num_kv_blocks, block_size=cfg.block_size,
+                dtype=cfg.torch_dtype(), device=cfg.torch_device(), local_files_only=cfg.local_files_only)
+        except BaseException:  # a draft refused or not found: no worker process outlives the failed start
+            self.executor.close()
+            raise
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

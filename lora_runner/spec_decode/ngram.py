@@ -53,11 +53,27 @@ class _Backoff:
 def speculates(request: Request) -> bool:
     """True when the request's next token may be verified with drafts: its sampling settings are the
     same at every position of the verify step. Not for rows whose logits change with the tokens
-    before them (penalties, bad words, a structured-output grammar) nor while min_tokens bans its stop
-    ids; those decode one token per step."""
+    before them (see may_speculate) nor while min_tokens bans its stop ids; those decode one token
+    per step."""
+    return may_speculate(request) and request.num_output_tokens >= request.params.min_tokens
+
+
+def may_speculate(request: Request) -> bool:
+    """False for a request that never speculates: its logits change with the tokens before them
+    (penalties, bad words, a structured-output grammar)."""
     params = request.params
     return (not params.has_penalties and not params.bad_words_token_ids and request.grammar is None
-            and params.structured_outputs is None and request.num_output_tokens >= params.min_tokens)
+            and params.structured_outputs is None)
+
+
+def draft_limit(request: Request, k: int, max_model_len: int) -> int:
+    """The most drafts a decoding request may verify in its next step (0: none): at most k, none
+    when it does not speculate (see speculates), and no more than it has tokens left to generate
+    less one (the step yields at most drafts + 1 tokens) nor past max_model_len (no KV slot there)."""
+    if not speculates(request):
+        return 0
+    return max(0, min(k, request.params.max_tokens - request.num_output_tokens - 1,
+                      max_model_len - request.num_tokens))
 
 
 class Speculator:
@@ -81,11 +97,8 @@ class Speculator:
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request whose one uncomputed token is scheduled, within `budget`
         tokens of the step (the last token included); [] when it does not speculate."""
-        # the step yields at most drafts + 1 tokens: more drafts than tokens left to generate are wasted
-        limit = min(self.config.num_speculative_tokens, budget - 1,
-                    request.params.max_tokens - request.num_output_tokens - 1,
-                    self.max_model_len - request.num_tokens)
-        if limit < 1 or not speculates(request):
+        limit = min(draft_limit(request, self.config.num_speculative_tokens, self.max_model_len), budget - 1)
+        if limit < 1:
             return []
         backoff = self._backoff.get(request)
         if backoff is not None and backoff.skip:
@@ -93,6 +106,12 @@ class Speculator:
             return []
         tokens = np.asarray(request.token_ids[request.num_virtual_tokens:], np.int64)  # soft-prompt ids excluded
         return propose_ngram(tokens, limit, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def prepare(self, running: list[Request]) -> None:
+        """Nothing to prepare: n-gram drafts are looked up per request (DraftSource's step hook)."""
+
+    def release(self, request: Request) -> None:
+        """Nothing held per request but its backoff, which outlives a preemption (DraftSource's hook)."""
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verify step of `request` accepted `num_accepted` of its `num_drafts` drafts (see the module
