@@ -196,6 +196,14 @@ def test_a_smaller_draft_of_another_family(checkpoint, plain, drafts):
     assert engine.stats.spec_decode.num_draft_tokens > 0
 
 
+def test_tensor_parallel_target_with_the_draft_on_the_engine_side(checkpoint, plain, drafts):
+    """At tp=2 the target's ranks verify; the draft runs unsharded in the engine's process."""
+    prompts, stop, expected, _ = plain
+    done, engine = run(checkpoint, draft_model(drafts["truncated"], 3), prompts, stop_words=[stop], tp=2)
+    assert_all_same(expected, done, "tp=2")
+    assert engine.stats.spec_decode.num_accepted_tokens > 0 and engine.scheduler.speculator.num_forwards > 0
+
+
 def test_seeded_sampling_keeps_its_tokens_with_a_draft_model(checkpoint, drafts):
     prompts = grounded_prompts(12, seed=5)
     without, _ = run(checkpoint, None, prompts, seeded=True)
@@ -213,10 +221,10 @@ def test_sampled_tokens_keep_their_distribution(tmp_path):
     save_tiny_model(tmp_path / "micro", "llama", seed=1, tokenizer=False, initializer_range=0.5, **MICRO_LLAMA)
 
     def histograms(spec):
-        engine = LLMEngine(str(tmp_path / "micro"), device="cpu", max_num_seqs=64, max_model_len=32, block_size=4,
+        engine = LLMEngine(str(tmp_path / "micro"), device="cpu", max_num_seqs=128, max_model_len=32, block_size=4,
                            speculative_config=spec, seed=11 if spec else 7)
         params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
-        for i in range(600):
+        for i in range(512):
             engine.add_request(f"r{i}", [5, 9, 3, 7], params)
         tokens = []
         while engine.has_unfinished_requests():
@@ -224,7 +232,7 @@ def test_sampled_tokens_keep_their_distribution(tmp_path):
         return np.asarray(tokens), engine
     plain_tokens, _ = histograms(None)
     spec_tokens, engine = histograms(draft_model(tmp_path / "micro", 3))
-    assert engine.stats.spec_decode.num_accepted_tokens > 200
+    assert engine.stats.spec_decode.num_accepted_tokens > 150
     for position in (1, 2, 3):
         table = np.stack([np.bincount(plain_tokens[:, position], minlength=32),
                           np.bincount(spec_tokens[:, position], minlength=32)])
