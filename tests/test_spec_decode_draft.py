@@ -130,6 +130,29 @@ def test_draft_cache_holds_exactly_the_accepted_tokens_before_each_proposal(k):
     assert blocks.num_free_blocks == blocks.num_blocks and blocks.holders() == []
 
 
+def test_a_failing_draft_forward_costs_only_that_steps_proposals():
+    blocks = BlockManager(16, 4)
+    fake = FakeDraft(16, 4)
+    calls = []
+
+    def flaky(chunks):
+        calls.append(len(chunks))
+        if len(calls) == 2:
+            raise RuntimeError("draft broke")
+        return fake(chunks)
+    speculator = DraftModelSpeculator(SpeculativeConfig.parse(draft_model("fake", 3)), flaky, blocks,
+                                      max_model_len=64, max_num_tokens=16)
+    request = Request("r", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=10), arrival=0)
+    request.num_computed_tokens = 4  # decoding: its last token is uncomputed
+    speculator.prepare([request])  # the first forward works, the second raises
+    assert speculator.drafts(request, budget=10) == [] and blocks.holders() == []
+    speculator.prepare([request])  # it starts over from the request's tokens
+    assert speculator.drafts(request, budget=10) == oracle(request.token_ids, 3)
+    assert speculator.drafts(request, budget=2) == oracle(request.token_ids, 1)  # cut to the step's budget
+    speculator.release(request)
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
 # ------------------------------------------------------------------ end to end, tiny checkpoints
 @pytest.fixture(scope="module")
 def drafts(engine_checkpoint, tmp_path_factory):
