@@ -73,10 +73,14 @@ def oracle(tokens: list[int], n: int) -> list[int]:
 
 
 class _Target:
-    """An OutputProcessor whose 'target' accepts a random number of the drafts, then a random token."""
+    """The verifying model, faked: keeps a random number of a row's drafts, then a token of its own. As
+    an OutputProcessor it appends every token and never stops (the test finishes requests at max_tokens)."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
+
+    def verify(self, drafts) -> list[int]:
+        return list(drafts[:self.rng.randint(0, len(drafts))]) + [self.rng.randrange(3, 50)]
 
     def append(self, request, tokens, logprobs):
         request.token_ids += tokens
@@ -104,10 +108,10 @@ def test_draft_cache_holds_exactly_the_accepted_tokens_before_each_proposal(k):
         scheduler.add(request)
     target, checked, steps = _Target(k), 0, 0
     while scheduler.has_unfinished():
-        calls = len(fake.calls)
+        num_calls = len(fake.calls)
         out = scheduler.schedule()
         steps += 1
-        step_calls = fake.calls[calls:]
+        step_calls = fake.calls[num_calls:]
         assert len(step_calls) <= k
         proposing = sum(c.sample for c in step_calls[0]) if step_calls else 0
         for later in step_calls[1:]:  # one token per proposing row, all of them in one forward
@@ -119,8 +123,7 @@ def test_draft_cache_holds_exactly_the_accepted_tokens_before_each_proposal(k):
                 assert list(s.draft_token_ids) == oracle(request.token_ids, len(s.draft_token_ids))
                 checked += 1
             if s.samples:
-                keep = target.rng.randint(0, len(s.draft_token_ids))
-                sampled.append(list(s.draft_token_ids[:keep]) + [target.rng.randrange(3, 50)])
+                sampled.append(target.verify(s.draft_token_ids))
         for request, _ in scheduler.postprocess(out.scheduled, SamplerOutput(sampled, [[None] * len(t) for t in sampled]),
                                                 target):
             if request.num_output_tokens >= request.params.max_tokens and not request.is_finished:
