@@ -10,8 +10,9 @@ Workloads (greedy, so both runs produce the same tokens and only the cost differ
 each with the base model alone and with --adapters LoRAs (requests spread over them), each without
 speculation, with {"method": "ngram", "num_speculative_tokens": k} and with {"method": "draft_model",
 "model": DRAFT, "num_speculative_tokens": k} for each --k. The draft is the model's first
---draft-layers layers with its embeddings and head (a smaller model that agrees with it often, as a
-distilled draft does); it runs without adapters, so with LoRAs it proposes the base model's tokens.
+--draft-layers layers with its embeddings and head (a smaller model that agrees with it sometimes;
+with all its layers, the model itself: the acceptance ceiling); it runs without adapters, so with LoRAs
+it proposes the base model's tokens.
 Per run: output tokens, engine steps, CPU seconds of this process (the draft's forwards included),
 output tokens per CPU second and per step, acceptance rate (accepted / proposed draft tokens) and
 mean accepted length (1 + accepted drafts per verify step). A random model copies its prompt only by
@@ -68,7 +69,8 @@ def save_truncated_draft(base, path: Path, num_layers: int) -> None:
 
     config = base.config.__class__.from_dict({**base.config.to_dict(), "num_hidden_layers": num_layers})
     draft = LlamaForCausalLM(config).eval()
-    draft.load_state_dict(base.state_dict(), strict=False)  # the layers past num_layers are left out
+    missing, _ = draft.load_state_dict(base.state_dict(), strict=False)  # the layers past num_layers are left out
+    assert not missing, f"the draft's {missing[:3]} ... are not the base model's (save it before adapters wrap it)"
     draft.save_pretrained(str(path))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (Path(base.name_or_path) / name).is_file():
@@ -126,7 +128,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--k", type=int, nargs="+", default=[3])
     parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"], choices=["ngram", "draft_model"])
-    parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers of the draft model")
+    parser.add_argument("--draft-layers", type=int, nargs="+", default=[1],
+                        help="decoder layers of the draft model, one row per value (the model's own count: draft = "
+                             "target, the acceptance ceiling)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=48)
@@ -142,17 +146,21 @@ def main() -> None:
         root = Path(tmp)
         # a large initializer range gives peaky logits: greedy decoding follows patterns, as a trained model's
         base = save_random_model(root / "model", shape, seed=args.seed, initializer_range=0.2)
-        adapters = [LoRARequest(p.name, str(p)) for p in save_random_adapters(base, root, args.adapters, args.rank)]
         base.name_or_path = str(root / "model")
-        save_truncated_draft(base, root / "draft", args.draft_layers)
+        for layers in args.draft_layers:  # before the adapters: PEFT wraps the base model's modules in place
+            save_truncated_draft(base, root / f"draft-{layers}", layers)
+        adapters = [LoRARequest(p.name, str(p)) for p in save_random_adapters(base, root, args.adapters, args.rank)]
         run(str(root / "model"), None, prompts("open", 2, 16, shape.vocab_size, args.seed), [], args)  # warm-up
         for workload in ("grounded", "open"):
             requests = prompts(workload, args.requests, args.prompt_len, shape.vocab_size, args.seed)
             for loras in ([], adapters):
                 baseline = None
-                for method, k in [("none", 0)] + [(m, k) for m in args.methods for k in args.k]:
-                    spec = spec_config(method, k, str(root / "draft"))
-                    row = {"workload": workload, "adapters": len(loras), "method": method, "k": k,
+                variants = [("ngram", None)] * ("ngram" in args.methods) + [
+                    ("draft_model", layers) for layers in args.draft_layers if "draft_model" in args.methods]
+                for method, layers, k in [("none", None, 0)] + [(m, n, k) for m, n in variants for k in args.k]:
+                    spec = spec_config(method, k, str(root / f"draft-{layers}"))
+                    name = method if layers is None else f"draft {layers}/{shape.num_layers} layers"
+                    row = {"workload": workload, "adapters": len(loras), "method": name, "k": k,
                            **run(str(root / "model"), spec, requests, loras, args)}
                     baseline = baseline or row
                     row["vs_no_spec_per_cpu_s"] = row["tokens_per_cpu_s"] / baseline["tokens_per_cpu_s"]

@@ -165,7 +165,8 @@ def drafts(engine_checkpoint, tmp_path_factory):
     path, hf, _ = engine_checkpoint
     root = tmp_path_factory.mktemp("drafts")
     truncated = build_tiny_model("llama", seed=0, num_hidden_layers=1)
-    truncated.load_state_dict(hf.state_dict(), strict=False)  # layer 1 of the target is left out
+    missing, _ = truncated.load_state_dict(hf.state_dict(), strict=False)  # layer 1 of the target is left out
+    assert not missing
     truncated.save_pretrained(str(root / "truncated"))
     save_tiny_tokenizer(root / "truncated", 256)
     save_tiny_model(root / "qwen2", "qwen2", seed=3, hidden_size=32, intermediate_size=48, num_hidden_layers=1)
