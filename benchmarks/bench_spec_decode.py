@@ -19,7 +19,8 @@ mean accepted length (1 + accepted drafts per verify step). A random model copie
 chance, so n-gram acceptance here is a floor: the table shows what verification costs and gains at
 that rate, not what a trained model gets.
 
-    python benchmarks/bench_spec_decode.py --quick   # CPU, small random model, a few minutes
+    python benchmarks/bench_spec_decode.py --quick   # CPU, small random model (~30 min on 2 busy cores)
+    python benchmarks/bench_spec_decode.py --quick --methods draft_model --draft-layers 1 4 --k 3
 
 Writes results/bench_spec_decode-<time>.json and prints the table with ratios against the run
 without speculation.
