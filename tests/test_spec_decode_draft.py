@@ -180,13 +180,14 @@ def drafts(engine_checkpoint, tmp_path_factory):
 
 
 def assert_all_same(expected, done, label):
+    """Same completions as `expected`, for every request and sample."""
     for i in expected:
         for want, got in zip(expected[i].outputs, done[i].outputs, strict=True):
             assert_same_completion(want, got, f"{label}: request {i} sample {want.index}")
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_with_a_draft_model_equals_greedy_without(checkpoint, plain, drafts, k):
+def test_greedy_with_a_draft_model_equals_greedy_without(checkpoint, plain, drafts, k, caplog):
     prompts, stop, expected, _ = plain
     done, engine = run(checkpoint, draft_model(drafts["truncated"], k), prompts, stop_words=[stop])
     assert engine.scheduler.num_preemptions > 0 and engine.stats.prefix_cache_hits > 0
@@ -198,17 +199,19 @@ def test_greedy_with_a_draft_model_equals_greedy_without(checkpoint, plain, draf
     assert len(spec.accepted_per_position) == k
     speculator = engine.scheduler.speculator
     assert speculator.num_forwards > 0
+    assert not [r for r in caplog.records if "draft" in r.name and r.levelname == "WARNING"], "a draft forward failed"
     for pool in (engine.block_manager, speculator.block_manager):  # the target's and the draft's own
         assert pool.num_free_blocks == pool.num_blocks and pool.holders() == []
 
 
-def test_a_draft_equal_to_the_target_proposes_what_the_target_decodes(checkpoint, plain, drafts):
+def test_a_draft_equal_to_the_target_proposes_what_the_target_decodes(checkpoint, plain, drafts, caplog):
     """Draft = target: every draft of a base request is accepted (its KV holds exactly the accepted
     tokens before each proposal, at the right positions); adapter requests, whose target is the
     adapted model, still get exactly their tokens."""
     prompts, stop, expected, _ = plain
     done, engine = run(checkpoint, draft_model(drafts["target"], 3), prompts, stop_words=[stop])
     assert_all_same(expected, done, "draft = target")
+    assert not [r for r in caplog.records if "draft" in r.name and r.levelname == "WARNING"]
     base = [i for i in done if KINDS[i % len(KINDS)] == "base"]
     assert base
     for i in base:
