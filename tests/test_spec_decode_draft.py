@@ -124,8 +124,8 @@ def test_draft_cache_holds_exactly_the_accepted_tokens_before_each_proposal(k):
                 checked += 1
             if s.samples:
                 sampled.append(target.verify(s.draft_token_ids))
-        for request, _ in scheduler.postprocess(out.scheduled, SamplerOutput(sampled, [[None] * len(t) for t in sampled]),
-                                                target):
+        result = SamplerOutput(sampled, [[None] * len(tokens) for tokens in sampled])
+        for request, _ in scheduler.postprocess(out.scheduled, result, target):
             if request.num_output_tokens >= request.params.max_tokens and not request.is_finished:
                 request.finish("length")
                 scheduler.remove(request)

@@ -122,6 +122,7 @@ class LLMEngine(AdapterAPI):
         try:
             return load_draft_speculator(
                 spec, target_config=self.model_config, target_dir=self.model_dir,
+                vocab_of=lambda model_dir: LazyTokenizer(model_dir).vocab(),
                 max_model_len=self.limits.max_model_len, max_num_batched_tokens=self.limits.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.limits.num_kv_blocks, block_size=cfg.block_size,
                 dtype=cfg.torch_dtype(), device=cfg.torch_device(), local_files_only=cfg.local_files_only)

@@ -12,7 +12,7 @@ allocated after the target's memory profile, so they come out of what gpu_memory
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -26,9 +26,6 @@ from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from lora_runner.worker.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
 
 class DraftModelRunner:
     """The draft model's forward over DraftChunks (spec_decode.draft_model.DraftForward): its own KV
@@ -63,16 +60,18 @@ class DraftModelRunner:
 
 
 def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConfig, target_dir: str | Path,
-                          max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int, num_kv_blocks: int,
-                          block_size: int, dtype: torch.dtype, device: torch.device,
+                          vocab_of: Callable[[Path], Mapping[str, int] | None], max_model_len: int,
+                          max_num_batched_tokens: int, max_num_seqs: int, num_kv_blocks: int, block_size: int,
+                          dtype: torch.dtype, device: torch.device,
                           local_files_only: bool | None = None) -> DraftModelSpeculator:
-    """The "draft_model" DraftSource of an engine of these sizes (see the module docstring). Raises
-    ValueError when the draft's vocabulary is not the target's or its context is shorter than
+    """The "draft_model" DraftSource of an engine of these sizes (see the module docstring). ``vocab_of``:
+    the token -> id map of a model dir's tokenizer (None: it has none; the engine's LazyTokenizer.vocab).
+    Raises ValueError when the draft's vocabulary is not the target's or its context is shorter than
     max_model_len, and what load_model raises for a draft it cannot load."""
     model, draft_config, draft_dir = load_model(config.model, dtype=dtype, device=device,
                                                 local_files_only=local_files_only)
     check_same_vocab(config.model, target_config.vocab_size, draft_config.vocab_size,
-                     _tokenizer_vocab(target_dir), _tokenizer_vocab(draft_dir))
+                     vocab_of(Path(target_dir)), vocab_of(Path(draft_dir)))
     if draft_config.max_position_embeddings < max_model_len:
         raise ValueError(f"speculative_config draft model {config.model!r} has a context of "
                          f"{draft_config.max_position_embeddings} tokens, shorter than max_model_len "
@@ -87,12 +86,3 @@ def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConf
                 config.model, draft_config.num_layers, k, blocks.num_blocks)
     return DraftModelSpeculator(config, runner, blocks, max_model_len=max_model_len, max_num_tokens=max_num_tokens)
 
-
-def _tokenizer_vocab(model_dir: str | Path) -> dict[str, int] | None:
-    """The token -> id map of the model dir's tokenizer; None when it has none (token-id prompts only)."""
-    model_dir = Path(model_dir)
-    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer  # imported here: only a draft model's start-up needs it
-
-    return AutoTokenizer.from_pretrained(str(model_dir)).get_vocab()
