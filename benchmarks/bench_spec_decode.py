@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram) benchmark: the same requests with and without speculation.
+"""Speculative decoding (n-gram and draft model) benchmark: the same requests with and without speculation.
 
 Workloads (greedy, so both runs produce the same tokens and only the cost differs):
 
@@ -8,13 +8,19 @@ Workloads (greedy, so both runs produce the same tokens and only the cost differ
   open        random prompts without repetition (n-gram drafts hit only where the output repeats)
 
 each with the base model alone and with --adapters LoRAs (requests spread over them), each without
-speculation and with {"method": "ngram", "num_speculative_tokens": k} for each --k. Per run: output
-tokens, engine steps, CPU seconds of this process, output tokens per CPU second and per step,
-acceptance rate (accepted / proposed draft tokens) and mean accepted length (1 + accepted drafts per
-verify step). A random model copies its prompt only by chance, so acceptance here is a floor:
-the table shows what verification costs and gains at that rate, not what a trained model gets.
+speculation, with {"method": "ngram", "num_speculative_tokens": k} and with {"method": "draft_model",
+"model": DRAFT, "num_speculative_tokens": k} for each --k. The draft is the model's first
+--draft-layers layers with its embeddings and head (a smaller model that agrees with it sometimes;
+with all its layers, the model itself: the acceptance ceiling); it runs without adapters, so with LoRAs
+it proposes the base model's tokens.
+Per run: output tokens, engine steps, CPU seconds of this process (the draft's forwards included),
+output tokens per CPU second and per step, acceptance rate (accepted / proposed draft tokens) and
+mean accepted length (1 + accepted drafts per verify step). A random model copies its prompt only by
+chance, so n-gram acceptance here is a floor: the table shows what verification costs and gains at
+that rate, not what a trained model gets.
 
-    python benchmarks/bench_spec_decode.py --quick   # CPU, small random model, a few minutes
+    python benchmarks/bench_spec_decode.py --quick   # CPU, small random model (~30 min on 2 busy cores)
+    python benchmarks/bench_spec_decode.py --quick --methods draft_model --draft-layers 1 4 --k 3
 
 Writes results/bench_spec_decode-<time>.json and prints the table with ratios against the run
 without speculation.
@@ -54,6 +60,31 @@ def prompts(workload: str, num: int, length: int, vocab: int, seed: int) -> list
         else:
             result.append([rng.randrange(4, vocab) for _ in range(length)])
     return result
+
+
+def save_truncated_draft(base, path: Path, num_layers: int) -> None:
+    """The draft: `base`'s first `num_layers` decoder layers, its embeddings, norm and head, with its tokenizer."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    config = base.config.__class__.from_dict({**base.config.to_dict(), "num_hidden_layers": num_layers})
+    draft = LlamaForCausalLM(config).eval()
+    missing, _ = draft.load_state_dict(base.state_dict(), strict=False)  # the layers past num_layers are left out
+    assert not missing, f"the draft's {missing[:3]} ... are not the base model's (save it before adapters wrap it)"
+    draft.save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(base.name_or_path) / name).is_file():
+            shutil.copy(Path(base.name_or_path) / name, path / name)
+
+
+def spec_config(method: str, k: int, draft_dir: str) -> dict | None:
+    """The speculative_config of a row (None: no speculation)."""
+    if k == 0:
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
 
 
 def run(model_dir: str, spec: dict | None, requests: list[list[int]], loras: list[LoRARequest], args) -> dict:
@@ -97,6 +128,10 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--k", type=int, nargs="+", default=[3])
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"], choices=["ngram", "draft_model"])
+    parser.add_argument("--draft-layers", type=int, nargs="+", default=[1],
+                        help="decoder layers of the draft model, one row per value (the model's own count: draft = "
+                             "target, the acceptance ceiling)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=48)
@@ -112,16 +147,21 @@ def main() -> None:
         root = Path(tmp)
         # a large initializer range gives peaky logits: greedy decoding follows patterns, as a trained model's
         base = save_random_model(root / "model", shape, seed=args.seed, initializer_range=0.2)
+        base.name_or_path = str(root / "model")
+        for layers in args.draft_layers:  # before the adapters: PEFT wraps the base model's modules in place
+            save_truncated_draft(base, root / f"draft-{layers}", layers)
         adapters = [LoRARequest(p.name, str(p)) for p in save_random_adapters(base, root, args.adapters, args.rank)]
         run(str(root / "model"), None, prompts("open", 2, 16, shape.vocab_size, args.seed), [], args)  # warm-up
         for workload in ("grounded", "open"):
             requests = prompts(workload, args.requests, args.prompt_len, shape.vocab_size, args.seed)
             for loras in ([], adapters):
                 baseline = None
-                for k in [0, *args.k]:
-                    spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k,
-                                                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-                    row = {"workload": workload, "adapters": len(loras), "k": k,
+                variants = [("ngram", None)] * ("ngram" in args.methods) + [
+                    ("draft_model", layers) for layers in args.draft_layers if "draft_model" in args.methods]
+                for method, layers, k in [("none", None, 0)] + [(m, n, k) for m, n in variants for k in args.k]:
+                    spec = spec_config(method, k, str(root / f"draft-{layers}"))
+                    name = method if layers is None else f"draft {layers}/{shape.num_layers} layers"
+                    row = {"workload": workload, "adapters": len(loras), "method": name, "k": k,
                            **run(str(root / "model"), spec, requests, loras, args)}
                     baseline = baseline or row
                     row["vs_no_spec_per_cpu_s"] = row["tokens_per_cpu_s"] / baseline["tokens_per_cpu_s"]
@@ -132,7 +172,8 @@ def main() -> None:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": machine_description("cpu"), "args": vars(args), "shape": vars(shape),
                                "rows": rows}, indent=2))
-    print(markdown_table(rows, [("workload", "workload", ""), ("adapters", "adapters", "d"), ("k", "k", "d"),
+    print(markdown_table(rows, [("workload", "workload", ""), ("adapters", "adapters", "d"), ("method", "method", ""),
+                                ("k", "k", "d"),
                                 ("output_tokens", "tokens", "d"), ("steps", "steps", "d"), ("proposed", "drafts", "d"),
                                 ("tokens_per_cpu_s", "tok/CPU s", ".1f"), ("vs_no_spec_per_cpu_s", "x CPU s", ".2f"),
                                 ("tokens_per_step", "tok/step", ".2f"), ("vs_no_spec_per_step", "x step", ".2f"),

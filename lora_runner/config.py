@@ -137,8 +137,9 @@ class EngineConfig:
     speculative_config: dict | str | None = field(hash=False, **_doc(
         'speculative decoding, in vLLM\'s spelling (a dict, or its JSON text on the command line): {"method": '
         '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} verifies up to k '
-        'tokens per decoding sequence and step, proposed from its own prompt and output (README: Speculative '
-        'decoding); None: off', default=None))
+        'tokens per decoding sequence and step, proposed from its own prompt and output; {"method": "draft_model", '
+        '"model": PATH_OR_HUB_ID, "num_speculative_tokens": k} proposes a smaller model\'s greedy tokens (the same '
+        'tokenizer; README: Speculative decoding); None: off', default=None))
     batch_invariant: bool = field(**_doc(
         "a request's tokens and logprobs are bitwise identical whether it runs alone or beside any other requests, "
         "adapters, chunk sizes and batch sizes (fixed-shape GEMM blocks, per-token attention and LoRA; README: "

@@ -38,7 +38,9 @@ def test_config_parses_vllm_spelling_and_json_text():
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"method": "draft_model", "model": "m", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "eagle", "model": "m", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
+    ({"method": "draft_model", "model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, "unknown keys"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "not supported yet"),
     ({"method": "ngramm", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),

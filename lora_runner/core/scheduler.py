@@ -33,7 +33,10 @@ rejected before it registers blocks, so the prefix cache holds only accepted tok
 rejected drafts' KV slots are written again later. A step in which more requests decode than the
 speculator's ``disable_by_batch_size`` proposes no drafts. Verify steps are counted in the scheduler's
 ``spec`` (all requests), ``spec_by_adapter`` (per adapter name, None for the base model) and each
-request's own ``spec``.
+request's own ``spec``. The speculator sees the running
+requests once per step before any proposal, in steps that may verify drafts (``prepare``: a draft
+model runs its batched forwards there), and hears of each request that leaves them, finished or
+preempted (``release``: a draft model frees its own KV blocks).
 """
 
 from __future__ import annotations
@@ -67,10 +70,18 @@ Place = Callable[[list[ScheduledRequest]], Placement]
 
 
 class DraftSource(Protocol):
-    """Where a speculating scheduler gets draft tokens (lora_runner.spec_decode.adaptive.SpeculationPolicy)."""
+    """Where a speculating scheduler gets draft tokens (lora_runner.spec_decode.adaptive.SpeculationPolicy,
+    around ngram.Speculator or draft_model.DraftModelSpeculator)."""
 
     num_speculative_tokens: int  # k: the most drafts per request and step
     disable_by_batch_size: int | None  # no drafts in a step where more requests decode; None: no limit
+
+    def prepare(self, running: list[Request]) -> None:
+        """Once per step before any drafts(): the running requests, oldest first (a draft model runs
+        its forwards for all of them here, batched)."""
+
+    def release(self, request: Request) -> None:
+        """`request` left the running set (finished, aborted or preempted): what is held for it goes."""
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens after a decoding request's last token, within `budget` tokens (that one included)."""
@@ -213,9 +224,11 @@ class Scheduler:
             out.finished_ids.append(request.request_id)
 
     def _schedule_running(self, out: SchedulerOutput, picked: list[_Picked], budget: int) -> int:
+        speculates = self._speculates_this_step()
+        if speculates:
+            self.speculator.prepare(self.running)
         pending = deque(self.running)  # oldest first; victims are taken from the back
         kept: list[Request] = []
-        speculates = self._speculates_this_step()
         while pending:
             request = pending.popleft()
             if budget == 0:
@@ -259,6 +272,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request)
         request.preempt()
         self.waiting.appendleft(request)
         out.preempted_ids.append(request.request_id)
@@ -426,6 +441,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request)
         self._finished_ids.append(request.request_id)
         self._leaders.pop(request, None)
         if request in self._tenants:

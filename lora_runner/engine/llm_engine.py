@@ -45,6 +45,7 @@ from lora_runner.sampling_params import SamplingParams
 from lora_runner.spec_decode.adaptive import SpeculationPolicy
 from lora_runner.spec_decode.grammar_masks import position_bitmask
 from lora_runner.spec_decode.ngram import Speculator
+from lora_runner.worker.draft_runner import load_draft_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +116,24 @@ class LLMEngine(AdapterAPI):
         self._stats = EngineStats.collect(self.scheduler, self.block_manager, steps=0)
 
     def _speculator(self) -> SpeculationPolicy | None:
-        """The scheduler's draft-token source when speculative decoding is on (README: Speculative decoding)."""
-        spec = self.config.speculative()
-        return None if spec is None else SpeculationPolicy(Speculator(spec, self.limits.max_model_len), spec)
+        """The scheduler's draft-token source when speculative decoding is on (README: Speculative decoding):
+        n-gram lookup, or a draft model that runs in this process (at tensor_parallel_size > 1 too, unsharded),
+        behind the policy that decides who proposes (spec_decode.adaptive)."""
+        spec, cfg = self.config.speculative(), self.config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return SpeculationPolicy(Speculator(spec, self.limits.max_model_len), spec)
+        try:
+            return SpeculationPolicy(load_draft_speculator(
+                spec, target_config=self.model_config, target_dir=self.model_dir,
+                vocab_of=lambda model_dir: LazyTokenizer(model_dir).vocab(),
+                max_model_len=self.limits.max_model_len, max_num_batched_tokens=self.limits.max_num_batched_tokens,
+                max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.limits.num_kv_blocks, block_size=cfg.block_size,
+                dtype=cfg.torch_dtype(), device=cfg.torch_device(), local_files_only=cfg.local_files_only), spec)
+        except BaseException:  # a draft refused or not found: no worker process outlives the failed start
+            self.executor.close()
+            raise
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

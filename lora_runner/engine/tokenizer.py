@@ -50,6 +50,11 @@ class LazyTokenizer:
                 self._loaded = True
             return self._tokenizer
 
+    def vocab(self) -> dict[str, int] | None:
+        """The tokenizer's token -> id map; None when the model dir has no tokenizer."""
+        tokenizer = self.get()
+        return None if tokenizer is None else tokenizer.get_vocab()
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the special tokens (BOS) the tokenizer adds by itself."""
         tokenizer = self.get()

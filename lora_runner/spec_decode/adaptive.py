@@ -36,8 +36,14 @@ class Proposer(Protocol):
 
     num_speculative_tokens: int  # k
 
+    def prepare(self, running: list[Request]) -> None:
+        """Once per step that may verify drafts, before any drafts() (a draft model's batched forwards)."""
+
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Up to k drafts after the request's last token within `budget` tokens (that one included)."""
+
+    def release(self, request: Request) -> None:
+        """`request` left the running set: what the proposer holds for it goes."""
 
 
 @dataclass
@@ -63,6 +69,14 @@ class SpeculationPolicy:
         self.min_acceptance_rate = config.min_acceptance_rate
         self.probe_interval = config.acceptance_probe_interval
         self._acceptance: weakref.WeakKeyDictionary[Request, _Acceptance] = weakref.WeakKeyDictionary()
+
+    def prepare(self, running: list[Request]) -> None:
+        """The proposer's step hook (DraftSource.prepare)."""
+        self.proposer.prepare(running)
+
+    def release(self, request: Request) -> None:
+        """The proposer's per-request hook (DraftSource.release)."""
+        self.proposer.release(request)
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """The request's drafts this step: [] while its acceptance is low (between probes), else the

@@ -1,10 +1,14 @@
 """SpeculativeConfig: EngineConfig.speculative_config (vLLM's spelling) read and checked once.
 
-``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}``
-proposes up to k tokens per decode step from the request's own prompt and output (n-gram prompt
-lookup, lora_runner.spec_decode.ngram). As in vLLM, when only one of the lookup bounds is given the
-other takes its value, and when neither is given both are 5. ``"draft_model"`` (a second, smaller
-model) is refused: not supported yet.
+- ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}``
+  proposes up to k tokens per decode step from the request's own prompt and output (n-gram prompt
+  lookup, lora_runner.spec_decode.ngram). As in vLLM, when only one of the lookup bounds is given the
+  other takes its value, and when neither is given both are 5.
+- ``{"method": "draft_model", "model": PATH_OR_HUB_ID, "num_speculative_tokens": k}`` proposes the
+  greedy tokens of a second, smaller model with the target's tokenizer (lora_runner.spec_decode.
+  draft_model); whether its vocabulary matches is checked when the engine loads it.
+
+Other vLLM methods (eagle, medusa, ...) are refused.
 
 Adaptation (lora_runner.spec_decode.adaptive), for every method: ``"disable_by_batch_size": n``
 (vLLM's key) turns speculation off in steps where more than n running requests decode; ours,
@@ -20,10 +24,11 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
-_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-         "min_acceptance_rate", "acceptance_probe_interval"}
+METHODS = ("ngram", "draft_model")
+_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_ADAPTATION = {"disable_by_batch_size", "min_acceptance_rate", "acceptance_probe_interval"}
+_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", *_ADAPTATION},
+         "draft_model": {"method", "num_speculative_tokens", "model", *_ADAPTATION}}
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is set
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
 DEFAULT_PROBE_INTERVAL = 8
@@ -35,8 +40,9 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int  # k: most draft tokens verified per sequence and step
-    prompt_lookup_min: int  # smallest n-gram matched
-    prompt_lookup_max: int  # largest n-gram matched (tried first)
+    prompt_lookup_min: int | None  # smallest n-gram matched ("ngram" only, else None)
+    prompt_lookup_max: int | None  # largest n-gram matched, tried first ("ngram" only, else None)
+    model: str | None = None  # the draft model's local dir or Hub repo id ("draft_model" only, else None)
     disable_by_batch_size: int | None = None  # no speculation in steps with more decoding requests; None: never
     min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE  # a request's acceptance EMA below it: it pauses
     acceptance_probe_interval: int = DEFAULT_PROBE_INTERVAL  # a paused request speculates once per this many steps
@@ -53,24 +59,30 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a dict (JSON object), got {value!r}")
         method = value.get("method")
         if method in _NOT_YET:
-            raise ValueError(f'speculative_config method {method!r} is not supported yet; use "ngram"')
+            raise ValueError(f"speculative_config method {method!r} is not supported yet; use one of {METHODS}")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
-        unknown = set(value) - _KEYS
+        unknown = set(value) - _KEYS[method]
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method {method!r} "
-                             f"(known: {sorted(_KEYS)})")
+                             f"(known: {sorted(_KEYS[method])})")
         k = value.get("num_speculative_tokens")
+        _check_count("num_speculative_tokens", k)
+        if method == "draft_model":
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError(f'speculative_config method "draft_model" needs "model": the draft model\'s '
+                                 f"local directory or Hub repo id, got {model!r}")
+            return cls(method, k, None, None, model, *_adaptation(value))
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if low is None and high is None:
             low = high = _DEFAULT_LOOKUP
         low, high = (high if low is None else low), (low if high is None else high)
-        for name, number in (("num_speculative_tokens", k), ("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-            if not isinstance(number, int) or isinstance(number, bool) or number < 1:
-                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {number!r}")
+        _check_count("prompt_lookup_min", low)
+        _check_count("prompt_lookup_max", high)
         if low > high:
             raise ValueError(f"speculative_config prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
-        return cls(method, k, low, high, *_adaptation(value))
+        return cls(method, k, low, high, None, *_adaptation(value))
 
 
 def _adaptation(value: Mapping) -> tuple[int | None, float, int]:
@@ -85,3 +97,8 @@ def _adaptation(value: Mapping) -> tuple[int | None, float, int]:
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
         raise ValueError(f"speculative_config acceptance_probe_interval must be an integer >= 1, got {interval!r}")
     return batch, float(rate), interval
+
+
+def _check_count(name: str, number) -> None:
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        raise ValueError(f"speculative_config {name} must be an integer >= 1, got {number!r}")

@@ -33,6 +33,13 @@ def propose_ngram(token_ids: np.ndarray, k: int, min_n: int, max_n: int) -> list
     return []
 
 
+def draft_limit(request: Request, k: int, max_model_len: int) -> int:
+    """The most drafts a decoding request may verify in its next step: at most k, and no more than it
+    has tokens left to generate less one (the step yields at most drafts + 1 tokens, more would be
+    wasted) nor past max_model_len (no KV slot there). Shared by every proposer."""
+    return max(0, min(k, request.params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens))
+
+
 class Speculator:
     """N-gram drafts of a request (see the module docstring; the scheduler asks it through
     lora_runner.spec_decode.adaptive.SpeculationPolicy).
@@ -54,11 +61,14 @@ class Speculator:
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request whose one uncomputed token is scheduled, within `budget`
         tokens of the step (the last token included); [] when nothing repeats or there is no room."""
-        # the step yields at most drafts + 1 tokens: more drafts than tokens left to generate are wasted
-        limit = min(self.config.num_speculative_tokens, budget - 1,
-                    request.params.max_tokens - request.num_output_tokens - 1,
-                    self.max_model_len - request.num_tokens)
+        limit = min(draft_limit(request, self.config.num_speculative_tokens, self.max_model_len), budget - 1)
         if limit < 1:
             return []
         tokens = np.asarray(request.token_ids[request.num_virtual_tokens:], np.int64)  # soft-prompt ids excluded
         return propose_ngram(tokens, limit, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def prepare(self, running: list[Request]) -> None:
+        """Nothing to prepare: n-gram drafts are looked up per request (DraftSource's step hook)."""
+
+    def release(self, request: Request) -> None:
+        """Nothing is held per request (DraftSource's hook)."""
