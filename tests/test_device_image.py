@@ -114,13 +114,15 @@ def test_the_device_run_dry_run_runs_every_part_under_the_limit(tmp_path):
 
 
 def test_a_constraint_without_its_backend_is_a_400_naming_it_and_plain_requests_go_on(tmp_path, monkeypatch):
-    """Over HTTP, in this process, xgrammar made unimportable (None in sys.modules): the constrained
-    request is refused with 400 naming the package, and the server goes on serving."""
+    """Over HTTP, in this process, both backends made unimportable (None in sys.modules; "auto" falls back
+    from llguidance to xgrammar): the constrained request is refused with 400 naming the package, and the
+    server goes on serving."""
     openai = pytest.importorskip("openai")
     from serve_support import serve_args, start_server
     from structured_support import save_byte_checkpoint
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)
+    monkeypatch.setitem(sys.modules, "llguidance", None)
     model_dir, _ = save_byte_checkpoint(tmp_path)
     server, _ = start_server(serve_args(model_dir, {}))
     try:

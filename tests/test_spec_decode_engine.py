@@ -65,7 +65,7 @@ def run(checkpoint, spec, prompts, stop_words=(), seeded=False, tp=1):
                        max_prompt_adapters=1, max_prompt_adapter_tokens=4,
                        max_logprobs=3, max_num_batched_tokens=16, enable_prefix_caching=True,
                        kv_cache_memory_bytes=NUM_BLOCKS * kv_block_bytes(ModelConfig.from_dir(path), 4, torch.float32),
-                       speculative_config=spec, tensor_parallel_size=tp)
+                       speculative_config=spec, tensor_parallel_size=tp, cpu_threads=1)
     pending = list(enumerate(prompts))
     done = {}
     while pending or engine.has_unfinished_requests():
