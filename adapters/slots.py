@@ -7,11 +7,19 @@ holding an adapter whose slice j has rank r_j:
 else of the slot is zero (untargeted modules, ranks above r_j), so zero-padding to R costs nothing
 in the result. Beside them, float32 scales the expand applies (punica_kernels.scales):
 ``slice_scales[s, j] = scaling_j`` (on the fp32 intermediate, never folded into a half B) and
-``column_scales[s, off_j:off_j+N_j]`` = DoRA's column scale, 1 for plain LoRA and empty slots.
+``column_scales[s, off_j:off_j+N_j]`` = DoRA's column scale, 1 for plain LoRA and empty slots
+(a module that applies plain LoRA only, ``LoRAModule.dora`` False: a mixture's experts, has none).
 On the CPU lora_b is a transposed view (its N columns contiguous, see :func:`zeros_b`).
 Writing an adapter first resets the slot's whole range, so nothing of a previous tenant (a
 larger rank, a DoRA scale) survives; clearing a slot resets its column scales to 1. Tensors are
 only ever written in place (CUDA-graph safe).
+
+Modules that are entries of one stacked parameter (``LoRAModule.stacked``: expert e of a layer's
+``mlp.experts.gate_up_proj``) get views of one buffer per parameter, entry-major
+(``lora_a [E, max_loras, n, R, K]``, ``lora_b [E, max_loras, N, R]``, ``slice_scales [E, max_loras, n]``),
+so the fused MoE kernels read every expert's slots as one tensor with no copy
+(lora_runner.model.moe_fused). ``expert_ranks`` marks which slots hold any such LoRA: an adapter on
+attention alone runs no expert LoRA op.
 """
 
 from __future__ import annotations
@@ -40,33 +48,52 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=dst.is_cuda and src.is_pinned())
 
 
-class ModuleSlots:
-    """The slot tensors of one LoRA-capable module (its descriptor: adapters.spec.LoRAModule)."""
+def slot_buffers(module: LoRAModule, entries: int, max_loras: int, max_lora_rank: int, device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zeroed (lora_a [entries, max_loras, n, R, K], lora_b [entries, max_loras, N, R], slice_scales
+    [entries, max_loras, n] float32) for ``entries`` modules of ``module``'s shape; lora_b as :func:`zeros_b`."""
+    n = len(module.slice_sizes)
+    lora_a = torch.zeros(entries, max_loras, n, max_lora_rank, module.in_features, dtype=dtype, device=device)
+    lora_b = zeros_b(entries, max_loras, module.out_features, max_lora_rank, dtype=dtype, device=device)
+    slice_scales = torch.zeros(entries, max_loras, n, dtype=torch.float32, device=device)
+    return lora_a, lora_b, slice_scales
 
-    def __init__(self, module: LoRAModule, max_loras: int, max_lora_rank: int, device, dtype: torch.dtype):
-        self.module, n = module, len(module.slice_sizes)
-        self.lora_a = torch.zeros(max_loras, n, max_lora_rank, module.in_features, dtype=dtype,
-                                  device=device)  # [max_loras, n, R, K]
-        self.lora_b = zeros_b(max_loras, module.out_features, max_lora_rank, dtype=dtype,
-                              device=device)  # [max_loras, N, R] (N contiguous on the CPU: zeros_b)
-        self.slice_scales = torch.zeros(max_loras, n, dtype=torch.float32, device=device)  # [max_loras, n]
+
+class ModuleSlots:
+    """The slot tensors of one LoRA-capable module (its descriptor: adapters.spec.LoRAModule).
+
+    ``buffers``: (lora_a, lora_b, slice_scales) of :func:`slot_buffers` this module is entry ``entry``
+    of (a stacked parameter's, shared with the other entries); None: its own."""
+
+    def __init__(self, module: LoRAModule, max_loras: int, max_lora_rank: int, device, dtype: torch.dtype,
+                 buffers: tuple[torch.Tensor, ...] | None = None, entry: int = 0):
+        self.module = module
+        if buffers is None:
+            buffers = slot_buffers(module, 1, max_loras, max_lora_rank, device, dtype)
+        self.lora_a = buffers[0][entry]  # [max_loras, n, R, K]
+        self.lora_b = buffers[1][entry]  # [max_loras, N, R] (N contiguous on the CPU: zeros_b)
+        self.slice_scales = buffers[2][entry]  # [max_loras, n]
+        # DoRA's column scales only where the layer applies them (not an expert: 84 MiB a slot at Qwen3-30B-A3B)
         self.column_scales = torch.ones(max_loras, module.out_features, dtype=torch.float32,
-                                        device=device)  # [max_loras, N]
+                                        device=device) if module.dora else None  # [max_loras, N]
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor of the module's slots."""
-        return self.lora_a, self.lora_b, self.slice_scales, self.column_scales
+        scales = () if self.column_scales is None else (self.column_scales,)
+        return self.lora_a, self.lora_b, self.slice_scales, *scales
 
     def reset(self, slot: int) -> None:
         """Zero ``slot``'s factors and scalings; its column scales back to 1."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.slice_scales[slot].zero_()
-        self.column_scales[slot].fill_(1.0)
+        if self.column_scales is not None:
+            self.column_scales[slot].fill_(1.0)
 
     def write(self, slot: int, pairs: tuple) -> bool:
-        """Write one adapter's per-slice pairs (a reset slot); whether any carries a DoRA column scale."""
+        """Write one adapter's per-slice pairs (a reset slot); whether any carries a DoRA column scale
+        (never on a module without DoRA: adapters.lora refuses it there)."""
         dora, scalings = False, torch.zeros(len(pairs))
         for j, (pair, offset, width) in enumerate(zip(pairs, self.module.slice_offsets, self.module.slice_sizes)):
             if pair is None:
@@ -90,8 +117,21 @@ class LoRASlots:
         if max_loras < 0 or max_lora_rank < 0 or (max_loras > 0 and max_lora_rank == 0):
             raise ValueError(f"need max_loras >= 0 and max_lora_rank > 0, got {max_loras}, {max_lora_rank}")
         self.spec, self.num_slots, self.max_rank = spec, max_loras, max_lora_rank
-        self._modules = {m.key: ModuleSlots(m, max_loras, max_lora_rank, device, dtype) for m in spec.modules}
+        stacks: dict[str, tuple[torch.Tensor, ...]] = {}  # stacked parameter path -> its entries' buffers
+        self._modules = {}
+        for m in spec.modules:
+            if m.stacked is None:
+                self._modules[m.key] = ModuleSlots(m, max_loras, max_lora_rank, device, dtype)
+                continue
+            path, entry, entries = m.stacked
+            if path not in stacks:
+                stacks[path] = slot_buffers(m, entries, max_loras, max_lora_rank, device, dtype)
+            assert stacks[path][0].shape[-1] == m.in_features and stacks[path][1].shape[-2] == m.out_features, m.key
+            self._modules[m.key] = ModuleSlots(m, max_loras, max_lora_rank, device, dtype, stacks[path], entry)
         self.slot_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras], 0 = empty
+        # a slot's rank where its adapter has LoRA on a stacked module (an expert), else 0: the MoE block
+        # reads it in place of slot_ranks, so an adapter without expert LoRA runs no expert LoRA op
+        self.expert_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
         # host bookkeeping (no device sync): the runner skips the column-scale epilogue without DoRA
         self.host_dora = np.zeros(max_loras, dtype=bool)  # [max_loras] slot holds DoRA column scales
 
@@ -101,7 +141,8 @@ class LoRASlots:
         return module.lora_a, module.lora_b
 
     def scales(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slice_scales [max_loras, n], column_scales [max_loras, N]) float32 of one layer's module ``name``."""
+        """(slice_scales [max_loras, n], column_scales [max_loras, N] or None for a module without DoRA)
+        float32 of one layer's module ``name``."""
         module = self._modules[(layer, name)]
         return module.slice_scales, module.column_scales
 
@@ -117,18 +158,24 @@ class LoRASlots:
         for module in self._modules.values():
             module.reset(slot)
         self.host_dora[slot] = False
+        experts = False
         for key, pairs in adapter.modules.items():
-            if self._modules[key].write(slot, pairs):
+            module = self._modules[key]
+            if module.write(slot, pairs):
                 self.host_dora[slot] = True
+            experts = experts or (module.module.stacked is not None and any(p is not None for p in pairs))
         self.slot_ranks[slot] = adapter.rank
+        self.expert_ranks[slot] = adapter.rank if experts else 0
 
     def clear(self, slot: int) -> None:
         """Mark ``slot`` empty and reset its DoRA column scales to 1 (its stale weights are unread: no
         token maps to it, and write() zeroes them)."""
         self.slot_ranks[slot] = 0
+        self.expert_ranks[slot] = 0
         self.host_dora[slot] = False
         for module in self._modules.values():
-            module.column_scales[slot].fill_(1.0)
+            if module.column_scales is not None:
+                module.column_scales[slot].fill_(1.0)
 
 
 class PromptSlots:

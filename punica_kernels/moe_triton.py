@@ -238,7 +238,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     the weighting's: float32 for Mixtral, the model dtype for Qwen3-MoE); topk_ids [T, k] int.
     ``lora``: None, or (token_slots [T] (-1 none), slot_ranks [L] int32, gate_up (lora_a [L, E, 2, R, H],
     lora_b [L, E, 2I, R], slice_scales [L, E, 2]), down (lora_a [L, E, 1, R, I], lora_b [L, E, H, R],
-    slice_scales [L, E, 1])). Returns out [T, H] in x's dtype. No host sync: graph-capturable.
+    slice_scales [L, E, 1])). Tokens on a slot of rank 0 are grouped as tokens without one: no LoRA
+    block holds their pairs. Returns out [T, H] in x's dtype. No host sync: graph-capturable.
     """
     num_tokens, top_k = topk_ids.shape
     num_pairs, intermediate = num_tokens * top_k, w_down.shape[2]
@@ -248,7 +249,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     align = moe_align(topk_ids, num_experts, block_m)
     if lora is not None:
         token_slots, slot_ranks, gate_up_lora, down_lora = lora
-        pair_slots = token_slots[:num_tokens].repeat_interleave(top_k)  # [P]
+        pair_slots = _slots_with_lora(token_slots[:num_tokens], slot_ranks).repeat_interleave(top_k)  # [P]
         lora_align = moe_align(topk_ids, num_experts, block_m, pair_slots, slot_ranks.shape[0])
     gate_up = moe_gemm(x, w_gate_up, x.new_empty(num_pairs, 2 * intermediate), align, top_k)  # [P, 2I]
     if lora is not None:
@@ -259,6 +260,13 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if lora is not None:
         _add_lora(down, hidden, down_lora, slot_ranks, lora_align, 1, pair_weights)
     return down.view(num_tokens, top_k, w_down.shape[1]).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
+
+
+def _slots_with_lora(token_slots: torch.Tensor, slot_ranks: torch.Tensor) -> torch.Tensor:
+    """token_slots [T] with -1 for a token whose slot has rank 0 (empty, or no LoRA on these experts), on
+    the device: the alignment then puts its pairs in the base groups, and the LoRA ops never see them."""
+    in_range = token_slots.clamp(0, slot_ranks.shape[0] - 1)  # [T] -1 (none) reads slot 0, masked below
+    return torch.where((token_slots >= 0) & (slot_ranks[in_range] > 0), token_slots, -1)
 
 
 def _add_lora(y: torch.Tensor, x: torch.Tensor, factors: tuple, slot_ranks: torch.Tensor, align: MoEAlignment,

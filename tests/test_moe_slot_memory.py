@@ -9,6 +9,8 @@ start; a device is checked before they are allocated).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -55,14 +57,22 @@ def test_bytes_per_slot_are_what_build_slots_allocates(family):
 
 
 def test_qwen3_30b_a3b_slot_at_rank_16_in_bf16():
-    """The issue's figure: ~1.55 GiB of expert factors, plus their float32 scales, attention and vocabulary LoRA."""
+    """The issue's figure: ~1.55 GiB of expert factors, plus their float32 slice scales (no DoRA column
+    scales: experts apply plain LoRA only), attention and vocabulary LoRA."""
     spec = ModelConfig.from_dict(QWEN3_30B_A3B).spec()
     one = lora_slot_bytes(spec, 16, torch.bfloat16)
     factors = 48 * 128 * (2 * 16 * 2048 + 2 * 768 * 16 + 16 * 768 + 2048 * 16) * 2  # A, B of gate_up and down
+    slice_scales = 48 * 128 * (2 + 1) * 4
     assert factors / 2**30 == pytest.approx(1.55, abs=0.01)
-    assert factors < one.experts < one.per_slot < 1.7 * 2**30
+    assert one.experts == factors + slice_scales
+    assert one.experts < one.per_slot < 1.6 * 2**30
     assert one.experts / one.per_slot > 0.95
-    assert "1.67 GiB per LoRA slot (98% experts' LoRA), max_loras=4: 6.67 GiB" == one.describe(4)
+    assert "1.59 GiB per LoRA slot (98% experts' LoRA), max_loras=4: 6.34 GiB" == one.describe(4)
+    # what DoRA column scales on every expert would add: 84 MiB a slot (one float32 per output row)
+    with_dora = replace(spec, modules=tuple(replace(m, dora=True) for m in spec.modules))
+    column_scales = 48 * 128 * (2 * 768 + 2048) * 4
+    assert column_scales == 84 * 2**20
+    assert lora_slot_bytes(with_dora, 16, torch.bfloat16).per_slot == one.per_slot + column_scales
     shards = [lora_slot_bytes(spec, 16, torch.bfloat16, rank, 2).per_slot for rank in range(2)]
     assert shards[0] == shards[1] < one.per_slot  # B of gate_up and A of down are split, the rest is not
 

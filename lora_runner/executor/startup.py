@@ -11,7 +11,7 @@
 
 Either way the adapter manager's weights are validated once here, and the runtime sizes (EngineLimits) are
 decided here from the model and the device. The LoRA slots' bytes are logged (a mixture of experts' slot
-holds every expert's LoRA: 1.67 GiB for Qwen3-30B-A3B at rank 16 in bf16) and left out of the KV cache:
+holds every expert's LoRA: 1.59 GiB for Qwen3-30B-A3B at rank 16 in bf16) and left out of the KV cache:
 in this process they are checked against the free device memory before they are allocated, then
 measured (the memory profile's resident bytes; on CPU the RAM left); for worker ranks on CPU they are
 taken off the RAM available before the ranks allocate them. The engine sets the end ids afterwards (the executor's setter).

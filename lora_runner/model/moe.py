@@ -7,14 +7,18 @@ weighted expert output is cast). Tokens are grouped by expert; each expert hit m
 projection (gate,up packed -> "gate_up"; down) over its tokens, and the weighted outputs are summed
 per token in ascending expert order (transformers' order). Qwen2-MoE adds a shared expert every token
 takes, weighted by sigmoid(shared_expert_gate(x)). That torch path serves the CPU; on CUDA the routed experts
-run through the fused Triton kernels (:meth:`SparseMoeBlock.routed_experts`, lora_runner.model.moe_fused).
+run through the fused Triton kernels (:meth:`SparseMoeBlock.routed_experts`, lora_runner.model.moe_fused),
+which sync with no host and so run in the decode graphs (the torch path's grouping reads the routing on
+the host: it refuses to run under capture). The experts' weights are allocated as entries of one buffer
+per projection (``gate_up`` [E, 2I, H], ``down`` [E, H, I]) that the kernels read as it is.
 
 Every projection is a :class:`LoRALinear` of its own, built from the descriptors
 lora_runner.model.lora_linear.moe_lora_modules declares (one per expert per projection, PEFT /
 checkpoint names per expert), so the loader, the adapter code and the slots need nothing MoE-specific.
 The router's LoRA runs over every token as any linear's (punica_kernels.add_lora); an expert's
 LoRA delta runs over the tokens routed to it (:func:`add_expert_lora`) before the activation (gate_up)
-or the routing weight (down), as PEFT's per-expert modules do. Checkpoints in transformers 5's fused
+or the routing weight (down), as PEFT's per-expert modules do; tokens whose adapter has no expert LoRA
+(``LoRASlots.expert_ranks`` 0: attention only) skip it. Checkpoints in transformers 5's fused
 layout (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) are read through
 :func:`split_fused_experts`.
 
@@ -78,8 +82,7 @@ class SparseMoeBlock(nn.Module):
         router, *projections = moe_lora_modules(config, layer)
         projections, shared = projections[:2 * config.num_experts], projections[2 * config.num_experts:]
         self.router = LoRALinear(router, False, dtype, device)  # replicated: every rank routes alike
-        self.experts = nn.ModuleList(_expert(gate_up, down, dtype, device, tp)
-                                     for gate_up, down in zip(projections[0::2], projections[1::2]))
+        self.experts = _stacked_experts(projections, dtype, device, tp)
         self.shared_expert = self.shared_expert_gate = None
         if shared:  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             gate_up, down, gate = shared
@@ -101,9 +104,6 @@ class SparseMoeBlock(nn.Module):
         return (weights if self.weights_in_float else weights.to(logits.dtype)), experts
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # the grouping below reads experts on the host
-            raise RuntimeError("mixture-of-experts layers do not run in CUDA graphs yet: serve this model with "
-                               "enforce_eager=True")
         weights, experts = self.route(hidden, ctx.lora)  # [T, k] each
         out = self.routed_experts(hidden, weights, experts, ctx.lora)  # [T, H]
         if self.shared_expert is not None:  # every token, its LoRA as any linear's
@@ -117,15 +117,48 @@ class SparseMoeBlock(nn.Module):
                        lora: LoRAContext | None) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{experts[t, j]}(hidden[t]) [T, H], each with the token's expert LoRA:
         the fused Triton kernels on CUDA (lora_runner.model.moe_fused), else a torch loop over the experts hit."""
-        if hidden.device.type == "cuda" and moe_fused.fused_supported(self):
+        if moe_fused.use_fused(self, hidden):
             return moe_fused.fused_routed_experts(self, hidden, weights, experts, lora)
-        slots = None if lora is None else lora.meta.token_slots[:hidden.shape[0]]  # [T]
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # the grouping below reads experts on the host
+            raise RuntimeError("this mixture-of-experts layer runs the torch loop (no fused kernels for its experts), "
+                               "which cannot run in CUDA graphs: serve this model with enforce_eager=True")
+        slots = None if lora is None else expert_token_slots(lora, hidden.shape[0])  # [T] or None
         out = torch.zeros_like(hidden)  # [T, H]
         for expert in experts.unique().tolist():  # ascending: each token sums its experts in transformers' order
             token_idx, k_pos = torch.where(experts == expert)  # [M] each
             y = self.experts[expert](hidden[token_idx], None if slots is None else slots[token_idx], lora)
             out.index_add_(0, token_idx, (y * weights[token_idx, k_pos, None]).to(out.dtype))
         return out
+
+
+def expert_token_slots(lora: LoRAContext, num_tokens: int) -> torch.Tensor | None:
+    """Each token's adapter slot [T] where that slot holds expert LoRA (``LoRASlots.expert_ranks`` > 0),
+    else -1; None when no token's does (the torch loop then runs no expert LoRA at all). Reads the
+    device on the host: the torch path's."""
+    token_slots, ranks = lora.meta.token_slots[:num_tokens], lora.slots.expert_ranks  # [T], [L]
+    if ranks.shape[0] == 0:
+        return None
+    slots = torch.where((token_slots >= 0) & (ranks[token_slots.clamp(0, ranks.shape[0] - 1)] > 0), token_slots, -1)
+    return slots if bool((slots >= 0).any()) else None
+
+
+def _stacked_experts(projections: tuple[LoRAModule, ...], dtype: torch.dtype, device,
+                     tp: TensorParallel) -> nn.ModuleList:
+    """The routed experts of (gate_up, down) descriptor pairs, their weights entries e of one buffer per
+    projection (gate_up [E, 2I, H], down [E, H, I] at ``tp``'s share) that the fused kernels read with no
+    copy (moe_fused.stack_in_place); each expert's own weight is dropped as soon as it is built, so at
+    most one expert's is allocated beside the buffers."""
+    experts, stacks = nn.ModuleList(), None
+    for e, (gate_up, down) in enumerate(zip(projections[0::2], projections[1::2])):
+        expert = _expert(gate_up, down, dtype, device, tp)
+        linears = (expert.gate_up, expert.down)
+        if stacks is None:
+            stacks = tuple(torch.empty(len(projections) // 2, *linear.weight.shape, dtype=dtype, device=device)
+                           for linear in linears)
+        for linear, stack in zip(linears, stacks):
+            linear.weight.data = stack[e]  # the parameter stays; load_weights copies into the buffer
+        experts.append(expert)
+    return experts
 
 
 def _expert(gate_up: LoRAModule, down: LoRAModule, dtype: torch.dtype, device, tp: TensorParallel) -> Expert:

@@ -2,20 +2,30 @@
 CUDA tensors; lora_runner.model.moe dispatches here and keeps its torch loop for the CPU.
 
 The kernels read every expert's weights (and LoRA slots) as one stacked tensor [E, ...], while the block
-holds one LoRALinear per expert (and adapters.slots one ModuleSlots per expert module). The first fused
-forward moves each projection's E tensors into one buffer and points each expert's tensor at its entry
-(:func:`stack_in_place`): no second copy of the weights, and a later in-place write through an expert's
-tensor (an adapter written into its slot) lands in the stack the kernels read. The stacked views are
-kept per block (and per LoRASlots object) so a step does no per-expert Python work.
+holds one LoRALinear per expert (and adapters.slots one ModuleSlots per expert module). Both are
+allocated stacked from the start: the block's experts' weights are entries of one buffer per projection
+(lora_runner.model.moe), and so are the expert modules' slots (adapters.slots, ``LoRAModule.stacked``).
+The first fused forward only takes a view of each stack (:func:`stack_in_place`, which would still copy
+tensors found apart: never a second copy of the weights otherwise), and a later in-place write through
+an expert's tensor (an adapter written into its slot) lands in the stack the kernels read. The views
+are kept per block (and per LoRASlots object) so a step does no per-expert Python work.
+
+The expert LoRA reads ``LoRASlots.expert_ranks`` as the slots' ranks: a slot whose adapter has no LoRA
+on the experts (attention only) has rank 0 there, so its tokens' pairs are grouped with the base pairs
+and no LoRA block runs for them. No host sync and sizes set by the batch alone (punica_kernels.moe_align),
+so the decode graphs capture this path (lora_runner.worker.cuda_graphs).
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 
 from lora_runner.model.forward_context import LoRAContext
+
+logger = logging.getLogger(__name__)
 
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> {key: stacked views}
 
@@ -23,15 +33,20 @@ _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> {ke
 def stack_in_place(tensors: list[torch.Tensor]) -> torch.Tensor:
     """[n, *shape] holding ``tensors`` (one shape and dtype), each of which becomes a view of its entry.
 
-    Tensors already laid out as consecutive entries of one buffer give a view of it (no copy);
+    Tensors already laid out as entries of one buffer (one storage, equal strides, evenly spaced: the
+    loader's experts and adapters.slots' stacked slots, contiguous or not) give a view of it, no copy;
     otherwise a new contiguous buffer is filled and every tensor's ``.data`` pointed into it (their
     values, identities and parameters kept; any other view of the old storage is left behind)."""
     first = tensors[0]
-    step = first.numel() * first.element_size()
-    if all(t.shape == first.shape and t.stride() == first.stride() and t.is_contiguous()
-           and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-           and t.data_ptr() == first.data_ptr() + i * step for i, t in enumerate(tensors)):
-        return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+    size = first.element_size()
+    gap = tensors[1].data_ptr() - first.data_ptr() if len(tensors) > 1 else first.numel() * size
+    if gap > 0 and gap % size == 0 and all(
+            t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
+            and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and t.data_ptr() == first.data_ptr() + i * gap for i, t in enumerate(tensors)):
+        return first.as_strided((len(tensors), *first.shape), (gap // size, *first.stride()))
+    logger.debug("stacking %d tensors of %s by a copy: they were not entries of one buffer", len(tensors),
+                 tuple(first.shape))
     stacked = torch.stack([t.detach() for t in tensors])  # [n, *shape]
     for tensor, entry in zip(tensors, stacked):
         tensor.data = entry
@@ -39,9 +54,16 @@ def stack_in_place(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def fused_supported(block) -> bool:
-    """Whether the block's experts can take the fused kernels: unquantized SwiGLU experts (a quantized
-    expert keeps the torch loop)."""
-    return all(not linear.method.quantized for expert in block.experts for linear in (expert.gate_up, expert.down))
+    """Whether the block's experts can take the fused kernels: unquantized SwiGLU experts with dense
+    weights (a quantized expert, or one packed for the CPU GEMM, keeps the torch loop)."""
+    return all(not linear.method.quantized and linear.weight is not None
+               for expert in block.experts for linear in (expert.gate_up, expert.down))
+
+
+def use_fused(block, hidden: torch.Tensor) -> bool:
+    """Whether the block's routed experts over ``hidden`` take the fused kernels: CUDA tensors the
+    kernels support (tests force it to run them on the CPU, under the Triton interpreter)."""
+    return hidden.is_cuda and fused_supported(block)
 
 
 def fused_routed_experts(block, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -60,7 +82,8 @@ def fused_routed_experts(block, hidden: torch.Tensor, weights: torch.Tensor, exp
         if stacks.get("slots") is not lora.slots:
             stacks["slots"], stacks["lora"] = lora.slots, tuple(
                 _stacked_slots(lora, block.experts, projection) for projection in ("gate_up", "down"))
-        factors = (lora.meta.token_slots, lora.slots.slot_ranks, *stacks["lora"])
+        # expert_ranks, not slot_ranks: a slot without expert LoRA (0 there) runs no expert LoRA op
+        factors = (lora.meta.token_slots, lora.slots.expert_ranks, *stacks["lora"])
     return fused_moe(hidden, w_gate_up, w_down, weights, experts, factors)
 
 

@@ -32,6 +32,14 @@ the LoRA slot weights (written in place, so adapters loaded after capture are se
 cache. The kernels' grid depends on the padded token count only (punica_kernels.meta), so graphs
 captured with one dummy adapter replay any mix of adapters (design.md section 4, SGLang #28371).
 Decode graphs carry no prompt-adapter context: decode tokens are never soft-prompt placeholders.
+
+Mixture-of-experts layers (lora_runner.model.moe) are captured through their fused Triton kernels
+(lora_runner.model.moe_fused): the (token, expert, slot) alignment is built on the device with sizes
+set by the padded token count alone (punica_kernels.moe_align), so a graph replays for any routing;
+the experts' weights and LoRA slots are read as stacked views taken in the warm-up forward (no copy,
+nothing allocated for them under capture), and the expert LoRA reads the slots' ranks in place
+(``LoRASlots.expert_ranks``), so adapters written after capture, with or without expert LoRA, are
+served. The experts' torch loop (the CPU's) reads the routing on the host and refuses capture.
 """
 
 from __future__ import annotations
