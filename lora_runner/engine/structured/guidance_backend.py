@@ -186,10 +186,13 @@ class GuidanceBackend(Backend):
         with self._executor_lock:
             if self._executor is None:
                 self._executor = self._llg.LLExecutor(self.fill_threads)
-        from llguidance.torch import fill_next_token_bitmask_par
-
-        # bitmask: [C, ceil(V / 32)] int32, contiguous on the CPU (llguidance asserts it)
-        fill_next_token_bitmask_par(self._executor, [(matcher.native, index) for matcher, index in rows], bitmask)
+        # what llguidance.torch.fill_next_token_bitmask_par does; that module is not imported: it pulls in
+        # torch._dynamo (~5 s on a loaded host, on the step thread at the first batch)
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda, \
+            "llguidance writes the masks into contiguous int32 CPU memory"
+        batch, width = bitmask.shape  # [C, ceil(V / 32)]
+        self._executor.unsafe_compute_mask_ptr([(matcher.native, index) for matcher, index in rows],
+                                               bitmask.data_ptr(), width * bitmask.element_size(), batch)
         for matcher, index in rows:
             if matcher.native.is_error():
                 bitmask[index].fill_(-1)
