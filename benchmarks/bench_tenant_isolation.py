@@ -15,7 +15,9 @@ down from the issue's so that each runs in well under a minute on 2 CPU cores:
 - unread n=16 streams: two streamed n=16 requests (120 tokens, logprobs=5) whose client never reads.
 - many constrained requests: 40 concurrent JSON-schema-constrained completions (32 tokens each) from A, so
   that most steps fill 40 constrained rows beside B's; reports A's statuses and the peak bytes counted to A
-  in the structured-output caches (its compiled grammar and its live matchers).
+  in the structured-output caches (its compiled grammar and its live matchers). The default word-level test
+  model cannot spell JSON (its requests fail, as the schema flood's do): run it with --byte-model (llguidance),
+  --serial-masks for the masks one by one, --tenant-grammar-bytes to see the matchers' bound refuse some.
 
     python benchmarks/bench_tenant_isolation.py          # about 3 minutes on 2 shared cores
     python benchmarks/bench_tenant_isolation.py --only "many constrained requests" --serial-masks  # one by one
@@ -237,6 +239,8 @@ def main() -> None:
     parser.add_argument("--byte-model", action="store_true",
                         help="serve the byte-level test model (llguidance reads its tokenizer: the guidance backend; "
                              "the default word-level one runs on xgrammar)")
+    parser.add_argument("--tenant-grammar-bytes", type=int, default=None,
+                        help="--structured-outputs-tenant-cache-bytes (default: the engine's, 256 MiB)")
     parser.add_argument("--serial-masks", action="store_true",
                         help="fill a step's guidance masks one by one (the engine's batch fill off)")
     args = parser.parse_args()
@@ -255,8 +259,10 @@ def main() -> None:
             model_dir = model_with_chat_template(str(Path(root) / "src"), Path(root) / "model")
         keys = Path(root) / "keys.json"
         keys.write_text(json.dumps(KEYS))
+        bound = [] if args.tenant_grammar_bytes is None else [
+            "--structured-outputs-tenant-cache-bytes", str(args.tenant_grammar_bytes)]
         server, state = start_server(serve_args(model_dir, {}, extra=[
-            "--tenant-keys", str(keys), "--max-num-seqs", "48", "--stream-send-timeout", "600"]))
+            "--tenant-keys", str(keys), "--max-num-seqs", "48", "--stream-send-timeout", "600", *bound]))
         state.engine.engine.structured.parallel_fill = not args.serial_masks
         try:
             bystander_run(server.base_url)  # warm-up
