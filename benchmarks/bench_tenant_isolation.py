@@ -289,7 +289,8 @@ def main() -> None:
     out = ROOT / "results" / f"bench_tenant_isolation-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"label": args.label, "serial_masks": args.serial_masks, "byte_model": args.byte_model,
-                              "structured_backend": backend, "machine": machine_description("cpu"), "rows": rows}, indent=2))
+                              "structured_backend": backend, "machine": machine_description("cpu"), "rows": rows},
+                             indent=2))
     print(f"wrote {out}")
 
 

@@ -195,10 +195,12 @@ class CompileQueue:
         if self._used(entry.tenant) + entry.nbytes > self.tenant_bytes:
             raise StructuredOutputError(
                 f"this tenant's structured-output constraints still compiling take its whole grammar memory "
-                f"({self.tenant_bytes} bytes); try again when they finish")
+                f"({self.tenant_bytes} bytes, structured_outputs_tenant_cache_bytes, with its constrained requests' "
+                "matchers); try again when they finish")
         if self._used() + entry.nbytes > self.total_bytes:
             raise StructuredOutputError("the server's structured-output constraints still compiling take its whole "
-                                        f"grammar memory ({self.total_bytes} bytes); try again later")
+                                        f"grammar memory ({self.total_bytes} bytes, structured_outputs_cache_bytes, "
+                                        "with the constrained requests' matchers); try again later")
 
     def _evict(self, over: Callable[[], bool], tenant: str | None) -> None:
         """Drop compiled entries (of `tenant`, or anyone's), least recently used first, while `over()`."""
