@@ -17,6 +17,12 @@ Backend interface (lora_runner.engine.structured):
 
     python benchmarks/bench_structured_backends.py             # ~1-3 min on one CPU core
     python benchmarks/bench_structured_backends.py --mask-budget-ms 5 --ambiguous-tokens 150
+    python benchmarks/bench_structured_backends.py --batch 8 32 64   # guidance: a step's rows one by one vs together
+
+--batch: C matchers of the corpus filled as engine steps fill them, one by one (GuidanceMatcher.fill, as xgrammar
+always does) and together (GuidanceBackend.fill_batch: llguidance's executor threads), each advanced by its
+instance's next token between steps; wall and step-thread CPU milliseconds per step, p50 over 11 steps, and the
+first step's wall time apart (fresh matchers: llguidance's lazy lexer work lands there).
 
 CPU time (time.process_time of the worker), so other load on a shared host skews the numbers less. Prints a
 markdown table with ratios vs xgrammar and writes results/bench_structured_backends-<time>.json.
@@ -112,6 +118,55 @@ def ambiguous_run(backend, tokenizer, vocab: int, num_tokens: int) -> dict:
     return {"masks_ms": masks_ms, "tokens": len(masks_ms), "stopped_by": stopped}
 
 
+def batch_run(tokenizer_file: str, sizes: list[int], steps: int = 12) -> list[dict]:
+    """Per C in `sizes`: `steps` engine steps of C guidance rows (corpus schemas, each advanced by its instance's
+    next token after every step: a fresh mask each time) filled one by one and in one batch, on two copies of the
+    same matchers; wall and step-thread CPU ms per step, p50."""
+    from transformers import PreTrainedTokenizerFast
+
+    from lora_runner.engine.structured.guidance_backend import GuidanceBackend
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file)
+    vocab, eos = len(tokenizer), tokenizer.convert_tokens_to_ids("<|endoftext|>") or 0
+    backend = GuidanceBackend(tokenizer, vocab, {eos})
+    prepared = []  # (compiled, its instance's tokens), instances of more than `steps` tokens
+    for entry in json.loads(CORPUS.read_text()):
+        ids = tokenizer.encode(json.dumps(entry["instance"], separators=(",", ":")), add_special_tokens=False)
+        if len(ids) <= steps:
+            continue
+        try:
+            compiled = backend.compile("json", json.dumps(entry["schema"]))
+        except Exception:  # noqa: BLE001 - a schema it cannot read is left out
+            continue
+        probe = backend.matcher(compiled)
+        if all(probe.accept_token(token) for token in ids[:steps]):  # (and one whose instance it refuses)
+            prepared.append((compiled, ids))
+    rows = []
+    for size in sizes:
+        chosen = [prepared[i % len(prepared)] for i in range(size)]
+        matchers = {mode: [backend.matcher(compiled) for compiled, _ in chosen] for mode in ("serial", "batch")}
+        bitmask = torch.zeros((size, (vocab + 31) // 32), dtype=torch.int32)  # [C, W]
+        timings = {"serial": [], "batch": []}
+        for step in range(steps):
+            for mode, ms in matchers.items():
+                wall, cpu = time.perf_counter(), time.thread_time()
+                if mode == "serial":
+                    for index, matcher in enumerate(ms):
+                        matcher.fill(bitmask, index)
+                else:
+                    backend.fill_batch([(matcher, index) for index, matcher in enumerate(ms)], bitmask)
+                timings[mode].append((1000 * (time.perf_counter() - wall), 1000 * (time.thread_time() - cpu)))
+                for matcher, (_, ids) in zip(ms, chosen):
+                    assert matcher.accept_token(ids[step])
+        row = {"rows": size, "fill_threads": backend.fill_threads, "schemas": len(prepared)}
+        for mode, samples in timings.items():  # the first step apart: fresh matchers' lazy lexer work lands there
+            row[f"{mode}_first_wall_ms"] = samples[0][0]
+            row[f"{mode}_wall_ms"] = percentile([w for w, _ in samples[1:]], 50)
+            row[f"{mode}_cpu_ms"] = percentile([c for _, c in samples[1:]], 50)
+        rows.append(row)
+    return rows
+
+
 def worker(name: str, tokenizer_file: str, ambiguous_tokens: int, mask_budget_ms: float) -> dict:
     """One backend's measurements, in this (fresh) process."""
     from transformers import PreTrainedTokenizerFast
@@ -152,11 +207,20 @@ def main() -> None:
     parser.add_argument("--ambiguous-tokens", type=int, default=200)
     parser.add_argument("--mask-budget-ms", type=float, default=250.0,
                         help="EngineConfig.structured_outputs_mask_budget_ms (llguidance's limits follow it)")
+    parser.add_argument("--batch", type=int, nargs="*", help="only the batch comparison, for these row counts")
     parser.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     tokenizer_file = args.tokenizer or next(iter(glob.glob(os.path.expanduser(SMOLLM2))), None)
     if tokenizer_file is None:
         sys.exit("no tokenizer: pass --tokenizer path/to/tokenizer.json (the GGUF tests cache SmolLM2's)")
+    if args.batch:
+        rows = batch_run(tokenizer_file, args.batch)
+        print(markdown_table(rows, [
+            ("rows", "rows", "d"), ("fill_threads", "threads", "d"),
+            ("serial_first_wall_ms", "one by one: 1st step wall ms", ".2f"), ("serial_wall_ms", "wall ms p50", ".2f"),
+            ("serial_cpu_ms", "step-thread CPU ms", ".2f"), ("batch_first_wall_ms", "batch: 1st step wall ms", ".2f"),
+            ("batch_wall_ms", "wall ms p50", ".2f"), ("batch_cpu_ms", "step-thread CPU ms", ".2f")]))
+        return
     if args.worker:
         torch.set_num_threads(1)
         print(json.dumps(worker(args.worker, tokenizer_file, args.ambiguous_tokens, args.mask_budget_ms)))

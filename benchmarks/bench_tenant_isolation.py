@@ -13,8 +13,14 @@ down from the issue's so that each runs in well under a minute on 2 CPU cores:
   ``{"type": "integer"}`` constraints (their latency is reported too).
 - prompt_logprobs x n: one request of 16 prompts x 100 tokens, n=16, prompt_logprobs=20 (not streamed).
 - unread n=16 streams: two streamed n=16 requests (120 tokens, logprobs=5) whose client never reads.
+- many constrained requests: 40 concurrent JSON-schema-constrained completions (32 tokens each) from A, so
+  that most steps fill 40 constrained rows beside B's; reports A's statuses and the peak bytes counted to A
+  in the structured-output caches (its compiled grammar and its live matchers). The default word-level test
+  model cannot spell JSON (its requests fail, as the schema flood's do): run it with --byte-model (llguidance),
+  --serial-masks for the masks one by one, --tenant-grammar-bytes to see the matchers' bound refuse some.
 
     python benchmarks/bench_tenant_isolation.py          # about 3 minutes on 2 shared cores
+    python benchmarks/bench_tenant_isolation.py --only "many constrained requests" --serial-masks  # one by one
 
 Prints a markdown table and writes results/bench_tenant_isolation-<time>.json. Wall-clock numbers on a
 shared host are noisy: compare p50s, and a p99 only by its order of magnitude.
@@ -176,8 +182,35 @@ def attack_unread_streams(base_url: str, state) -> dict:
     return {"statuses": ["unread"], "a_seats_held_after_done": seats}
 
 
+CONSTRAINED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {
+    "type": "array", "items": {"type": "string"}}, "n": {"type": "integer"}}, "required": ["name", "tags", "n"]}
+
+
+def attack_many_constrained(base_url: str, state) -> dict:
+    body = {"model": "base", "prompt": "the", "max_tokens": 32, "temperature": 1.0, "seed": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": CONSTRAINED_SCHEMA}}}
+    structured = state.engine.engine.structured
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:  # what A's grammar and live matchers count in the caches (after the first compile)
+        while not done.wait(0.02):
+            if structured._compiler is not None:
+                peak[0] = max(peak[0], structured.compiler.queue.bytes_of("a"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(lambda _: post(base_url, "sk-tenant-a", body), range(40)))
+    done.set()
+    sampler.join()
+    statuses = [status for status, _, _ in results]
+    return {"statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
+            "a_structured_bytes_peak_mib": peak[0] / 2**20}
+
+
 ATTACKS = {"ambiguous grammar": attack_ambiguous, "schema flood": attack_schema_flood,
-           "prompt_logprobs x n": attack_prompt_logprobs, "two unread n=16 streams": attack_unread_streams}
+           "prompt_logprobs x n": attack_prompt_logprobs, "two unread n=16 streams": attack_unread_streams,
+           "many constrained requests": attack_many_constrained}
 
 
 def measure(base_url: str, state, attack, min_runs: int) -> dict:
@@ -203,6 +236,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="bystander runs without an attack (and at least per attack)")
     parser.add_argument("--only", nargs="*", choices=list(ATTACKS), help="run only these attacks")
     parser.add_argument("--label", default="", help="a label stored in the JSON (e.g. before / after)")
+    parser.add_argument("--byte-model", action="store_true",
+                        help="serve the byte-level test model (llguidance reads its tokenizer: the guidance backend; "
+                             "the default word-level one runs on xgrammar)")
+    parser.add_argument("--tenant-grammar-bytes", type=int, default=None,
+                        help="--structured-outputs-tenant-cache-bytes (default: the engine's, 256 MiB)")
+    parser.add_argument("--serial-masks", action="store_true",
+                        help="fill a step's guidance masks one by one (the engine's batch fill off)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
@@ -210,12 +250,20 @@ def main() -> None:
     from serve_support import model_with_chat_template, serve_args, start_server
 
     with tempfile.TemporaryDirectory() as root:
-        save_tiny_model(Path(root) / "src", "llama", seed=0)
-        model_dir = model_with_chat_template(str(Path(root) / "src"), Path(root) / "model")
+        if args.byte_model:
+            from structured_support import save_byte_checkpoint
+
+            model_dir, _ = save_byte_checkpoint(Path(root))
+        else:
+            save_tiny_model(Path(root) / "src", "llama", seed=0)
+            model_dir = model_with_chat_template(str(Path(root) / "src"), Path(root) / "model")
         keys = Path(root) / "keys.json"
         keys.write_text(json.dumps(KEYS))
+        bound = [] if args.tenant_grammar_bytes is None else [
+            "--structured-outputs-tenant-cache-bytes", str(args.tenant_grammar_bytes)]
         server, state = start_server(serve_args(model_dir, {}, extra=[
-            "--tenant-keys", str(keys), "--max-num-seqs", "48", "--stream-send-timeout", "600"]))
+            "--tenant-keys", str(keys), "--max-num-seqs", "48", "--stream-send-timeout", "600", *bound]))
+        state.engine.engine.structured.parallel_fill = not args.serial_masks
         try:
             bystander_run(server.base_url)  # warm-up
             rows = [{"scenario": "(no attack)", **measure(server.base_url, state, None, args.runs)}]
@@ -231,13 +279,18 @@ def main() -> None:
                ("itl_max_ms", "B ITL max ms", ".0f"), ("rss_growth_mib", "RSS growth MiB", ".1f"),
                ("seconds", "attack s", ".1f")]
     print(markdown_table(rows, columns))
+    structured = state.engine.engine.structured
+    backend = structured.compiler.backend.name if structured._compiler is not None else None
+    print(f"structured-output backend: {backend}{' (masks one by one)' if args.serial_masks else ''}")
     for row in rows[1:]:
         notes = {k: v for k, v in row.items() if k not in dict((c[0], 0) for c in columns)
                  and k not in ("bystander_runs",)}
         print(f"- {row['scenario']}: {notes}")
     out = ROOT / "results" / f"bench_tenant_isolation-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "machine": machine_description("cpu"), "rows": rows}, indent=2))
+    out.write_text(json.dumps({"label": args.label, "serial_masks": args.serial_masks, "byte_model": args.byte_model,
+                              "structured_backend": backend, "machine": machine_description("cpu"), "rows": rows},
+                             indent=2))
     print(f"wrote {out}")
 
 

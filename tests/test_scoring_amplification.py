@@ -284,6 +284,8 @@ def test_a_step_whose_masks_together_pass_the_step_budget_fails_its_slowest_alon
     alone = client.completions.create(model="base", prompt="abc", max_tokens=8, temperature=0).choices[0].text
     now, real_fill = [0.0], RequestGrammar.fill
     monkeypatch.setattr(state.engine.engine.structured, "_clock", lambda: now[0])
+    # one by one, each fill timed (a guidance batch is timed as a whole: tests/test_isolation_round3c.py)
+    monkeypatch.setattr(state.engine.engine.structured, "parallel_fill", False)
 
     def costly_fill(self, bitmask, index, eos_allowed=True):
         now[0] += 0.2

@@ -8,17 +8,23 @@ disallow; the output processor advances each matcher by its token, and a complet
 its request with "stop". A step without constrained requests has no bitmask at all, and an engine that
 never sees a constraint imports no backend (backend.py: the interface; xgrammar_backend, guidance_backend).
 
-Tenants: compilations are queued, cached and bounded in bytes per tenant (compile_queue); a request that
-finishes before its compilation started drops it (``RequestGrammar.release``). Each request's mask fill is
-timed: one over ``mask_budget_s`` fails that request alone at its next token, so an ambiguous grammar
-costs the other requests one step at most instead of every step; and when a step's fills together pass
-``step_budget_s``, its slowest fail the same way until the rest fit.
-llguidance also bounds the work of each mask itself (its parser limits, set from the per-request budget:
-guidance_backend.limits_for_budget).
+Tenants: compilations are queued, cached and bounded in bytes per tenant (compile_queue), and so are the
+live requests' matchers (an estimate each, from when the matcher is made until its request ends); a request
+that finishes before its compilation started drops it (``RequestGrammar.release``).
+
+Mask budgets. Filled one by one, each request's fill is timed (the step thread's CPU time): one over
+``mask_budget_s`` fails that request alone at its next token, so an ambiguous grammar costs the other
+requests one step at most instead of every step; and when a step's fills together pass ``step_budget_s``,
+its slowest fail the same way until the rest fit. llguidance also bounds the work of each mask itself (its
+parser limits, set from the per-request budget: guidance_backend.limits_for_budget), and fills a step's
+rows together in its own threads (Backend.fill_batch), which report no per-row cost: there the per-request
+bound is llguidance's limits alone, and a batch whose wall time passes ``step_budget_s`` makes the next
+step fill one by one, timed, so the slowest are found and failed as above (then batches resume).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -33,6 +39,8 @@ from lora_runner.engine.structured.request_grammar import RequestGrammar
 from lora_runner.sampling_params import SamplingParams
 
 __all__ = ["StructuredOutputs", "StructuredOutputError", "RequestGrammar", "grammar_state"]
+
+logger = logging.getLogger(__name__)
 
 
 class StructuredOutputs:
@@ -53,13 +61,20 @@ class StructuredOutputs:
         backend: "auto", "xgrammar" or "guidance" (EngineConfig.structured_outputs_backend).
         clock: the time source of the mask budget: the step thread's CPU time, so that a step thread merely
             descheduled on a busy host fails nobody (tests inject one).
+        batch_clock / parallel_fill: the time source of a batch fill (wall time: its work runs on other threads),
+            and whether the backend's batch fill is used (off: every step fills one by one).
     """
 
     def __init__(self, get_tokenizer: Callable, vocab_size: int, stop_token_ids: Callable[[], Collection[int]],
                  wake: Callable[[], None] = lambda: None, *, timeout_s: float, tenant_bytes: int = TENANT_CACHE_BYTES,
                  total_bytes: int = TOTAL_CACHE_BYTES, mask_budget_s: float = 0.25, step_budget_s: float = 0.5,
-                 clock: Callable[[], float] = time.thread_time, backend: str = "auto") -> None:
+                 clock: Callable[[], float] = time.thread_time, backend: str = "auto",
+                 batch_clock: Callable[[], float] = time.monotonic, parallel_fill: bool = True) -> None:
         self.backend = backend
+        # batches (Backend.fill_batch) run on the backend's threads: timed by the wall clock, which only
+        # decides whether the next step is filled one by one (timed by `clock`, which fails requests)
+        self.parallel_fill, self._batch_clock = parallel_fill, batch_clock
+        self._serial_next = False  # the last batch passed step_budget_s: the next step times each fill
         self.tenant_bytes, self.total_bytes = tenant_bytes, total_bytes
         self.mask_budget_s, self.step_budget_s, self._clock = mask_budget_s, step_budget_s, clock
         self._get_tokenizer = get_tokenizer
@@ -92,7 +107,8 @@ class StructuredOutputs:
         compiler = self.compiler
         future = compiler.compile(params.structured_outputs, tenant)
         grammar = RequestGrammar(future, time.monotonic() + self.timeout_s, self.timeout_s,
-                                 release=compiler.release, make_matcher=compiler.backend.matcher)
+                                 release=compiler.release, make_matcher=compiler.backend.matcher,
+                                 hold=lambda compiled: compiler.hold_matcher(compiled, tenant))
         if not future.done():
             future.add_done_callback(lambda _: self._wake())
             timer = threading.Timer(self.timeout_s, self._wake)  # the deadline wakes an idle loop too
@@ -108,18 +124,43 @@ class StructuredOutputs:
         if not rows:
             return [], None
         bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [C, W]: all allowed
+        requests = [sampled[row] for row in rows]
+        if not self._fill_batch(requests, bitmask):
+            self._fill_each(requests, bitmask)
+        return rows, bitmask
+
+    def _fill_batch(self, requests: list[Request], bitmask: torch.Tensor) -> bool:
+        """All rows at once by the backend's threads (two rows or more, unless the last batch passed the step
+        budget); False when they are to be filled one by one instead."""
+        serial, self._serial_next = self._serial_next, False
+        if serial or not self.parallel_fill or len(requests) < 2:
+            return False
+        start = self._batch_clock()
+        if not self.compiler.backend.fill_batch([(r.grammar.matcher, i) for i, r in enumerate(requests)], bitmask):
+            return False
+        elapsed = self._batch_clock() - start
+        for index, request in enumerate(requests):
+            request.grammar.filled(bitmask, index, _eos_allowed(request))
+        if elapsed > self.step_budget_s:  # no per-row cost: the next step times each fill to find the slowest
+            logger.info("structured outputs: %d masks filled together took %.0f ms, over the %g ms a step may; "
+                        "the next step fills them one by one", len(requests), elapsed * 1000,
+                        self.step_budget_s * 1000)
+            self._serial_next = True
+        return True
+
+    def _fill_each(self, requests: list[Request], bitmask: torch.Tensor) -> None:
+        """Each row in turn, timed: over mask_budget_s a request fails alone, and over step_budget_s together the
+        slowest fail (_over_step_budget)."""
         costs = []  # (seconds, request) of each fill within the per-request budget
-        for index, row in enumerate(rows):
-            request = sampled[row]
+        for index, request in enumerate(requests):
             start = self._clock()
-            request.grammar.fill(bitmask, index, stop_tokens(request.params, request.num_output_tokens, ()).eos_allowed)
+            request.grammar.fill(bitmask, index, _eos_allowed(request))
             elapsed = self._clock() - start
             if elapsed > self.mask_budget_s:  # it fails at its next token (RequestGrammar.accept), alone
                 request.grammar.over_budget(elapsed, self.mask_budget_s)
             else:
                 costs.append((elapsed, request))
         self._over_step_budget(costs)
-        return rows, bitmask
 
     def _over_step_budget(self, costs: list[tuple[float, Request]]) -> None:
         """Many fills each under mask_budget_s may still slow the step for everyone together: over
@@ -135,6 +176,11 @@ class StructuredOutputs:
         """Stop the compile threads (compilations in flight are left to finish on their own)."""
         if self._compiler is not None:
             self._compiler.close()
+
+
+def _eos_allowed(request: Request) -> bool:
+    """False while ignore_eos or min_tokens holds (lora_runner.core.stop_rule): its end tokens are masked."""
+    return stop_tokens(request.params, request.num_output_tokens, ()).eos_allowed
 
 
 def grammar_state(request: Request) -> str:

@@ -124,3 +124,13 @@ class Backend(ABC):
     @abstractmethod
     def matcher(self, compiled) -> Matcher:
         """A fresh Matcher at the start of `compiled`."""
+
+    @abstractmethod
+    def matcher_bytes(self, compiled) -> int:
+        """An estimate of what one request's matcher of `compiled` holds while its request lives (counted in its
+        tenant's grammar bytes: CompileQueue.hold)."""
+
+    def fill_batch(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> bool:
+        """Fill row `index` of `bitmask` for each (matcher, index) of `rows` at once, in parallel (the backend's
+        own threads, off the GIL); False when this backend cannot (the caller fills them one by one)."""
+        return False

@@ -11,7 +11,9 @@ queued or compiling counts an estimate (``reserve_of``). A tenant over its bound
 recently used compiled grammars first, then the server's least recently used go until the total fits.
 A constraint that compiles to more than the tenant bound fails its requests with StructuredOutputError;
 one that cannot even be reserved (the tenant's, or everyone's, in-flight compilations fill the bound)
-is refused up front.
+is refused up front. The same bounds count what each live request's matcher holds (``hold``: an estimate
+per matcher, Backend.matcher_bytes, until its request ends), so a tenant's many concurrent constrained
+requests cannot hold matcher memory past them either.
 
 A compilation cannot be interrupted, so one that outlives ``timeout_s`` fails its Future at the deadline
 and its thread is replaced (the slot goes back); the stuck thread counts against its tenant (at most
@@ -77,6 +79,7 @@ class CompileQueue:
         self._served: dict[str, int] = {}  # tenant -> the turn it was last served at
         self._turns = count()
         self._bytes: dict[str, int] = {}  # tenant -> bytes of its entries
+        self._held: dict[str, int] = {}  # tenant -> bytes its live requests' matchers hold (``hold``)
         self._stuck: dict[str, int] = {}  # tenant -> its compilations past their deadline, still running
         self._cond = threading.Condition()
         self._closed = False
@@ -90,9 +93,40 @@ class CompileQueue:
         return sum(self._stuck.values())
 
     def bytes_of(self, tenant: str | None = None) -> int:
-        """Bytes counted to `tenant` (None: to everyone)."""
+        """Bytes counted to `tenant` (None: to everyone): its compiled grammars and its requests' matchers."""
         with self._cond:
-            return sum(self._bytes.values()) if tenant is None else self._bytes.get(tenant, 0)
+            return self._used() if tenant is None else self._used(tenant)
+
+    def hold(self, tenant: str, nbytes: int, what: str = "matcher") -> Callable[[], None]:
+        """Count `nbytes` (a live request's matcher) to `tenant` until the returned (idempotent) release is
+        called; the tenant's (then anyone's) least recently used compiled grammars go first to make room.
+        StructuredOutputError, naming the setting, when the tenant's or the server's bound is full anyway."""
+        with self._cond:
+            self._evict(lambda: self._used(tenant) + nbytes > self.tenant_bytes, tenant)
+            self._evict(lambda: self._used() + nbytes > self.total_bytes, None)
+            if self._used(tenant) + nbytes > self.tenant_bytes:
+                raise StructuredOutputError(
+                    f"this tenant's constrained requests and grammars hold about {self._used(tenant)} bytes, and "
+                    f"this request's {what} ({nbytes} bytes) passes the {self.tenant_bytes} a tenant may "
+                    "(structured_outputs_tenant_cache_bytes); retry when some of its constrained requests finish")
+            if self._used() + nbytes > self.total_bytes:
+                raise StructuredOutputError(
+                    f"the server's constrained requests and grammars hold about {self._used()} bytes, and this "
+                    f"request's {what} ({nbytes} bytes) passes structured_outputs_cache_bytes "
+                    f"({self.total_bytes}); retry later")
+            self._held[tenant] = self._held.get(tenant, 0) + nbytes
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._cond:
+                if not released:
+                    released = True
+                    self._held[tenant] -= nbytes
+                    if not self._held[tenant]:
+                        del self._held[tenant]
+
+        return release
 
     def submit(self, key: Key, tenant: str) -> Future:
         """The Future of `tenant`'s compilation of `key` (shared with its earlier requests of the same
@@ -147,17 +181,26 @@ class CompileQueue:
                 f"{max(stuck, self.num_stuck)} earlier constraints are still compiling past their deadline; try "
                 "again later or simplify the constraint")
 
+    def _used(self, tenant: str | None = None) -> int:
+        """Bytes counted to `tenant` (None: everyone): compiled and pending grammars, and held matchers."""
+        if tenant is None:
+            return sum(self._bytes.values()) + sum(self._held.values())
+        return self._bytes.get(tenant, 0) + self._held.get(tenant, 0)
+
     def _make_room(self, entry: _Entry) -> None:
-        """Evict compiled grammars so that `entry` fits; StructuredOutputError when pending ones fill a bound."""
-        self._evict(lambda: self._bytes.get(entry.tenant, 0) + entry.nbytes > self.tenant_bytes, entry.tenant)
-        self._evict(lambda: sum(self._bytes.values()) + entry.nbytes > self.total_bytes, None)
-        if self._bytes.get(entry.tenant, 0) + entry.nbytes > self.tenant_bytes:
+        """Evict compiled grammars so that `entry` fits; StructuredOutputError when pending ones (and live
+        requests' matchers) fill a bound."""
+        self._evict(lambda: self._used(entry.tenant) + entry.nbytes > self.tenant_bytes, entry.tenant)
+        self._evict(lambda: self._used() + entry.nbytes > self.total_bytes, None)
+        if self._used(entry.tenant) + entry.nbytes > self.tenant_bytes:
             raise StructuredOutputError(
                 f"this tenant's structured-output constraints still compiling take its whole grammar memory "
-                f"({self.tenant_bytes} bytes); try again when they finish")
-        if sum(self._bytes.values()) + entry.nbytes > self.total_bytes:
+                f"({self.tenant_bytes} bytes, structured_outputs_tenant_cache_bytes, with its constrained requests' "
+                "matchers); try again when they finish")
+        if self._used() + entry.nbytes > self.total_bytes:
             raise StructuredOutputError("the server's structured-output constraints still compiling take its whole "
-                                        f"grammar memory ({self.total_bytes} bytes); try again later")
+                                        f"grammar memory ({self.total_bytes} bytes, structured_outputs_cache_bytes, "
+                                        "with the constrained requests' matchers); try again later")
 
     def _evict(self, over: Callable[[], bool], tenant: str | None) -> None:
         """Drop compiled entries (of `tenant`, or anyone's), least recently used first, while `over()`."""
@@ -265,8 +308,8 @@ class CompileQueue:
             self._resize(entry, nbytes)
             self._entries.move_to_end((entry.tenant, entry.key))
             tenant = entry.tenant
-            self._evict(lambda: self._bytes.get(tenant, 0) > self.tenant_bytes, tenant)
-            self._evict(lambda: sum(self._bytes.values()) > self.total_bytes, None)
+            self._evict(lambda: self._used(tenant) > self.tenant_bytes, tenant)
+            self._evict(lambda: self._used() > self.total_bytes, None)
         return None
 
     def _overdue(self, entry: _Entry, overdue: threading.Event) -> None:

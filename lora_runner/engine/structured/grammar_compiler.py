@@ -99,6 +99,11 @@ class GrammarCompiler:
         """A request waiting on `future` is gone: a compilation nobody waits for is dropped before it starts."""
         self.queue.release(future)
 
+    def hold_matcher(self, compiled, tenant: str = ""):
+        """Count the bytes a request's matcher of `compiled` holds (Backend.matcher_bytes) to `tenant` until the
+        returned release is called; StructuredOutputError, naming the setting, over the tenant's or total bound."""
+        return self.queue.hold(tenant, self.backend.matcher_bytes(compiled))
+
     def reserve_bytes(self, kind: str, text: str) -> int:
         """What a compilation counts until its real size is known (Backend.reserve_bytes)."""
         return self.backend.reserve_bytes(kind, text)

@@ -10,12 +10,18 @@ so the one setting bounds both backends (xgrammar's fills are timed after the fa
 
 A compiled grammar is a matcher at the start of its grammar; each request gets a deep copy. llguidance
 reports no sizes, so a compiled grammar counts an upper estimate (``GuidanceBackend.size_of``) measured by
-benchmarks/bench_structured_backends.py. Lark grammars are read natively, EBNF / GBNF converted to Lark.
+benchmarks/bench_structured_backends.py, and each live request's copy ``MATCHER_BYTES`` (its lexer states grow
+as it matches, to MAX_LEXER_STATES at most). Lark grammars are read natively, EBNF / GBNF converted to Lark.
+
+A step's masks are filled together (``fill_batch``: llguidance's LLExecutor, its own threads, the GIL
+released), so many constrained rows cost the step about the slowest of them per fill thread, not their sum.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -34,6 +40,13 @@ MAX_LEXER_STATES = 10_000  # lexer states one matcher may build (1-2 KiB each): 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,8}"  # at most 8 between JSON tokens (xgrammar_backend.MAX_JSON_WHITESPACE)
 BYTES_PER_GRAMMAR_CHAR = 64  # size_of's estimate: llguidance's grammar, parser tables and first lexer states
 MIN_GRAMMAR_BYTES = 64 << 10
+# what a request's deep copy holds as it matches (its own parser state and the lexer states it builds): the
+# corpus measures <= ~100 KiB of RSS per fed matcher (bench_structured_backends.py); the worst case is bounded
+# apart, by MAX_LEXER_STATES (~20 MiB)
+MATCHER_BYTES = 256 << 10
+# fill_batch's threads: the step thread waits for the batch, so it may take most cores; a fifth is left to the
+# event loop and the prompt pool (llguidance's own default: 80% of the cores, up to 32)
+FILL_THREADS = min(16, max(2, (os.cpu_count() or 2) * 4 // 5))
 
 
 def limits_for_budget(mask_budget_s: float):
@@ -57,6 +70,7 @@ class GuidanceMatcher(Matcher):
 
     def __init__(self, matcher, stop_token_ids: Collection[int]) -> None:
         self._matcher = matcher
+        self.native = matcher  # the llguidance.LLMatcher (GuidanceBackend.fill_batch hands it to the executor)
         self.stop_token_ids = list(stop_token_ids)
         self._terminated = False
         self._end_unconsumed = False  # an end token accepted after llguidance stopped by itself
@@ -118,6 +132,9 @@ class GuidanceBackend(Backend):
                                         'serve with structured_outputs_backend="xgrammar"') from exc
         self._llg = llg
         self.limits = limits_for_budget(mask_budget_s)
+        self.fill_threads = FILL_THREADS
+        self._executor = None  # llguidance.LLExecutor, made on the first batch
+        self._executor_lock = threading.Lock()
 
     def compile(self, kind: str, text: str) -> CompiledGuidance:
         grammar = self._grammar(kind, text)
@@ -157,6 +174,29 @@ class GuidanceBackend(Backend):
 
     def matcher(self, compiled: CompiledGuidance) -> GuidanceMatcher:
         return GuidanceMatcher(compiled.start.deep_copy(), self.stop_token_ids)
+
+    def matcher_bytes(self, compiled: CompiledGuidance) -> int:
+        return MATCHER_BYTES
+
+    def fill_batch(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> bool:
+        """All rows' masks by llguidance's executor at once; a matcher over its limits leaves its row all-allowed
+        (it fails at its token, as in GuidanceMatcher.fill)."""
+        if not all(isinstance(matcher, GuidanceMatcher) for matcher, _ in rows):
+            return False
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = self._llg.LLExecutor(self.fill_threads)
+        # what llguidance.torch.fill_next_token_bitmask_par does; that module is not imported: it pulls in
+        # torch._dynamo (~5 s on a loaded host, on the step thread at the first batch)
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda, \
+            "llguidance writes the masks into contiguous int32 CPU memory"
+        batch, width = bitmask.shape  # [C, ceil(V / 32)]
+        self._executor.unsafe_compute_mask_ptr([(matcher.native, index) for matcher, index in rows],
+                                               bitmask.data_ptr(), width * bitmask.element_size(), batch)
+        for matcher, index in rows:
+            if matcher.native.is_error():
+                bitmask[index].fill_(-1)
+        return True
 
 
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # their values are data, not schemas

@@ -5,7 +5,9 @@ The scheduler asks ``state()`` before admitting the request (as it asks an adapt
 the compilation raised or outlived its deadline. The step thread fills the matcher's bitmask for
 each step that samples the request; the output processor advances it by the sampled token. Every
 parallel sample has its own RequestGrammar (matchers are stateful); a preempted request keeps its
-matcher, since it keeps its tokens.
+matcher, since it keeps its tokens. The matcher's bytes (an estimate, Backend.matcher_bytes) count in its
+tenant's grammar bytes from when it is made until the request is gone (``hold`` / ``release``); a
+tenant whose bound is full fails the request with StructuredOutputError (a 400), as a grammar over it does.
 
 min_tokens: while a request may not stop yet its end tokens are banned, and a constraint that is
 complete and allows nothing but an end token would leave no token to sample. vLLM lets the end token
@@ -29,16 +31,20 @@ class RequestGrammar:
     """The constraint of one request (see the module docstring). deadline: time.monotonic() after which a
     compilation still running fails the request; timeout_s: for the message; release: called once with the
     Future when the request is gone (GrammarCompiler.release); make_matcher: compiled grammar -> a fresh
-    Matcher (Backend.matcher; None: xgrammar's)."""
+    Matcher (Backend.matcher; None: xgrammar's); hold: compiled grammar -> the release of the bytes its matcher
+    counts (GrammarCompiler.hold_matcher; StructuredOutputError when they do not fit)."""
 
     def __init__(self, future: Future, deadline: float, timeout_s: float,
                  release: Callable[[Future], None] = lambda future: None,
-                 make_matcher: Callable[[object], Matcher] | None = None) -> None:
+                 make_matcher: Callable[[object], Matcher] | None = None,
+                 hold: Callable[[object], Callable[[], None]] = lambda compiled: lambda: None) -> None:
         if make_matcher is None:
             from lora_runner.engine.structured.xgrammar_backend import XGrammarMatcher as make_matcher
         self._future = future
         self._make_matcher = make_matcher
         self._release = release
+        self._hold = hold
+        self._unhold: Callable[[], None] | None = None  # gives back the matcher's bytes
         self._budget_error: StructuredOutputError | None = None
         self._deadline = deadline
         self._timeout_s = timeout_s
@@ -53,12 +59,15 @@ class RequestGrammar:
             return "failed"
         if self._future.done():
             try:
-                self.matcher = self._make_matcher(self._future.result())
+                compiled = self._future.result()
+                self._unhold = self._hold(compiled)  # before the matcher exists: over the bound, none is made
+                self.matcher = self._make_matcher(compiled)
                 return "ready"
             except StructuredOutputError as exc:
                 self.error = exc
             except Exception as exc:  # noqa: BLE001 - a cancelled or broken compilation fails this request only
                 self.error = StructuredOutputError(f"structured_outputs could not be compiled: {exc!r}")
+            self._give_back()
             return "failed"
         if time.monotonic() > self._deadline:
             self.error = compile_timeout_error(self._timeout_s)
@@ -70,6 +79,13 @@ class RequestGrammar:
         release, self._release = self._release, None
         if release is not None:
             release(self._future)
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """The matcher's bytes are no longer counted (once)."""
+        unhold, self._unhold = self._unhold, None
+        if unhold is not None:
+            unhold()
 
     def over_budget(self, elapsed_s: float, budget_s: float, step: bool = False) -> None:
         """Its mask took `elapsed_s` in a step, over `budget_s` a request may take (`step`: it was the slowest
@@ -86,6 +102,11 @@ class RequestGrammar:
         without its end tokens unless `eos_allowed` (ignore_eos and min_tokens: lora_runner.core.stop_rule)."""
         assert self.matcher is not None, "a request is sampled before its grammar is ready"
         self.matcher.fill(bitmask, index)
+        self.filled(bitmask, index, eos_allowed)
+
+    def filled(self, bitmask: torch.Tensor, index: int, eos_allowed: bool = True) -> None:
+        """After its matcher wrote row `index` (``fill``, or the backend's batch: Backend.fill_batch): note a
+        fill over the backend's own per-step bound, and ban the end tokens unless `eos_allowed`."""
         step_error = self.matcher.step_error()
         if step_error is not None and self._budget_error is None:  # the backend's own per-step bound
             self._budget_error = StructuredOutputError(

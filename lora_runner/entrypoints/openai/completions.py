@@ -13,14 +13,13 @@ import time
 
 from fastapi import Request
 
-from lora_runner.entrypoints.openai.echo import ChoiceExtras, check_logprob_entries, logprob_entries
+from lora_runner.entrypoints.openai.echo import ChoiceExtras, check_logprob_entries, logprob_entries, response_bytes
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.formatting import ChatFormat, CompletionFormat
 from lora_runner.entrypoints.openai.generation import check_lengths, resolve_target, run_generation, virtual_tokens
 from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.prompts import chat_prompt, check_chat, completion_prompt_list, encode_prompts
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from lora_runner.entrypoints.openai.response_body import ENTRY_JSON_BYTES
 from lora_runner.entrypoints.openai.sampling import (check_supported, requested_logprobs, requested_prompt_logprobs,
                                                      sampling_params)
 from lora_runner.entrypoints.openai.state import ServerState
@@ -114,11 +113,10 @@ async def _generate(state: ServerState, tenant: Tenant, body: CompletionRequest 
     check_logprob_entries(logprob_entries(prompt_lens, body.n, max_tokens, logprobs, extras,
                                           prompt_logprobs_per_choice=format_type is CompletionFormat),
                           state.config.max_logprob_entries)
-    # what a whole response's building holds (a prompt's prompt_logprobs once for its n choices) counts in the
-    # tenant's share until it was sent (a stream holds a chunk at a time, its unread output bounded apart)
-    held = 0 if body.stream else logprob_entries(prompt_lens, body.n, max_tokens, logprobs, extras,
-                                                 prompt_logprobs_per_choice=False)
-    refund = state.reserve_response(tenant, held * ENTRY_JSON_BYTES) if held else (lambda: None)
+    # what a whole response's building holds (a prompt's entries once for its n choices) counts in the tenant's
+    # share until it was sent (a stream holds a chunk at a time, its unread output bounded apart)
+    held = 0 if body.stream else response_bytes(prompt_lens, body.n, max_tokens, logprobs, extras)
+    refund = state.reserve_response(tenant, held) if held else (lambda: None)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     try:

@@ -20,6 +20,7 @@ from functools import cache
 
 from lora_runner.entrypoints.openai.errors import APIError
 from lora_runner.entrypoints.openai.formatting import TokenLogprob
+from lora_runner.entrypoints.openai.response_body import ENTRY_JSON_BYTES
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def logprob_entries(prompt_lens: list[int], n: int, max_tokens: int, logprobs: i
                     prompt_logprobs_per_choice: bool) -> int:
     """How many logprob entries (a token's logprob or one of its top alternatives) the response may carry:
     the generated tokens' (n x max_tokens x (k+1) per prompt), the echoed prompt's (each choice), and
-    vLLM's prompt_logprobs (each choice on completions, once per prompt on chat). Known before running."""
+    vLLM's prompt_logprobs (each choice on completions, once per prompt on chat): what the body sends, known
+    before running (what it holds in memory meanwhile is less: ``response_bytes``)."""
     total = 0
     for length in prompt_lens:
         if logprobs is not None:
@@ -88,6 +90,31 @@ def logprob_entries(prompt_lens: list[int], n: int, max_tokens: int, logprobs: i
         if extras.prompt_logprobs is not None:
             total += (n if prompt_logprobs_per_choice else 1) * length * (extras.prompt_logprobs + 1)
     return total
+
+
+# a choice's list of logprobs entries points at the echoed prompt's shared entries: one reference each
+ENTRY_REFERENCE_BYTES = 8
+
+
+def response_bytes(prompt_lens: list[int], n: int, max_tokens: int, logprobs: int | None,
+                   extras: ChoiceExtras) -> int:
+    """The bytes a whole (non-streamed) response's logprobs hold in memory between the end of its generation
+    and the end of its body (what ServerState.reserve_response charges): memory held, not bytes sent. Each
+    generated entry is its choice's own (n x max_tokens x (k+1) per prompt); a prompt's entries, echoed or
+    vLLM's prompt_logprobs, are built once for the prompt (ChoiceRun) and shared by its n choices, so they
+    count once, plus one reference per echoed token in each choice's list. The body itself is written a chunk
+    at a time from those objects (response_body), so the n copies it sends are never held together; what it
+    sends is bounded apart, before running, by ``logprob_entries`` (max_logprob_entries)."""
+    entries = references = 0
+    for length in prompt_lens:
+        if logprobs is not None:
+            entries += n * max_tokens * (logprobs + 1)
+            if extras.echo_logprobs:
+                entries += length * (logprobs + 1)
+                references += n * length
+        if extras.prompt_logprobs is not None:
+            entries += length * (extras.prompt_logprobs + 1)
+    return entries * ENTRY_JSON_BYTES + references * ENTRY_REFERENCE_BYTES
 
 
 def check_logprob_entries(entries: int, limit: int | None) -> None:
