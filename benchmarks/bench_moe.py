@@ -22,11 +22,12 @@ batches yet", PEFT 0.21), so its expert row runs what a PEFT user can: one sub-b
                  transformers / PEFT forward of the same batch keeping the last logits only; fresh
                  prompts every run (no prefix-cache hits), after one warm-up run each.
   same tokens    each engine row against its reference (base: transformers; expert / attention
-                 LoRAs: PEFT with the same adapters): all decoded tokens equal per request (decode),
-                 greedy first token equal (prefill).
+                 LoRAs: PEFT with the same adapters): all decoded tokens equal per request, up to
+                 the engine's first EOS, which generate's min_new_tokens forbids (decode); greedy
+                 first token equal (prefill).
 
-    python benchmarks/bench_moe.py             # ~5 min on one busy CPU core
-    python benchmarks/bench_moe.py --quick     # fewer tokens and repeats, under ~2 min
+    python benchmarks/bench_moe.py             # ~1.5 min on one busy CPU core
+    python benchmarks/bench_moe.py --quick     # fewer tokens and repeats, ~30 s
     python benchmarks/bench_moe.py --smoke     # a 2-layer model in seconds: the plumbing, not speed
     python benchmarks/bench_moe.py --family mixtral
 
@@ -55,6 +56,7 @@ NUM_ADAPTERS = 8
 RANKS = (8, 16)  # adapter i has rank RANKS[i % 2]; bench_step's engines hold rank 16
 PREFILL_SEQUENCES = 8
 VOCAB_SIZE = 256
+EOS = 2  # the configs' eos_token_id
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTER_KINDS = {"expert": dict(target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMETERS),
                  "attention": dict(target_modules=["q_proj", "v_proj"])}
@@ -89,7 +91,7 @@ def moe_config(family: str, shape: str):
     layers, hidden, experts, top_k, expert_intermediate = SHAPES[shape]
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=top_k, max_position_embeddings=4096,
-                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=EOS,
                   initializer_range=0.1)  # peakier logits than 0.02: fewer near-ties in greedy decoding
     if family == "mixtral":
         return transformers.MixtralConfig(**common, num_local_experts=experts, intermediate_size=expert_intermediate)
@@ -226,11 +228,13 @@ def table_row(row: str, results: dict, key: str, **extra) -> dict:
 
 
 def same_fraction(row: str, tokens: dict) -> float | None:
-    """The fraction of sequences whose tokens equal the reference row's (engine rows only)."""
+    """The fraction of sequences whose tokens equal the reference row's (engine rows only), up to the
+    engine's first EOS: generate's min_new_tokens forbids EOS where the engine (ignore_eos) may pick it."""
     if row not in ENGINE_ROWS:
         return None
     reference = tokens[ENGINE_ROWS[row][1]]
-    return sum(a == b for a, b in zip(tokens[row], reference)) / len(reference)
+    cuts = [ids.index(EOS) if EOS in ids else len(ids) for ids in tokens[row]]
+    return sum(a[:cut] == b[:cut] for a, b, cut in zip(tokens[row], reference, cuts)) / len(reference)
 
 
 def prefill_table(bench: Workbench, args) -> list[dict]:
