@@ -139,8 +139,7 @@ def save_random_model(path: Path, shape: ModelShape, seed: int = 0, initializer_
                       dtype: torch.dtype = torch.float32):
     """Write a random LlamaForCausalLM (safetensors, `dtype`) and a word-level tokenizer; returns
     the model. A larger initializer_range gives peakier logits (fewer near-ties in greedy decoding)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -157,14 +156,22 @@ def save_random_model(path: Path, shape: ModelShape, seed: int = 0, initializer_
     finally:
         torch.set_default_dtype(default_dtype)
     model.save_pretrained(str(path))
+    save_word_tokenizer(path, shape.vocab_size)
+    logger.info("random model %s: %.1fM parameters", shape, model.num_parameters() / 1e6)
+    return model
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """Write a word-level tokenizer ("w4" ... "w{vocab_size-1}" after the four specials) beside a model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(["<pad>", "<s>", "</s>", "<unk>"])}
-    vocab.update({f"w{i}": i for i in range(FIRST_ORDINARY_TOKEN, shape.vocab_size)})
+    vocab.update({f"w{i}": i for i in range(FIRST_ORDINARY_TOKEN, vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                             unk_token="<unk>").save_pretrained(str(path))
-    logger.info("random model %s: %.1fM parameters", shape, model.num_parameters() / 1e6)
-    return model
 
 
 def save_random_adapters(base_model, root: Path, num: int, rank: int, seed: int = 0,
