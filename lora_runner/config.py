@@ -118,7 +118,8 @@ class EngineConfig:
         "constraint that does not fit beside those still compiling fails with StructuredOutputError (HTTP 400)",
         default=1 << 30))
     structured_outputs_tenant_cache_bytes: int = field(**_doc(
-        "bytes of compiled structured-output grammars one tenant may hold (in flight included); a tenant over it "
+        "bytes of compiled structured-output grammars one tenant may hold (in flight included), and of its live "
+        "constrained requests' matchers (an estimate each); a tenant over it "
         "loses its own least recently used first, and one grammar bigger than this fails its request with "
         "StructuredOutputError (HTTP 400); at most structured_outputs_cache_bytes", default=256 << 20))
     structured_outputs_mask_budget_ms: float = field(**_doc(
