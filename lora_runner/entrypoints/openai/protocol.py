@@ -57,6 +57,7 @@ class StructuredOutputsBody(_Body):
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     structural_tag: str | None = None
+    backend: str | None = None  # the backend the request expects: a 400 when it is not the server's
 
 
 class _GenerationBody(_Body):
@@ -99,6 +100,7 @@ class _GenerationBody(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's older structured_outputs.backend
     allowed_token_ids: list[int] | None = None  # extension (vLLM): only these ids may be sampled
     bad_words: list[str] | None = None  # extension (vLLM): words never generated
 

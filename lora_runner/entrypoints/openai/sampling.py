@@ -14,7 +14,7 @@ from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from lora_runner.sampling_checks import WHOLE_VOCABULARY
 from lora_runner.sampling_params import SamplingParams
-from lora_runner.structured_outputs_params import StructuredOutputsParams
+from lora_runner.structured_outputs_params import StructuredOutputsParams, backend_name
 
 
 def _unsupported(field: str, what: str) -> APIError:
@@ -133,7 +133,7 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> Struc
         so = body.structured_outputs
         asked.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
                                              json_object=so.json_object, structural_tag=so.structural_tag,
-                                             disable_any_whitespace=so.disable_any_whitespace))
+                                             disable_any_whitespace=so.disable_any_whitespace, backend=so.backend))
     guided = dict(json=body.guided_json, regex=body.guided_regex, choice=body.guided_choice,
                   grammar=body.guided_grammar)
     guided = {kind: value for kind, value in guided.items() if value is not None}
@@ -142,6 +142,10 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> Struc
     if len(asked) > 1:
         raise ValueError("set at most one of response_format (json_object / json_schema), structured_outputs "
                          "and the guided_* fields")
+    if asked and body.guided_decoding_backend is not None:  # vLLM's older request field; the engine checks it
+        if asked[0].backend is not None:
+            raise ValueError("set structured_outputs.backend or guided_decoding_backend, not both")
+        asked[0].backend = backend_name(body.guided_decoding_backend, "guided_decoding_backend")
     return asked[0] if asked else None
 
 
