@@ -13,7 +13,7 @@ import json
 import os
 
 from lora_runner.entrypoints.engine_args import add_engine_arguments
-from lora_runner.entrypoints.vllm_serve_flags import add_vllm_serve_arguments, apply_vllm_engine_flags
+from lora_runner.entrypoints.vllm_serve_flags import add_vllm_serve_arguments
 
 # ServerConfig's and ConnectionLimits' defaults of the options below (tests/test_first_contact_round3.py
 # checks them against those classes)
@@ -137,19 +137,10 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """The parser of `serve`: its errors are one line (the usage spans dozens, burying the error), and
-    vLLM's spellings of engine options are applied once everything is parsed (apply_vllm_engine_flags)."""
+    """A parser whose errors are one line (the usage of `serve` spans dozens, burying the error)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
-
-    def parse_known_args(self, args=None, namespace=None):
-        namespace, rest = super().parse_known_args(args, namespace)
-        try:
-            apply_vllm_engine_flags(namespace)
-        except ValueError as exc:
-            self.error(str(exc))
-        return namespace, rest
 
 
 def serve_parser(prog: str = "python -m lora_runner.serve") -> argparse.ArgumentParser:

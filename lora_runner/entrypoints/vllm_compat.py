@@ -86,10 +86,15 @@ def _is_backend(value) -> bool:
     return isinstance(value, str) and value in BACKEND_NAMES
 
 
+def _backend_field(name: str) -> str | None:
+    """structured_outputs_backend of vLLM's backend `name`; None for "auto", which asks for nothing (the default)."""
+    return None if name == "auto" else BACKEND_NAMES[name]
+
+
 # the keys of vLLM's StructuredOutputsConfig (serve --structured-outputs-config, LLM(structured_outputs_config=));
 # only backend sets anything (EngineConfig.structured_outputs_backend)
 STRUCTURED_OUTPUTS_KEYS: dict[str, VllmOption] = {
-    "backend": VllmOption(_is_backend, _OTHER_BACKENDS, field="structured_outputs_backend", convert=BACKEND_NAMES.get),
+    "backend": VllmOption(_is_backend, _OTHER_BACKENDS, field="structured_outputs_backend", convert=_backend_field),
     "disable_fallback": VllmOption(_one_of(False, True), _NO_FALLBACK),
     "disable_additional_properties": VllmOption(_one_of(False, True), _CLOSED_OBJECTS),
     "disable_any_whitespace": VllmOption(_one_of(False), _WHITESPACE_PER_REQUEST),
@@ -150,7 +155,7 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
                                             convert=lambda config: structured_outputs_backend(
                                                 config, "LLM(structured_outputs_config)")),
     "guided_decoding_backend": VllmOption(_is_backend, _OTHER_BACKENDS, field="structured_outputs_backend",
-                                          convert=BACKEND_NAMES.get),
+                                          convert=_backend_field),
     "guided_decoding_disable_fallback": VllmOption(_one_of(False, True), _NO_FALLBACK),
     "guided_decoding_disable_additional_properties": VllmOption(_one_of(False, True), _CLOSED_OBJECTS),
     "guided_decoding_disable_any_whitespace": VllmOption(_one_of(False), _WHITESPACE_PER_REQUEST),
@@ -199,7 +204,7 @@ def engine_kwargs(model, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def structured_outputs_backend(config, where: str) -> str | None:
     """EngineConfig.structured_outputs_backend of vLLM's StructuredOutputsConfig `config` (a dict of its keys, or
-    an object with them as attributes); None when it names no backend. The other keys change nothing here
+    an object with them as attributes); None when it names none, or "auto". The other keys change nothing here
     (logged) or are refused: ValueError naming `where` and the key (STRUCTURED_OUTPUTS_KEYS says why)."""
     if not isinstance(config, Mapping):
         config = getattr(config, "__dict__", None)

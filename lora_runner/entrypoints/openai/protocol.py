@@ -100,7 +100,6 @@ class _GenerationBody(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None  # vLLM's older structured_outputs.backend
     allowed_token_ids: list[int] | None = None  # extension (vLLM): only these ids may be sampled
     bad_words: list[str] | None = None  # extension (vLLM): words never generated
 

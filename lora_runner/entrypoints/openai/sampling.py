@@ -14,7 +14,7 @@ from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults
 from lora_runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from lora_runner.sampling_checks import WHOLE_VOCABULARY
 from lora_runner.sampling_params import SamplingParams
-from lora_runner.structured_outputs_params import StructuredOutputsParams, backend_name
+from lora_runner.structured_outputs_params import StructuredOutputsParams
 
 
 def _unsupported(field: str, what: str) -> APIError:
@@ -142,10 +142,6 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> Struc
     if len(asked) > 1:
         raise ValueError("set at most one of response_format (json_object / json_schema), structured_outputs "
                          "and the guided_* fields")
-    if asked and body.guided_decoding_backend is not None:  # vLLM's older request field; the engine checks it
-        if asked[0].backend is not None:
-            raise ValueError("set structured_outputs.backend or guided_decoding_backend, not both")
-        asked[0].backend = backend_name(body.guided_decoding_backend, "guided_decoding_backend")
     return asked[0] if asked else None
 
 
