@@ -39,8 +39,13 @@ def test_vllm_spellings_choose_the_backend(engine_checkpoint, flags, backend):
     assert engine.structured_outputs_backend == backend
 
 
-def _refused(capsys, argv: list[str]) -> str:
-    """The one line `lora-runner serve` ends with (exit status 2)."""
+def _refused(capsys, monkeypatch, argv: list[str]) -> str:
+    """The one line `lora-runner serve` ends with (exit status 2); a command line that passes ends with
+    "would serve" instead of serving forever."""
+    def no_serving(*args):
+        raise ValueError("would serve")
+
+    monkeypatch.setattr("lora_runner.entrypoints.cli.bind_listen_socket", no_serving)
     with pytest.raises(SystemExit) as exited:
         main(["serve", *argv])
     assert exited.value.code == 2
@@ -63,8 +68,9 @@ def _refused(capsys, argv: list[str]) -> str:
     (["--structured-outputs-backend", "guidance", "--structured-outputs-config.backend", "xgrammar"],
      "--structured-outputs-backend guidance and --structured-outputs-config xgrammar"),
 ])
-def test_what_cannot_be_honoured_is_one_line_naming_the_flag_and_key(engine_checkpoint, capsys, flags, named):
-    line = _refused(capsys, [engine_checkpoint[0], "--device", "cpu", *flags])
+def test_what_cannot_be_honoured_is_one_line_naming_the_flag_and_key(engine_checkpoint, capsys, monkeypatch, flags,
+                                                                    named):
+    line = _refused(capsys, monkeypatch, [engine_checkpoint[0], "--device", "cpu", *flags])
     assert line.startswith("lora-runner") and named in line and "--help" not in line.split(":")[0]
 
 
