@@ -68,12 +68,14 @@ class _Stream:
         self.items = []
 
 
-def _replica(state, name: str):
-    """An EngineReplicaBase over `state` without Serve (its report is the real one)."""
+def _replica(state, name: str, clock):
+    """An EngineReplicaBase over `state` without Serve (its report is the real one), its time `clock`."""
+    from lora_runner.entrypoints.ray.metrics import VllmSeries
     from lora_runner.entrypoints.ray.replica import EngineReplicaBase
 
     replica = object.__new__(EngineReplicaBase)
     replica.state, replica.replica, replica.loads, replica.unloads = state, name, {}, {}
+    replica.vllm = VllmSeries(state.metrics, clock=clock)
     return replica
 
 
@@ -92,11 +94,15 @@ def test_the_ingress_offers_every_replicas_vllm_series(replica_server):
     from lora_runner.entrypoints.ray.ingress import Ingress
 
     _, state = replica_server
-    replicas = _Replicas([_replica(state, "r0"), _replica(state, "r1")])
+    now = [0.0]
+    replicas = _Replicas([_replica(state, "r0", lambda: now[0]), _replica(state, "r1", lambda: now[0])])
     ingress = Ingress(replicas, ServerConfig("base", api_keys=(OPERATOR,)), StartupAdapters())
     body = json.dumps({"model": "base", "prompt": "hi"}).encode()
-    for _ in range(2):  # one answer from each replica: each one's report reaches the ingress
+    for _ in range(3):  # r0, r1, r0: r0's second report, within the second, has no series and keeps its first
         asyncio.run(ingress.generate(_request("POST", "/v1/completions", body)))
+    assert "vllm" not in replicas.replicas[0].report() and "vllm" in ingress.reports["r0"]
+    now[0] = 1.0
+    assert "vllm" in replicas.replicas[0].report()  # due again: read again
     scraped = _vllm(ingress.metrics(_request("GET", "/metrics")).body.decode())
     single = _vllm(state.metrics.render().decode())  # the replica's own /metrics
     assert single and scraped.keys() == single.keys()
