@@ -8,6 +8,7 @@ a request that names another backend than the server's is a ValueError (HTTP 400
 from __future__ import annotations
 
 import json
+import sys
 
 import httpx
 import pytest
@@ -31,7 +32,8 @@ REGEX = r"[ab]{2,5}"
     (["--guided-decoding-backend", "xgrammar", "--guided-decoding-disable-fallback"], "xgrammar"),
     (["--guided-decoding-backend", "llguidance", "--guided-decoding-disable-additional-properties"], "guidance"),
     (["--guided-decoding-backend", "auto", "--structured-outputs-backend", "xgrammar"], "xgrammar"),
-    (["--structured-outputs-config", '{"backend": "guidance"}', "--structured-outputs-backend", "guidance"], "guidance"),
+    (["--structured-outputs-config", '{"backend": "guidance"}', "--structured-outputs-backend", "guidance"],
+     "guidance"),
     (["--enable-tokenizer-info-endpoint"], "auto"),
 ])
 def test_vllm_spellings_choose_the_backend(engine_checkpoint, flags, backend):
@@ -167,3 +169,27 @@ def test_a_backend_this_engine_lacks_is_refused_where_the_request_is_written():
     assert StructuredOutputsParams(regex=REGEX, backend="llguidance").backend == "guidance"
     assert StructuredOutputsParams(regex=REGEX, backend="guidance").key() == StructuredOutputsParams(regex=REGEX).key()
     assert json.loads(StructuredOutputsParams(choice=["a"], backend="xgrammar").key()[1]) == ["a"]
+
+
+@pytest.mark.parametrize("flags", [["--structured-outputs-backend", "xgrammar"],
+                                   ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+                                   ["--guided-decoding-backend", "xgrammar"]])
+def test_the_xgrammar_backend_without_xgrammar_is_one_line_at_start(engine_checkpoint, capsys, monkeypatch, flags):
+    """xgrammar is an extra (pip install -e ".[xgrammar]"): asking for it without it is said before the model
+    loads, naming the flag and the install; the default (auto: llguidance) serves without it."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    line = _refused(capsys, monkeypatch, [engine_checkpoint[0], "--device", "cpu", *flags])
+    assert f"{flags[0]} xgrammar needs the xgrammar package" in line and '".[xgrammar]"' in line
+    assert _refused(capsys, monkeypatch, [engine_checkpoint[0], "--device", "cpu"]).endswith("would serve")
+
+
+def test_xgrammar_is_an_extra_that_test_includes_and_llguidance_a_dependency():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    names = [dep.split(">")[0].split("=")[0] for dep in project["dependencies"]]
+    assert "llguidance" in names and "xgrammar" not in names
+    extras = project["optional-dependencies"]
+    assert any(dep.startswith("xgrammar") for dep in extras["xgrammar"])
+    assert any(dep.startswith("xgrammar") for dep in extras["test"])

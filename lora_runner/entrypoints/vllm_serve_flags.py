@@ -19,6 +19,7 @@ backends, an engine-wide disable_any_whitespace, a reasoning parser.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 
@@ -125,7 +126,25 @@ def apply_vllm_engine_flags(args: argparse.Namespace) -> None:
         raise ValueError(" and ".join(f"{flag} {backend}" for flag, backend in named.items())
                          + " name different structured-output backends: pass one")
     if named:
-        args.structured_outputs_backend = next(iter(named.values()))
+        (flag, backend), = list(named.items())[:1]
+        package, install = _BACKEND_PACKAGES[backend]
+        if not _installed(package):  # said now, not by the first constrained request's 400
+            raise ValueError(f"{flag} {backend} needs the {package} package, which is not installed: {install} "
+                             "(or leave the backend to auto)")
+        args.structured_outputs_backend = backend
+
+
+# a backend -> (the package it imports, how to install it); xgrammar is an extra (pyproject.toml says why)
+_BACKEND_PACKAGES = {"xgrammar": ("xgrammar", 'pip install -e ".[xgrammar]" in the lora-runner checkout'),
+                     "guidance": ("llguidance", "pip install 'llguidance>=1.9'")}
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` can be found without importing it (xgrammar's import takes seconds)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # ValueError: None in sys.modules, a module blocked on purpose
+        return False
 
 
 def _dest(flag: str) -> str:
