@@ -73,7 +73,7 @@ def add_structured_outputs_arguments(parser: argparse.ArgumentParser) -> None:
              "guidance)")
     parser.set_defaults(structured_outputs_config_keys=None)
     for key in STRUCTURED_OUTPUTS_KEYS:
-        spellings = dict.fromkeys((f"--structured-outputs-config.{key}",
+        spellings = dict.fromkeys((f"--structured-outputs-config.{key}",  # one spelling when the key has no "_"
                                    f"--structured-outputs-config.{key.replace('_', '-')}"))
         add(*spellings, action=_ConfigKey, nargs="?", const=True, help=argparse.SUPPRESS)
     add("--guided-decoding-backend", default=None, metavar="NAME",
@@ -126,7 +126,7 @@ def apply_vllm_engine_flags(args: argparse.Namespace) -> None:
         raise ValueError(" and ".join(f"{flag} {backend}" for flag, backend in named.items())
                          + " name different structured-output backends: pass one")
     if named:
-        (flag, backend), = list(named.items())[:1]
+        flag, backend = next(iter(named.items()))
         package, install = _BACKEND_PACKAGES[backend]
         if not _installed(package):  # said now, not by the first constrained request's 400
             raise ValueError(f"{flag} {backend} needs the {package} package, which is not installed: {install} "
