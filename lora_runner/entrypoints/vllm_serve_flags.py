@@ -78,8 +78,8 @@ def add_structured_outputs_arguments(parser: argparse.ArgumentParser) -> None:
         add(*spellings, action=_ConfigKey, nargs="?", const=True, help=argparse.SUPPRESS)
     add("--guided-decoding-backend", default=None, metavar="NAME",
         help="vLLM's older name of --structured-outputs-config.backend")
-    for flag in _GUIDED_DECODING_FLAGS.values():
-        add(flag, action="store_true", help="vLLM's older spelling of the --structured-outputs-config key")
+    for key, flag in _GUIDED_DECODING_FLAGS.items():
+        add(flag, action="store_true", help=f"vLLM's older --structured-outputs-config.{key}")
 
 
 class _ConfigKey(argparse.Action):
