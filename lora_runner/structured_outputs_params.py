@@ -20,6 +20,19 @@ MAX_SCHEMA_DEPTH = 64  # deepest nesting of a JSON schema's dicts and lists (its
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
+# vLLM's names of the structured-output backends -> EngineConfig.structured_outputs_backend's ("llguidance" is
+# the package the guidance backend runs); the others vLLM names (outlines, lm-format-enforcer) are not here
+BACKEND_NAMES = {"auto": "auto", "xgrammar": "xgrammar", "guidance": "guidance", "llguidance": "guidance"}
+
+
+def backend_name(value, where: str) -> str:
+    """EngineConfig.structured_outputs_backend's name of vLLM's backend `value` (ValueError naming `where`
+    for a backend this engine does not have)."""
+    if isinstance(value, str) and value in BACKEND_NAMES:
+        return BACKEND_NAMES[value]
+    raise ValueError(f"{where}={value!r} is not supported: structured outputs are compiled by xgrammar or "
+                     "llguidance only (auto, xgrammar, guidance, llguidance)")
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -33,6 +46,9 @@ class StructuredOutputsParams:
     (``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`` or
     xgrammar's ``{"type": "structural_tag", "format": {...}}``).
     disable_any_whitespace (vLLM): a JSON output has no whitespace between its tokens (default: any).
+    backend: the backend the request expects (vLLM's GuidedDecodingParams.backend, "llguidance" for
+    "guidance"); None or "auto": the server's. As in vLLM V1 a request cannot choose: the engine refuses one
+    that differs from its own with ValueError (HTTP 400). Not part of ``key()``.
 
     Raises ValueError when none or more than one kind is set, or a value has the wrong type or size.
     """
@@ -44,6 +60,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     disable_any_whitespace: bool = False
     structural_tag: str | None = None
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None and isinstance(self.choice, tuple):
@@ -65,6 +82,8 @@ class StructuredOutputsParams:
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(f"structured_outputs.disable_any_whitespace must be True or False, "
                              f"got {self.disable_any_whitespace!r}")
+        if self.backend is not None:
+            self.backend = backend_name(self.backend, "structured_outputs.backend")
         if self.json_object not in (None, False, True):
             raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
         if self.json is not None:
@@ -121,11 +140,11 @@ class StructuredOutputsParams:
 # GuidedDecodingParams fields with no StructuredOutputsParams counterpart: the values that change nothing here,
 # and why any other value is refused
 _GUIDED_ONLY = {
-    "backend": ((None, "auto", "xgrammar"), "constraints are compiled by xgrammar"),
     "backend_was_auto": ((None, False, True), "it must be True or False"),
     "disable_fallback": ((None, False, True), "it must be True or False"),  # there is no backend to fall back to
-    "disable_additional_properties": ((None, False), "JSON schemas are enforced as written; set "
-                                      '"additionalProperties": false in the schema'),
+    # True is what both backends do: an object schema with properties takes no others unless it says so
+    # (guidance_backend.closed_like_xgrammar); False, vLLM's default, leaves that as it is
+    "disable_additional_properties": ((None, False, True), "it must be True or False"),
     "whitespace_pattern": ((None,), "JSON whitespace is any whitespace or none (disable_any_whitespace)"),
 }
 
@@ -136,9 +155,11 @@ class GuidedDecodingParams:
     ``SamplingParams(guided_decoding=...)`` as the StructuredOutputsParams it stands for.
 
     json, regex, choice, grammar, json_object and disable_any_whitespace mean what they mean in
-    StructuredOutputsParams. backend may be None, "auto" or "xgrammar"; disable_fallback and
-    backend_was_auto change nothing (xgrammar has no fallback). ValueError, naming the field, for
-    whitespace_pattern, disable_additional_properties=True or another backend.
+    StructuredOutputsParams. backend may be None, "auto", "xgrammar", "guidance" or "llguidance" (the engine
+    refuses one that differs from its own, as vLLM V1); disable_fallback and backend_was_auto change nothing (a
+    constraint never falls back to another backend); disable_additional_properties=True is what both backends
+    do anyway (object schemas with properties take no others unless they say so). ValueError, naming the field,
+    for whitespace_pattern or a backend this engine does not have.
     """
 
     json: str | dict | None = None
@@ -163,9 +184,10 @@ class GuidedDecodingParams:
             value = getattr(self, name)
             if not any(value is v or isinstance(v, str) and value == v for v in honoured):
                 raise ValueError(f"guided_decoding.{name}={value!r} is not supported: {reason}")
+        backend = None if self.backend is None else backend_name(self.backend, "guided_decoding.backend")
         return StructuredOutputsParams(json=self.json, json_object=self.json_object, regex=self.regex,
                                        choice=self.choice, grammar=self.grammar, structural_tag=self.structural_tag,
-                                       disable_any_whitespace=self.disable_any_whitespace)
+                                       disable_any_whitespace=self.disable_any_whitespace, backend=backend)
 
 
 def as_structured_outputs(guided_decoding) -> StructuredOutputsParams:

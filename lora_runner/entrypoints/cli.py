@@ -33,13 +33,15 @@ from lora_runner.entrypoints.serve_args import (  # noqa: F401 - the command lin
     command_parser,
     is_local_path,
 )
-from lora_runner.entrypoints.vllm_serve_flags import check_vllm_serve_flags, load_chat_template
+from lora_runner.entrypoints.vllm_serve_flags import apply_vllm_engine_flags, check_vllm_serve_flags, load_chat_template
 
 logger = logging.getLogger(__name__)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the parsed options (--prompt-adapters turns prompt adapters on by default)."""
+    """EngineConfig from the parsed options (--prompt-adapters turns prompt adapters on by default; vLLM's
+    spellings of engine options applied first, ValueError naming one that cannot be honoured)."""
+    apply_vllm_engine_flags(args)
     return engine_config_of(args, prompt_adapters_given=bool(args.prompt_adapters))
 
 

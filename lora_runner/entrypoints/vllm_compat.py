@@ -7,6 +7,8 @@ this engine always does), a keyword that maps to an EngineConfig field under ano
 feature this engine does not have (any other value is refused with the entry's reason).
 ``engine_kwargs`` applies the table; EngineConfig fields always win over it, so a field added to
 EngineConfig later (a tokenizer option, say) is used as given without editing this file.
+``structured_outputs_backend`` reads vLLM's StructuredOutputsConfig (its keys: one more table), for ``LLM`` and
+``serve --structured-outputs-config`` alike.
 ``prompt_from_dict`` reads vLLM's TextPrompt / TokensPrompt dicts and refuses multimodal inputs by name.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_runner.config import EngineConfig
+from lora_runner.structured_outputs_params import BACKEND_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +36,15 @@ class VllmOption:
     reason: why an accepted value changes nothing here, or why other values are refused.
     field: the EngineConfig field the keyword sets (vLLM's other name for it); None: the keyword is dropped.
     implies: EngineConfig defaults a true value sets (only where the caller left them out).
+    convert: the field's value of the keyword's (ValueError naming what it cannot honour; None: it sets
+        nothing); None: the value as given.
     """
 
     accepts: Callable[[Any], bool]
     reason: str
     field: str | None = None
     implies: tuple[tuple[str, Any], ...] = ()
+    convert: Callable[[Any], Any] | None = None
 
 
 def _any(value) -> bool:
@@ -67,6 +73,35 @@ def _none_or(*values) -> Callable[[Any], bool]:
 _CUSTOM_CODE = "models with custom code are not run: the Llama-family architectures of lora_runner.model only"
 _HF_CACHE = "models and adapters are read from the Hugging Face cache (set HF_HOME or HF_HUB_CACHE to move it)"
 _TEXT_ONLY = "the served models are text-only decoders: no multimodal inputs"
+_OTHER_BACKENDS = "structured outputs are compiled by xgrammar or llguidance: auto, xgrammar, guidance or llguidance"
+_NO_FALLBACK = "a constraint is compiled by the server's backend only, never by another"
+_CLOSED_OBJECTS = ("both backends read an object schema with properties as taking no others unless it says so "
+                   "(xgrammar's strict mode): disable_additional_properties=True is always the case")
+_WHITESPACE_PER_REQUEST = ("compact JSON is chosen per request here: structured_outputs.disable_any_whitespace "
+                           "(GuidedDecodingParams(disable_any_whitespace=True) in Python)")
+_NO_REASONING = "no reasoning parser runs here: structured outputs constrain the whole output"
+
+
+def _is_backend(value) -> bool:
+    return isinstance(value, str) and value in BACKEND_NAMES
+
+
+def _backend_field(name: str) -> str | None:
+    """structured_outputs_backend of vLLM's backend `name`; None for "auto", which asks for nothing (the default)."""
+    return None if name == "auto" else BACKEND_NAMES[name]
+
+
+# the keys of vLLM's StructuredOutputsConfig (serve --structured-outputs-config, LLM(structured_outputs_config=));
+# only backend sets anything (EngineConfig.structured_outputs_backend)
+STRUCTURED_OUTPUTS_KEYS: dict[str, VllmOption] = {
+    "backend": VllmOption(_is_backend, _OTHER_BACKENDS, field="structured_outputs_backend", convert=_backend_field),
+    "disable_fallback": VllmOption(_one_of(False, True), _NO_FALLBACK),
+    "disable_additional_properties": VllmOption(_one_of(False, True), _CLOSED_OBJECTS),
+    "disable_any_whitespace": VllmOption(_one_of(False), _WHITESPACE_PER_REQUEST),
+    "reasoning_parser": VllmOption(_none_or(""), _NO_REASONING),
+    "reasoning_parser_plugin": VllmOption(_none_or(""), _NO_REASONING),
+    "enable_in_reasoning": VllmOption(_none_or(False), _NO_REASONING),
+}
 
 VLLM_OPTIONS: dict[str, VllmOption] = {
     # honoured: what vLLM asks for is what this engine always does
@@ -115,10 +150,15 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
                                      "CUDA graphs)"),
     "logits_processors": VllmOption(_none_or(), "custom logits processors are not supported; SamplingParams has "
                                     "allowed_token_ids, bad_words and structured_outputs"),
-    "guided_decoding_backend": VllmOption(_none_or("auto", "xgrammar"), "structured outputs are compiled by "
-                                          "xgrammar"),
-    "structured_outputs_config": VllmOption(_none_or(), "structured outputs are compiled by xgrammar "
-                                            "(EngineConfig.structured_outputs_compile_timeout_s)"),
+    # vLLM's structured-output settings (STRUCTURED_OUTPUTS_KEYS): the backend is structured_outputs_backend
+    "structured_outputs_config": VllmOption(_any, "vLLM's StructuredOutputsConfig", field="structured_outputs_backend",
+                                            convert=lambda config: structured_outputs_backend(
+                                                config, "LLM(structured_outputs_config)")),
+    "guided_decoding_backend": VllmOption(_is_backend, _OTHER_BACKENDS, field="structured_outputs_backend",
+                                          convert=_backend_field),
+    "guided_decoding_disable_fallback": VllmOption(_one_of(False, True), _NO_FALLBACK),
+    "guided_decoding_disable_additional_properties": VllmOption(_one_of(False, True), _CLOSED_OBJECTS),
+    "guided_decoding_disable_any_whitespace": VllmOption(_one_of(False), _WHITESPACE_PER_REQUEST),
     "limit_mm_per_prompt": VllmOption(_none_or(), _TEXT_ONLY),
     "mm_processor_kwargs": VllmOption(_none_or(), _TEXT_ONLY),
     "allowed_local_media_path": VllmOption(_none_or(""), _TEXT_ONLY),
@@ -146,8 +186,12 @@ def engine_kwargs(model, kwargs: dict[str, Any]) -> dict[str, Any]:
         if not option.accepts(value):
             raise ValueError(f"LLM({name}={value!r}) is not supported: {option.reason}")
         if option.field is not None:
-            if option.field in kwargs:
-                raise ValueError(f"LLM got both {name} (vLLM's name) and {option.field}: pass one")
+            value = value if option.convert is None else option.convert(value)
+            if value is None:  # it asks for nothing (a StructuredOutputsConfig without a backend)
+                continue
+            if option.field in kwargs or result.get(option.field, value) != value:
+                given = option.field if option.field in kwargs else "another vLLM keyword that sets it"
+                raise ValueError(f"LLM got both {name} (vLLM's name of {option.field}) and {given}: pass one")
             result[option.field] = value
             continue
         if value:
@@ -156,6 +200,32 @@ def engine_kwargs(model, kwargs: dict[str, Any]) -> dict[str, Any]:
     for name, value in implied.items():
         result.setdefault(name, value)
     return result
+
+
+def structured_outputs_backend(config, where: str) -> str | None:
+    """EngineConfig.structured_outputs_backend of vLLM's StructuredOutputsConfig `config` (a dict of its keys, or
+    an object with them as attributes); None when it names none, or "auto". The other keys change nothing here
+    (logged) or are refused: ValueError naming `where` and the key (STRUCTURED_OUTPUTS_KEYS says why)."""
+    if not isinstance(config, Mapping):
+        config = getattr(config, "__dict__", None)
+        if config is None:
+            raise ValueError(f"{where} must be a dict of vLLM's StructuredOutputsConfig keys "
+                             f"({', '.join(STRUCTURED_OUTPUTS_KEYS)})")
+    backend = None
+    for key, value in config.items():
+        option = STRUCTURED_OUTPUTS_KEYS.get(key)
+        if option is None:
+            if key.startswith("_"):  # a dataclass's private state
+                continue
+            raise ValueError(f"{where}: unknown key {key!r} (vLLM's StructuredOutputsConfig has "
+                             f"{', '.join(STRUCTURED_OUTPUTS_KEYS)})")
+        if not option.accepts(value):
+            raise ValueError(f"{where}: {key}={value!r} is not supported: {option.reason}")
+        if option.field is not None:
+            backend = option.convert(value)
+        elif value:
+            logger.info("%s: %s=%r has no effect here: %s", where, key, value, option.reason)
+    return backend
 
 
 def _same_path(value, model) -> bool:

@@ -105,6 +105,11 @@ class StructuredOutputs:
         if params.structured_outputs is None:
             return None
         compiler = self.compiler
+        requested = params.structured_outputs.backend
+        if requested not in (None, "auto") and requested != compiler.backend.name:  # vLLM V1 refuses it too
+            raise ValueError(f"structured_outputs.backend={requested!r} differs from this server's backend "
+                             f"{compiler.backend.name!r}: a request cannot choose its backend; leave it out (the "
+                             "server's: EngineConfig.structured_outputs_backend, serve --structured-outputs-backend)")
         future = compiler.compile(params.structured_outputs, tenant)
         grammar = RequestGrammar(future, time.monotonic() + self.timeout_s, self.timeout_s,
                                  release=compiler.release, make_matcher=compiler.backend.matcher,

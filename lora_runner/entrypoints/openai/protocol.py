@@ -57,6 +57,7 @@ class StructuredOutputsBody(_Body):
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     structural_tag: str | None = None
+    backend: str | None = None  # the backend the request expects: a 400 when it is not the server's
 
 
 class _GenerationBody(_Body):

@@ -133,7 +133,7 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> Struc
         so = body.structured_outputs
         asked.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
                                              json_object=so.json_object, structural_tag=so.structural_tag,
-                                             disable_any_whitespace=so.disable_any_whitespace))
+                                             disable_any_whitespace=so.disable_any_whitespace, backend=so.backend))
     guided = dict(json=body.guided_json, regex=body.guided_regex, choice=body.guided_choice,
                   grammar=body.guided_grammar)
     guided = {kind: value for kind, value in guided.items() if value is not None}

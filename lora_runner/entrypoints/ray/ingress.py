@@ -107,7 +107,8 @@ class Ingress:
         except BaseException as exc:
             stream.cancel()
             raise _replica_error(exc) from exc
-        self.reports[head["replica"]] = head
+        # merged: a report carries the replica's vllm:* series only now and then (ray.metrics.VllmSeries)
+        self.reports[head["replica"]] = {**self.reports.get(head["replica"], {}), **head}
         if model is not None:
             self.requests[(head["replica"], model if model in self.labelled else OTHER_MODEL)] += 1
         headers = {k: v for k, v in head["headers"] if k.lower() in _FORWARDED_HEADERS}

@@ -6,7 +6,7 @@ Each ``LoRAEngine`` replica runs the app of :func:`lora_runner.entrypoints.opena
 replica's engine the first time a request for it is routed there and removes it when Serve evicts
 it from the replica's LRU, so Serve routes a request for adapter X to a replica that already holds
 X when it can. Every answer's head carries the replica's report: its id, cumulative adapter
-loads/evictions and the LoRAs its engine holds (summed by the ingress's /metrics).
+loads/evictions, the LoRAs its engine holds and its ``vllm:*`` series (the ingress's /metrics).
 """
 
 # No `from __future__ import annotations`: Serve re-signs the deployment methods.
@@ -27,6 +27,7 @@ from lora_runner.entrypoints.openai.errors import APIError, api_error_from, erro
 from lora_runner.entrypoints.openai.state import ServerConfig, ServerState
 from lora_runner.entrypoints.ray.asgi_call import call_asgi
 from lora_runner.entrypoints.ray.drain import watch_for_drain
+from lora_runner.entrypoints.ray.metrics import VllmSeries
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class EngineReplicaBase:
         self.replica = replica_name()
         self.loads: Counter[str] = Counter()
         self.unloads: Counter[str] = Counter()
+        self.vllm = VllmSeries(self.state.metrics)
 
     async def _load(self, name: str) -> _LoadedAdapter:
         served = self.state.engine.served_adapter(name)  # any served name: the ingress checked the tenant
@@ -88,9 +90,10 @@ class EngineReplicaBase:
         logger.info("replica %s evicted LoRA %r", self.replica, name)
 
     def report(self) -> dict:
-        """The replica's id, cumulative adapter loads/evictions and the LoRAs its engine holds now."""
+        """The replica's id, cumulative adapter loads/evictions, the LoRAs its engine holds now and, at most
+        once a second, its ``vllm:*`` series (ray.metrics.VllmSeries)."""
         return {"replica": self.replica, "loads": dict(self.loads), "unloads": dict(self.unloads),
-                "resident": self.state.engine.list_loras()}
+                "resident": self.state.engine.list_loras(), **self.vllm.report()}
 
     async def handle(self, method: str, path: str, headers: list[tuple[str, str]],
                      body: bytes) -> AsyncIterator[dict | bytes]:
