@@ -97,7 +97,10 @@ class SparseMoeBlock(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
         if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # the batch-invariant mode adds the k weights column by column: torch's row sum on CUDA picks its
+            # threads per row from T (punica_kernels.invariant_triton)
+            total = sum(weights.unbind(-1))[:, None] if invariant.enabled() else weights.sum(dim=-1, keepdim=True)
+            weights = weights / total
         return (weights if self.weights_in_float else weights.to(logits.dtype)), experts
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -117,7 +120,9 @@ class SparseMoeBlock(nn.Module):
                        lora: LoRAContext | None) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{experts[t, j]}(hidden[t]) [T, H], each with the token's expert LoRA:
         the fused Triton kernels on CUDA (lora_runner.model.moe_fused), else a torch loop over the experts hit."""
-        if hidden.device.type == "cuda" and moe_fused.fused_supported(self):
+        # the fused kernels' tiles follow the expert groups' sizes: the batch-invariant mode takes the loop,
+        # whose GEMMs and LoRA are the mode's row-invariant ones
+        if hidden.device.type == "cuda" and moe_fused.fused_supported(self) and not invariant.enabled():
             return moe_fused.fused_routed_experts(self, hidden, weights, experts, lora)
         slots = None if lora is None else lora.meta.token_slots[:hidden.shape[0]]  # [T]
         out = torch.zeros_like(hidden)  # [T, H]
