@@ -17,8 +17,8 @@ the mode is on.
 
 On CUDA tensors the GEMMs (:func:`linear`, :func:`matmul`) and the RMSNorm (:func:`rms_norm`) run the
 fixed-config Triton kernels of :mod:`punica_kernels.invariant_triton` instead of row blocks (cuBLAS
-picks its algorithm by M, whatever the block); the Triton LoRA ops fix their K split to one while the
-mode is on (punica_kernels.triton_ops.add_lora).
+picks its algorithm by M, whatever the block); the Triton LoRA ops keep K unsplit while the mode is on
+(punica_kernels.ops passes ``unsplit`` to punica_kernels.triton_ops.add_lora).
 """
 
 from __future__ import annotations
