@@ -142,8 +142,9 @@ class EngineConfig:
         'tokenizer; README: Speculative decoding); None: off', default=None))
     batch_invariant: bool = field(**_doc(
         "a request's tokens and logprobs are bitwise identical whether it runs alone or beside any other requests, "
-        "adapters, chunk sizes and batch sizes (fixed-shape GEMM blocks, per-token attention and LoRA; README: "
-        "Adapter versions and RL loops), at a cost in speed; float CPU models only (unquantized)", default=False))
+        "adapters, chunk sizes and batch sizes (CPU: fixed-shape GEMM blocks, per-token attention and LoRA; CUDA: "
+        "fixed-config Triton GEMM, RMSNorm and attention, LoRA shrink unsplit, tensor_parallel_size <= 2; README: "
+        "Adapter versions and RL loops), at a cost in speed; unquantized models only", default=False))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -178,6 +178,22 @@ def test_attention_in_the_mode_row_bits_do_not_depend_on_chunk_or_batch(window, 
         assert not all(torch.equal(result, default[0]) for result in default[1:])
 
 
+def test_the_mode_routes_triton_attention_to_the_fixed_tile_kernel(monkeypatch):
+    """attention.paged_attention in the mode on the Triton backend: the fixed-tile prefill kernel, for a
+    decode-only step too (outside the mode a decode-only step takes the decode kernel)."""
+    from lora_runner.model import attention
+
+    calls = []
+    monkeypatch.setattr(batch_invariant, "triton_paged_attention", lambda *args: calls.append(args) or args[0])
+    kv = torch.zeros(2, 16, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    query, attn, _ = _attention_case(kv, torch.zeros(CONTEXT, HEADS, HEAD_DIM), (FIXED, FIXED + 1), [(5, 1)])
+    with invariant.active():
+        attention.paged_attention(query, kv, attn, 1.0, backend="triton")
+    assert len(calls) == 1
+    attention.paged_attention(query, kv, attn, 1.0, backend="triton")
+    assert len(calls) == 1
+
+
 def test_the_default_decode_kernel_splits_the_context_by_batch_size():
     """Why the mode never takes the decode kernel: its context split count follows the batch size, and a
     token's bits follow the split count."""
