@@ -612,10 +612,10 @@ def _drive_prefill(spec: ModelSpec, kv: torch.Tensor, tables: torch.Tensor, dtyp
 
 def invariant_drivers() -> list[Driver]:
     """The batch-invariant mode's kernels at their widest (EngineConfig.batch_invariant on CUDA): the fixed-config
-    GEMM and the row RMSNorm in each dtype, and the prefill attention with key tiles at fixed positions
+    GEMM and the row RMSNorm in each dtype, the sampler's row softmax and log-softmax, and the prefill attention with key tiles at fixed positions
     (window and cap on) for the widest heads. Kept out of all_drivers so the full compile grid stays as it was
     (tests/test_batch_invariant_triton.py compiles these)."""
-    return [Driver("batch-invariant gemm and rms norm", _drive_invariant),
+    return [Driver("batch-invariant gemm, rms norm and softmax", _drive_invariant),
             Driver("batch-invariant attention", _drive_invariant_attention)]
 
 
@@ -629,6 +629,8 @@ def _drive_invariant() -> None:
                                 torch.empty(spec.intermediate_size, dtype=dtype))
         for width in (spec.hidden_size, 2 * spec.hidden_size):  # up to 8192 (70B-class models)
             invariant_triton.rms_norm(x.new_empty(1, width), torch.empty(width, dtype=dtype), 1e-6)
+    for log in (False, True):  # the sampler's, on float32 logits
+        invariant_triton.softmax(torch.empty(4, spec.vocab_size), log)
 
 
 def _drive_invariant_attention() -> None:

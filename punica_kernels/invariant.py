@@ -15,7 +15,8 @@ it around every forward of an engine built with ``batch_invariant=True``. The to
 (:func:`add_lora`, :func:`lora_shrink`, :func:`lora_expand`) is here too: the ops route to it while
 the mode is on.
 
-On CUDA tensors the GEMMs (:func:`linear`, :func:`matmul`) and the RMSNorm (:func:`rms_norm`) run the
+On CUDA tensors the GEMMs (:func:`linear`, :func:`matmul`), the RMSNorm (:func:`rms_norm`) and the
+sampler's softmax and log-softmax (:func:`softmax`) run the
 fixed-config Triton kernels of :mod:`punica_kernels.invariant_triton` instead of row blocks (cuBLAS
 picks its algorithm by M, whatever the block); the Triton LoRA ops keep K unsplit while the mode is on
 (punica_kernels.ops passes ``unsplit`` to punica_kernels.triton_ops.add_lora).
@@ -83,6 +84,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         return invariant_triton.matmul(x, weight.to(x.dtype), bias)
     return rows_matmul(x, lambda block: torch.nn.functional.linear(block, weight, bias))
+
+
+def softmax(x: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """torch.softmax(x, -1) (log: torch.log_softmax) of x [S, V]; in the mode on CUDA one Triton program per
+    row (punica_kernels.invariant_triton.softmax: torch's vectorized loads start at each row's own
+    alignment, so with a vocabulary not a multiple of 4 a row's sum order follows its index)."""
+    if x.is_cuda and enabled():
+        from . import invariant_triton
+
+        return invariant_triton.softmax(x, log)
+    return torch.log_softmax(x, dim=-1) if log else torch.softmax(x, dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:

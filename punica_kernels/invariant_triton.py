@@ -13,9 +13,12 @@ has one configuration per dtype (the ``*_CONFIG`` tables), fixed whatever the nu
 * :func:`rms_norm`: one program per row, the whole row in one block: its sum of squares reduces in
   an order fixed by the row's width alone.
 
-torch's softmax and log-softmax over the last dimension already run one block per row with a
-block size chosen from the row's width (aten's host_softmax), so the sampler's logprobs need no
-kernel here. The mode's LoRA (punica_kernels.triton_ops with its K split fixed to one) and attention
+* :func:`softmax` (and its log): one program per row walking the row in BLOCK-wide chunks from column 0.
+  torch's CUDA softmax also runs a block per row, but its vectorized loads start at each row's own
+  16-byte boundary: with a vocabulary that is not a multiple of 4 a row's sum order follows its row
+  index in the batch. The sampler's logprobs and sampling distributions take this one in the mode.
+
+The mode's LoRA (punica_kernels.triton_ops with its K split fixed to one) and attention
 (lora_runner.model.paged_attention's prefill kernel for every token) are in their own modules.
 
 CPU tensors run the interpreted twins (punica_kernels.triton_ops.kernel_for): the tile loops are
@@ -35,6 +38,7 @@ from .triton_ops import kernel_for
 MATMUL_CONFIG = {2: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
                  4: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)}
 RMS_NORM_WARPS = 8
+SOFTMAX_BLOCK, SOFTMAX_WARPS = 1024, 4  # columns per step of a row's softmax
 # the combine function tl.sum reduces with, called through tl.reduce: the interpreted twins cannot call
 # jit'd helpers (lora_runner.model.paged_attention says more)
 _SUM = tl.standard._sum_combine
@@ -131,6 +135,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
             rows, weight.contiguous(), out, width, eps, rows.stride(0), out.stride(0),
             BLOCK=triton.next_power_of_2(width), UNIT_OFFSET=unit_offset, num_warps=RMS_NORM_WARPS)
     return out.view(x.shape)
+
+
+_MAX = tl.standard._elementwise_max
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, LOG: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row, out_row = x_ptr + row * stride_x, out_ptr + row * stride_o
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, width, BLOCK):
+        x = tl.load(x_row + start + offs, mask=start + offs < width, other=float("-inf")).to(tl.float32)
+        lane_max = tl.maximum(lane_max, x)
+    row_max = tl.reduce(lane_max, 0, _MAX)  # a maximum: exact in any order
+    lane_sum = tl.full([BLOCK], 0.0, tl.float32)
+    for start in range(0, width, BLOCK):  # each lane adds its columns left to right, then one fixed tree
+        x = tl.load(x_row + start + offs, mask=start + offs < width, other=float("-inf")).to(tl.float32)
+        lane_sum += tl.exp(x - row_max)
+    total = tl.reduce(lane_sum, 0, _SUM)
+    for start in range(0, width, BLOCK):
+        mask = start + offs < width
+        x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            out = x - row_max - tl.log(total)
+        else:
+            out = tl.exp(x - row_max) / total
+        tl.store(out_row + start + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def softmax(x: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """Semantics: torch.softmax(x, -1) (log: torch.log_softmax(x, -1)), accumulated in fp32.
+
+    x [S, V] fp16/bf16/fp32. Returns a new [S, V] tensor in x's dtype; one program per row, each row's
+    bits independent of the other rows and of where the row starts in memory.
+    """
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [S, V]
+    if rows.shape[0]:
+        kernel_for(_softmax_kernel, x.device)[(rows.shape[0],)](
+            rows, out, rows.shape[1], rows.stride(0), out.stride(0), BLOCK=SOFTMAX_BLOCK, LOG=log,
+            num_warps=SOFTMAX_WARPS)
+    return out
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -1,6 +1,6 @@
 """The batch-invariant mode's CUDA kernels, run as their interpreted twins on CPU tensors (the tile loops,
 split choices and key tiles are the GPU's): a row's bits alone equal its bits among 1..64 random
-companions for the fixed-config GEMM (punica_kernels.invariant_triton.matmul), the unsplit SGMV
+companions for the fixed-config GEMM (punica_kernels.invariant_triton.matmul), the row softmax, the unsplit SGMV
 (punica_kernels.triton_ops.add_lora in the mode) and the prefill attention kernel with fixed key tiles
 (lora_runner.model.batch_invariant.triton_paged_attention), while the default SGMV split and the default
 key tiles do change a row's bits (so the comparisons can fail); the kernels compile for sm_90/sm_80
@@ -241,7 +241,8 @@ def test_invariant_kernels_compile_without_spills(target):
     from kernel_tools import aot
 
     configs = aot.collect_configs(aot.invariant_drivers())
-    assert {config.name for config in configs.values()} == {"_matmul_kernel", "_rms_norm_kernel", "_prefill_kernel"}
+    assert {config.name for config in configs.values()} == {"_matmul_kernel", "_rms_norm_kernel", "_softmax_kernel",
+                                                            "_prefill_kernel"}
     for config in configs.values():
         report = aot.compile_config(config, next(t for t in aot.TARGETS if t.name == target))
         assert report.spills == 0 and report.fits_shared, (config.name, config.dtypes(), report.registers)
@@ -270,3 +271,17 @@ def test_cuda_engine_without_the_mode_differs(engine_checkpoint, fixed_prompt):
 def fixed_prompt():
     gen = random.Random(0)
     return [gen.randrange(3, 256) for _ in range(21)]
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_rows_match_torch_and_do_not_depend_on_the_batch(log):
+    """The sampler's softmax and log-softmax in the mode on CUDA: torch's values, over a vocabulary that is not
+    a multiple of the block nor of 4 (rows start at every alignment), -inf entries included (masked tokens)."""
+    gen = torch.Generator().manual_seed(6)
+    row = torch.randn(2501, generator=gen) * 4
+    row[::7] = float("-inf")
+    alone = invariant_triton.softmax(row[None], log)[0]
+    want = torch.log_softmax(row.double(), -1) if log else torch.softmax(row.double(), -1)
+    torch.testing.assert_close(alone.double(), want, rtol=1e-5, atol=1e-6)
+    for batch, position in _companion_batches(gen, row, (2, 5, 16, 33)):
+        assert torch.equal(invariant_triton.softmax(batch, log)[position], alone), batch.shape[0]
