@@ -612,9 +612,9 @@ def _drive_prefill(spec: ModelSpec, kv: torch.Tensor, tables: torch.Tensor, dtyp
 
 def invariant_drivers() -> list[Driver]:
     """The batch-invariant mode's kernels at their widest (EngineConfig.batch_invariant on CUDA): the fixed-config
-    GEMM and the row RMSNorm in each dtype, the sampler's row softmax and log-softmax, and the prefill attention with key tiles at fixed positions
-    (window and cap on) for the widest heads. Kept out of all_drivers so the full compile grid stays as it was
-    (tests/test_batch_invariant_triton.py compiles these)."""
+    GEMM and the row RMSNorm in each dtype, the sampler's row softmax and log-softmax, and the prefill attention
+    with key tiles at fixed positions (window and cap on) for the widest heads. Kept out of all_drivers so the
+    full compile grid stays as it was (tests/test_batch_invariant_triton.py compiles these)."""
     return [Driver("batch-invariant gemm, rms norm and softmax", _drive_invariant),
             Driver("batch-invariant attention", _drive_invariant_attention)]
 

@@ -42,7 +42,8 @@ def test_matmul_row_bits_do_not_depend_on_the_batch(dtype):
     row = torch.randn(200, generator=gen).to(dtype)
     alone = invariant_triton.matmul(row[None], weight, bias)[0]
     want = row.double() @ weight.double().T + bias.double()
-    torch.testing.assert_close(alone.double(), want, **(dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-2)))
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-2)
+    torch.testing.assert_close(alone.double(), want, **tolerance)
     for batch, position in _companion_batches(gen, row):
         assert torch.equal(invariant_triton.matmul(batch, weight, bias)[position], alone), batch.shape[0]
 
@@ -91,8 +92,8 @@ def _sgmv_batches(gen: torch.Generator, sizes):
 
 def test_sgmv_in_the_mode_keeps_k_whole_and_row_bits_do_not_depend_on_the_batch():
     """The fixed token (slot 1) alone and among 3..64 tokens of random slots (none, its own, others) at a
-    random position (batch sizes around the 16-token tiles): add_lora's row is the same bits in the mode (K unsplit), which the default split
-    count (it follows T) would not keep."""
+    random position (batch sizes around the 16-token tiles): add_lora's row is the same bits in the mode (K
+    unsplit), which the default split count (it follows T) would not keep."""
     gen = torch.Generator().manual_seed(2)
     meta = LoRAMeta(64, MAX_LORAS, "cpu", max_rank=RANK, max_slices=len(SLICES))
     operands = _sgmv_operands(gen)
@@ -199,7 +200,8 @@ def test_the_default_decode_kernel_splits_the_context_by_batch_size():
     token's bits follow the split count."""
     from lora_runner.model import paged_attention
 
-    assert paged_attention.decode_num_splits(1, KV_HEADS, 32768) != paged_attention.decode_num_splits(64, KV_HEADS, 32768)
+    splits = paged_attention.decode_num_splits
+    assert splits(1, KV_HEADS, 32768) != splits(64, KV_HEADS, 32768)
     gen = torch.Generator().manual_seed(5)
     kv = torch.randn(2, 16, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
     query, attn, _ = _attention_case(kv, torch.randn(CONTEXT, HEADS, HEAD_DIM, generator=gen), (FIXED, FIXED + 1), [])
