@@ -339,7 +339,8 @@ def write_random_model(path: Path, sizes: Sizes) -> None:
 
 
 def make_engine(model_dir: Path, sizes: Sizes, graphs: bool, *, max_num_batched_tokens: int = 8192,
-                max_loras: int | None = None, max_num_seqs: int | None = None, quantization: str | None = None):
+                max_loras: int | None = None, max_num_seqs: int | None = None, quantization: str | None = None,
+                batch_invariant: bool = False):
     """An LLMEngine for the benchmarks serving max_loras (default max(sizes.adapter_counts)) dummy rank-16
     adapters "bench-<i>"; on CPU "graphs" are emulated (RerunGraph) through the same hook."""
     from lora_runner import LLMEngine
@@ -350,7 +351,7 @@ def make_engine(model_dir: Path, sizes: Sizes, graphs: bool, *, max_num_batched_
                        max_lora_rank=16, max_cpu_loras=2 * max(1, max_loras),
                        max_num_seqs=max_num_seqs or max(sizes.num_requests), max_model_len=sizes.max_model_len,
                        max_num_batched_tokens=max_num_batched_tokens, enforce_eager=not graphs,
-                       gpu_memory_utilization=0.8, quantization=quantization)
+                       gpu_memory_utilization=0.8, quantization=quantization, batch_invariant=batch_invariant)
     if graphs and sizes.device == "cpu":
         engine.runner.capture_decode_graphs(engine.adapters.manager.loras, 16, make_graph=RerunGraph, progress=False)
     for i in range(max_loras):

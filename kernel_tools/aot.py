@@ -610,6 +610,41 @@ def _drive_prefill(spec: ModelSpec, kv: torch.Tensor, tables: torch.Tensor, dtyp
                                       window, softcap=softcap)
 
 
+def invariant_drivers() -> list[Driver]:
+    """The batch-invariant mode's kernels at their widest (EngineConfig.batch_invariant on CUDA): the fixed-config
+    GEMM and the row RMSNorm in each dtype, the sampler's row softmax and log-softmax, and the prefill attention
+    with key tiles at fixed positions (window and cap on) for the widest heads. Kept out of all_drivers so the
+    full compile grid stays as it was (tests/test_batch_invariant_triton.py compiles these)."""
+    return [Driver("batch-invariant gemm, rms norm and softmax", _drive_invariant),
+            Driver("batch-invariant attention", _drive_invariant_attention)]
+
+
+def _drive_invariant() -> None:
+    from punica_kernels import invariant_triton
+
+    spec = MODELS["llama-7b"]
+    for dtype in DTYPES:
+        x = torch.empty(PREFILL_TOKENS[0], spec.hidden_size, dtype=dtype)  # [T, K]; M is never specialized
+        invariant_triton.matmul(x, torch.empty(spec.intermediate_size, spec.hidden_size, dtype=dtype),
+                                torch.empty(spec.intermediate_size, dtype=dtype))
+        for width in (spec.hidden_size, 2 * spec.hidden_size):  # up to 8192 (70B-class models)
+            invariant_triton.rms_norm(x.new_empty(1, width), torch.empty(width, dtype=dtype), 1e-6)
+    for log in (False, True):  # the sampler's, on float32 logits
+        invariant_triton.softmax(torch.empty(4, spec.vocab_size), log)
+
+
+def _drive_invariant_attention() -> None:
+    spec, (softcap,) = ATTENTION_MODELS["gemma2-2b"]
+    for dtype in DTYPES:
+        kv, tables = _attention_cache(spec, dtype, ATTENTION_BLOCK_SIZES[0], ATTENTION_CAPACITIES[0], 2)
+        num_tokens, chunks = ATTENTION_PREFILL
+        query = torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=dtype)  # [T, H, D]
+        starts = torch.tensor([0, *itertools.accumulate(chunks)], dtype=torch.int32)  # [B+1]
+        paged_attention.prefill_attention(query, kv, tables, torch.tensor(chunks, dtype=torch.int32), starts,
+                                          max(chunks), spec.head_dim ** -0.5, SLIDING_WINDOWS[-1], softcap=softcap,
+                                          aligned_keys=True)
+
+
 def collect_configs(drivers: list[Driver]) -> dict[str, KernelConfig]:
     """Every distinct config the drivers launch, keyed by KernelConfig.key."""
     threads = torch.get_num_threads()

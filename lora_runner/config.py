@@ -143,8 +143,9 @@ class EngineConfig:
         'tokenizer; README: Speculative decoding); None: off', default=None))
     batch_invariant: bool = field(**_doc(
         "a request's tokens and logprobs are bitwise identical whether it runs alone or beside any other requests, "
-        "adapters, chunk sizes and batch sizes (fixed-shape GEMM blocks, per-token attention and LoRA; README: "
-        "Adapter versions and RL loops), at a cost in speed; float CPU models only (unquantized)", default=False))
+        "adapters, chunk sizes and batch sizes (CPU: fixed-shape GEMM blocks, per-token attention and LoRA; CUDA: "
+        "fixed-config Triton GEMM, RMSNorm and attention, LoRA shrink unsplit, tensor_parallel_size <= 2; README: "
+        "Adapter versions and RL loops), at a cost in speed; unquantized models only", default=False))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -254,18 +255,28 @@ class EngineConfig:
         return "uni" if self.tensor_parallel_size == 1 else "mp"
 
     def _check_batch_invariant(self) -> None:
-        """ValueError where batch_invariant cannot hold: on CUDA the Triton LoRA shrink splits K by the batch's
-        token count (punica_kernels.triton_ops.choose_split_k), the attention kernels differ between decode and
-        prefill steps and decode steps replay graphs; quantized layers run GEMMs outside the mode's blocks."""
+        """ValueError where batch_invariant cannot hold. On CUDA the mode runs the fixed-order Triton kernels
+        (punica_kernels.invariant_triton's GEMM and RMSNorm, the LoRA shrink unsplit, every token through the
+        prefill attention kernel), so Triton must import; NCCL's all-reduce over more than two ranks sums in an
+        order set by the message size; quantized layers run GEMMs outside the mode's kernels (CPU and CUDA)."""
         if not self.batch_invariant:
             return
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
-        if self.torch_device().type != "cpu":
-            raise ValueError("batch_invariant is CPU-only for now: on CUDA the Triton kernels' reductions depend on "
-                             "the batch (split-K by token count, decode vs prefill attention); use device='cpu'")
         if self.quantization is not None:
-            raise ValueError(f"batch_invariant needs an unquantized model, got quantization={self.quantization!r}")
+            raise ValueError(f"batch_invariant needs an unquantized model, got quantization={self.quantization!r}: "
+                             "the FP8 and W4A16 GEMMs have no fixed-order kernel yet")
+        if self.torch_device().type != "cuda":
+            return
+        from punica_kernels import triton_available, triton_import_error
+
+        if not triton_available():
+            raise ValueError("batch_invariant on CUDA needs Triton (its fixed-order GEMM, LoRA and attention "
+                             f"kernels), which failed to import: {triton_import_error()}; use device='cpu'")
+        if self.tensor_parallel_size > 2:
+            raise ValueError("batch_invariant on CUDA holds for tensor_parallel_size 1 or 2: NCCL's all-reduce "
+                             "over more ranks adds the partial sums in an order set by the message size, got "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
 
     def check_parallel(self) -> None:
         """ValueError when tensor_parallel_size cannot run on the chosen device (CUDA: one GPU per rank)."""

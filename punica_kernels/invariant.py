@@ -14,6 +14,12 @@ one process (or one engine's TP rank threads) each keep their own setting; the m
 it around every forward of an engine built with ``batch_invariant=True``. The torch LoRA path
 (:func:`add_lora`, :func:`lora_shrink`, :func:`lora_expand`) is here too: the ops route to it while
 the mode is on.
+
+On CUDA tensors the GEMMs (:func:`linear`, :func:`matmul`), the RMSNorm (:func:`rms_norm`) and the
+sampler's softmax and log-softmax (:func:`softmax`) run the
+fixed-config Triton kernels of :mod:`punica_kernels.invariant_triton` instead of row blocks (cuBLAS
+picks its algorithm by M, whatever the block); the Triton LoRA ops keep K unsplit while the mode is on
+(punica_kernels.ops passes ``unsplit`` to punica_kernels.triton_ops.add_lora).
 """
 
 from __future__ import annotations
@@ -63,10 +69,40 @@ def rows_matmul(x: torch.Tensor, multiply: Callable[[torch.Tensor], torch.Tensor
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ weight.T ([N, K]) -> [T, N]: in row blocks (rows_matmul) while the mode is on, else one call."""
+    """x [T, K] @ weight.T ([N, K]) -> [T, N]: while the mode is on row-invariantly (:func:`linear`), else one call."""
     if enabled():
-        return rows_matmul(x, lambda block: block @ weight.T)
+        return linear(x, weight) if x.is_cuda else rows_matmul(x, lambda block: block @ weight.T)
     return x @ weight.T
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight.T ([N, K]) (+ bias [N]) -> [T, N], each row's bits independent of the other rows:
+    the fixed-config Triton GEMM on CUDA (weight cast to x's dtype, as F.linear needs them equal), row
+    blocks of F.linear elsewhere."""
+    if x.is_cuda:
+        from . import invariant_triton  # triton is optional: imported where the CUDA mode runs
+
+        return invariant_triton.matmul(x, weight.to(x.dtype), bias)
+    return rows_matmul(x, lambda block: torch.nn.functional.linear(block, weight, bias))
+
+
+def softmax(x: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """torch.softmax(x, -1) (log: torch.log_softmax) of x [S, V]; in the mode on CUDA one Triton program per
+    row (punica_kernels.invariant_triton.softmax: torch's vectorized loads start at each row's own
+    alignment, so with a vocabulary not a multiple of 4 a row's sum order follows its index)."""
+    if x.is_cuda and enabled():
+        from . import invariant_triton
+
+        return invariant_triton.softmax(x, log)
+    return torch.log_softmax(x, dim=-1) if log else torch.softmax(x, dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """lora_runner.model.layers.RMSNorm's math on CUDA tensors, one Triton program per row (torch's mean
+    picks threads and blocks per row from the number of rows)."""
+    from . import invariant_triton
+
+    return invariant_triton.rms_norm(x, weight, eps, unit_offset)
 
 
 def _slot_tokens(meta: LoRAMeta, num_tokens: int) -> list[tuple[int, torch.Tensor]]:

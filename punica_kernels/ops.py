@@ -91,7 +91,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         if invariant.enabled():  # the batch-invariant mode (punica_kernels.invariant): per-row fixed shapes
             return invariant.add_lora(y, x, lora_a, lora_b, meta, slice_sizes, scales)
         return reference.add_lora(y, x, lora_a, lora_b, meta, slice_sizes, scales)
-    return triton_ops.add_lora(y, x, lora_a, lora_b, meta, slice_sizes, scales)
+    # the batch-invariant mode keeps the shrink's K whole (its split count would follow T)
+    return triton_ops.add_lora(y, x, lora_a, lora_b, meta, slice_sizes, scales, unsplit=invariant.enabled())
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta,

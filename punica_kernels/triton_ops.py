@@ -19,6 +19,9 @@ Design points (design.md sections 4 and 8):
 * The expand indexes the output columns of all slices directly (no slice padded to the widest),
   with alignment hints from the layout so y, B and the scales load and store as vectors.
 * No allocation and no host sync inside the ops: scratch lives in the meta's workspace.
+* ``add_lora(..., unsplit=True)`` (the batch-invariant mode, punica_kernels.invariant, through
+  punica_kernels.ops) never splits K: every other choice (BLOCK_K, warps, tiles) depends on the
+  layer's shapes and dtype, never on T, and a token's sums do not depend on the other tokens of its tile.
 
 CPU tensors run under the Triton interpreter (no bf16 there), whether or not TRITON_INTERPRET was
 set when this module was imported.
@@ -292,12 +295,15 @@ def lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, meta
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             meta: LoRAMeta, slice_sizes: tuple[int, ...], scales: Scales = NO_SCALES) -> torch.Tensor:
+             meta: LoRAMeta, slice_sizes: tuple[int, ...], scales: Scales = NO_SCALES,
+             unsplit: bool = False) -> torch.Tensor:
     """Semantics: y[t, off_j:off_j+N_j] += (x[t] @ lora_a[s, j].T) @ lora_b[s, off_j:off_j+N_j].T,
     scaled as :mod:`punica_kernels.scales` says.
 
     Two launches, the intermediate (and the shrink's K-split partials, the first of which is the
-    intermediate) in the meta's workspace; shapes as in punica_kernels.add_lora.
+    intermediate) in the meta's workspace; shapes as in punica_kernels.add_lora. ``unsplit``: K is never
+    split (the batch-invariant mode: a split count chosen from T would sum a token's products in another
+    order in another batch).
     """
     num_tokens = x.shape[0]
     if num_tokens == 0:
@@ -305,7 +311,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     _, n_slices, rank, num_features = lora_a.shape
     row_elements = num_tokens * n_slices * rank
     workspace = meta.workspace_for(row_elements)
-    split_k = choose_split_k(tile_programs(meta, num_tokens), num_features, workspace.numel() // row_elements)
+    split_k = 1 if unsplit else choose_split_k(tile_programs(meta, num_tokens), num_features,
+                                               workspace.numel() // row_elements)
     partials = workspace[:split_k * row_elements].view(split_k, num_tokens, n_slices, rank)
     _launch_shrink(x, lora_a, meta, partials[0], partials if split_k > 1 else None)
     _launch_expand(y, partials[0], lora_b, meta, slice_sizes, scales)

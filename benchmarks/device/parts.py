@@ -16,6 +16,7 @@ import torch
 import checks
 import gpu_check
 import gpu_tests
+import invariant_check
 import lora_decode_profile as profile_sections
 
 VERSIONS = ("torch", "triton", "transformers", "peft", "safetensors", "numpy", "google-re2", "xgrammar", "pytest",
@@ -137,6 +138,19 @@ def quant(run):
     checks.quant_decode(run.model_dir, plan.profile.sizes, plan.quant_batches, plan.w4a16_group, run.results, deadline)
 
 
+def batch_invariant(run):
+    """EngineConfig.batch_invariant: decode tok/s vs the default engine (graphs, adapters), and one request's
+    bits alone vs among the batch (invariant_check)."""
+    if run.model_dir is None:
+        return "no model (the model part failed)"
+    close_engine(run)  # its memory goes to the two engines here
+    rows = run.results["batch_invariant"] = []
+    invariant_check.run_rows(run.model_dir, run.plan.profile.sizes, run.plan.quant_batches, 4, rows,
+                             run.deadline("batch_invariant"))
+    if not all(row["bitwise_equal"] for row in rows if row["mode"] == "batch-invariant"):
+        raise RuntimeError(f"batch_invariant: a fixed request's bits changed with the batch: {rows}")
+
+
 def close_engine(run) -> None:
     if run.engine is not None:
         run.engine.adapters.manager.close()
@@ -145,4 +159,4 @@ def close_engine(run) -> None:
 
 
 PARTS = dict(setup=setup, tests=tests, model=model, kernels=kernels, splitk=splitk, moe=moe, profile=profile,
-             graphs=graphs, prefix=prefix, quant=quant)
+             graphs=graphs, prefix=prefix, quant=quant, batch_invariant=batch_invariant)

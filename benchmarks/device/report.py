@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bench_moe_kernels
 import gpu_check
+import invariant_check
 import lora_decode_profile as profile_sections
 from common import markdown_table
 
@@ -26,7 +27,8 @@ DRY_RUN_NOTES = dict(
     splitk="the Triton split-K shrink under TRITON_INTERPRET=1 at K=256",
     moe="the fused MoE kernels under TRITON_INTERPRET=1 on a toy layer (no graph replay)",
     profile="decode graphs emulated (RerunGraph); 'kernels' are aten ops, no LoRA kernel is named on CPU",
-    graphs="RerunGraph replays vs the eager path", prefix="the CPU engine", quant="FP8 and W4A16 on their CPU paths")
+    graphs="RerunGraph replays vs the eager path", prefix="the CPU engine", quant="FP8 and W4A16 on their CPU paths",
+    batch_invariant="the CPU mode (row-blocked GEMMs, per-token attention), not the CUDA kernels")
 
 
 def _figures(results: dict) -> dict:
@@ -115,7 +117,9 @@ def report(results: dict) -> str:
             ("warm_ttft_ms", "cached TTFT ms", ".1f"), ("speedup", "x", ".2f")]),
         ("decode by weight format (no adapters, graphs)", results.get("quant_decode"), [
             ("weights", "weights", ""), ("batch", "batch", "d"), ("tokens_per_s", "tok/s", ".0f"),
-            ("vs_bf16", "vs bf16", ".2f")])]
+            ("vs_bf16", "vs bf16", ".2f")]),
+        ("batch-invariant mode vs default (4 adapters, graphs)", results.get("batch_invariant"),
+         invariant_check.COLUMNS)]
     for title, rows, columns in tables:
         if rows:
             lines += ["", f"### {title}", markdown_table(rows, columns)]

@@ -140,13 +140,17 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: Attention
     h // (H / H_kv)). `sliding_window` w: a token at position p sees positions p-w+1..p only.
     `softcap` c: scores s = scale * q.k become c * tanh(s / c) before the softmax.
     Padding tokens (past query_start_loc[-1]) get zeros. backend: see the module docstring. In the
-    batch-invariant mode (punica_kernels.invariant) each token alone (lora_runner.model.batch_invariant).
+    batch-invariant mode (punica_kernels.invariant) each token alone, or on Triton every token through the
+    prefill kernel with fixed key tiles (lora_runner.model.batch_invariant).
     """
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap!r}")
+    use_triton = resolve_backend(backend, query) == "triton"
     if invariant.enabled():
+        if use_triton:
+            return batch_invariant.triton_paged_attention(query, kv_layer, attn, scale, sliding_window, softcap)
         return batch_invariant.paged_attention(query, kv_layer, attn, scale, sliding_window, softcap, _attend)
-    if resolve_backend(backend, query) == "triton":
+    if use_triton:
         return _triton_paged_attention(query, kv_layer, attn, scale, sliding_window, softcap)
     return _torch_paged_attention(query, kv_layer, attn, scale, sliding_window, softcap)
 

@@ -9,9 +9,17 @@ p - lo + 1, D]: the shape, the values and so the summation order depend on the t
 on its companions, the batch size or the chunk it came in. The cost is one call per token per
 layer (measured in benchmarks/bench_batch_invariant.py).
 
+On the Triton backend (CUDA) every token of every step, decode or prefill, goes through the one
+prefill kernel (:func:`triton_paged_attention`): a token's row of a query tile reduces over key tiles
+at fixed positions (multiples of BLOCK_N, ``aligned_keys``), so its sums do not depend on the chunk it
+came in, on the other rows of its tile or on the step's kind. The decode kernel is never used in the
+mode: it would give a decode token other bits than the prefill kernel gives the same token in a mixed
+step, and its context split count follows the batch size. Key tiles past a row's position (or before
+its window) are fully masked for that row and change none of its bits (probabilities 0, rescale 1).
+
 The switch is punica_kernels.invariant's per-thread mode, which the model runner sets
 (EngineConfig.batch_invariant); lora_runner.model.attention.paged_attention routes here while it
-is on. CPU only: EngineConfig refuses the mode on CUDA.
+is on.
 """
 
 from __future__ import annotations
@@ -46,3 +54,14 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: Attention
             q = query[token].clone()[None, :, None]  # [1, H, 1, D]
             out[token] = attend(q, keys, values, mask, scale, softcap)[0, :, 0]
     return out
+
+
+def triton_paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, attn: AttentionMetadata, scale: float,
+                           sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """Semantics as :func:`paged_attention`, every token through the Triton prefill kernel with its key
+    tiles at fixed positions (lora_runner.model.paged_attention.prefill_attention, aligned_keys)."""
+    from lora_runner.model import paged_attention as kernels  # triton is optional: imported where it runs
+
+    return kernels.prefill_attention(query, kv_layer, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                     max(attn.max_query_len, 1), scale, sliding_window, softcap=softcap,
+                                     aligned_keys=True)

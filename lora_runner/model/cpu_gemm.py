@@ -59,11 +59,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W.T (+ bias) -> [T, N]: through ``packed`` when the weight was packed, else the
     dense ``weight`` [N, K] with F.linear (the linears' and the LM head's one dispatch). In the
-    batch-invariant mode (punica_kernels.invariant) in fixed blocks of rows, so no row depends on T."""
+    batch-invariant mode (punica_kernels.invariant) so that no row depends on T: fixed blocks of rows on
+    CPU, the fixed-config Triton GEMM on CUDA (invariant.linear)."""
     if invariant.enabled():
         if packed is not None:
             return invariant.rows_matmul(x, lambda block: linear(block, packed, bias))
-        return invariant.rows_matmul(x, lambda block: F.linear(block, weight, bias))
+        return invariant.linear(x, weight, bias)
     if packed is not None:
         return linear(x, packed, bias)
     return F.linear(x, weight, bias)

@@ -14,6 +14,7 @@ from torch import nn
 
 from lora_runner.model.config import RopeConfig
 from lora_runner.model.lora_linear import LoRALinear, lora_base_weights
+from punica_kernels import invariant
 
 __all__ = ["LoRALinear", "RMSNorm", "RotaryEmbedding", "lora_base_weights", "rope_inv_freq"]
 
@@ -32,6 +33,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and invariant.enabled():  # torch's mean on CUDA sums a row in an order set by the row count
+            return invariant.rms_norm(x, self.weight, self.eps, self.unit_offset)
         x32 = x.float()  # [..., hidden]
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:

@@ -100,7 +100,10 @@ class SparseMoeBlock(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
         if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # the batch-invariant mode adds the k weights column by column: torch's row sum on CUDA picks its
+            # threads per row from T (punica_kernels.invariant_triton)
+            total = sum(weights.unbind(-1))[:, None] if invariant.enabled() else weights.sum(dim=-1, keepdim=True)
+            weights = weights / total
         return (weights if self.weights_in_float else weights.to(logits.dtype)), experts
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -117,11 +120,14 @@ class SparseMoeBlock(nn.Module):
                        lora: LoRAContext | None) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{experts[t, j]}(hidden[t]) [T, H], each with the token's expert LoRA:
         the fused Triton kernels on CUDA (lora_runner.model.moe_fused), else a torch loop over the experts hit."""
-        if moe_fused.use_fused(self, hidden):
+        # the fused kernels' tiles follow the expert groups' sizes: the batch-invariant mode takes the loop,
+        # whose GEMMs and LoRA are the mode's row-invariant ones
+        if moe_fused.use_fused(self, hidden) and not invariant.enabled():
             return moe_fused.fused_routed_experts(self, hidden, weights, experts, lora)
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # the grouping below reads experts on the host
-            raise RuntimeError("this mixture-of-experts layer runs the torch loop (no fused kernels for its experts), "
-                               "which cannot run in CUDA graphs: serve this model with enforce_eager=True")
+            raise RuntimeError("this mixture-of-experts layer runs the torch loop (the batch-invariant mode, or "
+                               "experts the fused kernels cannot take), which cannot run in CUDA graphs: serve this "
+                               "model with enforce_eager=True")
         slots = None if lora is None else expert_token_slots(lora, hidden.shape[0])  # [T] or None
         out = torch.zeros_like(hidden)  # [T, H]
         for expert in experts.unique().tolist():  # ascending: each token sums its experts in transformers' order

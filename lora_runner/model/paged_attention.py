@@ -293,6 +293,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIGNED_KEYS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -317,6 +318,8 @@ def _prefill_kernel(
     # keys this tile can see: from the first row's window start to the last row's position
     hi = tl.minimum(context_start + tl.minimum((tile_m + 1) * BLOCK_M, q_len), seq_len)
     lo = tl.where(sliding_window > 0, tl.maximum(context_start + tile_m * BLOCK_M - sliding_window + 1, 0), 0)
+    if ALIGNED_KEYS:  # key tiles at multiples of BLOCK_N, wherever the chunk starts (the batch-invariant mode)
+        lo = lo // BLOCK_N * BLOCK_N
     row_max = tl.full([BLOCK_M], _EMPTY, tl.float32)
     row_sum = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
@@ -353,7 +356,7 @@ def _prefill_kernel(
 def prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                       sliding_window: int | None = None, out: torch.Tensor | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, aligned_keys: bool = False) -> torch.Tensor:
     """Paged attention of a flat batch of prefill chunks (and decodes), their K/V already in the cache.
 
     Semantics: for sequence b with new tokens t in [s_b, s_b + n_b) (s = query_start_loc,
@@ -368,6 +371,9 @@ def prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables:
         block_tables: [B, max_blocks] int32; seq_lens: [B] int32; query_start_loc: [B+1] int32.
         max_query_len: >= max n_b (a host int: it sizes the grid; prefill steps run eagerly).
         scale: softmax scale. out: [T, H, D] in query's dtype; allocated when None.
+        aligned_keys: every program walks the keys in tiles at multiples of BLOCK_N (with a sliding window
+            from the tile below its first row's window), so a token's softmax sums in an order set by
+            its own position, whatever chunk or batch it came in (the batch-invariant mode).
 
     Returns out. No host sync.
     """
@@ -389,5 +395,6 @@ def prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables:
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PAGE=block_size, DOT_PRECISION=_dot_precision(query.dtype), SOFTCAP=softcap is not None, **config)
+        PAGE=block_size, DOT_PRECISION=_dot_precision(query.dtype), SOFTCAP=softcap is not None,
+        ALIGNED_KEYS=aligned_keys, **config)
     return out

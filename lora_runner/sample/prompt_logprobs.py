@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from punica_kernels import invariant
+
 MAX_PROMPT_LOGIT_ROWS = 256  # most prompt positions whose logits exist at once
 
 
@@ -85,7 +87,7 @@ def score_spans(hidden: torch.Tensor, spans: Sequence[PromptSpan],
 
 def _entries(logits: torch.Tensor, targets: np.ndarray, k: int) -> list[dict[int, float]]:
     """One dict per row of logits [n, V]: its k best tokens and its target token."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    logprobs = invariant.softmax(logits.float(), log=True)  # [n, V]; per row in the batch-invariant mode on CUDA
     target_ids = torch.from_numpy(targets).to(logprobs.device)[:, None]  # [n, 1]
     columns = [logprobs.gather(1, target_ids)]  # [n, 1]
     if k:

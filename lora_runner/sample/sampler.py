@@ -34,6 +34,7 @@ from lora_runner.sample.prompt_logprobs import PromptLogprobsChunk
 from lora_runner.sample.sampling_state import History, SamplingBatch, explicit_batch
 from lora_runner.sample.token_masks import apply_allowed_token_ids, apply_grammar_bitmask, apply_logit_bias
 from lora_runner.sampling_params import SamplingParams
+from punica_kernels import invariant
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +213,8 @@ class Sampler:
         columns = [tokens[:, None].float(), finite[:, None].float()]  # [S, 1] each
         wanted = [k for k in settings.num_logprobs if k is not None]
         if wanted:
-            logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] raw model logprobs
+            # invariant.softmax: torch's in the default mode; per row in the batch-invariant mode on CUDA
+            logprobs = invariant.softmax(logits, log=True)  # [S, V] raw model logprobs
             top_vals, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)  # [S, k]
             columns += [logprobs.gather(1, tokens[:, None]), top_vals, top_ids.float()]
         packed = torch.cat(columns, dim=1).cpu()  # [S, 2] or [S, 3 + 2k]: the step's one transfer
@@ -298,12 +300,12 @@ class Sampler:
         after temperature, min-p, top-k and top-p (the rejection sampler accepts drafts against it)."""
         scaled = logits / batch.temperatures[:, None]  # [S, V]
         if batch.min_p is not None:  # as vLLM: after temperature, before top-k / top-p
-            probs = torch.softmax(scaled, dim=-1)  # [S, V]
+            probs = invariant.softmax(scaled)  # [S, V]
             too_unlikely = probs < batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [S, V]
             scaled = scaled.masked_fill(too_unlikely, float("-inf"))
         if batch.use_top_k or batch.use_top_p:
             scaled = self._mask_top_k_top_p(scaled, batch)
-        return torch.softmax(scaled, dim=-1)  # [S, V]
+        return invariant.softmax(scaled)  # [S, V]
 
     def race(self, probs: torch.Tensor, generators: Sequence[tuple[int, torch.Generator]]) -> torch.Tensor:
         """One token per row of `probs` [S, V] (any non-negative weights: the race ignores their scale)
@@ -320,7 +322,7 @@ class Sampler:
             ranks = torch.arange(scaled.shape[-1], device=scaled.device)  # [V]
             sorted_logits.masked_fill_(ranks[None, :] >= batch.top_k[:, None], float("-inf"))
         if batch.use_top_p:
-            probs = sorted_logits.softmax(dim=-1)  # [S, V]
+            probs = invariant.softmax(sorted_logits)  # [S, V]
             mass_before = probs.cumsum(dim=-1) - probs  # [S, V]; the top token always stays
             sorted_logits.masked_fill_(mass_before > batch.top_p[:, None], float("-inf"))
         return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)  # [S, V]

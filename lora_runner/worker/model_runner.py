@@ -208,7 +208,8 @@ class ModelRunner:
         # a padded decode step has as many tokens as sequences: never more than the token buffers hold
         plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), full_lora=self.lora_features.most)
         graphs = DecodeGraphs(self.model, self.forward_contexts, builder, plan, make_graph)
-        with resident_dummy_loras(lora_tier, 1, max_lora_rank) as slots:
+        # captured in the runner's batch-invariant setting: a graph replays the kernels it was captured with
+        with resident_dummy_loras(lora_tier, 1, max_lora_rank) as slots, invariant.active(self.batch_invariant):
             graphs.capture(slots[0], progress=progress)
         self.decode_graphs = graphs
 
