@@ -3,8 +3,9 @@
 ``start_executor`` is the engine's one call at start-up (vLLM's Executor owns its workers):
 
 - "uni" (tensor_parallel_size=1): the model, its adapter slots, the KV cache and the runner live in this
-  process; on CUDA the start-up memory profile sizes the KV cache and the decode graphs are captured.
-  DoRA's base weights come from the live model.
+  process; on CUDA the start-up memory profile sizes the KV cache and the decode graphs are captured
+  (with speculative decoding, the verify graphs of k + 1 tokens per sequence too). DoRA's base weights
+  come from the live model.
 - "mp" / "ray": one worker process (or Ray actor) per rank holds its model shard, KV cache, slots and runner
   (lora_runner.executor.rank_worker); this process keeps the adapter tiers, whose slots are proxies, and
   reads DoRA's base weights from the checkpoint (no rank holds a whole row).
@@ -110,6 +111,8 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
     manager = _make_manager(cfg, model_config, device, lora_base_weights(model), on_load_done)
     runner_of = partial(_runner_of_manager, cfg, model, model_config, manager, device)
     use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
+    spec = cfg.speculative()
+    k = spec.num_speculative_tokens if spec is not None else 0  # the verify graphs' k
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     kv_budget = None
     if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
@@ -117,13 +120,14 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
         kv_budget = profile_kv_cache_budget(
             runner_of(None), manager.loras, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-            block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs)
+            block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs,
+            verify_tokens_per_seq=k + 1 if k else 0)
     limits = engine_limits(cfg, model_config.max_position_embeddings, kv_block_bytes(model_config, 1, dtype), free,
                            kv_budget, available_host_memory() if device.type == "cpu" else None)
     make = runner_of(limits)
     runner = make(limits.num_kv_blocks)
     if use_graphs:
-        runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
+        runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank, num_speculative_tokens=k)
     return StartedExecutor(UniProcExecutor(runner, make), manager, model_config, model_dir, limits, model, runner)
 
 
