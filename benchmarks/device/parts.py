@@ -15,6 +15,7 @@ import torch
 
 import checks
 import gpu_check
+import spec_rows
 import gpu_tests
 import lora_decode_profile as profile_sections
 
@@ -137,6 +138,21 @@ def quant(run):
     checks.quant_decode(run.model_dir, plan.profile.sizes, plan.quant_batches, plan.w4a16_group, run.results, deadline)
 
 
+def spec(run):
+    """Speculative decoding's rows (spec_rows.py), one engine per method after the shared one is closed."""
+    if run.model_dir is None:
+        return "no model (the model part failed)"
+    close_engine(run)  # its memory: each method's engine profiles the device anew
+    plan = run.plan
+    spec_rows.spec_decode_rows(run.model_dir, plan.profile.sizes, num_requests=plan.spec_requests,
+                               prompt_len=plan.spec_prompt_len, output_len=plan.spec_output_len,
+                               adapter_counts=plan.spec_adapters, k=plan.spec_k, draft_layers=1, results=run.results,
+                               deadline=run.deadline("spec"))
+    skipped = run.results.get("spec_decode_skipped")
+    if skipped:
+        raise TimeoutError(f"spec: no time left for {skipped}")
+
+
 def close_engine(run) -> None:
     if run.engine is not None:
         run.engine.adapters.manager.close()
@@ -145,4 +161,4 @@ def close_engine(run) -> None:
 
 
 PARTS = dict(setup=setup, tests=tests, model=model, kernels=kernels, splitk=splitk, moe=moe, profile=profile,
-             graphs=graphs, prefix=prefix, quant=quant)
+             graphs=graphs, prefix=prefix, quant=quant, spec=spec)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bench_moe_kernels
 import gpu_check
 import lora_decode_profile as profile_sections
+import spec_rows
 from common import markdown_table
 
 # (what, the figure's key in _figures, comparison, bound): issue 37's targets (bf16, graphs on)
@@ -26,7 +27,8 @@ DRY_RUN_NOTES = dict(
     splitk="the Triton split-K shrink under TRITON_INTERPRET=1 at K=256",
     moe="the fused MoE kernels under TRITON_INTERPRET=1 on a toy layer (no graph replay)",
     profile="decode graphs emulated (RerunGraph); 'kernels' are aten ops, no LoRA kernel is named on CPU",
-    graphs="RerunGraph replays vs the eager path", prefix="the CPU engine", quant="FP8 and W4A16 on their CPU paths")
+    graphs="RerunGraph replays vs the eager path", prefix="the CPU engine", quant="FP8 and W4A16 on their CPU paths",
+    spec="fp32 CPU engines, decode and verify graphs emulated (RerunGraph), 2 adapters")
 
 
 def _figures(results: dict) -> dict:
@@ -115,7 +117,8 @@ def report(results: dict) -> str:
             ("warm_ttft_ms", "cached TTFT ms", ".1f"), ("speedup", "x", ".2f")]),
         ("decode by weight format (no adapters, graphs)", results.get("quant_decode"), [
             ("weights", "weights", ""), ("batch", "batch", "d"), ("tokens_per_s", "tok/s", ".0f"),
-            ("vs_bf16", "vs bf16", ".2f")])]
+            ("vs_bf16", "vs bf16", ".2f")]),
+        ("speculative decoding (grounded prompts, greedy, graphs)", results.get("spec_decode"), spec_rows.COLUMNS)]
     for title, rows, columns in tables:
         if rows:
             lines += ["", f"### {title}", markdown_table(rows, columns)]

@@ -259,6 +259,7 @@ class DecodeGraphs:
         self._make_graph = make_graph
         self._graphs: dict[DecodeGraphKey, _Captured] = {}
         self.num_replays = 0  # decode steps served by a graph
+        self.num_verify_replays = 0  # of those, steps served by a verify graph (tokens_per_seq > 1)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -320,6 +321,7 @@ class DecodeGraphs:
         self.contexts.prepare_lora(padded)  # outside the graph
         captured.graph.replay()
         self.num_replays += 1
+        self.num_verify_replays += key.tokens_per_seq > 1
         return captured.hidden
 
     @torch.inference_mode()
