@@ -143,10 +143,10 @@ def test_verify_graph_forward_has_no_host_sync(engine_checkpoint, monkeypatch):
         assert len(calls) == (4 * engine.model_config.num_layers if key.has_lora else 0) and all(calls)
 
 
-def grounded_requests(adapters, num_requests: int = 10, seed: int = 0) -> list[tuple]:
+def grounded_requests(adapters, num_requests: int = 10, seed: int = 0, max_tokens: int = 12) -> list[tuple]:
     """Prompts repeating a motif (the n-gram proposes drafts), on the base model and two adapters."""
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     requests = []
     for i in range(num_requests):
         motif = [rng.randrange(3, 256) for _ in range(rng.randint(2, 4))]
@@ -185,21 +185,28 @@ def test_engine_verify_steps_replay_graphs_and_match_eager(engine_checkpoint):
 
 
 @pytest.mark.gpu
-def test_cuda_verify_graphs_at_start_up_match_eager(engine_checkpoint):
-    """On CUDA the engine captures the verify graphs at start-up (k from speculative_config); its
-    tokens and logprobs equal an enforce_eager engine's (fp32)."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_cuda_verify_graphs_at_start_up_match_eager(engine_checkpoint, method):
+    """On CUDA the engine captures the verify graphs at start-up (k from speculative_config; with a draft
+    model the draft's forwards too, its memory in the profiled budget); tokens and logprobs equal an
+    enforce_eager engine's (fp32)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     path, _, adapters = engine_checkpoint
-    cuda = dict(ENGINE, kv_cache_memory_bytes=64 << 20)
-    requests = grounded_requests(adapters, num_requests=12, seed=1)
-    eager = run_to_completion(LLMEngine(path, device="cuda", enforce_eager=True, **cuda), requests, per_step=None)
-    engine = LLMEngine(path, device="cuda", **cuda)
+    spec = dict(ENGINE["speculative_config"]) if method == "ngram" else {
+        "method": "draft_model", "model": path, "num_speculative_tokens": K, "min_acceptance_rate": 0}
+    cuda = dict(ENGINE, speculative_config=spec)
+    requests = grounded_requests(adapters, num_requests=12, seed=1, max_tokens=24)
+    eager = run_to_completion(LLMEngine(path, device="cuda", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+                                        **cuda), requests, per_step=None)
+    engine = LLMEngine(path, device="cuda", gpu_memory_utilization=0.5, **cuda)  # the memory profile's budget
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.plan.verify_tokens_per_seq == K + 1
-    before = graphs.num_replays
     check_same(eager, run_to_completion(engine, requests, per_step=None), 1e-3)
-    assert graphs.num_replays - before >= 5 and engine.stats.spec_decode.num_drafts > 0
+    assert graphs.num_verify_replays >= 3 and engine.stats.spec_decode.num_accepted_tokens > 0
+    if method == "draft_model":
+        draft = engine.scheduler.speculator.proposer.forward
+        assert draft.graphs is not None and draft.graphs.pool is graphs.pool and draft.graphs.num_replays > 0
 
 
 # ------------------------------------------------------------------ start-up memory: verify step, draft model
@@ -257,3 +264,22 @@ def test_draft_model_is_loaded_once_at_start_up(engine_checkpoint, monkeypatch):
     done = run_to_completion(engine, [("d", [5, 6, 7, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6))])
     assert len(done["d"].outputs[0].token_ids) == 6 and speculator.num_forwards > 0
     assert engine.stats.draft_forwards == speculator.num_forwards
+
+
+def test_draft_model_forwards_replay_graphs_and_propose_as_eager(engine_checkpoint):
+    """The draft's forwards replay emulated graphs (the feed-back forwards decode graphs, short catch-ups
+    verify graphs, without LoRA): the same proposals, hence the same drafts, acceptance and tokens as an
+    engine whose draft runs eagerly; requests on an adapter beside base ones."""
+    path, _, adapters = engine_checkpoint
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": K, "min_acceptance_rate": 0}
+    requests = grounded_requests(adapters, num_requests=6, seed=2, max_tokens=30)
+    engines = [LLMEngine(path, device="cpu", **dict(ENGINE, speculative_config=spec)) for _ in range(2)]
+    draft = engines[1].scheduler.speculator.proposer.forward
+    draft.capture_graphs(K, make_graph=RerunGraph)
+    assert len(draft.graphs) == len(draft.graphs.plan.keys()) and not any(key.has_lora for key in draft.graphs.plan.keys())
+    eager, graphed = (run_to_completion(engine, requests, per_step=None) for engine in engines)
+    check_same(eager, graphed, 1e-4)
+    want, got = engines[0].stats.spec_decode, engines[1].stats.spec_decode
+    assert (got.num_draft_tokens, got.num_accepted_tokens) == (want.num_draft_tokens, want.num_accepted_tokens)
+    assert got.num_accepted_tokens > 0
+    assert draft.graphs.num_verify_replays > 0 and draft.graphs.num_replays > draft.graphs.num_verify_replays

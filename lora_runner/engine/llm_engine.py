@@ -132,7 +132,7 @@ class LLMEngine(AdapterAPI):
                 max_model_len=self.limits.max_model_len, max_num_batched_tokens=self.limits.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.limits.num_kv_blocks, block_size=cfg.block_size,
                 dtype=cfg.torch_dtype(), device=cfg.torch_device(), local_files_only=cfg.local_files_only,
-                loaded=self._loaded_draft), spec)
+                loaded=self._loaded_draft, target_graphs=self.runner.decode_graphs if self.runner else None), spec)
         except BaseException:  # a draft refused or not found: no worker process outlives the failed start
             self.executor.close()
             raise

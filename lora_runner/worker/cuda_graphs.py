@@ -125,14 +125,19 @@ class DecodeGraphPlan:
             sequence); 0: none.
         max_num_tokens: the token buffers' size (bounds the verify graphs' B * (k + 1)); needed with
             verify_tokens_per_seq.
+        with_lora: False: graphs without LoRA only (a model served without adapters: the speculative
+            draft model, lora_runner.worker.draft_runner); a step with LoRA tokens then runs eagerly.
     """
 
     def __init__(self, max_num_seqs: int, full_lora: LoRAFeatures = ALL_LORA_FEATURES,
-                 verify_tokens_per_seq: int = 0, max_num_tokens: int | None = None) -> None:
+                 verify_tokens_per_seq: int = 0, max_num_tokens: int | None = None, with_lora: bool = True) -> None:
         self.sizes = capture_sizes(max_num_seqs)
         self.full_lora = full_lora
-        variants = [(False, PLAIN_LORA), (True, PLAIN_LORA)] + ([(True, full_lora)] if full_lora != PLAIN_LORA else [])
+        variants = [(False, PLAIN_LORA)]
+        if with_lora:
+            variants += [(True, PLAIN_LORA)] + ([(True, full_lora)] if full_lora != PLAIN_LORA else [])
         self._variants = variants
+        self.with_lora = with_lora
         self.verify_tokens_per_seq = verify_tokens_per_seq if verify_tokens_per_seq > 1 else 0
         self.verify_sizes: list[int] = []
         if self.verify_tokens_per_seq:
@@ -166,6 +171,8 @@ class DecodeGraphPlan:
             return None
         if not batch.has_lora:
             return DecodeGraphKey(size, False, PLAIN_LORA, tokens_per_seq)
+        if not self.with_lora:
+            return None
         need = batch.lora_features
         if need == PLAIN_LORA:
             return DecodeGraphKey(size, True, PLAIN_LORA, tokens_per_seq)
@@ -245,15 +252,18 @@ class DecodeGraphs:
         builder: the runner's BatchBuilder (its device buffers are the graphs' inputs; it pads steps).
         plan: which keys to capture.
         make_graph: () -> Graph; default a CudaGraph on one shared memory pool (CUDA only).
+        pool: that memory pool (default: a new one); graphs never replayed at once may share one (the
+            draft model's graphs use the target's: each step's graph outputs are read before the next replay).
     """
 
     def __init__(self, model, contexts: ForwardContextBuilder, builder: BatchBuilder, plan: DecodeGraphPlan,
-                 make_graph: Callable[[], Graph] | None = None) -> None:
+                 make_graph: Callable[[], Graph] | None = None, pool=None) -> None:
         self.device = contexts.kv_cache.device
+        self.pool = None  # the CUDA graphs' memory pool (None: emulated graphs)
         if make_graph is None:
             if self.device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device; pass make_graph=RerunGraph to emulate")
-            pool = torch.cuda.graph_pool_handle()
+            self.pool = pool = torch.cuda.graph_pool_handle() if pool is None else pool
             make_graph = lambda: CudaGraph(pool)  # noqa: E731
         self.model, self.contexts, self.builder, self.plan = model, contexts, builder, plan
         self._make_graph = make_graph

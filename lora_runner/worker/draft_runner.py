@@ -9,10 +9,12 @@ k - 1 proposals past the tokens the target holds); its blocks are the draft's si
 
 Memory on CUDA: with one process ("uni") start-up loads the draft before the target's memory profile, so
 its weights count as resident, and the profiled KV budget is shared with the draft's cache block for block
-(lora_runner.executor.startup.draft_kv_share), so both fit gpu_memory_utilization. The draft's forwards run
-eagerly, before the target's in each step, on activations far smaller than the profiled target step's
-(a smaller model, at most max_num_batched_tokens + max_num_seqs tokens, max_num_seqs logits rows): the
-allocator serves them from the memory that step freed. With kv_cache_memory_bytes set, or worker ranks,
+(lora_runner.executor.startup.draft_kv_share), so both fit gpu_memory_utilization. Where the target
+captured CUDA graphs, the draft's forwards are captured too (DraftModelRunner.capture_graphs), on the
+target's graph pool: the draft's graphs are smaller than the target's largest and never replay at once
+with one. Its eager forwards (long catch-ups) run before the target's in each step, on activations far
+smaller than the profiled target step's (a smaller model, at most max_num_batched_tokens + max_num_seqs
+tokens, max_num_seqs logits rows): the allocator serves them from the memory that step freed. With kv_cache_memory_bytes set, or worker ranks,
 that setting is the target's cache alone and the draft's comes on top of it.
 """
 
@@ -30,6 +32,7 @@ from lora_runner.model import ModelConfig, load_model
 from lora_runner.spec_decode.config import SpeculativeConfig
 from lora_runner.spec_decode.draft_model import DraftChunk, DraftModelSpeculator, check_same_vocab
 from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
+from lora_runner.worker.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from lora_runner.worker.kv_cache import allocate_kv_cache
 
@@ -63,6 +66,10 @@ class DraftModelRunner:
     """The draft model's forward over DraftChunks (spec_decode.draft_model.DraftForward): its own KV
     cache and batch buffers, no adapter (every token on the base model), greedy tokens out.
 
+    After capture_graphs (CUDA), its forwards replay graphs without LoRA: the one-token feed-back
+    forwards decode graphs, a first forward whose rows catch up at most k + 1 tokens (the common one:
+    the accepted drafts and the bonus token) a verify graph; longer catch-ups run eagerly.
+
     Args:
         model, model_config: the draft decoder and its config.
         num_kv_blocks, block_size: its paged KV cache (the DraftModelSpeculator's block pool maps it).
@@ -78,13 +85,30 @@ class DraftModelRunner:
         self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                                           max_blocks_per_seq=max_blocks_per_seq, block_size=block_size, device=device)
         self.forward_contexts = ForwardContextBuilder(self.kv_cache, lora_meta=None, lora_slots=None)
+        self.graphs: DecodeGraphs | None = None  # set by capture_graphs
+
+    def capture_graphs(self, num_speculative_tokens: int, make_graph=None, pool=None, progress: bool = False) -> None:
+        """Capture decode and verify graphs (k + 1 tokens per sequence) without LoRA; make_graph and pool:
+        see DecodeGraphs (default: CUDA graphs on a new pool; the engine passes the target's)."""
+        builder = self.batch_builder
+        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), with_lora=False,
+                               verify_tokens_per_seq=num_speculative_tokens + 1, max_num_tokens=builder.max_num_tokens)
+        graphs = DecodeGraphs(self.model, self.forward_contexts, builder, plan, make_graph, pool=pool)
+        graphs.capture(-1, progress=progress)
+        self.graphs = graphs
 
     @torch.inference_mode()
     def __call__(self, chunks: Sequence[DraftChunk]) -> list[int]:
         """Write every chunk's K/V; the argmax token after each sampling chunk's last token, in order."""
-        batch = self.batch_builder.build([SeqChunk(c.token_ids, c.start, c.num_new_tokens, c.block_table,
-                                                   sample=c.sample) for c in chunks])
-        hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
+        step = self.batch_builder.write([SeqChunk(c.token_ids, c.start, c.num_new_tokens, c.block_table,
+                                                  sample=c.sample) for c in chunks])
+        key = self.graphs.key_for(step) if self.graphs is not None else None
+        if key is None:
+            batch = self.batch_builder.upload(step)
+            hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
+        else:
+            batch = self.batch_builder.upload(step, padded_seqs=key.num_seqs, tokens_per_seq=key.tokens_per_seq)
+            hidden = self.graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
         if not batch.num_samples:
             return []
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab]
@@ -95,10 +119,12 @@ def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConf
                           vocab_of: Callable[[Path], Mapping[str, int] | None], max_model_len: int,
                           max_num_batched_tokens: int, max_num_seqs: int, num_kv_blocks: int, block_size: int,
                           dtype: torch.dtype, device: torch.device,
-                          local_files_only: bool | None = None, loaded: LoadedDraft | None = None) -> DraftModelSpeculator:
+                          local_files_only: bool | None = None, loaded: LoadedDraft | None = None,
+                          target_graphs: DecodeGraphs | None = None) -> DraftModelSpeculator:
     """The "draft_model" DraftSource of an engine of these sizes (see the module docstring). ``vocab_of``:
     the token -> id map of a model dir's tokenizer (None: it has none; the engine's LazyTokenizer.vocab).
-    ``loaded``: the draft start-up loaded (None: loaded here). Raises ValueError when the draft's
+    ``loaded``: the draft start-up loaded (None: loaded here). ``target_graphs``: the target runner's decode
+    graphs where it captured CUDA graphs: the draft's forwards are captured too, on their memory pool. Raises ValueError when the draft's
     vocabulary is not the target's or its context is shorter than max_model_len, and what load_model
     raises for a draft it cannot load."""
     if loaded is None:
@@ -117,7 +143,10 @@ def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConf
     runner = DraftModelRunner(model, draft_config, num_kv_blocks=blocks.num_blocks, block_size=block_size,
                               max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                               max_blocks_per_seq=blocks.blocks_for(max_model_len), dtype=dtype, device=device)
-    logger.info("draft model %s (%d layers) proposes up to %d tokens per step; its KV cache: %d blocks",
-                config.model, draft_config.num_layers, k, blocks.num_blocks)
+    if target_graphs is not None and target_graphs.pool is not None:
+        runner.capture_graphs(k, pool=target_graphs.pool)
+    logger.info("draft model %s (%d layers) proposes up to %d tokens per step; its KV cache: %d blocks%s",
+                config.model, draft_config.num_layers, k, blocks.num_blocks,
+                f"; {len(runner.graphs)} CUDA graphs" if runner.graphs is not None else "")
     return DraftModelSpeculator(config, runner, blocks, max_model_len=max_model_len, max_num_tokens=max_num_tokens)
 
