@@ -276,7 +276,8 @@ def test_draft_model_forwards_replay_graphs_and_propose_as_eager(engine_checkpoi
     engines = [LLMEngine(path, device="cpu", **dict(ENGINE, speculative_config=spec)) for _ in range(2)]
     draft = engines[1].scheduler.speculator.proposer.forward
     draft.capture_graphs(K, make_graph=RerunGraph)
-    assert len(draft.graphs) == len(draft.graphs.plan.keys()) and not any(key.has_lora for key in draft.graphs.plan.keys())
+    keys = draft.graphs.plan.keys()
+    assert len(draft.graphs) == len(keys) and not any(key.has_lora for key in keys)
     eager, graphed = (run_to_completion(engine, requests, per_step=None) for engine in engines)
     check_same(eager, graphed, 1e-4)
     want, got = engines[0].stats.spec_decode, engines[1].stats.spec_decode

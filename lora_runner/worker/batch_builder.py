@@ -405,8 +405,8 @@ class BatchBuilder:
         arrays (upload with tokens_per_seq > 1): padding tokens of no sequence, padding sequences of no token."""
         if not (0 <= num_seqs <= padded_seqs <= self.max_num_seqs and 0 <= num_tokens <= padded_tokens
                 <= self.max_num_tokens):
-            raise ValueError(f"cannot pad {num_seqs} sequences / {num_tokens} tokens to {padded_seqs} / {padded_tokens} "
-                             f"(buffers hold {self.max_num_seqs} / {self.max_num_tokens})")
+            raise ValueError(f"cannot pad {num_seqs} sequences / {num_tokens} tokens to {padded_seqs} / "
+                             f"{padded_tokens} (buffers hold {self.max_num_seqs} / {self.max_num_tokens})")
         tokens = slice(num_tokens, padded_tokens)
         self.input_ids.np[tokens] = 0
         self.positions.np[tokens] = 0

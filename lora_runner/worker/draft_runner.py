@@ -14,8 +14,9 @@ captured CUDA graphs, the draft's forwards are captured too (DraftModelRunner.ca
 target's graph pool: the draft's graphs are smaller than the target's largest and never replay at once
 with one. Its eager forwards (long catch-ups) run before the target's in each step, on activations far
 smaller than the profiled target step's (a smaller model, at most max_num_batched_tokens + max_num_seqs
-tokens, max_num_seqs logits rows): the allocator serves them from the memory that step freed. With kv_cache_memory_bytes set, or worker ranks,
-that setting is the target's cache alone and the draft's comes on top of it.
+tokens, max_num_seqs logits rows): the allocator serves them from the memory that step freed. With
+kv_cache_memory_bytes set, or worker ranks, that setting is the target's cache alone and the draft's
+comes on top of it.
 """
 
 from __future__ import annotations
@@ -124,9 +125,9 @@ def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConf
     """The "draft_model" DraftSource of an engine of these sizes (see the module docstring). ``vocab_of``:
     the token -> id map of a model dir's tokenizer (None: it has none; the engine's LazyTokenizer.vocab).
     ``loaded``: the draft start-up loaded (None: loaded here). ``target_graphs``: the target runner's decode
-    graphs where it captured CUDA graphs: the draft's forwards are captured too, on their memory pool. Raises ValueError when the draft's
-    vocabulary is not the target's or its context is shorter than max_model_len, and what load_model
-    raises for a draft it cannot load."""
+    graphs where it captured CUDA graphs: the draft's forwards are captured too, on their memory pool.
+    Raises ValueError when the draft's vocabulary is not the target's or its context is shorter than
+    max_model_len, and what load_model raises for a draft it cannot load."""
     if loaded is None:
         loaded = load_draft(config, dtype=dtype, device=device, local_files_only=local_files_only)
     model, draft_config, draft_dir = loaded.model, loaded.config, loaded.model_dir
