@@ -96,7 +96,7 @@ def test_every_gpu_test_collects_on_the_image():
 def test_the_device_run_dry_run_runs_every_part_under_the_limit(tmp_path):
     """benchmarks/device/run.py --dry-run, its imports limited as on the device: every part but the tests
     (collected by the test above) runs and reports; the JSON and the markdown table are written."""
-    parts = "setup,model,kernels,splitk,moe,profile,graphs,prefix,quant"
+    parts = "setup,model,kernels,splitk,moe,profile,graphs,prefix,quant,spec,batch_invariant"
     code = (f"import os, runpy; os.environ['OUT'] = {str(tmp_path)!r}; "
             f"sys.argv = ['run.py', '--dry-run', '--parts', {parts!r}]; "
             "runpy.run_path('benchmarks/device/run.py', run_name='__main__')")
@@ -109,8 +109,14 @@ def test_the_device_run_dry_run_runs_every_part_under_the_limit(tmp_path):
     assert all(row["repeat_identical"] and row["same_as_eager"] == 1 for row in results["graphs_vs_eager"])
     assert {row["weights"] for row in results["quant_decode"]} == {"bf16", "fp8", "w4a16"}
     assert results["prefix_cache"]["cold_ttft_ms"] > 0 and results["profile"]["decode"]
+    spec = {(row["method"], row["adapters"]): row for row in results["spec_decode"]}
+    assert set(spec) == {(method, adapters) for method in ("none", "ngram k=3", "draft_model k=3") for adapters in (0, 2)}
+    for (method, _), row in spec.items():  # fp32: speculation keeps every greedy token; verify steps replay graphs
+        assert row["tokens_per_s"] > 0
+        if method != "none":
+            assert row["same_as_no_spec"] == 1 and row["drafts"] > 0 and row["verify_replays"] > 0, row
     table = (tmp_path / "device_run.md").read_text()
-    assert "### targets" in table and "### decode by weight format" in table
+    assert "### targets" in table and "### decode by weight format" in table and "### speculative decoding" in table
 
 
 def test_a_constraint_without_its_backend_is_a_400_naming_it_and_plain_requests_go_on(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ latency histograms (the base model and start-up adapters by name, every other ad
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
@@ -109,3 +110,29 @@ def test_no_speculation_no_series():
                                adapters=NO_EVENTS)
     text = ServerMetrics(Off(), "base").render().decode()
     assert "spec_decode" not in text
+
+
+def test_draft_model_forwards_on_metrics():
+    """The draft model's forwards and computed tokens are counters of their own, read through the policy."""
+    from types import SimpleNamespace
+
+    from lora_runner.core.block_manager import BlockManager
+    from lora_runner.spec_decode.adaptive import SpeculationPolicy
+    from lora_runner.spec_decode.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
+    draft = SimpleNamespace(num_speculative_tokens=2, num_forwards=7, num_computed_tokens=45)
+    scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0, prefix_query_tokens=0, prefix_hit_tokens=0,
+                                max_loras=0, speculator=SpeculationPolicy(draft, config),
+                                spec=SpecDecodingStats(2), spec_by_adapter={})
+    stats = EngineStats.collect(scheduler, BlockManager(4, 4), steps=1)
+    assert (stats.draft_forwards, stats.draft_computed_tokens) == (7, 45)
+
+    class Drafting(_Engine):
+        def get_stats(self) -> EngineStats:
+            return dataclasses.replace(super().get_stats(), draft_forwards=7, draft_computed_tokens=45)
+    samples = _samples(ServerMetrics(Drafting(), "base").render().decode())
+    assert samples[("lora_runner_spec_decode_draft_forwards_total", ())] == 7
+    assert samples[("lora_runner_spec_decode_draft_computed_tokens_total", ())] == 45
+    # n-gram proposals run no draft model: no such series
+    assert "draft_forwards" not in ServerMetrics(_Engine(), "base").render().decode()

@@ -15,6 +15,7 @@ import torch
 
 import checks
 import gpu_check
+import spec_rows
 import gpu_tests
 import invariant_check
 import lora_decode_profile as profile_sections
@@ -151,6 +152,21 @@ def batch_invariant(run):
         raise RuntimeError(f"batch_invariant: a fixed request's bits changed with the batch: {rows}")
 
 
+def spec(run):
+    """Speculative decoding's rows (spec_rows.py), one engine per method after the shared one is closed."""
+    if run.model_dir is None:
+        return "no model (the model part failed)"
+    close_engine(run)  # its memory: each method's engine profiles the device anew
+    plan = run.plan
+    spec_rows.spec_decode_rows(run.model_dir, plan.profile.sizes, num_requests=plan.spec_requests,
+                               prompt_len=plan.spec_prompt_len, output_len=plan.spec_output_len,
+                               adapter_counts=plan.spec_adapters, k=plan.spec_k, draft_layers=1, results=run.results,
+                               deadline=run.deadline("spec"))
+    skipped = run.results.get("spec_decode_skipped")
+    if skipped:
+        raise TimeoutError(f"spec: no time left for {skipped}")
+
+
 def close_engine(run) -> None:
     if run.engine is not None:
         run.engine.adapters.manager.close()
@@ -159,4 +175,4 @@ def close_engine(run) -> None:
 
 
 PARTS = dict(setup=setup, tests=tests, model=model, kernels=kernels, splitk=splitk, moe=moe, profile=profile,
-             graphs=graphs, prefix=prefix, quant=quant, batch_invariant=batch_invariant)
+             graphs=graphs, prefix=prefix, quant=quant, spec=spec, batch_invariant=batch_invariant)

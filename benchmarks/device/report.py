@@ -6,6 +6,7 @@ import bench_moe_kernels
 import gpu_check
 import invariant_check
 import lora_decode_profile as profile_sections
+import spec_rows
 from common import markdown_table
 
 # (what, the figure's key in _figures, comparison, bound): issue 37's targets (bf16, graphs on)
@@ -28,6 +29,7 @@ DRY_RUN_NOTES = dict(
     moe="the fused MoE kernels under TRITON_INTERPRET=1 on a toy layer (no graph replay)",
     profile="decode graphs emulated (RerunGraph); 'kernels' are aten ops, no LoRA kernel is named on CPU",
     graphs="RerunGraph replays vs the eager path", prefix="the CPU engine", quant="FP8 and W4A16 on their CPU paths",
+    spec="fp32 CPU engines, decode and verify graphs emulated (RerunGraph), 2 adapters",
     batch_invariant="the CPU mode (row-blocked GEMMs, per-token attention), not the CUDA kernels")
 
 
@@ -118,6 +120,7 @@ def report(results: dict) -> str:
         ("decode by weight format (no adapters, graphs)", results.get("quant_decode"), [
             ("weights", "weights", ""), ("batch", "batch", "d"), ("tokens_per_s", "tok/s", ".0f"),
             ("vs_bf16", "vs bf16", ".2f")]),
+        ("speculative decoding (grounded prompts, greedy, graphs)", results.get("spec_decode"), spec_rows.COLUMNS),
         ("batch-invariant mode vs default (4 adapters, graphs)", results.get("batch_invariant"),
          invariant_check.COLUMNS)]
     for title, rows, columns in tables:

@@ -17,6 +17,8 @@ is rewritten after every part, so a slow or failing part loses only its own resu
   graphs     the same engine, graphs vs its eager path: same tokens, and graphs repeat bit for bit
   prefix     prefix-cache TTFT, cold vs cached prefix
   quant      decode tok/s at batch 1 and 32: bf16 (the same engine) vs FP8 and W4A16 engines
+  spec       speculative decoding (spec_rows.py): decode tok/s and acceptance without speculation, with
+             n-gram k=3 and with a draft model (the model truncated to its first layer), base and 8 adapters
   batch_invariant  decode tok/s with EngineConfig.batch_invariant vs default (graphs, adapters), and one
              request's tokens and logprobs bitwise equal alone and among the batch
 
@@ -61,6 +63,11 @@ class Plan:
     budget_s: float
     limits: dict  # part -> seconds
     moe_tokens: tuple[int, ...] = (1, 32, 256)  # the moe part's batch sizes
+    spec_requests: int = 32  # the spec part: requests per row, their prompt and output lengths, adapters, k
+    spec_prompt_len: int = 128
+    spec_output_len: int = 64
+    spec_adapters: tuple[int, ...] = (0, 8)
+    spec_k: int = 3
 
 
 def plans():
@@ -71,15 +78,16 @@ def plans():
     gpu = Plan(profile.GPU, dataclasses.replace(profile.GPU.sizes, kernel_tokens=(32, 128), kernel_ranks=(16,),
                                                 kernel_distinct=(8, 32)),
                test_workers=8, test_timeout_s=120, splitk_hidden=4096, splitk_tokens=(1, 8, 32), splitk_repeats=50,
-               prefix_len=1024, prefix_repeats=3, quant_batches=(1, 32), w4a16_group=128, budget_s=440.0,
+               prefix_len=1024, prefix_repeats=3, quant_batches=(1, 32), w4a16_group=128, budget_s=480.0,
                limits=dict(setup=20, tests=150, model=45, kernels=20, splitk=15, moe=25, profile=120, graphs=25,
-                           prefix=15, quant=120, batch_invariant=60))
+                           prefix=15, quant=120, spec=90, batch_invariant=60))
     dry = Plan(profile.SMOKE, dataclasses.replace(gpu_check.CPU_SMOKE, kernel_tokens=(4,), kernel_ranks=(16,),
                                                   kernel_distinct=(2,)),
                test_workers=0, test_timeout_s=120, splitk_hidden=256, splitk_tokens=(1, 4), splitk_repeats=3,
                prefix_len=32, prefix_repeats=1, quant_batches=(1, 4), w4a16_group=32, budget_s=900.0,
                limits=dict(setup=20, tests=300, model=30, kernels=60, splitk=120, moe=60, profile=240, graphs=60,
-                           prefix=30, quant=120, batch_invariant=120), moe_tokens=(4,))
+                           prefix=30, quant=120, spec=240, batch_invariant=120), moe_tokens=(4,), spec_requests=4,
+               spec_prompt_len=24, spec_output_len=12, spec_adapters=(0, 2))
     return gpu, dry
 
 

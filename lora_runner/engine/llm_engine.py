@@ -78,6 +78,7 @@ class LLMEngine(AdapterAPI):
         self.executor, self.limits = started.executor, started.limits
         self.model_config, self.model_dir = started.model_config, started.model_dir
         self.model, self.runner = started.model, started.runner  # in this process only (else None)
+        self._loaded_draft = started.draft  # a draft model start-up loaded (counted in its memory), else None
         manager = started.manager
         self.adapters = EngineAdapters(manager, self.limits.max_model_len, cfg.max_prompt_adapters > 0)
         self.block_manager = BlockManager(self.limits.num_kv_blocks, cfg.block_size,
@@ -130,7 +131,8 @@ class LLMEngine(AdapterAPI):
                 vocab_of=lambda model_dir: LazyTokenizer(model_dir).vocab(),
                 max_model_len=self.limits.max_model_len, max_num_batched_tokens=self.limits.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.limits.num_kv_blocks, block_size=cfg.block_size,
-                dtype=cfg.torch_dtype(), device=cfg.torch_device(), local_files_only=cfg.local_files_only), spec)
+                dtype=cfg.torch_dtype(), device=cfg.torch_device(), local_files_only=cfg.local_files_only,
+                loaded=self._loaded_draft, target_graphs=self.runner.decode_graphs if self.runner else None), spec)
         except BaseException:  # a draft refused or not found: no worker process outlives the failed start
             self.executor.close()
             raise

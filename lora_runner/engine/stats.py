@@ -26,7 +26,8 @@ class EngineStats:
     spec_decode: speculative decoding's cumulative counters (verify steps, draft tokens, accepted ones,
     accepted per draft position; a copy); None when it is off. spec_decode_by_adapter: the same per
     adapter name (a LoRA's, else a soft prompt's; None: the base model), for the adapters whose
-    requests verified drafts ({} when off).
+    requests verified drafts ({} when off). draft_forwards / draft_computed_tokens: the "draft_model"
+    method's draft forward passes and the tokens they computed (cumulative); None / 0 without a draft model.
     running_loras / waiting_loras: the distinct LoRA names of the running / waiting requests, sorted
     (vLLM's lora_requests_info); max_loras: the LoRAs one step may run (the scheduler's).
     steps: step() calls since start. adapters: the adapter manager's cumulative counters, read when
@@ -49,10 +50,14 @@ class EngineStats:
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
     spec_decode_by_adapter: dict[str | None, SpecDecodingStats] = field(default_factory=dict)
+    draft_forwards: int | None = None
+    draft_computed_tokens: int = 0
 
     @classmethod
     def collect(cls, scheduler, block_manager, steps: int) -> EngineStats:
         """A snapshot of `scheduler` and `block_manager` (call on the step thread, between steps)."""
+        # the draft model's counters (spec_decode.draft_model.DraftModelSpeculator), behind its SpeculationPolicy
+        draft = getattr(getattr(scheduler, "speculator", None), "proposer", None)
         return cls(running=len(scheduler.running), waiting=len(scheduler.waiting),
                    kv_blocks_used=block_manager.num_used_blocks, kv_blocks_total=block_manager.num_blocks,
                    preemptions=scheduler.num_preemptions, steps=steps,
@@ -62,7 +67,9 @@ class EngineStats:
                    max_loras=scheduler.max_loras,
                    spec_decode=None if getattr(scheduler, "speculator", None) is None else _copy(scheduler.spec),
                    spec_decode_by_adapter={name: _copy(stats)
-                                           for name, stats in getattr(scheduler, "spec_by_adapter", {}).items()})
+                                           for name, stats in getattr(scheduler, "spec_by_adapter", {}).items()},
+                   draft_forwards=getattr(draft, "num_forwards", None),
+                   draft_computed_tokens=getattr(draft, "num_computed_tokens", 0))
 
 
 def _copy(stats: SpecDecodingStats) -> SpecDecodingStats:

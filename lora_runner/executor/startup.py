@@ -3,8 +3,11 @@
 ``start_executor`` is the engine's one call at start-up (vLLM's Executor owns its workers):
 
 - "uni" (tensor_parallel_size=1): the model, its adapter slots, the KV cache and the runner live in this
-  process; on CUDA the start-up memory profile sizes the KV cache and the decode graphs are captured.
-  DoRA's base weights come from the live model.
+  process; on CUDA the start-up memory profile sizes the KV cache and the decode graphs are captured
+  (with speculative decoding, the verify graphs of k + 1 tokens per sequence too). DoRA's base weights
+  come from the live model. A "draft_model" speculator's model is loaded here before the profile (its
+  weights count as resident), and on CUDA its KV cache shares the profiled budget with the target's
+  (draft_kv_share): the engine builds the speculator over it.
 - "mp" / "ray": one worker process (or Ray actor) per rank holds its model shard, KV cache, slots and runner
   (lora_runner.executor.rank_worker); this process keeps the adapter tiers, whose slots are proxies, and
   reads DoRA's base weights from the checkpoint (no rank holds a whole row).
@@ -44,6 +47,7 @@ from lora_runner.model.layers import lora_base_weights
 from lora_runner.model.llama import check_attention_split
 from lora_runner.model.loader import resolve_model_dir
 from lora_runner.worker.cuda_graphs import cuda_graphs_available
+from lora_runner.worker.draft_runner import LoadedDraft, draft_kv_blocks, load_draft
 from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.worker.memory_profile import profile_kv_cache_budget
 from lora_runner.worker.model_runner import ModelRunner
@@ -54,7 +58,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StartedExecutor:
     """What start-up made: the executor, the adapter manager over its slots, the model's config and
-    directory, the runtime sizes, and in this process ("uni") the model and its runner (else None)."""
+    directory, the runtime sizes, and in this process ("uni") the model and its runner (else None), and the
+    speculative draft model where it was loaded at start-up (else None: the engine loads it)."""
 
     executor: Executor
     manager: AdapterManager
@@ -63,6 +68,7 @@ class StartedExecutor:
     limits: EngineLimits
     model: torch.nn.Module | None = None
     runner: ModelRunner | None = None
+    draft: LoadedDraft | None = None  # the "draft_model" method's model, loaded before the memory profile ("uni")
 
 
 def start_executor(cfg: EngineConfig, threads: int, on_load_done=None) -> StartedExecutor:
@@ -110,21 +116,49 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
     manager = _make_manager(cfg, model_config, device, lora_base_weights(model), on_load_done)
     runner_of = partial(_runner_of_manager, cfg, model, model_config, manager, device)
     use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
+    spec = cfg.speculative()
+    k = spec.num_speculative_tokens if spec is not None else 0  # the verify graphs' k
+    # loaded before the memory profile, so its weights count as resident (lora_runner.worker.draft_runner)
+    draft = (load_draft(spec, dtype=dtype, device=device, local_files_only=cfg.local_files_only)
+             if spec is not None and spec.method == "draft_model" else None)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     kv_budget = None
+    kv_bytes_per_token = kv_block_bytes(model_config, 1, dtype)
     if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
         max_model_len, max_batched, _ = step_sizes(cfg, model_config.max_position_embeddings)
         kv_budget = profile_kv_cache_budget(
             runner_of(None), manager.loras, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-            block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs)
-    limits = engine_limits(cfg, model_config.max_position_embeddings, kv_block_bytes(model_config, 1, dtype), free,
+            block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs,
+            verify_tokens_per_seq=k + 1 if k else 0)
+        if draft is not None:  # the draft's KV cache shares the budget, block for block with the target's
+            kv_budget, kv_bytes_per_token = draft_kv_share(draft.config, kv_budget, kv_bytes_per_token, cfg, dtype, k)
+    limits = engine_limits(cfg, model_config.max_position_embeddings, kv_bytes_per_token, free,
                            kv_budget, available_host_memory() if device.type == "cpu" else None)
     make = runner_of(limits)
     runner = make(limits.num_kv_blocks)
     if use_graphs:
-        runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank)
-    return StartedExecutor(UniProcExecutor(runner, make), manager, model_config, model_dir, limits, model, runner)
+        runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank, num_speculative_tokens=k)
+    return StartedExecutor(UniProcExecutor(runner, make), manager, model_config, model_dir, limits, model, runner,
+                           draft)
+
+
+def draft_kv_share(draft_config: ModelConfig, kv_budget: int, kv_bytes_per_token: int, cfg: EngineConfig,
+                   dtype: torch.dtype, k: int) -> tuple[int, int]:
+    """(KV budget, bytes per token) for the target's cache once the draft model's cache is counted: the
+    draft holds a block for each of the target's (its own size: its layers and KV heads) plus
+    draft_kv_blocks' slack for max_num_seqs proposals, so the slack comes off the budget and each token
+    costs the target's bytes plus the draft's. ValueError when the slack alone exceeds the budget."""
+    draft_block = kv_block_bytes(draft_config, cfg.block_size, dtype)
+    slack = draft_kv_blocks(0, max_num_seqs=cfg.max_num_seqs, k=k, block_size=cfg.block_size) * draft_block
+    if slack >= kv_budget:
+        raise ValueError(f"the draft model's KV cache needs {slack / 2**20:.0f} MiB beyond its blocks, more than the "
+                         f"{kv_budget / 2**20:.0f} MiB left for KV caches: raise gpu_memory_utilization or lower "
+                         "max_num_seqs")
+    draft_per_token = kv_block_bytes(draft_config, 1, dtype)
+    logger.info("draft model KV cache: %.0f%% of the KV budget (%d bytes per token beside the model's %d)",
+                100 * draft_per_token / (draft_per_token + kv_bytes_per_token), draft_per_token, kv_bytes_per_token)
+    return kv_budget - slack, kv_bytes_per_token + draft_per_token
 
 
 def _runner_of_manager(cfg: EngineConfig, model, model_config: ModelConfig, manager: AdapterManager,

@@ -10,8 +10,9 @@ step that samples nothing never waits for the device, and the host arrays are ne
 source, so write() never waits either.
 
 Decode graphs run fixed-size steps: upload(step, padded_seqs=p) first fills rows past a decode
-step with padding sequences, so the one copy carries a whole captured size; padding_batch is such
-a step made of padding only (capture). The packed layout depends only on the row counts, so every
+step with padding sequences, so the one copy carries a whole captured size (a verify graph's step,
+``tokens_per_seq`` q > 1: padded to p sequences and p * q tokens); padding_batch is such a step made
+of padding only (capture). The packed layout depends only on the row counts, so every
 replay of one graph sees the views its capture saw.
 
 LoRA: with a HostTileTable (punica_kernels.host_tiles) given, upload() of a step with LoRA tokens also
@@ -299,22 +300,34 @@ class BatchBuilder:
             raise ValueError(f"chunk {i}: {chunk.num_new_tokens} tokens from {chunk.start} do not fit its "
                              f"{len(chunk.token_ids)} tokens / {len(chunk.block_table)} blocks")
 
-    def upload(self, step: BatchShape | BatchInputs, padded_seqs: int | None = None) -> BatchInputs:
+    def upload(self, step: BatchShape | BatchInputs, padded_seqs: int | None = None,
+               tokens_per_seq: int = 1) -> BatchInputs:
         """The device views of the step `step` describes (the last write()), after one host->device copy.
 
-        padded_seqs: pad the decode-only step to that many sequences first (for a decode graph).
-        Padding sequences get one token each: token 0 at position 0, LoRA slot -1, KV slot -1 (not
-        written), context length 1 over block 0 (only read: finite, zero or a real token's K/V);
-        sample_indices stay the step's and max_seq_len becomes the block tables' capacity, so the
-        views serve any context length.
+        padded_seqs: pad the step to that many sequences first (for a decode graph). With tokens_per_seq
+        1 the step must be decode-only; padding sequences get one token each: token 0 at position 0,
+        LoRA slot -1, KV slot -1 (not written), context length 1 over block 0 (only read: finite, zero
+        or a real token's K/V). With tokens_per_seq q > 1 (a verify graph: speculative decoding) every
+        sequence may have up to q tokens; the step is padded to padded_seqs * q tokens, the padding
+        tokens (token 0, position 0, LoRA slot -1, KV slot -1) belong to no sequence (past
+        query_start_loc[-1]: the attention zeroes them) and padding sequences have no token (context
+        length 1 over block 0), and max_query_len becomes q. Either way sample_indices stay the step's
+        and max_seq_len becomes the block tables' capacity, so the views serve any context length.
         """
         num_tokens, num_seqs, max_seq_len = step.num_tokens, step.num_seqs, step.max_seq_len
+        max_query_len = step.max_query_len
         if padded_seqs is not None:
-            if step.max_query_len != 1 or num_tokens != num_seqs or step.has_prompt_adapter:
+            if tokens_per_seq == 1 and (max_query_len != 1 or num_tokens != num_seqs or step.has_prompt_adapter):
                 raise ValueError(f"padding needs a decode-only step without soft-prompt placeholders, got "
                                  f"{num_tokens} tokens of {num_seqs} sequences")
-            self._write_decode_padding(num_seqs, padded_seqs)
-            num_tokens = num_seqs = padded_seqs
+            if step.has_prompt_adapter or max_query_len > tokens_per_seq:
+                raise ValueError(f"padding to {tokens_per_seq} tokens per sequence needs a step without soft-prompt "
+                                 f"placeholders and at most that many tokens per sequence, got {max_query_len}")
+            if tokens_per_seq == 1:
+                self._write_decode_padding(num_seqs, padded_seqs)
+            else:
+                self._write_verify_padding(num_seqs, num_tokens, padded_seqs, padded_seqs * tokens_per_seq)
+            num_seqs, num_tokens, max_query_len = padded_seqs, padded_seqs * tokens_per_seq, tokens_per_seq
             max_seq_len = self.max_blocks_per_seq * self.block_size
         rows = self._upload_rows(num_tokens, num_seqs, step.num_samples, step.has_prompt_adapter)
         table, lm_head = self._host_tables(step, num_tokens)
@@ -328,7 +341,7 @@ class BatchBuilder:
         table_end = self._GRAPH_READ + len(table)
         rows_end = table_end + len(host) - self._GRAPH_READ
         fields = dict(zip(self._UPLOAD_ORDER, views[:self._GRAPH_READ] + views[table_end:rows_end]))
-        return BatchInputs(**fields, max_query_len=step.max_query_len, max_seq_len=max_seq_len,
+        return BatchInputs(**fields, max_query_len=max_query_len, max_seq_len=max_seq_len,
                            has_lora=step.has_lora, lora_features=step.lora_features,
                            lora_table=TileTable(views[self._GRAPH_READ:table_end], self.lora_table.host_slot_starts)
                            if table else None,
@@ -358,13 +371,17 @@ class BatchBuilder:
         return [(getattr(self, name), n) for name, n in zip(names, rows)]
 
     def padding_batch(self, num_seqs: int, lora_slot: int = -1,
-                      lora_features: LoRAFeatures = ALL_LORA_FEATURES) -> BatchInputs:
-        """A decode step of `num_seqs` padding sequences (as upload pads) that samples no row;
-        lora_slot >= 0 puts every token on that adapter, with the optional LoRA work `lora_features`
-        (what a graph captured from it runs). For graph capture."""
-        self._write_decode_padding(0, num_seqs)
-        self.token_lora_slots.np[:num_seqs] = lora_slot
-        step = BatchShape(num_tokens=num_seqs, num_seqs=num_seqs, num_samples=0, max_query_len=1,
+                      lora_features: LoRAFeatures = ALL_LORA_FEATURES, tokens_per_seq: int = 1) -> BatchInputs:
+        """A step of `num_seqs` padding sequences (as upload pads, with `tokens_per_seq` tokens per sequence
+        room) that samples no row; lora_slot >= 0 puts every token on that adapter, with the optional LoRA
+        work `lora_features` (what a graph captured from it runs). For graph capture."""
+        num_tokens = num_seqs * tokens_per_seq
+        if tokens_per_seq == 1:
+            self._write_decode_padding(0, num_seqs)
+        else:
+            self._write_verify_padding(0, 0, num_seqs, num_tokens)
+        self.token_lora_slots.np[:num_tokens] = lora_slot
+        step = BatchShape(num_tokens=num_tokens, num_seqs=num_seqs, num_samples=0, max_query_len=tokens_per_seq,
                          max_seq_len=self.max_blocks_per_seq * self.block_size, has_lora=lora_slot >= 0,
                          has_prompt_adapter=False, lora_features=lora_features)
         return self.upload(step)
@@ -382,6 +399,22 @@ class BatchBuilder:
         self.query_start_loc.np[num_seqs + 1:padded_seqs + 1] = np.arange(num_seqs + 1, padded_seqs + 1)
         self.seq_lens.np[rows] = 1
         self.block_tables.np[rows] = 0
+
+    def _write_verify_padding(self, num_seqs: int, num_tokens: int, padded_seqs: int, padded_tokens: int) -> None:
+        """Pad a step of num_seqs sequences / num_tokens tokens to padded_seqs / padded_tokens in the host
+        arrays (upload with tokens_per_seq > 1): padding tokens of no sequence, padding sequences of no token."""
+        if not (0 <= num_seqs <= padded_seqs <= self.max_num_seqs and 0 <= num_tokens <= padded_tokens
+                <= self.max_num_tokens):
+            raise ValueError(f"cannot pad {num_seqs} sequences / {num_tokens} tokens to {padded_seqs} / "
+                             f"{padded_tokens} (buffers hold {self.max_num_seqs} / {self.max_num_tokens})")
+        tokens = slice(num_tokens, padded_tokens)
+        self.input_ids.np[tokens] = 0
+        self.positions.np[tokens] = 0
+        self.slot_mapping.np[tokens] = -1
+        self.token_lora_slots.np[tokens] = -1
+        self.query_start_loc.np[num_seqs + 1:padded_seqs + 1] = num_tokens  # no token: past the last real one
+        self.seq_lens.np[num_seqs:padded_seqs] = 1
+        self.block_tables.np[num_seqs:padded_seqs] = 0
 
     def _map_virtual_tokens(self, positions: np.ndarray, lens: np.ndarray, seqs: SeqArrays) -> int:
         """Write the step's prompt-adapter rows (-1 for ordinary tokens); returns its placeholder count.

@@ -9,9 +9,20 @@ The runner's per-step path is ``key_for`` -> ``BatchBuilder.upload(step, padded_
 (which fills rows B..size-1 of the persistent batch buffers with padding sequences: KV slot -1,
 context length 1 over block 0) -> ``replay``; the graph's context comes from the runner's
 ``ForwardContextBuilder``, as an eager step's does. Prefill, mixed steps and steps beyond the
-largest size run eagerly, and so does a step that scores several positions per sequence
-(speculative decoding's verify pass, lora_runner.spec_decode): its graphs would need the tokens per
-sequence in the key, padding sequences of that many tokens and that many sample rows each.
+largest size run eagerly.
+
+Speculative decoding's verify step (lora_runner.spec_decode: a sequence computes its last token and
+its k drafts) has its own graphs when the runner is given k: key tokens_per_seq = k + 1, one graph per
+capture size B (up to max_num_tokens // (k + 1)) covering every step of at most B sequences with 1..k+1
+tokens each, whatever the mix (drafts, no drafts, a short prefill chunk), padded to B * (k + 1) tokens
+(BatchBuilder.upload with tokens_per_seq). The alternative, a graph per (B, q) for q = 1..k+1 keyed by
+the step's longest row, would cost k + 1 times the capture time and pool memory and still pad every
+row to that q; vLLM's "uniform decode" graphs take the same fixed k + 1. It is exact because nothing in
+the graph depends on where the tokens sit: the prefill attention kernel reads query_start_loc and
+seq_lens at run time (its grid depends on q alone), padding tokens belong to no sequence (zeroed) and
+write no KV slot, padding sequences have none, and the LoRA table is rebuilt per step over the padded
+tokens. The price is the padding rows' MLP and LoRA work when some rows verify fewer than k drafts.
+The logits (and the rejection sampler) run after the graph over the step's real sample rows.
 
 No context-length key: the Triton paged attention (lora_runner/model/paged_attention.py) reads
 ``seq_lens`` and the block tables at run time, so one graph serves every context length. Its
@@ -100,9 +111,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphKey:
     """What a decode graph was captured for."""
 
-    num_seqs: int  # padded batch size (== tokens): a capture size
+    num_seqs: int  # padded batch size: a capture size
     has_lora: bool  # captured with the LoRA context (a dummy adapter); False: no LoRA kernel in the graph
     lora_features: LoRAFeatures = PLAIN_LORA  # the optional LoRA work it runs (PLAIN_LORA without LoRA)
+    tokens_per_seq: int = 1  # 1: a decode graph; k + 1: a verify graph (up to that many tokens per sequence)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the graph computes: num_seqs * tokens_per_seq."""
+        return self.num_seqs * self.tokens_per_seq
 
 
 class DecodeGraphPlan:
@@ -112,35 +129,63 @@ class DecodeGraphPlan:
         max_num_seqs: largest decode batch (the batch buffers' size).
         full_lora: the optional LoRA work of the second LoRA graph of each size (a step needing any
             optional work replays it); default all of it.
+        verify_tokens_per_seq: k + 1 to capture verify graphs too (speculative decoding, k drafts per
+            sequence); 0: none.
+        max_num_tokens: the token buffers' size (bounds the verify graphs' B * (k + 1)); needed with
+            verify_tokens_per_seq.
+        with_lora: False: graphs without LoRA only (a model served without adapters: the speculative
+            draft model, lora_runner.worker.draft_runner); a step with LoRA tokens then runs eagerly.
     """
 
-    def __init__(self, max_num_seqs: int, full_lora: LoRAFeatures = ALL_LORA_FEATURES) -> None:
+    def __init__(self, max_num_seqs: int, full_lora: LoRAFeatures = ALL_LORA_FEATURES,
+                 verify_tokens_per_seq: int = 0, max_num_tokens: int | None = None, with_lora: bool = True) -> None:
         self.sizes = capture_sizes(max_num_seqs)
         self.full_lora = full_lora
-        variants = [(False, PLAIN_LORA), (True, PLAIN_LORA)] + ([(True, full_lora)] if full_lora != PLAIN_LORA else [])
+        variants = [(False, PLAIN_LORA)]
+        if with_lora:
+            variants += [(True, PLAIN_LORA)] + ([(True, full_lora)] if full_lora != PLAIN_LORA else [])
         self._variants = variants
+        self.with_lora = with_lora
+        self.verify_tokens_per_seq = verify_tokens_per_seq if verify_tokens_per_seq > 1 else 0
+        self.verify_sizes: list[int] = []
+        if self.verify_tokens_per_seq:
+            if max_num_tokens is None:
+                raise ValueError("verify graphs need max_num_tokens (the token buffers' size)")
+            largest = min(max_num_seqs, max_num_tokens // self.verify_tokens_per_seq)
+            self.verify_sizes = capture_sizes(largest) if largest >= 1 else []
 
     def keys(self) -> list[DecodeGraphKey]:
-        """Every key, largest first (the capture order: later, smaller graphs reuse its memory)."""
-        return sorted((DecodeGraphKey(s, lora, features) for s in self.sizes for lora, features in self._variants),
-                      reverse=True)
+        """Every key, most tokens first (the capture order: later, smaller graphs reuse its memory)."""
+        keys = [DecodeGraphKey(s, lora, features) for s in self.sizes for lora, features in self._variants]
+        keys += [DecodeGraphKey(s, lora, features, self.verify_tokens_per_seq)
+                 for s in self.verify_sizes for lora, features in self._variants]
+        return sorted(keys, key=lambda key: (key.num_tokens, key), reverse=True)
 
     def key_for(self, batch: BatchShape | BatchInputs) -> DecodeGraphKey | None:
-        """The graph for `batch`, or None when it must run eagerly (prefill or mixed step, soft-prompt
-        placeholders, more sequences than the largest capture size, optional LoRA work no graph has)."""
-        decode_only = batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
-        if not decode_only or batch.has_prompt_adapter:
+        """The graph for `batch`, or None when it must run eagerly (prefill or mixed step with a row
+        longer than the verify graphs' k + 1, soft-prompt placeholders, more sequences than the largest
+        capture size, optional LoRA work no graph has). A decode-only step replays a decode graph; any
+        other step of at most k + 1 tokens per sequence a verify graph."""
+        if batch.has_prompt_adapter:
             return None
-        size = _round_up(self.sizes, batch.num_seqs)
+        if batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs:
+            tokens_per_seq, sizes = 1, self.sizes
+        elif 1 <= batch.max_query_len <= self.verify_tokens_per_seq:
+            tokens_per_seq, sizes = self.verify_tokens_per_seq, self.verify_sizes
+        else:
+            return None
+        size = _round_up(sizes, batch.num_seqs)
         if size is None:
             return None
         if not batch.has_lora:
-            return DecodeGraphKey(size, False)
+            return DecodeGraphKey(size, False, PLAIN_LORA, tokens_per_seq)
+        if not self.with_lora:
+            return None
         need = batch.lora_features
         if need == PLAIN_LORA:
-            return DecodeGraphKey(size, True)
+            return DecodeGraphKey(size, True, PLAIN_LORA, tokens_per_seq)
         covered = (not need.embedding or self.full_lora.embedding) and (not need.dora or self.full_lora.dora)
-        return DecodeGraphKey(size, True, self.full_lora) if covered else None
+        return DecodeGraphKey(size, True, self.full_lora, tokens_per_seq) if covered else None
 
 
 def _round_up(values: list[int], x: int) -> int | None:
@@ -202,7 +247,7 @@ class RerunGraph:
 class _Captured:
     graph: Graph
     batch: BatchInputs  # the static input views the graph reads
-    hidden: torch.Tensor  # [num_seqs, hidden] static output
+    hidden: torch.Tensor  # [num_tokens, hidden] static output
 
 
 class DecodeGraphs:
@@ -215,20 +260,24 @@ class DecodeGraphs:
         builder: the runner's BatchBuilder (its device buffers are the graphs' inputs; it pads steps).
         plan: which keys to capture.
         make_graph: () -> Graph; default a CudaGraph on one shared memory pool (CUDA only).
+        pool: that memory pool (default: a new one); graphs never replayed at once may share one (the
+            draft model's graphs use the target's: each step's graph outputs are read before the next replay).
     """
 
     def __init__(self, model, contexts: ForwardContextBuilder, builder: BatchBuilder, plan: DecodeGraphPlan,
-                 make_graph: Callable[[], Graph] | None = None) -> None:
+                 make_graph: Callable[[], Graph] | None = None, pool=None) -> None:
         self.device = contexts.kv_cache.device
+        self.pool = None  # the CUDA graphs' memory pool (None: emulated graphs)
         if make_graph is None:
             if self.device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device; pass make_graph=RerunGraph to emulate")
-            pool = torch.cuda.graph_pool_handle()
+            self.pool = pool = torch.cuda.graph_pool_handle() if pool is None else pool
             make_graph = lambda: CudaGraph(pool)  # noqa: E731
         self.model, self.contexts, self.builder, self.plan = model, contexts, builder, plan
         self._make_graph = make_graph
         self._graphs: dict[DecodeGraphKey, _Captured] = {}
         self.num_replays = 0  # decode steps served by a graph
+        self.num_verify_replays = 0  # of those, steps served by a verify graph (tokens_per_seq > 1)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -248,13 +297,16 @@ class DecodeGraphs:
         if on_cuda:
             torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
-        logger.info("captured %d decode graphs (batch sizes %s; without LoRA, plain LoRA, LoRA with %s) in %.1f s, "
-                    "using %.0f MiB", len(keys), self.plan.sizes, self.plan.full_lora, time.perf_counter() - start,
-                    used / 2**20)
+        verify = (f"; verify graphs of {self.plan.verify_tokens_per_seq} tokens per sequence for batch sizes "
+                  f"{self.plan.verify_sizes}" if self.plan.verify_sizes else "")
+        logger.info("captured %d decode graphs (batch sizes %s; without LoRA, plain LoRA, LoRA with %s%s) in %.1f s, "
+                    "using %.0f MiB", len(keys), self.plan.sizes, self.plan.full_lora, verify,
+                    time.perf_counter() - start, used / 2**20)
 
     def _capture_one(self, key: DecodeGraphKey, lora_slot: int) -> None:
         # every capture sequence is padding, on the warmup adapter in graphs with LoRA
-        batch = self.builder.padding_batch(key.num_seqs, lora_slot if key.has_lora else -1, key.lora_features)
+        batch = self.builder.padding_batch(key.num_seqs, lora_slot if key.has_lora else -1, key.lora_features,
+                                           key.tokens_per_seq)
         self.contexts.prepare_lora(batch)
         forward = self._forward_fn(batch)
         forward()  # warm-up outside capture: compiles kernels, caches slice offsets
@@ -265,7 +317,7 @@ class DecodeGraphs:
 
     def _forward_fn(self, batch: BatchInputs) -> Callable[[], torch.Tensor]:
         ctx = self.contexts.build(batch)
-        return lambda: self.model(batch.input_ids, batch.positions, ctx)  # [num_seqs, hidden]
+        return lambda: self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
 
     def key_for(self, step: BatchShape | BatchInputs) -> DecodeGraphKey | None:
         """The captured graph for `step`, or None when it must run eagerly."""
@@ -274,8 +326,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def replay(self, key: DecodeGraphKey, padded: BatchInputs) -> torch.Tensor:
-        """Replay graph `key` on `padded` (the builder's upload of the step padded to key.num_seqs):
-        hidden [key.num_seqs, hidden], valid until the next replay."""
+        """Replay graph `key` on `padded` (the builder's upload of the step padded to key.num_seqs, with
+        key.tokens_per_seq): hidden [key.num_tokens, hidden], valid until the next replay."""
         captured = self._graphs[key]
         # the packed upload puts a size's rows where its capture found them (block tables: the last
         # field the graph reads, so its offset depends on every field before it); a moved view goes unread
@@ -287,6 +339,7 @@ class DecodeGraphs:
         self.contexts.prepare_lora(padded)  # outside the graph
         captured.graph.replay()
         self.num_replays += 1
+        self.num_verify_replays += key.tokens_per_seq > 1
         return captured.hidden
 
     @torch.inference_mode()
@@ -296,7 +349,7 @@ class DecodeGraphs:
         key = self.plan.key_for(batch)
         if key is None:
             raise ValueError("this step has no decode graph (prefill, mixed, or too large)")
-        padded = self.builder.upload(batch, padded_seqs=key.num_seqs)
+        padded = self.builder.upload(batch, padded_seqs=key.num_seqs, tokens_per_seq=key.tokens_per_seq)
         self.contexts.prepare_lora(padded)
         padded = dataclasses.replace(padded, lora_features=key.lora_features)  # the graph's optional work
         return self._forward_fn(padded)()[:batch.num_tokens]  # [T, hidden]

@@ -1,18 +1,29 @@
 """The draft model of speculative decoding's "draft_model" method (lora_runner.spec_decode.draft_model):
 loaded through the target's loading path, run without adapters over its own paged KV cache.
 
-``load_draft_speculator`` is the engine's one call: it loads the draft (lora_runner.model.load_model),
-checks that its vocabulary is the target's (one ValueError otherwise), and builds the DraftModelSpeculator
-over a DraftModelRunner and the draft's own block pool. That pool has the target's block count plus room
-for k more tokens per sequence (the draft writes up to k - 1 proposals past the tokens the target holds);
-its blocks are the draft's size (its layers and KV heads). On CUDA the draft's weights and KV cache are
-allocated after the target's memory profile, so they come out of what gpu_memory_utilization leaves free.
+``load_draft_speculator`` is the engine's one call: it loads the draft (lora_runner.model.load_model) unless
+start-up did (``load_draft``), checks that its vocabulary is the target's (one ValueError otherwise), and
+builds the DraftModelSpeculator over a DraftModelRunner and the draft's own block pool. That pool has the
+target's block count plus room for k more tokens per sequence (``draft_kv_blocks``: the draft writes up to
+k - 1 proposals past the tokens the target holds); its blocks are the draft's size (its layers and KV heads).
+
+Memory on CUDA: with one process ("uni") start-up loads the draft before the target's memory profile, so
+its weights count as resident, and the profiled KV budget is shared with the draft's cache block for block
+(lora_runner.executor.startup.draft_kv_share), so both fit gpu_memory_utilization. Where the target
+captured CUDA graphs, the draft's forwards are captured too (DraftModelRunner.capture_graphs), on the
+target's graph pool: the draft's graphs are smaller than the target's largest and never replay at once
+with one. Its eager forwards (long catch-ups) run before the target's in each step, on activations far
+smaller than the profiled target step's (a smaller model, at most max_num_batched_tokens + max_num_seqs
+tokens, max_num_seqs logits rows): the allocator serves them from the memory that step freed. With
+kv_cache_memory_bytes set, or worker ranks, that setting is the target's cache alone and the draft's
+comes on top of it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,14 +33,43 @@ from lora_runner.model import ModelConfig, load_model
 from lora_runner.spec_decode.config import SpeculativeConfig
 from lora_runner.spec_decode.draft_model import DraftChunk, DraftModelSpeculator, check_same_vocab
 from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
+from lora_runner.worker.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from lora_runner.worker.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class LoadedDraft:
+    """A draft model loaded ahead of its speculator (start-up, before the memory profile)."""
+
+    model: torch.nn.Module
+    config: ModelConfig
+    model_dir: Path
+
+
+def load_draft(config: SpeculativeConfig, *, dtype: torch.dtype, device: torch.device,
+               local_files_only: bool | None = None) -> LoadedDraft:
+    """Load the draft model `config` names (what load_model raises for one it cannot load)."""
+    model, draft_config, draft_dir = load_model(config.model, dtype=dtype, device=device,
+                                                local_files_only=local_files_only)
+    return LoadedDraft(model, draft_config, Path(draft_dir))
+
+
+def draft_kv_blocks(num_kv_blocks: int, *, max_num_seqs: int, k: int, block_size: int) -> int:
+    """Blocks of the draft's KV pool for a target cache of num_kv_blocks: the same plus room for k more
+    tokens for each of max_num_seqs sequences."""
+    return num_kv_blocks + max_num_seqs * -(-k // block_size)
+
+
 class DraftModelRunner:
     """The draft model's forward over DraftChunks (spec_decode.draft_model.DraftForward): its own KV
     cache and batch buffers, no adapter (every token on the base model), greedy tokens out.
+
+    After capture_graphs (CUDA), its forwards replay graphs without LoRA: the one-token feed-back
+    forwards decode graphs, a first forward whose rows catch up at most k + 1 tokens (the common one:
+    the accepted drafts and the bonus token) a verify graph; longer catch-ups run eagerly.
 
     Args:
         model, model_config: the draft decoder and its config.
@@ -46,13 +86,30 @@ class DraftModelRunner:
         self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                                           max_blocks_per_seq=max_blocks_per_seq, block_size=block_size, device=device)
         self.forward_contexts = ForwardContextBuilder(self.kv_cache, lora_meta=None, lora_slots=None)
+        self.graphs: DecodeGraphs | None = None  # set by capture_graphs
+
+    def capture_graphs(self, num_speculative_tokens: int, make_graph=None, pool=None, progress: bool = False) -> None:
+        """Capture decode and verify graphs (k + 1 tokens per sequence) without LoRA; make_graph and pool:
+        see DecodeGraphs (default: CUDA graphs on a new pool; the engine passes the target's)."""
+        builder = self.batch_builder
+        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), with_lora=False,
+                               verify_tokens_per_seq=num_speculative_tokens + 1, max_num_tokens=builder.max_num_tokens)
+        graphs = DecodeGraphs(self.model, self.forward_contexts, builder, plan, make_graph, pool=pool)
+        graphs.capture(-1, progress=progress)
+        self.graphs = graphs
 
     @torch.inference_mode()
     def __call__(self, chunks: Sequence[DraftChunk]) -> list[int]:
         """Write every chunk's K/V; the argmax token after each sampling chunk's last token, in order."""
-        batch = self.batch_builder.build([SeqChunk(c.token_ids, c.start, c.num_new_tokens, c.block_table,
-                                                   sample=c.sample) for c in chunks])
-        hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
+        step = self.batch_builder.write([SeqChunk(c.token_ids, c.start, c.num_new_tokens, c.block_table,
+                                                  sample=c.sample) for c in chunks])
+        key = self.graphs.key_for(step) if self.graphs is not None else None
+        if key is None:
+            batch = self.batch_builder.upload(step)
+            hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
+        else:
+            batch = self.batch_builder.upload(step, padded_seqs=key.num_seqs, tokens_per_seq=key.tokens_per_seq)
+            hidden = self.graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
         if not batch.num_samples:
             return []
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab]
@@ -63,26 +120,34 @@ def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConf
                           vocab_of: Callable[[Path], Mapping[str, int] | None], max_model_len: int,
                           max_num_batched_tokens: int, max_num_seqs: int, num_kv_blocks: int, block_size: int,
                           dtype: torch.dtype, device: torch.device,
-                          local_files_only: bool | None = None) -> DraftModelSpeculator:
+                          local_files_only: bool | None = None, loaded: LoadedDraft | None = None,
+                          target_graphs: DecodeGraphs | None = None) -> DraftModelSpeculator:
     """The "draft_model" DraftSource of an engine of these sizes (see the module docstring). ``vocab_of``:
     the token -> id map of a model dir's tokenizer (None: it has none; the engine's LazyTokenizer.vocab).
+    ``loaded``: the draft start-up loaded (None: loaded here). ``target_graphs``: the target runner's decode
+    graphs where it captured CUDA graphs: the draft's forwards are captured too, on their memory pool.
     Raises ValueError when the draft's vocabulary is not the target's or its context is shorter than
     max_model_len, and what load_model raises for a draft it cannot load."""
-    model, draft_config, draft_dir = load_model(config.model, dtype=dtype, device=device,
-                                                local_files_only=local_files_only)
+    if loaded is None:
+        loaded = load_draft(config, dtype=dtype, device=device, local_files_only=local_files_only)
+    model, draft_config, draft_dir = loaded.model, loaded.config, loaded.model_dir
     check_same_vocab(config.model, target_config.vocab_size, draft_config.vocab_size,
-                     vocab_of(Path(target_dir)), vocab_of(Path(draft_dir)))
+                     vocab_of(Path(target_dir)), vocab_of(draft_dir))
     if draft_config.max_position_embeddings < max_model_len:
         raise ValueError(f"speculative_config draft model {config.model!r} has a context of "
                          f"{draft_config.max_position_embeddings} tokens, shorter than max_model_len "
                          f"({max_model_len}): lower max_model_len or pick another draft")
     k = config.num_speculative_tokens
-    blocks = BlockManager(num_kv_blocks + max_num_seqs * -(-k // block_size), block_size)
+    blocks = BlockManager(draft_kv_blocks(num_kv_blocks, max_num_seqs=max_num_seqs, k=k, block_size=block_size),
+                          block_size)
     max_num_tokens = max_num_batched_tokens + max_num_seqs  # slack for the proposing rows' last tokens
     runner = DraftModelRunner(model, draft_config, num_kv_blocks=blocks.num_blocks, block_size=block_size,
                               max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                               max_blocks_per_seq=blocks.blocks_for(max_model_len), dtype=dtype, device=device)
-    logger.info("draft model %s (%d layers) proposes up to %d tokens per step; its KV cache: %d blocks",
-                config.model, draft_config.num_layers, k, blocks.num_blocks)
+    if target_graphs is not None and target_graphs.pool is not None:
+        runner.capture_graphs(k, pool=target_graphs.pool)
+    logger.info("draft model %s (%d layers) proposes up to %d tokens per step; its KV cache: %d blocks%s",
+                config.model, draft_config.num_layers, k, blocks.num_blocks,
+                f"; {len(runner.graphs)} CUDA graphs" if runner.graphs is not None else "")
     return DraftModelSpeculator(config, runner, blocks, max_model_len=max_model_len, max_num_tokens=max_num_tokens)
 

@@ -9,7 +9,10 @@ peak for the graphs' shared pool.
 
 Profiled steps: one prefill chunk of min(max_num_batched_tokens, max_model_len) tokens ending at
 max_model_len (longest attention context), max_num_seqs prefills sharing the token budget, and
-max_num_seqs decodes at full context (also what the largest decode graph holds). The torch paged
+max_num_seqs decodes at full context (also what the largest decode graph holds), and with speculative
+decoding's verify graphs (k + 1 tokens per sequence) the largest verify step, min(max_num_seqs,
+max_num_batched_tokens // (k + 1)) sequences of k + 1 tokens at full context; the graphs' pool is
+the larger of the two. The torch paged
 attention pads every sequence of a mixed step to its longest chunk, so a mixed step of one long
 chunk and many decodes may need more than this; lower max_num_batched_tokens if that happens.
 """
@@ -38,7 +41,7 @@ class MemoryProfile:
     non_torch: int  # in use outside torch's caching allocator (CUDA context, libraries, other processes)
     resident: int  # allocated by torch outside any step: weights, adapter slots, buffers
     activation: int  # peak allocation of the largest profiled step above `resident`
-    decode_activation: int  # the same for a max_num_seqs decode step at full context
+    decode_activation: int  # the same for a max_num_seqs decode step at full context (or the verify step's)
 
     def kv_cache_budget(self, gpu_memory_utilization: float, cuda_graphs: bool) -> int:
         """Bytes the KV cache may take: utilization * total - non_torch - resident - activation, minus
@@ -58,9 +61,10 @@ class MemoryProfile:
 
 
 def profile_steps(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
-                  lora_slots: Sequence[int]) -> dict[str, list[SeqChunk]]:
+                  lora_slots: Sequence[int], verify_tokens_per_seq: int = 0) -> dict[str, list[SeqChunk]]:
     """The steps to profile, by name (see the module docstring). Tokens cycle over `lora_slots`; all
-    sequences share KV blocks 0..ceil(max_model_len / block_size)-1 (the contents do not matter)."""
+    sequences share KV blocks 0..ceil(max_model_len / block_size)-1 (the contents do not matter).
+    verify_tokens_per_seq: k + 1 adds the "verify" step (0: no verify graphs)."""
     if not lora_slots:
         raise ValueError("profile with at least one resident adapter slot")
     blocks = list(range(-(-max_model_len // block_size)))
@@ -74,11 +78,16 @@ def profile_steps(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_l
     long = min(max_num_batched_tokens, max_model_len)
     num_seqs = min(max_num_seqs, max_num_batched_tokens)
     per_seq, extra = divmod(min(max_num_batched_tokens, num_seqs * max_model_len), num_seqs)
-    return {
+    steps = {
         "long prefill": [chunk(0, max_model_len - long, long)],
         "many prefills": [chunk(i, 0, per_seq + (i < extra)) for i in range(num_seqs)],
         "decode": [chunk(i, max_model_len - 1, 1) for i in range(num_seqs)],
     }
+    q = min(verify_tokens_per_seq, max_model_len)
+    verify_seqs = min(max_num_seqs, max_num_batched_tokens // q) if q > 1 else 0
+    if verify_seqs:
+        steps["verify"] = [chunk(i, max_model_len - q, q) for i in range(verify_seqs)]
+    return steps
 
 
 def profile_memory(runner, steps: dict[str, list[SeqChunk]]) -> MemoryProfile:
@@ -109,23 +118,26 @@ def profile_memory(runner, steps: dict[str, list[SeqChunk]]) -> MemoryProfile:
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(total - free - torch.cuda.memory_reserved(device), 0)
     return MemoryProfile(total=total, non_torch=non_torch, resident=resident,
-                         activation=max(peaks.values()), decode_activation=peaks.get("decode", 0))
+                         activation=max(peaks.values()),
+                         decode_activation=max(peaks.get("decode", 0), peaks.get("verify", 0)))
 
 
 def profile_kv_cache_budget(make_runner: Callable[[int], object], lora_tier, *, max_loras: int, max_lora_rank: int,
                             max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
-                            gpu_memory_utilization: float, cuda_graphs: bool) -> int:
+                            gpu_memory_utilization: float, cuda_graphs: bool, verify_tokens_per_seq: int = 0) -> int:
     """Bytes the KV cache may take on this device (see the module docstring).
 
     make_runner(num_kv_blocks) builds a ModelRunner sized like the engine's; a throwaway one with a
     single sequence's worth of blocks runs the profile while ``max_loras`` dummy LoRAs of rank
-    ``max_lora_rank`` are resident in ``lora_tier`` (removed afterwards). Raises ValueError when
-    nothing is left for the KV cache.
+    ``max_lora_rank`` are resident in ``lora_tier`` (removed afterwards). verify_tokens_per_seq: k + 1
+    when verify graphs will be captured (profile_steps). Raises ValueError when nothing is left for the
+    KV cache.
     """
     runner = make_runner(-(-max_model_len // block_size))
     with resident_dummy_loras(lora_tier, max_loras, max_lora_rank, prefix="__memory_profile__") as slots:
         steps = profile_steps(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_model_len, block_size=block_size, lora_slots=slots)
+                              max_model_len=max_model_len, block_size=block_size, lora_slots=slots,
+                              verify_tokens_per_seq=verify_tokens_per_seq if cuda_graphs else 0)
         profile = profile_memory(runner, steps)
     del runner
     gc.collect()

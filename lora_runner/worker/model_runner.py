@@ -7,7 +7,8 @@ is set only in steps with soft-prompt placeholders (prefill of prompt-adapter re
 After capture_decode_graphs (CUDA), decode-only steps replay CUDA graphs (lora_runner.worker.cuda_graphs).
 A step with draft tokens (speculative decoding, lora_runner.spec_decode) computes the logits at every
 position of each speculating sequence (its own adapter's lm_head LoRA included) and verifies them with
-the RejectionSampler; such a step has more than one token per sequence and runs eagerly.
+the RejectionSampler; with k given to capture_decode_graphs, such a step (at most k + 1 tokens per
+sequence) replays a verify graph, padded to k + 1 tokens per sequence; the logits run after it.
 
 The engine's steps come as the scheduler's SchedulerOutput (execute): each running request keeps a
 persistent row (lora_runner.worker.request_rows) that the output's diffs update, so a decode step writes
@@ -199,14 +200,20 @@ class ModelRunner:
         """The step's device views and its decode graph (None: eager), after one upload: a graphed
         decode step is padded to its graph's size before it."""
         key = self.decode_graphs.key_for(step) if self.decode_graphs is not None else None
-        return self.batch_builder.upload(step, padded_seqs=key.num_seqs if key is not None else None), key
+        if key is None:
+            return self.batch_builder.upload(step), None
+        return self.batch_builder.upload(step, padded_seqs=key.num_seqs, tokens_per_seq=key.tokens_per_seq), key
 
-    def capture_decode_graphs(self, lora_tier, max_lora_rank: int, make_graph=None, progress: bool = True) -> None:
+    def capture_decode_graphs(self, lora_tier, max_lora_rank: int, make_graph=None, progress: bool = True,
+                              num_speculative_tokens: int = 0) -> None:
         """Capture decode graphs with a dummy warmup LoRA of max_lora_rank resident in lora_tier (the
-        manager's LoRA tier), removed afterwards. make_graph: see DecodeGraphs (default: CUDA graphs)."""
+        manager's LoRA tier), removed afterwards; with num_speculative_tokens k > 0 the verify graphs of
+        k + 1 tokens per sequence too. make_graph: see DecodeGraphs (default: CUDA graphs)."""
         builder = self.batch_builder
         # a padded decode step has as many tokens as sequences: never more than the token buffers hold
-        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), full_lora=self.lora_features.most)
+        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), full_lora=self.lora_features.most,
+                               verify_tokens_per_seq=num_speculative_tokens + 1 if num_speculative_tokens else 0,
+                               max_num_tokens=builder.max_num_tokens)
         graphs = DecodeGraphs(self.model, self.forward_contexts, builder, plan, make_graph)
         # captured in the runner's batch-invariant setting: a graph replays the kernels it was captured with
         with resident_dummy_loras(lora_tier, 1, max_lora_rank) as slots, invariant.active(self.batch_invariant):

@@ -186,6 +186,11 @@ def _spec_decode_series(stats: EngineStats, adapter_label: Callable[[str | None]
         for label, total in per_label.items():
             ours.add_metric([label], total[i])
         yield ours
+    if stats.draft_forwards is not None:  # the "draft_model" method: what its proposals cost
+        yield CounterMetricFamily("lora_runner_spec_decode_draft_forwards", "Forward passes of the draft model",
+                                  value=stats.draft_forwards)
+        yield CounterMetricFamily("lora_runner_spec_decode_draft_computed_tokens",
+                                  "Tokens the draft model's forward passes computed", value=stats.draft_computed_tokens)
     doc = "Draft tokens accepted at each draft position (0: the first draft)"
     engine = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", doc, labels=["model_name", "position"])
     for position, accepted in enumerate(spec.accepted_per_position):
@@ -197,3 +202,8 @@ def _spec_decode_series(stats: EngineStats, adapter_label: Callable[[str | None]
         for position, accepted in enumerate(total[3]):
             ours.add_metric([label, str(position)], accepted)
     yield ours
+    if stats.draft_forwards is not None:  # the "draft_model" method: what its proposals cost
+        yield CounterMetricFamily("lora_runner_spec_decode_draft_forwards", "Forward passes of the draft model",
+                                  value=stats.draft_forwards)
+        yield CounterMetricFamily("lora_runner_spec_decode_draft_computed_tokens",
+                                  "Tokens the draft model's forward passes computed", value=stats.draft_computed_tokens)
