@@ -211,7 +211,8 @@ def test_soak_memory_returns_to_what_resident_adapters_need(soak_env, device):
         soak = Soak(soak_env, m, seed=2024)
         slots_census = tensor_census()
         slot_bytes = m.lora_slots.nbytes
-        ranks_bytes = m.lora_slots.slot_ranks.nbytes  # prompt adapters are off: their slots are empty
+        # per-slot ranks, and which slots hold expert LoRA; prompt adapters are off: their slots are empty
+        ranks_bytes = m.lora_slots.slot_ranks.nbytes + m.lora_slots.expert_ranks.nbytes
         assert slots_census[device] - baseline[device] == slot_bytes + ranks_bytes  # allocated once, up front
         rss_start, peak_stats_bytes, peak_census, peak_pinned, peak_rss = rss_bytes(), 0, 0, 0, 0
         for cycle in range(1, CYCLES + 1):

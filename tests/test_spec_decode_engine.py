@@ -96,14 +96,16 @@ def plain(checkpoint):
 
 
 def assert_same_completion(want, got, label: str) -> None:
-    """Same tokens, text and finish reason, and logprobs within 1e-5 (relative: a verified token ran
-    in a multi-token query, the prefill attention path, so float32 sums differ in order from the
-    one-token decode; seen: 1.5e-5 on a logprob of -2.77)."""
+    """Same tokens, text and finish reason, and logprobs within 3e-5 relative: a verified token ran in a
+    multi-token query, the prefill attention path, so float32 sums differ in order from the one-token
+    decode, and which step an adapter's first request joins depends on when its background load finishes
+    (batch composition, so GEMM shapes, differ from process to process). Seen: 1.5e-5 on -2.77; 1.8e-5 and
+    2.0e-5 on -1.982 at the 16th token in two processes (1.0e-5 relative)."""
     assert got.token_ids == want.token_ids, label
     assert (got.text, got.finish_reason) == (want.text, want.finish_reason), label
     for position, (a, b) in enumerate(zip(want.logprobs, got.logprobs, strict=True)):
         assert a.keys() == b.keys(), f"{label} token {position}"
-        assert all(math.isclose(a[t], b[t], rel_tol=1e-5, abs_tol=1e-5) for t in a), (label, position, a, b)
+        assert all(math.isclose(a[t], b[t], rel_tol=3e-5, abs_tol=1e-5) for t in a), (label, position, a, b)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
