@@ -40,7 +40,7 @@ from torch import nn
 
 from adapters.spec import LoRAModule
 from lora_runner.distributed import SINGLE, TensorParallel
-from lora_runner.model import moe_fused
+from lora_runner.model import moe_cpu, moe_fused
 from lora_runner.model.forward_context import ForwardContext, LoRAContext
 from lora_runner.model.lora_linear import LoRALinear, moe_lora_modules
 from punica_kernels import invariant
@@ -116,13 +116,17 @@ class SparseMoeBlock(nn.Module):
     def routed_experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                        lora: LoRAContext | None) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{experts[t, j]}(hidden[t]) [T, H], each with the token's expert LoRA:
-        the fused Triton kernels on CUDA (lora_runner.model.moe_fused), else a torch loop over the experts hit."""
+        the fused Triton kernels on CUDA (lora_runner.model.moe_fused), else torch's grouped GEMMs over the
+        pairs sorted by expert (lora_runner.model.moe_cpu), or in the batch-invariant mode a loop over the
+        experts hit (each GEMM in fixed row blocks: punica_kernels.invariant)."""
         if moe_fused.use_fused(self, hidden):
             return moe_fused.fused_routed_experts(self, hidden, weights, experts, lora)
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # the grouping below reads experts on the host
             raise RuntimeError("this mixture-of-experts layer runs the torch loop (no fused kernels for its experts), "
                                "which cannot run in CUDA graphs: serve this model with enforce_eager=True")
         slots = None if lora is None else expert_token_slots(lora, hidden.shape[0])  # [T] or None
+        if not invariant.enabled():
+            return moe_cpu.routed_experts(self, hidden, weights, experts, slots, lora)
         out = torch.zeros_like(hidden)  # [T, H]
         for expert in experts.unique().tolist():  # ascending: each token sums its experts in transformers' order
             token_idx, k_pos = torch.where(experts == expert)  # [M] each
