@@ -12,9 +12,10 @@ once per block, one grouped GEMM per projection over the sorted rows, the expert
 index_add_ adds the sorted rows in order, so each token sums its experts in ascending expert order
 (transformers' order, and the per-expert loop's that lora_runner.model.moe keeps for the batch-invariant
 mode). The base GEMM is ``torch._grouped_mm`` over the experts' stacked weights (views of one buffer per
-projection, moe_fused.stack_in_place) when they are plain CPU tensors; weights packed for oneDNN
-(lora_runner.model.cpu_gemm) or on another device take a loop over the expert segments calling each
-expert's linear. The LoRA runs only over the pairs whose slot has expert LoRA (``LoRASlots.expert_ranks``
+projection, moe_fused.stack_in_place; left dense after loading: moe.StackedDenseLinear); weights
+that are not dense (packed for oneDNN by lora_runner.model.cpu_gemm, quantized) take a loop over the
+expert segments calling each expert's linear. Off the CPU (the fused kernels' stand-in in tests) the
+grouped GEMM is a matmul per segment. The LoRA runs only over the pairs whose slot has expert LoRA (``LoRASlots.expert_ranks``
 > 0), at the batch's largest such rank (the slots are zero past each adapter's rank: exact), on the
 stacked slot tensors with no copy in float32; half dtypes compute in float32 (as punica_kernels.add_lora)
 on a float32 copy of the (expert, slot) groups present.
@@ -128,7 +129,7 @@ def _base(block, projection: str, x: torch.Tensor, pairs: PairGroups, stacks: di
     if stacked is not None:
         return grouped_matmul(x, stacked, pairs.sizes, pairs.ends)
     parts, start = [], 0
-    for expert, size in zip(block.experts, pairs.sizes):  # packed (oneDNN) or non-CPU weights: each its linear
+    for expert, size in zip(block.experts, pairs.sizes):  # weights not dense (packed, quantized): each its linear
         if size:
             parts.append(getattr(expert, projection)(x[start:start + size], None))
         start += size
@@ -136,13 +137,13 @@ def _base(block, projection: str, x: torch.Tensor, pairs: PairGroups, stacks: di
 
 
 def _stacks(block, lora: LoRAContext | None) -> dict:
-    """The block's stacked expert weights ("gate_up" [E, 2I, H], "down" [E, H, I]; absent where packed
-    or not on the CPU) and, with ``lora``, its slots ("lora_gate_up", "lora_down": moe_fused's
+    """The block's stacked expert weights ("gate_up" [E, 2I, H], "down" [E, H, I]; absent where not
+    dense: quantized, or packed for oneDNN) and, with ``lora``, its slots ("lora_gate_up", "lora_down": moe_fused's
     (lora_a [E, L, n, R, K], lora_b [E, L, N, R], slice_scales [E, L, n])); views kept per block."""
     stacks = _STACKS.setdefault(block, {})
     first = block.experts[0].gate_up.weight  # None once packed (after loading): the views are made after that
     if "base" not in stacks or stacks["weight"] is not first:
-        plain = first is not None and first.device.type == "cpu" and moe_fused.fused_supported(block)
+        plain = first is not None and moe_fused.fused_supported(block)
         stacks["weight"], stacks["base"] = first, {projection: moe_fused.stack_in_place(
             [getattr(e, projection).weight for e in block.experts]) for projection in ("gate_up", "down")} if plain else {}
     views = dict(stacks["base"])
