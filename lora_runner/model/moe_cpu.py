@@ -91,9 +91,10 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, sizes: list[int], ends
     """out[s_g:e_g] = x[s_g:e_g] @ weight[g].T for the consecutive row segments of sizes ``sizes``.
 
     x [M, K] (M = sum(sizes)), weight [G, N, K] (any strides), ends [G] int32 -> [M, N] in x's dtype:
-    one ``torch._grouped_mm`` on the CPU, else a matmul per non-empty segment."""
-    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):
-        return torch._grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=ends)
+    one ``torch._grouped_mm`` on the CPU where its layout rules hold, else a matmul per non-empty segment."""
+    x, weight_t = x.contiguous(), weight.transpose(1, 2)  # [M, K], [G, K, N]
+    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and _aligned(x) and _aligned(weight_t):
+        return torch._grouped_mm(x, weight_t, offs=ends)
     out, start = x.new_empty(x.shape[0], weight.shape[1]), 0
     for group, size in enumerate(sizes):
         if size:
@@ -102,10 +103,20 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, sizes: list[int], ends
     return out
 
 
+def _aligned(matrices: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these matrices (last two dims): one unit stride, the other a
+    multiple of 16 bytes (its check, ATen/native/GroupedMMUtils.h)."""
+    rows, cols = matrices.stride()[-2:]
+    lead = cols if rows == 1 else rows if cols == 1 else None
+    return lead is not None and lead * matrices.element_size() % 16 == 0
+
+
 def routed_experts(block, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                    token_slots: torch.Tensor | None, lora: LoRAContext | None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(hidden[t]) [T, H] with each token's expert LoRA
     (token_slots [T]: moe.expert_token_slots, None: no expert LoRA), as described in the module docstring."""
+    if hidden.shape[0] == 0:
+        return torch.zeros_like(hidden)
     num_experts = len(block.experts)
     pairs = group_pairs(experts, num_experts, token_slots, None if token_slots is None else lora.slots.expert_ranks)
     rows = hidden[pairs.tokens]  # [P, H]
@@ -173,7 +184,8 @@ def add_grouped_lora(y: torch.Tensor, x: torch.Tensor, groups: LoRAGroups, slots
         present = torch.tensor([g for g, size in enumerate(sizes) if size], dtype=torch.int64)
         sizes = [size for size in sizes if size]
         ends = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
-    r = groups.rank
+    # rounded up to 16 bytes of float32 for grouped_mm's layout rule: exact, the slots are zero past each rank
+    r = min(-(-groups.rank // 4) * 4, lora_a.shape[-2])
     for j, (offset, size) in enumerate(zip(linear.slice_offsets(), linear.slice_sizes)):
         a = lora_a[:, :, j, :r].flatten(0, 1)  # [E * L, r, K]
         b = lora_b[:, :, offset:offset + size, :r].flatten(0, 1)  # [E * L, N_j, r]
