@@ -19,6 +19,12 @@ grouped GEMM is a matmul per segment. The LoRA runs only over the pairs whose sl
 > 0), at the batch's largest such rank (the slots are zero past each adapter's rank: exact), on the
 stacked slot tensors with no copy in float32; half dtypes compute in float32 (as punica_kernels.add_lora)
 on a float32 copy of the (expert, slot) groups present.
+
+Measured (benchmarks/bench_moe.py, one thread, 4 layers, hidden 256, 16 experts, top-4), against the
+per-expert loop with oneDNN-packed experts it replaces: engine base decode 0.60x -> 0.90x transformers,
+prefill 0.84x -> 0.98x; with 8 expert LoRAs decode 0.31x -> 0.46x of the engine base, prefill
+0.52x -> 0.70x. In decode the expert LoRA's (expert, slot) groups are mostly one row each, so its
+grouped GEMMs cost per group, not per FLOP.
 """
 
 from __future__ import annotations
