@@ -9,7 +9,7 @@ skip the expert LoRA ops.
   weight and slot keeps its address and the kernels' stacks are views at them; its output equals the
   torch loop's.
 * A slot whose adapter has no expert LoRA (attention only) sends no row to the expert LoRA ops, in the
-  torch loop (rows reaching add_expert_lora) and in the fused kernels (pairs in LoRA blocks of the
+  torch path (rows reaching moe_cpu.add_grouped_lora) and in the fused kernels (pairs in LoRA blocks of the
   alignment); the output is bit-identical to running them over its zero expert slots.
 """
 
@@ -23,7 +23,7 @@ from adapters.lora import LoRAWeights, dummy_lora
 from adapters.sharding import shard_spec
 from adapters.slots import LoRASlots
 from lora_runner.distributed import TensorParallel
-from lora_runner.model import load_model, moe, moe_fused
+from lora_runner.model import load_model, moe_cpu, moe_fused
 from lora_runner.model.forward_context import LoRAContext
 from lora_runner.model.moe import SparseMoeBlock
 from test_moe import save_moe
@@ -138,9 +138,9 @@ def test_slots_without_expert_lora_send_no_row_to_the_expert_lora_ops(path, tmp_
     assert lora.slots.expert_ranks.tolist() == [0, 8, 0] and lora.slots.slot_ranks.tolist() == [8, 8, 0]
     rows = []
     if path == "torch":
-        add = moe.add_expert_lora
-        monkeypatch.setattr(moe, "add_expert_lora", lambda y, x, slots, *args: rows.append(int((slots >= 0).sum()))
-                            or add(y, x, slots, *args))
+        add = moe_cpu.add_grouped_lora
+        monkeypatch.setattr(moe_cpu, "add_grouped_lora", lambda y, x, groups, *args: rows.append(len(groups.groups))
+                            or add(y, x, groups, *args))
         run = block.routed_experts
     else:
         pytest.importorskip("triton")

@@ -3,22 +3,26 @@
 Routing as transformers computes it: router logits x @ W_r.T in the model dtype, softmax in float32,
 top-k experts per token, the k probabilities renormalised to sum 1 (Mixtral always; Qwen3-MoE with
 ``norm_topk_prob``), then cast to the model dtype (Qwen3-MoE; Mixtral keeps them float32 until the
-weighted expert output is cast). Tokens are grouped by expert; each expert hit makes one GEMM per
-projection (gate,up packed -> "gate_up"; down) over its tokens, and the weighted outputs are summed
-per token in ascending expert order (transformers' order). Qwen2-MoE adds a shared expert every token
-takes, weighted by sigmoid(shared_expert_gate(x)). That torch path serves the CPU; on CUDA the routed experts
-run through the fused Triton kernels (:meth:`SparseMoeBlock.routed_experts`, lora_runner.model.moe_fused),
-which sync with no host and so run in the decode graphs (the torch path's grouping reads the routing on
-the host: it refuses to run under capture). The experts' weights are allocated as entries of one buffer
-per projection (``gate_up`` [E, 2I, H], ``down`` [E, H, I]) that the kernels read as it is.
+weighted expert output is cast). The (token, k) pairs are sorted by expert once per block and each
+projection (gate,up packed -> "gate_up"; down) is one grouped GEMM over them (lora_runner.model.moe_cpu,
+the CPU's torch path), and the weighted outputs are summed per token in ascending expert order
+(transformers' order). Qwen2-MoE adds a shared expert every token takes, weighted by
+sigmoid(shared_expert_gate(x)). On CUDA the routed experts run through the fused Triton kernels
+(:meth:`SparseMoeBlock.routed_experts`, lora_runner.model.moe_fused), which sync with no host and so run
+in the decode graphs (the torch path's grouping reads the routing on the host: it refuses to run under
+capture); the batch-invariant mode keeps a loop over the experts hit (:class:`Expert`, its GEMMs in
+fixed row blocks). The experts' weights are allocated as entries of one buffer per projection
+(``gate_up`` [E, 2I, H], ``down`` [E, H, I]), left dense after loading (:class:`StackedDenseLinear`),
+that the grouped GEMM and the kernels read as they are.
 
 Every projection is a :class:`LoRALinear` of its own, built from the descriptors
 lora_runner.model.lora_linear.moe_lora_modules declares (one per expert per projection, PEFT /
 checkpoint names per expert), so the loader, the adapter code and the slots need nothing MoE-specific.
 The router's LoRA runs over every token as any linear's (punica_kernels.add_lora); an expert's
-LoRA delta runs over the tokens routed to it (:func:`add_expert_lora`) before the activation (gate_up)
-or the routing weight (down), as PEFT's per-expert modules do; tokens whose adapter has no expert LoRA
-(``LoRASlots.expert_ranks`` 0: attention only) skip it. Checkpoints in transformers 5's fused
+LoRA delta runs over the tokens routed to it (grouped by (expert, slot): moe_cpu.add_grouped_lora; in
+the loop :func:`add_expert_lora`) before the activation (gate_up) or the routing weight (down), as
+PEFT's per-expert modules do; tokens whose adapter has no expert LoRA (``LoRASlots.expert_ranks`` 0:
+attention only) skip it. Checkpoints in transformers 5's fused
 layout (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) are read through
 :func:`split_fused_experts`.
 
@@ -40,9 +44,10 @@ from torch import nn
 
 from adapters.spec import LoRAModule
 from lora_runner.distributed import SINGLE, TensorParallel
-from lora_runner.model import moe_fused
+from lora_runner.model import moe_cpu, moe_fused
 from lora_runner.model.forward_context import ForwardContext, LoRAContext
 from lora_runner.model.lora_linear import LoRALinear, moe_lora_modules
+from lora_runner.model.quant.linear import UNQUANTIZED, LinearMethod, UnquantizedLinear
 from punica_kernels import invariant
 
 _FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts\.gate_up_proj|experts\.down_proj"
@@ -119,7 +124,9 @@ class SparseMoeBlock(nn.Module):
     def routed_experts(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                        lora: LoRAContext | None) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{experts[t, j]}(hidden[t]) [T, H], each with the token's expert LoRA:
-        the fused Triton kernels on CUDA (lora_runner.model.moe_fused), else a torch loop over the experts hit."""
+        the fused Triton kernels on CUDA (lora_runner.model.moe_fused), else torch's grouped GEMMs over the
+        pairs sorted by expert (lora_runner.model.moe_cpu), or in the batch-invariant mode a loop over the
+        experts hit (each GEMM in fixed row blocks: punica_kernels.invariant)."""
         # the fused kernels' tiles follow the expert groups' sizes: the batch-invariant mode takes the loop,
         # whose GEMMs and LoRA are the mode's row-invariant ones
         if moe_fused.use_fused(self, hidden) and not invariant.enabled():
@@ -129,6 +136,8 @@ class SparseMoeBlock(nn.Module):
                                "experts the fused kernels cannot take), which cannot run in CUDA graphs: serve this "
                                "model with enforce_eager=True")
         slots = None if lora is None else expert_token_slots(lora, hidden.shape[0])  # [T] or None
+        if not invariant.enabled():
+            return moe_cpu.routed_experts(self, hidden, weights, experts, slots, lora)
         out = torch.zeros_like(hidden)  # [T, H]
         for expert in experts.unique().tolist():  # ascending: each token sums its experts in transformers' order
             token_idx, k_pos = torch.where(experts == expert)  # [M] each
@@ -156,7 +165,7 @@ def _stacked_experts(projections: tuple[LoRAModule, ...], dtype: torch.dtype, de
     most one expert's is allocated beside the buffers."""
     experts, stacks = nn.ModuleList(), None
     for e, (gate_up, down) in enumerate(zip(projections[0::2], projections[1::2])):
-        expert = _expert(gate_up, down, dtype, device, tp)
+        expert = _expert(gate_up, down, dtype, device, tp, STACKED_DENSE)
         linears = (expert.gate_up, expert.down)
         if stacks is None:
             stacks = tuple(torch.empty(len(projections) // 2, *linear.weight.shape, dtype=dtype, device=device)
@@ -167,11 +176,25 @@ def _stacked_experts(projections: tuple[LoRAModule, ...], dtype: torch.dtype, de
     return experts
 
 
-def _expert(gate_up: LoRAModule, down: LoRAModule, dtype: torch.dtype, device, tp: TensorParallel) -> Expert:
+class StackedDenseLinear(UnquantizedLinear):
+    """A routed expert's unquantized weight, left dense after loading (no oneDNN packing: cpu_gemm): it is
+    an entry of its block's stacked buffer, which the grouped GEMM (lora_runner.model.moe_cpu) and the
+    fused kernels read as it is (measured, benchmarks/bench_moe.py: faster than packed experts in decode
+    and prefill)."""
+
+    def after_loading(self, layer: nn.Module) -> None:
+        pass
+
+
+STACKED_DENSE = StackedDenseLinear()
+
+
+def _expert(gate_up: LoRAModule, down: LoRAModule, dtype: torch.dtype, device, tp: TensorParallel,
+            method: LinearMethod = UNQUANTIZED) -> Expert:
     """An expert at ``tp``'s share: gate_up column-parallel, down row-parallel and left unreduced (the
     block reduces once for all its experts)."""
-    return Expert(LoRALinear(gate_up, False, dtype, device, tp=tp), LoRALinear(down, False, dtype, device, tp=tp,
-                                                                               reduce=False))
+    return Expert(LoRALinear(gate_up, False, dtype, device, method=method, tp=tp),
+                  LoRALinear(down, False, dtype, device, method=method, tp=tp, reduce=False))
 
 
 def add_expert_lora(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, lora: LoRAContext,
