@@ -97,7 +97,8 @@ def _loop_delta(x: torch.Tensor, factors: tuple, expert: int, slots: torch.Tenso
 
 
 def loop_moe(x, w_gate_up, w_down, weights, experts, lora=None) -> torch.Tensor:
-    """The per-expert torch loop (lora_runner.model.moe's CPU path, its LoRA as add_expert_lora's)."""
+    """The per-expert torch loop (lora_runner.model.moe's batch-invariant path, its LoRA as add_expert_lora's;
+    the CPU path proper groups the experts: lora_runner.model.moe_cpu)."""
     out, intermediate = torch.zeros_like(x), w_down.shape[2]
     for expert in experts.unique().tolist():
         token_idx, k_pos = torch.where(experts == expert)

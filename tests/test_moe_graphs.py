@@ -3,12 +3,12 @@ run the fused Triton kernels (lora_runner.model.moe_fused), which read no device
 whose sizes depend on the padded batch alone, so one graph replays for any routing and adapter mix.
 
 On the CPU the fused path is forced (moe_fused.use_fused) and runs under the Triton interpreter, with
-the CPU GEMM's weight packing off (a packed expert weight keeps the torch loop); graphs are emulated
+the CPU GEMM's weight packing off (for the dense layers; routed experts stay dense anyway); graphs are emulated
 (RerunGraph):
 * every captured decode graph's forward (base-only, plain LoRA and full LoRA keys) runs no aten op that
   syncs with the host (the profiler's nested ops, as tests/test_gpu_readiness), and runs the fused
   kernels in every MoE layer, the expert LoRA ops only in graphs with LoRA;
-* the graphed engine (fused experts) gives the eager engine's (torch loop) greedy tokens and logprobs
+* the graphed engine (fused experts) gives the eager engine's (torch path) greedy tokens and logprobs
   for a mixed batch: base rows, expert adapters of two ranks, an attention-only adapter, over fewer
   slots than adapters (slots re-written after capture).
 On a GPU (marked gpu): one MoE block captured in a real CUDA graph replays bit-identically to its eager

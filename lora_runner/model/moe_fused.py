@@ -55,7 +55,8 @@ def stack_in_place(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def fused_supported(block) -> bool:
     """Whether the block's experts can take the fused kernels: unquantized SwiGLU experts with dense
-    weights (a quantized expert, or one packed for the CPU GEMM, keeps the torch loop)."""
+    weights (routed experts stay dense after loading: moe.StackedDenseLinear; a quantized expert keeps the
+    torch path)."""
     return all(not linear.method.quantized and linear.weight is not None
                for expert in block.experts for linear in (expert.gate_up, expert.down))
 
