@@ -16,19 +16,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import punica_kernels
 from adapters.lora import load_lora
 from adapters.slots import LoRASlots
 from factories import save_lora, save_tiny_tokenizer
-from lora_runner import LLMEngine, SamplingParams
+from lora_runner import LLMEngine
 from lora_runner.distributed import TensorParallel
 from lora_runner.model import load_model
-from lora_runner.model.forward_context import LoRAContext
 from lora_runner.model.llama import Attention
 from lora_runner.model.moe import SparseMoeBlock
 from test_model_harness import PagedDriver, assert_close, hf_logits
-from test_moe import SIZES
-from test_moe_lora import merged_model, write_adapter
+from test_moe import SIZES, assert_engine_greedy_equals
+from test_moe_lora import assert_slots_match_oracles, merged_model, write_adapter
 
 ATOL = 1e-5
 VARIANTS = {  # clip_qkv low enough that q, k or v values are clamped
@@ -129,22 +127,7 @@ def test_olmoe_details_matter(olmoe, monkeypatch):
 
 def test_engine_greedy_equals_transformers(tmp_path, greedy_oracle):
     hf = save_olmoe(tmp_path / "model", "clip-raw-topk", seed=5)
-    engine = LLMEngine(str(tmp_path / "model"), dtype="float32", max_num_seqs=3, max_model_len=40, block_size=4,
-                       max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
-    gen = torch.Generator().manual_seed(6)
-    prompts = {f"r{i}": torch.randint(3, 256, (n,), generator=gen).tolist() for i, n in enumerate((6, 13, 3))}
-    for request_id, prompt in prompts.items():
-        engine.add_request(request_id, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for request_id, prompt in prompts.items():
-        tokens, logprobs = greedy_oracle(hf, prompt, 5)
-        completion = done[request_id].outputs[0]
-        assert completion.token_ids == tokens, request_id
-        for step, (got, want) in enumerate(zip(completion.logprobs, logprobs)):
-            assert abs(got[tokens[step]] - want) <= 1e-4, (request_id, step)
+    assert_engine_greedy_equals(str(tmp_path / "model"), hf, greedy_oracle)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's own warnings on target_parameters
@@ -163,18 +146,7 @@ def test_expert_lora_matches_merged_weights_and_peft(tmp_path):
     slots, slot_of = LoRASlots(spec, 2, 8), {"fused": 1, "per-expert": 0}
     slots.write(1, load_lora("fused", str(tmp_path / "fused"), spec, max_lora_rank=8))
     slots.write(0, load_lora("per-expert", str(tmp_path / "per-expert"), spec, max_lora_rank=8))
-    seq_adapter = dict(enumerate([None, "fused", "per-expert"]))
-    gen = torch.Generator().manual_seed(4)
-    full = {s: torch.randint(3, 256, (8,), generator=gen) for s in seq_adapter}
-    expected = {s: hf_logits(oracles[a] if a else hf, full[s]) for s, a in seq_adapter.items()}
-    for s in (1, 2):  # each adapter moves the logits: a dropped delta would show
-        assert (expected[s] - hf_logits(hf, full[s])).abs().max() > 1e-2, seq_adapter[s]
-    meta, driver = punica_kernels.LoRAMeta(64, 2, "cpu"), PagedDriver(model, config, block_size=4, seed=1)
-    for start, end in ((0, 6), (6, 7), (7, 8)):
-        chunks = [(s, full[s][start:end]) for s in seq_adapter]
-        punica_kernels.load_table(meta, torch.tensor([slot_of.get(seq_adapter[s], -1) for s, t in chunks for _ in t]))
-        for (s, _), got in zip(chunks, driver.step(chunks, lora=LoRAContext(meta, slots))):
-            assert_close(got, expected[s][start:end], f"tokens {start}..{end}, {seq_adapter[s] or 'base'}", atol=1e-4)
+    assert_slots_match_oracles(model, config, hf, slots, slot_of, oracles, moved=("fused", "per-expert"), atol=1e-4)
 
 
 def test_tensor_parallel_olmoe_is_refused_naming_the_norms(tmp_path, monkeypatch):
