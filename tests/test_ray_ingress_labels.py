@@ -17,12 +17,11 @@ from lora_runner.entrypoints.openai.state import ServerConfig  # noqa: E402
 OPERATOR = "operator-key-0000"
 
 
-class _Stream:
-    """A replica's streamed answer: the head, then the body."""
+class ReplicaStream:
+    """A replica's streamed answer: the head (a dict, as LoRAEngine's), then an empty JSON body
+    (tests/test_ray_vllm_metrics.py reuses it)."""
 
-    def __init__(self, status: int) -> None:
-        head = {"replica": "r0", "status": status, "headers": [("content-type", "application/json")],
-                "loads": {}, "unloads": {}, "resident": []}
+    def __init__(self, head: dict) -> None:
         self.items = [head, b"{}"]
 
     def __aiter__(self):
@@ -48,7 +47,9 @@ class _Replicas:
         return self
 
     def remote(self, method, path, headers, body):
-        return _Stream(200 if json.loads(body)["model"] in self.served else 404)
+        status = 200 if json.loads(body)["model"] in self.served else 404
+        return ReplicaStream({"replica": "r0", "status": status, "headers": [("content-type", "application/json")],
+                              "loads": {}, "unloads": {}, "resident": []})
 
 
 def _request(body: bytes, keys: tuple[str, ...] = (OPERATOR,)):

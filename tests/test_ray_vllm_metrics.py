@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from lora_runner.entrypoints.launch import StartupAdapters  # noqa: E402
 from lora_runner.entrypoints.openai.state import ServerConfig  # noqa: E402
+from test_ray_ingress_labels import ReplicaStream  # noqa: E402
 
 OPERATOR = "operator-key-0000"
 
@@ -49,23 +50,7 @@ class _Replicas:
     def remote(self, method, path, headers, body):
         replica = self.replicas[self.turn % len(self.replicas)]
         self.turn += 1
-        return _Stream({"status": 200, "headers": [("content-type", "application/json")], **replica.report()})
-
-
-class _Stream:
-    def __init__(self, head: dict) -> None:
-        self.items = [head, b"{}"]
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.items:
-            raise StopAsyncIteration
-        return self.items.pop(0)
-
-    def cancel(self) -> None:
-        self.items = []
+        return ReplicaStream({"status": 200, "headers": [("content-type", "application/json")], **replica.report()})
 
 
 def _replica(state, name: str, clock):
