@@ -18,7 +18,7 @@ from lora_runner.entrypoints.cli import main
 from lora_runner.entrypoints.openai.generation_defaults import SamplingDefaults, sampling_defaults
 
 
-def _refused(capsys, argv: list[str]) -> str:
+def refused_line(capsys, argv: list[str]) -> str:
     """The one line `lora-runner serve` ends with (exit status 2)."""
     with pytest.raises(SystemExit) as exited:
         main(["serve", *argv])
@@ -37,12 +37,12 @@ def _refused(capsys, argv: list[str]) -> str:
     (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
 ])
 def test_a_vllm_flag_that_cannot_be_honoured_is_one_line_naming_it(engine_checkpoint, capsys, flags, named):
-    line = _refused(capsys, [engine_checkpoint[0], "--device", "cpu", *flags])
+    line = refused_line(capsys, [engine_checkpoint[0], "--device", "cpu", *flags])
     assert line.startswith("lora-runner: error: ") and named in line
 
 
 def test_a_bad_option_value_is_one_line_not_the_usage(engine_checkpoint, capsys):
-    line = _refused(capsys, [engine_checkpoint[0], "--lora-modules", "no-equals-sign"])
+    line = refused_line(capsys, [engine_checkpoint[0], "--lora-modules", "no-equals-sign"])
     assert "--lora-modules" in line and "usage" not in line
 
 

@@ -13,9 +13,9 @@ import sys
 import httpx
 import pytest
 from serve_support import serve_args, serve_configs, start_server
+from test_vllm_serve_flags import refused_line
 
 from lora_runner import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
-from lora_runner.entrypoints.cli import main
 
 OURS = dict(device="cpu", max_loras=2, max_lora_rank=16, max_num_seqs=4, max_model_len=64, block_size=4)
 GREEDY = dict(temperature=0.0, max_tokens=6)
@@ -48,12 +48,7 @@ def _refused(capsys, monkeypatch, argv: list[str]) -> str:
         raise ValueError("would serve")
 
     monkeypatch.setattr("lora_runner.entrypoints.cli.bind_listen_socket", no_serving)
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", *argv])
-    assert exited.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
+    return refused_line(capsys, argv)
 
 
 @pytest.mark.parametrize("flags, named", [
