@@ -50,14 +50,12 @@ def graphed_engine(path: str, dtype, **kwargs) -> LLMEngine:
     return engine
 
 
-@torch.inference_mode()
-def test_decode_graph_forward_and_lora_table_have_no_host_sync(engine_checkpoint, monkeypatch):
-    """What a CUDA graph records must not read device data on the host. The LoRA kernels are
-    Triton on CUDA (their no-sync test is gpu-marked); here the rest of the forward, on every key."""
+def stub_lora_kernels(monkeypatch) -> list[bool]:
+    """The LoRA kernels (Triton on CUDA, their no-sync tests gpu-marked) stubbed out: add_lora records
+    whether its meta covers exactly the batch's tokens (the returned list); embed_tokens LoRA's gather and
+    expand (gpu-marked no-sync test in test_vocab_lora.py) do nothing."""
     import punica_kernels
 
-    path, _, adapters = engine_checkpoint
-    engine = graphed_engine(path, torch.float32)
     calls = []
 
     def lora_stub(y, x, lora_a, lora_b, meta, slice_sizes, **scales):
@@ -65,9 +63,18 @@ def test_decode_graph_forward_and_lora_table_have_no_host_sync(engine_checkpoint
         return y
 
     monkeypatch.setattr(punica_kernels, "add_lora", lora_stub)
-    # embed_tokens LoRA's gather + expand: Triton on CUDA too (gpu-marked no-sync test in test_vocab_lora.py)
     monkeypatch.setattr(punica_kernels, "embedding_shrink", lambda input_ids, lora_a, meta, out: out)
     monkeypatch.setattr(punica_kernels, "lora_expand", lambda y, *args, **kwargs: y)
+    return calls
+
+
+@torch.inference_mode()
+def test_decode_graph_forward_and_lora_table_have_no_host_sync(engine_checkpoint, monkeypatch):
+    """What a CUDA graph records must not read device data on the host. The LoRA kernels are
+    Triton on CUDA (their no-sync test is gpu-marked); here the rest of the forward, on every key."""
+    path, _, adapters = engine_checkpoint
+    engine = graphed_engine(path, torch.float32)
+    calls = stub_lora_kernels(monkeypatch)
     graphs, meta = engine.runner.decode_graphs, engine.runner.lora_meta
     engine.adapters.manager.loras.activate([engine.add_lora(LoRARequest("r4", adapters["r4"][0]))])
     for key, captured in graphs._graphs.items():

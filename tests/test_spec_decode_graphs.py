@@ -18,7 +18,7 @@ from lora_runner import LLMEngine, SamplingParams
 from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.worker.cuda_graphs import DecodeGraphKey, DecodeGraphPlan, RerunGraph
 from lora_runner.worker.memory_profile import profile_steps
-from test_gpu_readiness import host_sync_ops
+from test_gpu_readiness import host_sync_ops, stub_lora_kernels
 
 K = 3  # drafts per sequence: verify graphs of K + 1 tokens per sequence
 ENGINE = dict(max_num_seqs=8, max_model_len=64, max_loras=2, max_lora_rank=16, max_cpu_loras=4, block_size=4,
@@ -117,19 +117,9 @@ def graphed_spec_engine(path: str) -> LLMEngine:
 def test_verify_graph_forward_has_no_host_sync(engine_checkpoint, monkeypatch):
     """The verify graphs' captured forward reads no device data on the host (the LoRA and embedding
     kernels are Triton on CUDA, their no-sync tests gpu-marked; stubbed here as in test_gpu_readiness)."""
-    import punica_kernels
-
     path, _, adapters = engine_checkpoint
     engine = graphed_spec_engine(path)
-    calls = []
-
-    def lora_stub(y, x, lora_a, lora_b, meta, slice_sizes, **scales):
-        calls.append(meta.num_tokens == x.shape[0] == y.shape[0])
-        return y
-
-    monkeypatch.setattr(punica_kernels, "add_lora", lora_stub)
-    monkeypatch.setattr(punica_kernels, "embedding_shrink", lambda input_ids, lora_a, meta, out: out)
-    monkeypatch.setattr(punica_kernels, "lora_expand", lambda y, *args, **kwargs: y)
+    calls = stub_lora_kernels(monkeypatch)
     engine.adapters.manager.loras.activate([engine.add_lora(LoRARequest("r4", adapters["r4"][0]))])
     graphs = engine.runner.decode_graphs
     verify = [key for key in graphs._graphs if key.tokens_per_seq == K + 1]
