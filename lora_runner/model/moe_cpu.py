@@ -167,7 +167,7 @@ def _stacks(block, lora: LoRAContext | None) -> dict:
     if lora is not None:
         if stacks.get("slots") is not lora.slots:
             stacks["slots"], stacks["lora"] = lora.slots, {
-                f"lora_{projection}": tuple(t.transpose(0, 1) for t in moe_fused._stacked_slots(  # noqa: SLF001
+                f"lora_{projection}": tuple(t.transpose(0, 1) for t in moe_fused.stacked_slots(
                     lora, block.experts, projection)) for projection in ("gate_up", "down")}
         views.update(stacks["lora"])
     return views

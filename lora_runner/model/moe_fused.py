@@ -82,13 +82,13 @@ def fused_routed_experts(block, hidden: torch.Tensor, weights: torch.Tensor, exp
     if lora is not None:
         if stacks.get("slots") is not lora.slots:
             stacks["slots"], stacks["lora"] = lora.slots, tuple(
-                _stacked_slots(lora, block.experts, projection) for projection in ("gate_up", "down"))
+                stacked_slots(lora, block.experts, projection) for projection in ("gate_up", "down"))
         # expert_ranks, not slot_ranks: a slot without expert LoRA (0 there) runs no expert LoRA op
         factors = (lora.meta.token_slots, lora.slots.expert_ranks, *stacks["lora"])
     return fused_moe(hidden, w_gate_up, w_down, weights, experts, factors)
 
 
-def _stacked_slots(lora: LoRAContext, experts, projection: str) -> tuple[torch.Tensor, ...]:
+def stacked_slots(lora: LoRAContext, experts, projection: str) -> tuple[torch.Tensor, ...]:
     """(lora_a [L, E, n, R, K], lora_b [L, E, N, R], slice_scales [L, E, n]) of one projection of every expert."""
     linears = [getattr(expert, projection) for expert in experts]
     pairs = [lora.slots.weights(linear.layer, linear.name) for linear in linears]
