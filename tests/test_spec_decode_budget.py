@@ -10,6 +10,7 @@ naming the setting."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from factories import build_tiny_model, save_tiny_tokenizer
 from lora_runner import EngineConfig, LLMEngine, SamplingParams
 from lora_runner.distributed import TensorParallel
 from lora_runner.executor import startup
-from lora_runner.executor.draft_budget import draft_memory, limits_with_draft
+from lora_runner.executor.draft_budget import draft_memory, limits_with_draft, model_bytes
 from lora_runner.model import ModelConfig
 from lora_runner.worker import draft_runner
 from lora_runner.worker.kv_cache import allocate_kv_cache, kv_block_bytes
@@ -92,15 +93,21 @@ def assert_fills(budget: int, used: int) -> None:
 
 
 # ------------------------------------------------------------------ engines on CPU
-def test_kv_cache_memory_bytes_holds_both_caches(target_and_draft, requests, reference):
+def test_kv_cache_memory_bytes_holds_both_caches(target_and_draft, requests, reference, caplog):
     """kv_cache_memory_bytes is the target's and the draft's caches together (vLLM's draft layers share
-    it), not the target's alone with the draft's on top."""
+    it), not the target's alone with the draft's on top; one INFO line says the draft's share."""
     path, draft_dir = target_and_draft
     budget = 150_000
-    engine = LLMEngine(path, kv_cache_memory_bytes=budget, speculative_config=speculative(draft_dir), **ENGINE)
+    with caplog.at_level(logging.INFO, "lora_runner.executor.draft_budget"):
+        engine = LLMEngine(path, kv_cache_memory_bytes=budget, speculative_config=speculative(draft_dir), **ENGINE)
     target, draft = engine.runner.kv_cache, draft_of(engine).kv_cache
     assert target.shape[2] == engine.limits.num_kv_blocks and draft.shape[2] > target.shape[2]
     assert_fills(budget, target.nbytes + draft.nbytes)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "lora_runner.executor.draft_budget"]
+    weights = model_bytes(draft_of(engine).model)
+    assert 0 <= weights - checkpoint_bytes(draft_dir) < 1024  # the CPU GEMM's packed weights counted (+ rotary buffers)
+    assert f"weights {weights} bytes" in line, line
+    assert f"{draft.shape[2]} blocks, {draft.nbytes} bytes" in line and f"model's {target.shape[2]} blocks" in line
     assert_greedy_exact(engine, requests, reference)
     engine.close()
 

@@ -94,7 +94,7 @@ def limits_with_draft(cfg: EngineConfig, max_position_embeddings: int, kv_bytes_
                            free_device_bytes, device_kv_budget_bytes, available_host_bytes,
                            reserved_bytes=draft.spare_bytes)
     blocks = draft.kv_blocks(limits.num_kv_blocks)
-    logger.info("draft model: weights %.1f MiB; its KV cache %d blocks (%.1f MiB) beside the model's %d KV blocks, "
-                "in the same budget", draft.weight_bytes / 2**20, blocks, blocks * draft.block_bytes / 2**20,
-                limits.num_kv_blocks)
+    logger.info("draft model: weights %d bytes (%.1f MiB); its KV cache %d blocks, %d bytes (%.1f MiB), in the KV "
+                "budget beside the model's %d blocks", draft.weight_bytes, draft.weight_bytes / 2**20, blocks,
+                blocks * draft.block_bytes, blocks * draft.block_bytes / 2**20, limits.num_kv_blocks)
     return limits
