@@ -59,8 +59,9 @@ class EngineConfig:
         "KV-cache budget (None: enough for max_num_seqs full-length requests, bounded on CPU by a quarter "
         "of the RAM available at start-up and 4 GiB (lora_runner.worker.kv_budget; the CPU cache takes RAM "
         "only as blocks are first used) and, on CUDA, by what the start-up memory profile leaves under "
-        "gpu_memory_utilization, see lora_runner.worker.memory_profile); the chosen size and why are "
-        "logged at INFO", default=None))
+        "gpu_memory_utilization, see lora_runner.worker.memory_profile); per rank with tensor_parallel_size > 1 "
+        "on CUDA; a speculative draft model's KV cache shares it (lora_runner.executor.draft_budget); the "
+        "chosen size and why are logged at INFO", default=None))
     enable_prefix_caching: bool = field(**_doc(
         "keep the KV of full prompt blocks after their requests finish and reuse it for later requests "
         "with the same prefix, LoRA version, prompt-adapter version and cache salt (lora_runner.core."

@@ -16,6 +16,7 @@ from adapters import LoRARequest, PromptAdapterRequest
 from factories import save_lora, save_prompt_adapter
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.model import ModelConfig
+from lora_runner.worker.draft_runner import draft_kv_blocks
 from lora_runner.worker.kv_cache import kv_block_bytes
 
 NUM_BLOCKS = 24  # 4 requests of ~40 tokens need ~40 blocks of 4: preemption
@@ -58,13 +59,24 @@ def checkpoint(engine_checkpoint, tmp_path_factory):
     return path, requests
 
 
+def kv_cache_bytes(path: str, spec: dict | None) -> int:
+    """kv_cache_memory_bytes for NUM_BLOCKS of the model's blocks, and a draft model's KV cache beside them
+    (it shares the setting: lora_runner.executor.draft_budget), so every run preempts alike."""
+    target = kv_block_bytes(ModelConfig.from_dir(path), 4, torch.float32)
+    if spec is None or spec["method"] != "draft_model":
+        return NUM_BLOCKS * target
+    draft = kv_block_bytes(ModelConfig.from_dir(spec["model"]), 4, torch.float32)
+    return NUM_BLOCKS * target + draft_kv_blocks(NUM_BLOCKS, max_num_seqs=4, k=spec["num_speculative_tokens"],
+                                                 block_size=4) * draft
+
+
 def run(checkpoint, spec, prompts, stop_words=(), seeded=False, tp=1):
     """Finished outputs {index: RequestOutput} and the engine, requests added two per step."""
     path, adapter_requests = checkpoint
     engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=64, block_size=4, max_loras=2,
                        max_prompt_adapters=1, max_prompt_adapter_tokens=4,
                        max_logprobs=3, max_num_batched_tokens=16, enable_prefix_caching=True,
-                       kv_cache_memory_bytes=NUM_BLOCKS * kv_block_bytes(ModelConfig.from_dir(path), 4, torch.float32),
+                       kv_cache_memory_bytes=kv_cache_bytes(path, spec),
                        speculative_config=spec, tensor_parallel_size=tp, cpu_threads=1)
     for kind in adapter_requests.values():  # loaded before the first step: which step an adapter's first
         if "lora_request" in kind:  # request joins must not follow a background load's timing

@@ -6,7 +6,6 @@ test captures real CUDA graphs at start-up and compares with an enforce_eager en
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -211,30 +210,6 @@ def test_profile_steps_add_the_largest_verify_step():
     assert DecodeGraphPlan(64, verify_tokens_per_seq=K + 1, max_num_tokens=100).verify_sizes[-1] == len(verify)
     assert "verify" not in profile_steps(max_num_seqs=64, max_num_batched_tokens=100, max_model_len=48, block_size=4,
                                          lora_slots=[0])
-
-
-def test_draft_kv_share_fits_both_caches_in_the_budget(engine_checkpoint):
-    """The target's blocks and the draft's pool (a block per target block, plus its slack) fit the budget."""
-    from lora_runner import EngineConfig
-    from lora_runner.executor.startup import draft_kv_share
-    from lora_runner.model import ModelConfig
-    from lora_runner.worker.draft_runner import draft_kv_blocks
-    from lora_runner.worker.kv_cache import kv_block_bytes
-
-    path = engine_checkpoint[0]
-    target = ModelConfig.from_dir(path)
-    draft = dataclasses.replace(target, num_layers=1)  # a truncated copy: half the layers
-    cfg = EngineConfig(model=path, device="cpu", block_size=4, max_num_seqs=8, dtype="float32")
-    per_token = kv_block_bytes(target, 1, torch.float32)
-    budget = 1000 * kv_block_bytes(target, 4, torch.float32)
-    shared, combined = draft_kv_share(draft, budget, per_token, cfg, torch.float32, K)
-    assert combined == per_token + kv_block_bytes(draft, 1, torch.float32) and combined < 2 * per_token
-    blocks = shared // (4 * combined)
-    used = (blocks * kv_block_bytes(target, 4, torch.float32)
-            + draft_kv_blocks(blocks, max_num_seqs=8, k=K, block_size=4) * kv_block_bytes(draft, 4, torch.float32))
-    assert budget - kv_block_bytes(target, 4, torch.float32) - kv_block_bytes(draft, 4, torch.float32) < used <= budget
-    with pytest.raises(ValueError, match="draft model's KV cache"):
-        draft_kv_share(draft, 8 * kv_block_bytes(draft, 4, torch.float32), per_token, cfg, torch.float32, K)
 
 
 def test_draft_model_is_loaded_once_at_start_up(engine_checkpoint, monkeypatch):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from lora_runner.config import EngineConfig
 from lora_runner.device import available_host_memory
-from lora_runner.worker.kv_budget import host_kv_budget
+from lora_runner.worker.kv_budget import check_reserved, host_kv_budget
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +55,18 @@ def default_max_model_len(config: EngineConfig, max_position_embeddings: int) ->
 
 def engine_limits(config: EngineConfig, max_position_embeddings: int, kv_bytes_per_token: int,
            free_device_bytes: int | None = None, device_kv_budget_bytes: int | None = None,
-           available_host_bytes: int | None = None) -> EngineLimits:
+           available_host_bytes: int | None = None, reserved_bytes: int = 0) -> EngineLimits:
     """Derive the runtime limits once the model's context size and KV footprint are known.
 
     kv_bytes_per_token: K and V bytes of one token over all layers. free_device_bytes: free
     accelerator memory (None on CPU); the default budget takes at most 80% of it, unless
     device_kv_budget_bytes (what the start-up memory profile left for the KV cache) is given:
     then at most that. With neither (CPU), the cache is sized by host_kv_budget from
-    available_host_bytes (None: asked of the OS now). Raises ValueError when the settings
-    cannot work.
+    available_host_bytes (None: asked of the OS now). reserved_bytes: what the budget (any of these,
+    or kv_cache_memory_bytes) holds beside the blocks, taken off it first: a draft model's spare KV
+    blocks, its per-token share being in kv_bytes_per_token (lora_runner.executor.draft_budget).
+    Raises ValueError when the settings cannot work, kv_cache_memory_bytes is more than
+    free_device_bytes, or reserved_bytes leave no block.
     """
     if free_device_bytes is None and device_kv_budget_bytes is None:
         step_sizes(config, max_position_embeddings)  # validates max_model_len
@@ -72,16 +75,25 @@ def engine_limits(config: EngineConfig, max_position_embeddings: int, kv_bytes_p
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             context=default_max_model_len(config, max_position_embeddings), block_size=config.block_size,
             kv_bytes_per_token=kv_bytes_per_token, available_bytes=available,
-            explicit_bytes=config.kv_cache_memory_bytes)
+            explicit_bytes=config.kv_cache_memory_bytes, reserved_bytes=reserved_bytes)
         return _limits(config, max_position_embeddings, kv_bytes_per_token, budget.bytes, budget.max_model_len,
                             budget.reason)
     max_model_len, _, _ = step_sizes(config, max_position_embeddings)
+    block_bytes = config.block_size * kv_bytes_per_token
     budget = config.kv_cache_memory_bytes
     if budget is None:
         cap = int(free_device_bytes * _CUDA_KV_FRACTION) if free_device_bytes is not None else None
         if device_kv_budget_bytes is not None:
             cap = device_kv_budget_bytes
-        budget = min(config.max_num_seqs * max_model_len * kv_bytes_per_token, cap)
+        check_reserved(reserved_bytes, block_bytes, cap, "gpu_memory_utilization",
+                       "the device's KV budget" if device_kv_budget_bytes is None else "the profiled KV budget")
+        budget = min(config.max_num_seqs * max_model_len * kv_bytes_per_token, cap - reserved_bytes)
+    else:
+        if free_device_bytes is not None and budget > free_device_bytes:  # the draft model's weights included
+            raise ValueError(f"kv_cache_memory_bytes={budget} is more than the {free_device_bytes} bytes of device "
+                             "memory free after the weights: lower kv_cache_memory_bytes")
+        check_reserved(reserved_bytes, block_bytes, budget, "kv_cache_memory_bytes")
+        budget -= reserved_bytes
     reason = ("kv_cache_memory_bytes" if config.kv_cache_memory_bytes is not None
               else "max_num_seqs full-length requests, at most the device's budget")
     return _limits(config, max_position_embeddings, kv_bytes_per_token, budget, max_model_len, reason)

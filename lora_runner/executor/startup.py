@@ -5,12 +5,14 @@
 - "uni" (tensor_parallel_size=1): the model, its adapter slots, the KV cache and the runner live in this
   process; on CUDA the start-up memory profile sizes the KV cache and the decode graphs are captured
   (with speculative decoding, the verify graphs of k + 1 tokens per sequence too). DoRA's base weights
-  come from the live model. A "draft_model" speculator's model is loaded here before the profile (its
-  weights count as resident), and on CUDA its KV cache shares the profiled budget with the target's
-  (draft_kv_share): the engine builds the speculator over it.
+  come from the live model.
 - "mp" / "ray": one worker process (or Ray actor) per rank holds its model shard, KV cache, slots and runner
   (lora_runner.executor.rank_worker); this process keeps the adapter tiers, whose slots are proxies, and
   reads DoRA's base weights from the checkpoint (no rank holds a whole row).
+
+A "draft_model" speculator's model is loaded in this process (either way) before the KV budget is decided,
+and its weights and KV cache share that budget with the target's (lora_runner.executor.draft_budget); the
+engine builds the speculator over it.
 
 Either way the adapter manager's weights are validated once here, and the runtime sizes (EngineLimits) are
 decided here from the model and the device. The LoRA slots' bytes are logged (a mixture of experts' slot
@@ -36,7 +38,8 @@ from lora_runner.config import EngineConfig
 from lora_runner.device import available_host_memory
 from lora_runner.distributed import TensorParallel
 from lora_runner.executor.base import Executor
-from lora_runner.executor.limits import EngineLimits, engine_limits, step_sizes
+from lora_runner.executor.draft_budget import DraftMemory, draft_memory, limits_with_draft
+from lora_runner.executor.limits import EngineLimits, step_sizes
 from lora_runner.executor.multiproc import MultiprocExecutor
 from lora_runner.executor.runner_factory import make_runner
 from lora_runner.executor.uniproc import UniProcExecutor
@@ -47,7 +50,7 @@ from lora_runner.model.layers import lora_base_weights
 from lora_runner.model.llama import check_attention_split
 from lora_runner.model.loader import resolve_model_dir
 from lora_runner.worker.cuda_graphs import cuda_graphs_available
-from lora_runner.worker.draft_runner import LoadedDraft, draft_kv_blocks, load_draft
+from lora_runner.worker.draft_runner import LoadedDraft, load_draft
 from lora_runner.worker.kv_cache import kv_block_bytes
 from lora_runner.worker.memory_profile import profile_kv_cache_budget
 from lora_runner.worker.model_runner import ModelRunner
@@ -118,12 +121,11 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
     use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
     spec = cfg.speculative()
     k = spec.num_speculative_tokens if spec is not None else 0  # the verify graphs' k
-    # loaded before the memory profile, so its weights count as resident (lora_runner.worker.draft_runner)
-    draft = (load_draft(spec, dtype=dtype, device=device, local_files_only=cfg.local_files_only)
-             if spec is not None and spec.method == "draft_model" else None)
+    host_ram = available_host_memory() if device.type == "cpu" else None  # before the draft: its weights come off it
+    # loaded before the memory profile, so its weights count as resident (lora_runner.executor.draft_budget)
+    draft = _load_draft(cfg, device)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     kv_budget = None
-    kv_bytes_per_token = kv_block_bytes(model_config, 1, dtype)
     if device.type == "cuda" and cfg.kv_cache_memory_bytes is None:
         max_model_len, max_batched, _ = step_sizes(cfg, model_config.max_position_embeddings)
         kv_budget = profile_kv_cache_budget(
@@ -131,10 +133,9 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
             block_size=cfg.block_size, gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=use_graphs,
             verify_tokens_per_seq=k + 1 if k else 0)
-        if draft is not None:  # the draft's KV cache shares the budget, block for block with the target's
-            kv_budget, kv_bytes_per_token = draft_kv_share(draft.config, kv_budget, kv_bytes_per_token, cfg, dtype, k)
-    limits = engine_limits(cfg, model_config.max_position_embeddings, kv_bytes_per_token, free,
-                           kv_budget, available_host_memory() if device.type == "cpu" else None)
+    # the draft's KV cache shares whichever budget this is, block for block with the target's
+    limits = limits_with_draft(cfg, model_config.max_position_embeddings, kv_block_bytes(model_config, 1, dtype),
+                               draft_memory(draft, cfg) if draft is not None else None, free, kv_budget, host_ram)
     make = runner_of(limits)
     runner = make(limits.num_kv_blocks)
     if use_graphs:
@@ -143,22 +144,13 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
                            draft)
 
 
-def draft_kv_share(draft_config: ModelConfig, kv_budget: int, kv_bytes_per_token: int, cfg: EngineConfig,
-                   dtype: torch.dtype, k: int) -> tuple[int, int]:
-    """(KV budget, bytes per token) for the target's cache once the draft model's cache is counted: the
-    draft holds a block for each of the target's (its own size: its layers and KV heads) plus
-    draft_kv_blocks' slack for max_num_seqs proposals, so the slack comes off the budget and each token
-    costs the target's bytes plus the draft's. ValueError when the slack alone exceeds the budget."""
-    draft_block = kv_block_bytes(draft_config, cfg.block_size, dtype)
-    slack = draft_kv_blocks(0, max_num_seqs=cfg.max_num_seqs, k=k, block_size=cfg.block_size) * draft_block
-    if slack >= kv_budget:
-        raise ValueError(f"the draft model's KV cache needs {slack / 2**20:.0f} MiB beyond its blocks, more than the "
-                         f"{kv_budget / 2**20:.0f} MiB left for KV caches: raise gpu_memory_utilization or lower "
-                         "max_num_seqs")
-    draft_per_token = kv_block_bytes(draft_config, 1, dtype)
-    logger.info("draft model KV cache: %.0f%% of the KV budget (%d bytes per token beside the model's %d)",
-                100 * draft_per_token / (draft_per_token + kv_bytes_per_token), draft_per_token, kv_bytes_per_token)
-    return kv_budget - slack, kv_bytes_per_token + draft_per_token
+def _load_draft(cfg: EngineConfig, device: torch.device) -> LoadedDraft | None:
+    """The "draft_model" speculator's model, loaded in this process before the KV budget is decided (None
+    for any other method): its weights and KV cache are in that budget (lora_runner.executor.draft_budget)."""
+    spec = cfg.speculative()
+    if spec is None or spec.method != "draft_model":
+        return None
+    return load_draft(spec, dtype=cfg.torch_dtype(), device=device, local_files_only=cfg.local_files_only)
 
 
 def _runner_of_manager(cfg: EngineConfig, model, model_config: ModelConfig, manager: AdapterManager,
@@ -189,28 +181,35 @@ def _start_workers(cfg: EngineConfig, threads: int, on_load_done) -> StartedExec
     model_config = ModelConfig.from_dir(model_dir, name_or_path=cfg.model, quantization=cfg.quantization)
     check_splits(model_config.spec(), cfg.tensor_parallel_size)  # ValueError before any process starts
     check_attention_split(model_config, cfg.tensor_parallel_size)
-    limits = worker_limits(cfg, model_config)
+    host_ram = available_host_memory() if device.type == "cpu" else None  # before the draft: its weights come off it
+    draft = _load_draft(cfg, device)  # on the engine's side, unsharded (lora_runner.spec_decode.draft_model)
+    limits = worker_limits(cfg, model_config, draft_memory(draft, cfg) if draft is not None else None, host_ram)
     executor = _rank_executor(cfg.executor_backend)(worker_spec(cfg, model_config, limits, threads),
                                                     cfg.tensor_parallel_size)
     # DoRA's norms need whole rows of W, which no rank holds: read from the checkpoint (dequantized)
     manager = _make_manager(cfg, model_config, torch.device("cpu"),
                             checkpoint_base_weights(model_dir, model_config, dtype), on_load_done,
                             make_slots=executor.slot_proxy)
-    return StartedExecutor(executor, manager, model_config, model_dir, limits)
+    return StartedExecutor(executor, manager, model_config, model_dir, limits, draft=draft)
 
 
-def worker_limits(cfg: EngineConfig, model_config: ModelConfig) -> EngineLimits:
+def worker_limits(cfg: EngineConfig, model_config: ModelConfig, draft: DraftMemory | None = None,
+                  available_host_bytes: int | None = None) -> EngineLimits:
     """The runtime sizes of an engine whose ranks are worker processes, decided before they start: on
     CPU the host's RAM holds every rank's KV blocks and LoRA slots (the latter not allocated yet, so
-    taken off the RAM available now); on CUDA kv_cache_memory_bytes is per rank."""
+    taken off the RAM available: ``available_host_bytes``, None: asked of the OS now); on CUDA
+    kv_cache_memory_bytes is per rank. A draft model (in this process) shares the budget
+    (lora_runner.executor.draft_budget)."""
     device, dtype = cfg.torch_device(), cfg.torch_dtype()
     # a block on one rank (its KV heads); the host's memory holds every rank's blocks, a GPU one rank's
     rank_block = kv_block_bytes(model_config, 1, dtype, TensorParallel(0, cfg.tensor_parallel_size))
     slots = lora_slot_memory(cfg, model_config)
-    return engine_limits(cfg, model_config.max_position_embeddings,
-                         rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), None,
-                         cfg.kv_cache_memory_bytes if device.type == "cuda" else None,
-                         max(available_host_memory() - slots, 0) if device.type == "cpu" else None)
+    host_ram = None
+    if device.type == "cpu":
+        host_ram = max((available_host_memory() if available_host_bytes is None else available_host_bytes) - slots, 0)
+    return limits_with_draft(cfg, model_config.max_position_embeddings,
+                             rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), draft, None,
+                             cfg.kv_cache_memory_bytes if device.type == "cuda" else None, host_ram)
 
 
 def lora_slot_memory(cfg: EngineConfig, model_config: ModelConfig, free_bytes: int | None = None) -> int:

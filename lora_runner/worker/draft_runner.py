@@ -7,16 +7,15 @@ builds the DraftModelSpeculator over a DraftModelRunner and the draft's own bloc
 target's block count plus room for k more tokens per sequence (``draft_kv_blocks``: the draft writes up to
 k - 1 proposals past the tokens the target holds); its blocks are the draft's size (its layers and KV heads).
 
-Memory on CUDA: with one process ("uni") start-up loads the draft before the target's memory profile, so
-its weights count as resident, and the profiled KV budget is shared with the draft's cache block for block
-(lora_runner.executor.startup.draft_kv_share), so both fit gpu_memory_utilization. Where the target
+Memory: start-up loads the draft before the KV budget is decided (before the target's memory profile on
+CUDA, so its weights count as resident; off the RAM available on CPU), and every budget (the profiled one,
+kv_cache_memory_bytes, per rank too, the CPU bound) is shared with the draft's cache block for block
+(lora_runner.executor.draft_budget), so both fit the setting. Where the target
 captured CUDA graphs, the draft's forwards are captured too (DraftModelRunner.capture_graphs), on the
 target's graph pool: the draft's graphs are smaller than the target's largest and never replay at once
 with one. Its eager forwards (long catch-ups) run before the target's in each step, on activations far
 smaller than the profiled target step's (a smaller model, at most max_num_batched_tokens + max_num_seqs
-tokens, max_num_seqs logits rows): the allocator serves them from the memory that step freed. With
-kv_cache_memory_bytes set, or worker ranks, that setting is the target's cache alone and the draft's
-comes on top of it.
+tokens, max_num_seqs logits rows): the allocator serves them from the memory that step freed.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ does. An explicit max_model_len that needs more than the bound for one request g
 request's worth and a warning (ValueError beyond the available RAM); an explicit
 kv_cache_memory_bytes is used as given, with a warning when it exceeds the bound (and the default
 max_model_len is lowered to fit it too).
+
+With a draft model (speculative decoding) the bound or kv_cache_memory_bytes holds the draft's KV
+cache too: each token costs the target's bytes and the draft's (kv_bytes_per_token), and the draft's
+spare blocks (reserved_bytes) come off first.
 """
 
 from __future__ import annotations
@@ -39,28 +43,36 @@ class HostKVBudget:
 
 
 def host_kv_budget(*, max_num_seqs: int, max_model_len: int | None, context: int, block_size: int,
-                   kv_bytes_per_token: int, available_bytes: int, explicit_bytes: int | None) -> HostKVBudget:
+                   kv_bytes_per_token: int, available_bytes: int, explicit_bytes: int | None,
+                   reserved_bytes: int = 0) -> HostKVBudget:
     """The CPU KV budget (see the module docstring).
 
     max_model_len: the user's setting (None: `context`, the model's, may be lowered to fit);
     kv_bytes_per_token: K and V of one token over all layers; available_bytes: RAM available now;
-    explicit_bytes: the user's kv_cache_memory_bytes (None: the default budget).
+    explicit_bytes: the user's kv_cache_memory_bytes (None: the default budget); reserved_bytes: what
+    that budget holds beside the blocks (a draft model's spare KV blocks, lora_runner.executor.
+    draft_budget), taken off the bound or explicit_bytes before the blocks are counted: the bytes
+    returned are the blocks'. ValueError when it leaves less than one block.
     """
     block_bytes = block_size * kv_bytes_per_token
     bound = min(CPU_KV_CAP_BYTES, int(available_bytes * CPU_KV_MEMORY_FRACTION))
     bound_text = (f"{CPU_KV_MEMORY_FRACTION:.0%} of {_gib(available_bytes)} available RAM, at most "
                   f"{_gib(CPU_KV_CAP_BYTES)}: {_gib(bound)}")
+    check_reserved(reserved_bytes, block_bytes, bound if explicit_bytes is None else explicit_bytes,
+                   "kv_cache_memory_bytes", f"the CPU bound ({bound_text})" if explicit_bytes is None else None)
     length = max_model_len or context
     seq_bytes = -(-length // block_size) * block_bytes
     if explicit_bytes is not None:
         if explicit_bytes > bound:
             logger.warning("kv_cache_memory_bytes=%d (%s) exceeds the default CPU bound (%s): the cache may "
                            "grow to it as requests fill it", explicit_bytes, _gib(explicit_bytes), bound_text)
-        if max_model_len is None and block_bytes <= explicit_bytes < seq_bytes:
-            fitted = explicit_bytes // block_bytes * block_size
-            return HostKVBudget(explicit_bytes, fitted, f"kv_cache_memory_bytes; max_model_len lowered from the "
-                                                        f"model's context {context} to {fitted} tokens to fit")
-        return HostKVBudget(explicit_bytes, length, "kv_cache_memory_bytes")
+        blocks_bytes = explicit_bytes - reserved_bytes
+        if max_model_len is None and block_bytes <= blocks_bytes < seq_bytes:
+            fitted = blocks_bytes // block_bytes * block_size
+            return HostKVBudget(blocks_bytes, fitted, f"kv_cache_memory_bytes; max_model_len lowered from the "
+                                                      f"model's context {context} to {fitted} tokens to fit")
+        return HostKVBudget(blocks_bytes, length, "kv_cache_memory_bytes")
+    bound -= reserved_bytes  # the bound holds the draft's spare blocks too: the rest is the blocks'
     wanted = max_num_seqs * seq_bytes
     if wanted <= bound:
         return HostKVBudget(wanted, length, f"max_num_seqs={max_num_seqs} requests of max_model_len={length} "
@@ -81,6 +93,17 @@ def host_kv_budget(*, max_num_seqs: int, max_model_len: int | None, context: int
                    "(%s): sizing the cache for that one request; lower max_model_len to use less",
                    length, _gib(seq_bytes), bound_text)
     return HostKVBudget(seq_bytes, length, f"one request of max_model_len={length}, over the CPU bound")
+
+
+def check_reserved(reserved_bytes: int, block_bytes: int, budget_bytes: int, setting: str,
+                   budget_text: str | None = None) -> None:
+    """ValueError naming `setting` when `reserved_bytes` (a draft model's spare KV blocks) leave less than one
+    block of `block_bytes` in `budget_bytes` (described as `budget_text`; None: the setting's value)."""
+    if reserved_bytes and budget_bytes - reserved_bytes < block_bytes:
+        raise ValueError(f"the draft model's KV cache needs {reserved_bytes} bytes for its spare blocks (max_num_seqs "
+                         f"x num_speculative_tokens tokens), leaving less than one {block_bytes}-byte KV block of the "
+                         f"{budget_bytes} bytes of {budget_text or setting}: raise {setting} or lower max_num_seqs or "
+                         "num_speculative_tokens")
 
 
 def _gib(num_bytes: int) -> str:

@@ -1,0 +1,100 @@
+"""A draft model's share of the memory budget (speculative decoding's "draft_model" method).
+
+The draft runs in the engine's process (lora_runner.worker.draft_runner) over its own paged KV cache: a
+block for each of the target's KV blocks, of its own size (its layers and KV heads), plus spare blocks for
+the k proposals of each of max_num_seqs sequences (draft_kv_blocks). Whatever budget sizes the target's
+cache holds the draft's too, as in vLLM, where the draft's attention layers join the target's in one KV
+cache spec, so that the profiled memory and kv_cache_memory_bytes are divided over both: each token of
+the target's cache costs the target's bytes plus the draft's, and the spare blocks come off the budget
+first (engine_limits' reserved_bytes). That holds on every path:
+
+- CUDA, one process: the memory profile's budget (the draft's weights are loaded before the profile, so
+  they count as resident), or kv_cache_memory_bytes (which must then be free after both models' weights);
+- worker ranks (tensor_parallel_size > 1): kv_cache_memory_bytes per rank on CUDA, where the draft's cache
+  sits beside rank 0's on the engine's device and every rank keeps the one block count; on CPU the host's
+  bound over every rank's blocks;
+- CPU: the RAM-based bound or kv_cache_memory_bytes, with the draft's weights taken off the RAM available
+  before the bound is drawn (as the LoRA slots of worker ranks are).
+
+A budget too small for the draft's spare blocks plus one block is a ValueError naming the setting to raise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from lora_runner.config import EngineConfig
+from lora_runner.executor.limits import EngineLimits, engine_limits
+from lora_runner.worker.draft_runner import LoadedDraft, draft_kv_blocks
+from lora_runner.worker.kv_cache import kv_block_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftMemory:
+    """What a loaded draft model takes beside the target, in bytes."""
+
+    weight_bytes: int  # its parameters and buffers
+    block_bytes: int  # one block of its KV cache (block_size tokens, all its layers, K and V)
+    spare_blocks: int  # its KV blocks beyond one per target block (draft_kv_blocks)
+    block_size: int
+
+    @property
+    def per_token_bytes(self) -> int:
+        """The draft's KV bytes for each token of the target's cache."""
+        return self.block_bytes // self.block_size
+
+    @property
+    def spare_bytes(self) -> int:
+        """The spare blocks' bytes: taken off the KV budget before the target's blocks are counted."""
+        return self.spare_blocks * self.block_bytes
+
+    def kv_blocks(self, num_kv_blocks: int) -> int:
+        """The draft's KV blocks beside a target cache of num_kv_blocks."""
+        return num_kv_blocks + self.spare_blocks
+
+def draft_memory(draft: LoadedDraft, cfg: EngineConfig) -> DraftMemory:
+    """The DraftMemory of `draft` in an engine of `cfg` (its speculative k, block_size, max_num_seqs, dtype)."""
+    k = cfg.speculative().num_speculative_tokens
+    return DraftMemory(weight_bytes=model_bytes(draft.model),
+                       block_bytes=kv_block_bytes(draft.config, cfg.block_size, cfg.torch_dtype()),
+                       spare_blocks=draft_kv_blocks(0, max_num_seqs=cfg.max_num_seqs, k=k, block_size=cfg.block_size),
+                       block_size=cfg.block_size)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor `model` holds: parameters, buffers and plain tensor attributes (on CPU the
+    packed GEMM weights, lora_runner.model.cpu_gemm, replace the parameters they were packed from)."""
+    tensors = {}
+    for module in model.modules():
+        for value in chain(module._parameters.values(), module._buffers.values(), vars(module).values()):
+            if isinstance(value, torch.Tensor):
+                tensors[id(value)] = value  # a tied weight once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def limits_with_draft(cfg: EngineConfig, max_position_embeddings: int, kv_bytes_per_token: int,
+                      draft: DraftMemory | None, free_device_bytes: int | None = None,
+                      device_kv_budget_bytes: int | None = None,
+                      available_host_bytes: int | None = None) -> EngineLimits:
+    """engine_limits (same arguments) with the draft's share of the budget counted (see the module
+    docstring) and logged; without a draft (None), engine_limits itself. available_host_bytes: the RAM
+    available before the draft's weights were loaded (they are taken off it here)."""
+    if draft is None:
+        return engine_limits(cfg, max_position_embeddings, kv_bytes_per_token, free_device_bytes,
+                             device_kv_budget_bytes, available_host_bytes)
+    if available_host_bytes is not None:
+        available_host_bytes = max(available_host_bytes - draft.weight_bytes, 0)
+    limits = engine_limits(cfg, max_position_embeddings, kv_bytes_per_token + draft.per_token_bytes,
+                           free_device_bytes, device_kv_budget_bytes, available_host_bytes,
+                           reserved_bytes=draft.spare_bytes)
+    blocks = draft.kv_blocks(limits.num_kv_blocks)
+    logger.info("draft model: weights %d bytes (%.1f MiB); its KV cache %d blocks, %d bytes (%.1f MiB), in the KV "
+                "budget beside the model's %d blocks", draft.weight_bytes, draft.weight_bytes / 2**20, blocks,
+                blocks * draft.block_bytes, blocks * draft.block_bytes / 2**20, limits.num_kv_blocks)
+    return limits
