@@ -56,15 +56,16 @@ def _cumsum_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexp
 
 
 def cumsum(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Semantics: torch.cumsum(x, -1), accumulated in fp32 left to right in CUMSUM_BLOCK chunks.
+    """Semantics: torch.cumsum(x.float(), -1), accumulated in fp32 left to right in CUMSUM_BLOCK chunks.
 
-    x [S, V] fp16/bf16/fp32 (rows at any stride, columns contiguous or copied so); out [S, V] in x's dtype
-    (allocated when None). Returns out; one program per row, each row's bits independent of the others.
+    x [S, V] fp16/bf16/fp32 (rows at any stride, columns contiguous or copied so); out [S, V] float32
+    (allocated when None; a running mass is never rounded to a half dtype). Returns out; one program per
+    row, each row's bits independent of the others.
     """
     rows = x if x.stride(-1) == 1 else x.contiguous()
     if out is None:
-        out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [S, V]
-    assert out.shape == rows.shape and out.stride(-1) == 1 and out.dtype == x.dtype, (out.shape, out.dtype)
+        out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)  # [S, V]
+    assert out.shape == rows.shape and out.stride(-1) == 1 and out.dtype == torch.float32, (out.shape, out.dtype)
     if rows.shape[0]:
         kernel_for(_cumsum_kernel, x.device)[(rows.shape[0],)](
             rows, out, rows.shape[1], rows.stride(0), out.stride(0), BLOCK=CUMSUM_BLOCK, num_warps=CUMSUM_WARPS)

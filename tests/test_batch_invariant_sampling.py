@@ -22,8 +22,9 @@ DTYPES = [torch.float32, torch.float16]
 
 def _probs_rows(gen: torch.Generator, num_rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     """[num_rows, width] sorted-probability-like rows: each keeps a random number of leading entries (a
-    top-k cut: the rest 0), descending, summing to about 1."""
-    rows = torch.rand(num_rows, width, generator=gen).sort(dim=-1, descending=True).values
+    top-k cut: the rest 0), descending, summing to about 1, over many binades (so that even half inputs do
+    not sum exactly in fp32, and another order shows)."""
+    rows = torch.softmax(torch.randn(num_rows, width, generator=gen) * 4, -1).sort(dim=-1, descending=True).values
     kept = torch.randint(1, width + 1, (num_rows, 1), generator=gen)
     rows = torch.where(torch.arange(width) < kept, rows, 0.0)
     return (rows / rows.sum(-1, keepdim=True)).to(dtype)
@@ -49,15 +50,14 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cumsum_row_bits_do_not_depend_on_the_batch(dtype):
     """The top-p mass: a row alone and among random rows (other cuts, other widths of non-zero mass) gives the
-    same bits; every output entry written (NaN-poisoned buffer); float64's running sum within the dtype's error."""
+    same float32 bits; every output entry written (NaN-poisoned buffer); float64's running sum within fp32's error."""
     gen = torch.Generator().manual_seed(10)
     for width in WIDTHS:
         row = _probs_rows(gen, 1, width, dtype)[0]
-        out = torch.full((1, width), float("nan"), dtype=dtype)
+        out = torch.full((1, width), float("nan"))  # float32 whatever the input
         alone = invariant_sampling.cumsum(row[None], out)[0]
         assert not alone.isnan().any()
-        tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(alone.double(), row.double().cumsum(-1), **tolerance)
+        torch.testing.assert_close(alone.double(), row.double().cumsum(-1), rtol=1e-5, atol=1e-5)
         for size in COMPANIONS:
             rows, position = _among(gen, row, _probs_rows(gen, size, width, dtype))
             assert torch.equal(invariant_sampling.cumsum(rows)[position], alone), (width, size)
@@ -92,6 +92,17 @@ def test_argmax_takes_the_first_maximum_of_each_row():
     rows[0] = float("-inf")
     rows[1, 1536] = 9.0  # the maximum in the last column only
     assert torch.equal(invariant_sampling.argmax(rows), rows.max(dim=-1).indices)
+
+
+def test_the_modes_sort_keeps_tied_ids_in_ascending_order(monkeypatch):
+    """The top-k / top-p sort in the mode on CUDA is stable: tied logits in ascending id order, so which of
+    them a top-k cut keeps is set by the row alone (an unstable sort leaves it to the algorithm)."""
+    monkeypatch.setattr(invariant, "uses_triton", lambda x: True)
+    rows = _tied_rows(torch.Generator().manual_seed(16), 4, 5000, torch.float32)
+    with invariant.active():
+        values, order = invariant.sort_descending(rows)
+    want = torch.sort(rows, dim=-1, descending=True, stable=True)
+    assert torch.equal(order, want.indices) and torch.equal(values, want.values)
 
 
 @pytest.fixture
