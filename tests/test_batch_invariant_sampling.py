@@ -1,9 +1,10 @@
 """The batch-invariant mode's sampler and router ops on CUDA, run as their interpreted twins on CPU tensors:
 the row scan (punica_kernels.invariant_sampling.cumsum, the top-p mass) and the ordered selection (top /
 argmax, the lowest column on ties) give a row the same bits alone and among 1..64 random companion rows,
-equal a float64 reference, write every output entry; the Sampler and the MoE router take them in the mode
-(and a row's sampled token, logprobs and expert outputs then do not depend on its companions); and on a
-lent GPU seeded top-p sampling is bitwise invariant.
+equal a float64 reference, write every output entry; the mode's top-k / top-p sort is stable; the Sampler,
+the prompt logprobs, speculative decoding's rejection sampler and the MoE router take them in the mode (and
+a row's sampled token, logprobs and expert outputs then do not depend on its companions; the MoE experts'
+GEMMs are the fixed-config GEMM); and on a lent GPU seeded top-p sampling is bitwise invariant.
 """
 
 from __future__ import annotations
@@ -107,12 +108,18 @@ def test_the_modes_sort_keeps_tied_ids_in_ascending_order(monkeypatch):
 
 @pytest.fixture
 def interpreted_mode(monkeypatch):
-    """The mode with its CUDA kernels run by CPU tensors (their interpreted twins), counting the calls."""
+    """The mode with its CUDA kernels run by CPU tensors (their interpreted twins), counting the calls by
+    kernel ("top" by k: "top1" is an argmax; "softmax" and "log_softmax")."""
     calls: dict[str, int] = {}
     for module, name in ((invariant_sampling, "cumsum"), (invariant_sampling, "top"), (invariant_triton, "softmax"),
                          (invariant_triton, "matmul")):
         def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
+            key = _name
+            if _name == "top":
+                key = f"top{args[1]}"
+            elif _name == "softmax" and (args[1] if len(args) > 1 else kwargs.get("log", False)):
+                key = "log_softmax"
+            calls[key] = calls.get(key, 0) + 1
             return _real(*args, **kwargs)
         monkeypatch.setattr(module, name, counted)
     monkeypatch.setattr(invariant, "uses_triton", lambda x: True)
@@ -145,7 +152,7 @@ def test_the_sampler_in_the_mode_takes_the_row_kernels_and_a_row_does_not_depend
     sampler = Sampler(VOCAB, "cpu")
     row = torch.randint(-40, 40, (VOCAB,), generator=gen).float() / 8
     alone = _sample_fixed(sampler, row[None], [FIXED], 0)
-    assert set(interpreted_mode) == {"cumsum", "top", "softmax"}, interpreted_mode
+    assert set(interpreted_mode) == {"cumsum", "top1", "top5", "softmax", "log_softmax"}, interpreted_mode
     for size in (1, 3, 8, 17):
         logits, position = _among(gen, row, torch.randint(-40, 40, (size, VOCAB), generator=gen).float() / 8)
         params = _companion_params(gen, size)
@@ -155,6 +162,53 @@ def test_the_sampler_in_the_mode_takes_the_row_kernels_and_a_row_does_not_depend
         token, logprobs = _sample_fixed(sampler, row[None], [FIXED], 0)
     assert token == alone[0] and abs(logprobs[token] - alone[1][token]) < 1e-5
     assert max(logprobs.values()) == pytest.approx(max(alone[1].values()), abs=1e-5)
+
+
+def test_prompt_logprobs_in_the_mode_take_the_row_kernels(interpreted_mode):
+    """A chunk's prompt logprobs in the mode: the row log-softmax and the ordered top-k (tied ids ascending),
+    the same dicts whether the chunk is scored alone or after another request's rows."""
+    import numpy as np
+
+    from lora_runner.sample.prompt_logprobs import PromptSpan, score_spans
+
+    gen = torch.Generator().manual_seed(18)
+    fixed = torch.randint(-40, 40, (4, VOCAB), generator=gen).float() / 8  # [4, V] its positions' logits
+    targets = np.array([3, 9, 27, 81])
+
+    def score(before: int) -> list:
+        logits = torch.cat([torch.randn(before, VOCAB, generator=gen), fixed])
+        spans = [PromptSpan("fixed", 1, before, targets, 4)]
+        return score_spans(logits, spans, lambda flat, hidden: hidden)["fixed"].entries
+
+    alone = score(0)
+    assert set(interpreted_mode) == {"log_softmax", "top4"}, interpreted_mode
+    assert score(5) == alone
+    want = torch.sort(torch.log_softmax(fixed, -1), dim=-1, descending=True, stable=True).indices[:, :4]
+    assert [list(entry)[:4] for entry in alone] == want.tolist()  # the top ids first, in order
+
+
+def test_the_rejection_sampler_in_the_mode_takes_the_row_kernels(interpreted_mode):
+    """Speculative decoding's verification in the mode: its greedy and sampled picks, logprobs and top ids
+    through the same row kernels as the Sampler's, and a sequence's tokens and logprobs the same alone and
+    beside another sequence with drafts."""
+    from lora_runner.spec_decode.rejection_sampler import RejectionSampler
+
+    gen = torch.Generator().manual_seed(17)
+    sampler = Sampler(VOCAB, "cpu")
+    fixed = torch.randint(-40, 40, (3, VOCAB), generator=gen).float() / 8  # its 2 drafts' positions + bonus
+    drafts = [int(fixed[0].argmax()), 7]
+
+    def verify(others: int) -> tuple:
+        logits = torch.cat([fixed, torch.randint(-40, 40, (others, VOCAB), generator=gen).float() / 8])
+        params = [FIXED] * 3 + [SamplingParams(temperature=0.0, logprobs=3)] * others
+        generators = [torch.Generator().manual_seed(FIXED.seed)] * 3 + [None] * others
+        output = RejectionSampler(sampler)(logits, sampler.make_batch(params, generators),
+                                           [drafts] + ([[1] * (others - 1)] if others else []))
+        return output.sampled_token_ids[0], output.sampled_logprobs[0]
+
+    alone = verify(0)
+    assert set(interpreted_mode) == {"cumsum", "top1", "top5", "softmax", "log_softmax"}, interpreted_mode
+    assert verify(4) == alone
 
 
 def test_moe_routing_in_the_mode_takes_the_row_kernels_and_the_invariant_gemm(interpreted_mode, tmp_path):
