@@ -612,11 +612,13 @@ def _drive_prefill(spec: ModelSpec, kv: torch.Tensor, tables: torch.Tensor, dtyp
 
 def invariant_drivers() -> list[Driver]:
     """The batch-invariant mode's kernels at their widest (EngineConfig.batch_invariant on CUDA): the fixed-config
-    GEMM and the row RMSNorm in each dtype, the sampler's row softmax and log-softmax, and the prefill attention
-    with key tiles at fixed positions (window and cap on) for the widest heads. Kept out of all_drivers so the
+    GEMM and the row RMSNorm in each dtype, the sampler's row softmax and log-softmax, its row scan (top-p) and
+    ordered selection (argmax, top logprobs, the MoE router's top-k), and the prefill attention with key tiles
+    at fixed positions (window and cap on) for the widest heads. Kept out of all_drivers so the
     full compile grid stays as it was (tests/test_batch_invariant_triton.py compiles these)."""
     return [Driver("batch-invariant gemm, rms norm and softmax", _drive_invariant),
-            Driver("batch-invariant attention", _drive_invariant_attention)]
+            Driver("batch-invariant attention", _drive_invariant_attention),
+            Driver("batch-invariant sampler scan and selection", _drive_invariant_sampling)]
 
 
 def _drive_invariant() -> None:
@@ -631,6 +633,16 @@ def _drive_invariant() -> None:
             invariant_triton.rms_norm(x.new_empty(1, width), torch.empty(width, dtype=dtype), 1e-6)
     for log in (False, True):  # the sampler's, on float32 logits
         invariant_triton.softmax(torch.empty(4, spec.vocab_size), log)
+
+
+def _drive_invariant_sampling() -> None:
+    from punica_kernels import invariant_sampling
+
+    logits = torch.empty(4, MODELS["llama-7b"].vocab_size)  # [S, V] float32, as the sampler's
+    invariant_sampling.cumsum(logits)  # the top-p mass
+    invariant_sampling.top(logits, 20)  # argmax (k = 1) and the top logprobs: k is not specialized
+    for dtype in DTYPES:  # the MoE router's top-k runs on float32 probabilities; half rows for completeness
+        invariant_sampling.top(torch.empty(4, 128, dtype=dtype), 8)
 
 
 def _drive_invariant_attention() -> None:

@@ -19,7 +19,12 @@ On CUDA tensors the GEMMs (:func:`linear`, :func:`matmul`), the RMSNorm (:func:`
 sampler's softmax and log-softmax (:func:`softmax`) run the
 fixed-config Triton kernels of :mod:`punica_kernels.invariant_triton` instead of row blocks (cuBLAS
 picks its algorithm by M, whatever the block); the Triton LoRA ops keep K unsplit while the mode is on
-(punica_kernels.ops passes ``unsplit`` to punica_kernels.triton_ops.add_lora).
+(punica_kernels.ops passes ``unsplit`` to punica_kernels.triton_ops.add_lora). The sampler's other
+row ops go through here too: its top-p mass (:func:`cumsum`) and its selections (:func:`argmax`,
+:func:`topk`) run the per-row kernels of :mod:`punica_kernels.invariant_sampling` (the lowest column
+on ties), its top-k / top-p sort (:func:`sort_descending`) is torch's stable sort; the MoE router's
+softmax and top-k take the same ones. Off CUDA, or outside the mode, each is torch's own op, unchanged
+(the CPU's row loops do not depend on the number of rows).
 """
 
 from __future__ import annotations
@@ -68,10 +73,16 @@ def rows_matmul(x: torch.Tensor, multiply: Callable[[torch.Tensor], torch.Tensor
     return torch.cat(blocks)[:num_rows]
 
 
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether the mode runs x's row ops through the fixed-order Triton kernels: on CUDA tensors. (Tests
+    patch it to run the kernels' interpreted twins on CPU tensors.)"""
+    return x.is_cuda
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ weight.T ([N, K]) -> [T, N]: while the mode is on row-invariantly (:func:`linear`), else one call."""
     if enabled():
-        return linear(x, weight) if x.is_cuda else rows_matmul(x, lambda block: block @ weight.T)
+        return linear(x, weight) if uses_triton(x) else rows_matmul(x, lambda block: block @ weight.T)
     return x @ weight.T
 
 
@@ -79,7 +90,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [T, K] @ weight.T ([N, K]) (+ bias [N]) -> [T, N], each row's bits independent of the other rows:
     the fixed-config Triton GEMM on CUDA (weight cast to x's dtype, as F.linear needs them equal), row
     blocks of F.linear elsewhere."""
-    if x.is_cuda:
+    if uses_triton(x):
         from . import invariant_triton  # triton is optional: imported where the CUDA mode runs
 
         return invariant_triton.matmul(x, weight.to(x.dtype), bias)
@@ -90,11 +101,52 @@ def softmax(x: torch.Tensor, log: bool = False) -> torch.Tensor:
     """torch.softmax(x, -1) (log: torch.log_softmax) of x [S, V]; in the mode on CUDA one Triton program per
     row (punica_kernels.invariant_triton.softmax: torch's vectorized loads start at each row's own
     alignment, so with a vocabulary not a multiple of 4 a row's sum order follows its index)."""
-    if x.is_cuda and enabled():
+    if enabled() and uses_triton(x):
         from . import invariant_triton
 
         return invariant_triton.softmax(x, log)
     return torch.log_softmax(x, dim=-1) if log else torch.softmax(x, dim=-1)
+
+
+def cumsum(x: torch.Tensor) -> torch.Tensor:
+    """torch.cumsum(x, -1) of x [S, V]; in the mode on CUDA one Triton program per row in fixed chunks
+    (punica_kernels.invariant_sampling.cumsum: torch scans a lone row with cub's device-wide scan, several
+    rows one block each, and the two round differently)."""
+    if enabled() and uses_triton(x):
+        from . import invariant_sampling
+
+        return invariant_sampling.cumsum(x)
+    return x.cumsum(dim=-1)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.max(dim=-1).indices of x [S, V] -> [S] (the first maximum); in the mode on CUDA one Triton program
+    per row whose ties go to the lowest column by construction (punica_kernels.invariant_sampling.argmax)."""
+    if enabled() and uses_triton(x):
+        from . import invariant_sampling
+
+        return invariant_sampling.argmax(x)
+    return x.max(dim=-1).indices
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) [S, k] of x.topk(k, dim=-1) of x [S, V]; in the mode on CUDA one Triton program
+    per row, equal values in ascending column order (torch's CUDA topk changes algorithm with the number
+    of rows and leaves the ids of equal values unspecified: punica_kernels.invariant_sampling.top)."""
+    if enabled() and uses_triton(x):
+        from . import invariant_sampling
+
+        return invariant_sampling.top(x, k)
+    values, indices = x.topk(k, dim=-1)
+    return values, indices
+
+
+def sort_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, order) of x [S, V] sorted along its rows, largest first; in the mode on CUDA a stable sort
+    (equal values in ascending column order: a result set by the row alone, whichever segmented sort the
+    number of rows selects)."""
+    values, order = x.sort(dim=-1, descending=True, stable=enabled() and uses_triton(x))
+    return values, order
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:

@@ -18,8 +18,9 @@ has one configuration per dtype (the ``*_CONFIG`` tables), fixed whatever the nu
   16-byte boundary: with a vocabulary that is not a multiple of 4 a row's sum order follows its row
   index in the batch. The sampler's logprobs and sampling distributions take this one in the mode.
 
-The mode's LoRA (punica_kernels.triton_ops with its K split fixed to one) and attention
-(lora_runner.model.paged_attention's prefill kernel for every token) are in their own modules.
+The mode's LoRA (punica_kernels.triton_ops with its K split fixed to one), attention
+(lora_runner.model.paged_attention's prefill kernel for every token) and the sampler's scan and
+selections (punica_kernels.invariant_sampling) are in their own modules.
 
 CPU tensors run the interpreted twins (punica_kernels.triton_ops.kernel_for): the tile loops are
 tested without a GPU (tests/test_batch_invariant_triton.py).

@@ -244,7 +244,7 @@ def test_invariant_kernels_compile_without_spills(target):
 
     configs = aot.collect_configs(aot.invariant_drivers())
     assert {config.name for config in configs.values()} == {"_matmul_kernel", "_rms_norm_kernel", "_softmax_kernel",
-                                                            "_prefill_kernel"}
+                                                            "_prefill_kernel", "_cumsum_kernel", "_top_kernel"}
     for config in configs.values():
         report = aot.compile_config(config, next(t for t in aot.TARGETS if t.name == target))
         assert report.spills == 0 and report.fits_shared, (config.name, config.dtypes(), report.registers)

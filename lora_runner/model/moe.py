@@ -102,8 +102,12 @@ class SparseMoeBlock(nn.Module):
     def route(self, hidden: torch.Tensor, lora: LoRAContext | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights [T, k], expert ids [T, k]) as transformers' router computes them."""
         logits = self.router(hidden, lora)  # [T, E], model dtype
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        if invariant.enabled() and invariant.uses_triton(logits):  # per-row kernels, the lowest expert on ties
+            probs = invariant.softmax(logits.float())  # [T, E]
+            weights, experts = invariant.topk(probs, self.top_k)  # [T, k] each
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
         if self.renormalize:
             # the batch-invariant mode adds the k weights column by column: torch's row sum on CUDA picks its
             # threads per row from T (punica_kernels.invariant_triton)

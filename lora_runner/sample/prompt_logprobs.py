@@ -91,7 +91,7 @@ def _entries(logits: torch.Tensor, targets: np.ndarray, k: int) -> list[dict[int
     target_ids = torch.from_numpy(targets).to(logprobs.device)[:, None]  # [n, 1]
     columns = [logprobs.gather(1, target_ids)]  # [n, 1]
     if k:
-        top_vals, top_ids = logprobs.topk(k, dim=-1)  # [n, k]
+        top_vals, top_ids = invariant.topk(logprobs, k)  # [n, k]; the batch-invariant mode: lowest id on ties
         columns += [top_vals, top_ids.float()]  # ids below 2**24 are exact in float32
     packed = torch.cat(columns, dim=1).cpu().tolist()  # [n, 1 + 2k]
     entries = []

@@ -15,6 +15,13 @@ other settings).
 Masks come next (lora_runner.sample.token_masks): banned ids (min_tokens, bad_words), allowed_token_ids
 and the structured-output bitmask of the step's constrained rows; a step without any touches nothing.
 
+In the batch-invariant mode (punica_kernels.invariant) on CUDA every row op whose torch kernel follows
+the batch runs per row: the softmaxes, the top-p mass (a scan in fixed chunks), the argmaxes and the
+top logprobs (exact selections, the lowest token id on ties) and the top-k / top-p sort (stable). A
+seeded row's draws come from its own generator, one draw per token of the vocabulary whatever the
+batch, so its tokens repeat bit for bit; an unseeded row draws from the sampler's shared generator,
+whose stream follows the batch. Off CUDA the torch ops already run each row alone: nothing changes.
+
 Faults stay in their row: a row with NaN/inf logits, whose sampling raises, or whose settings could not
 be written (SamplingBatch.errors), comes back with an error in SamplerOutput.errors (its request
 fails, and its row holds no token) while every other row gets its usual token.
@@ -206,8 +213,9 @@ class Sampler:
 
     def _sample_together(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits, penalized, finite, settings = self.prepare(logits, batch)
-        # max's indices are argmax's (the first maximum, documented for both), in half argmax's CPU time
-        tokens = penalized.max(dim=-1).indices  # [S]
+        # max's indices are argmax's (the first maximum, documented for both), in half argmax's CPU time;
+        # invariant.argmax: max's, or in the batch-invariant mode on CUDA a per-row kernel (lowest id on ties)
+        tokens = invariant.argmax(penalized)  # [S]
         if not settings.all_greedy:
             tokens = torch.where(settings.greedy, tokens, self._sample(penalized, settings))  # [S]
         columns = [tokens[:, None].float(), finite[:, None].float()]  # [S, 1] each
@@ -215,7 +223,7 @@ class Sampler:
         if wanted:
             # invariant.softmax: torch's in the default mode; per row in the batch-invariant mode on CUDA
             logprobs = invariant.softmax(logits, log=True)  # [S, V] raw model logprobs
-            top_vals, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)  # [S, k]
+            top_vals, top_ids = invariant.topk(logprobs, max(max(wanted), 1))  # [S, k]; the mode: lowest id on ties
             columns += [logprobs.gather(1, tokens[:, None]), top_vals, top_ids.float()]
         packed = torch.cat(columns, dim=1).cpu()  # [S, 2] or [S, 3 + 2k]: the step's one transfer
         token_ids = packed[:, 0].long().tolist()
@@ -313,17 +321,18 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=self.generator)  # [S, V]
         for row, generator in generators:
             q[row].exponential_(generator=generator)
-        return (probs / q.clamp_min_(1e-20)).max(dim=-1).indices  # [S]: the argmax (see _sample_together)
+        return invariant.argmax(probs / q.clamp_min_(1e-20))  # [S]: the argmax (see _sample_together)
 
     @staticmethod
     def _mask_top_k_top_p(scaled: torch.Tensor, batch: _RowSettings) -> torch.Tensor:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [S, V] each
+        sorted_logits, order = invariant.sort_descending(scaled)  # [S, V] each; stable in the mode on CUDA
         if batch.use_top_k:
             ranks = torch.arange(scaled.shape[-1], device=scaled.device)  # [V]
             sorted_logits.masked_fill_(ranks[None, :] >= batch.top_k[:, None], float("-inf"))
         if batch.use_top_p:
             probs = invariant.softmax(sorted_logits)  # [S, V]
-            mass_before = probs.cumsum(dim=-1) - probs  # [S, V]; the top token always stays
+            # invariant.cumsum: torch's, or in the mode on CUDA a per-row scan in fixed chunks
+            mass_before = invariant.cumsum(probs) - probs  # [S, V]; the top token always stays
             sorted_logits.masked_fill_(mass_before > batch.top_p[:, None], float("-inf"))
         return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)  # [S, V]
 

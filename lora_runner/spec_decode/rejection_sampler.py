@@ -37,6 +37,7 @@ import torch
 
 from lora_runner.sample.sampler import NonFiniteLogitsError, Sampler, SamplerOutput
 from lora_runner.sample.sampling_state import SamplingBatch
+from punica_kernels import invariant
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class RejectionSampler:
         for start, tokens in zip(first.tolist(), drafts):
             draft_ids[start:start + len(tokens)] = tokens
         draft = torch.from_numpy(draft_ids).to(raw.device)  # [N]
-        chosen = penalized.max(dim=-1).indices  # [N] greedy tokens (first maximum, as the Sampler's)
+        chosen = invariant.argmax(penalized)  # [N] greedy tokens (first maximum, as the Sampler's)
         rewind: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         if not settings.all_greedy:
             chosen = torch.where(settings.greedy, chosen, self._sample(penalized, settings, rewind))
@@ -100,8 +101,9 @@ class RejectionSampler:
         columns = [chosen[:, None].float(), finite[:, None].float()]  # Sampler.logprob_dicts' layout
         wanted = [k for k in settings.num_logprobs if k is not None]
         if wanted:
-            logprobs = torch.log_softmax(raw, dim=-1)  # [N, V] raw model logprobs
-            top_vals, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)  # [N, k]
+            # the batch-invariant mode's per-row kernels on CUDA, as the Sampler's (punica_kernels.invariant)
+            logprobs = invariant.softmax(raw, log=True)  # [N, V] raw model logprobs
+            top_vals, top_ids = invariant.topk(logprobs, max(max(wanted), 1))  # [N, k]
             columns += [logprobs.gather(1, chosen[:, None]), top_vals, top_ids.float()]
         packed = torch.cat(columns + [accepted[:, None].float()], dim=1).cpu()  # the step's one transfer
         dicts = (self.sampler.logprob_dicts(packed[:, :-1], settings) if wanted else [None] * num_positions)
@@ -122,7 +124,7 @@ class RejectionSampler:
         for position, generator in settings.generators:
             rewind[position] = generator, generator.get_state()
             q[position].exponential_(generator=generator)
-        return (probs / q.clamp_min_(1e-20)).max(dim=-1).indices  # [N] as Sampler.race
+        return invariant.argmax(probs / q.clamp_min_(1e-20))  # [N] as Sampler.race
 
 
 def _walk(chosen: list[int], finite: list[bool], accepted: list[bool], dicts: list,
