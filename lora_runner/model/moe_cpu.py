@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lora_runner.model import moe_fused
+from lora_runner.model import moe_fp8, moe_fused
 from lora_runner.model.forward_context import LoRAContext
 
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> {key: stacked views}
@@ -144,7 +144,10 @@ def _base(block, projection: str, x: torch.Tensor, pairs: PairGroups, stacks: di
     """x [P, K] sorted rows through each row's expert's ``projection`` -> [P, N]."""
     stacked = stacks.get(projection)
     if stacked is not None:
-        return grouped_matmul(x, stacked, pairs.sizes, pairs.ends)
+        weight, weight_scale = stacked  # [E, N, K], FP8's [E, N] or None
+        if weight_scale is None:
+            return grouped_matmul(x, weight, pairs.sizes, pairs.ends)
+        return grouped_matmul(x, *moe_fp8.dequantize_experts(weight, weight_scale, pairs.sizes, x.dtype))
     parts, start = [], 0
     for expert, size in zip(block.experts, pairs.sizes):  # weights not dense (packed, quantized): each its linear
         if size:
@@ -154,16 +157,12 @@ def _base(block, projection: str, x: torch.Tensor, pairs: PairGroups, stacks: di
 
 
 def _stacks(block, lora: LoRAContext | None) -> dict:
-    """The block's stacked expert weights ("gate_up" [E, 2I, H], "down" [E, H, I]; absent where not
-    dense: quantized, or packed for oneDNN) and, with ``lora``, its slots ("lora_gate_up", "lora_down": moe_fused's
-    (lora_a [E, L, n, R, K], lora_b [E, L, N, R], slice_scales [E, L, n])); views kept per block."""
+    """The block's stacked expert weights ("gate_up", "down": moe_fused.base_stacks' (weight, FP8 scale or
+    None); absent where not dense: packed for oneDNN, or quantized other than FP8) and, with ``lora``,
+    its slots ("lora_gate_up", "lora_down": moe_fused's (lora_a [E, L, n, R, K], lora_b [E, L, N, R],
+    slice_scales [E, L, n])); views kept per block."""
     stacks = _STACKS.setdefault(block, {})
-    first = block.experts[0].gate_up.weight  # None once packed (after loading): the views are made after that
-    if "base" not in stacks or stacks["weight"] is not first:
-        plain = first is not None and moe_fused.fused_supported(block)
-        stacks["weight"], stacks["base"] = first, {projection: moe_fused.stack_in_place(
-            [getattr(e, projection).weight for e in block.experts]) for projection in ("gate_up", "down")} if plain else {}
-    views = dict(stacks["base"])
+    views = dict(moe_fused.base_stacks(block) or {})
     if lora is not None:
         if stacks.get("slots") is not lora.slots:
             stacks["slots"], stacks["lora"] = lora.slots, {
