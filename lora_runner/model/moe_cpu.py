@@ -12,8 +12,9 @@ once per block, one grouped GEMM per projection over the sorted rows, the expert
 index_add_ adds the sorted rows in order, so each token sums its experts in ascending expert order
 (transformers' order, and the per-expert loop's that lora_runner.model.moe keeps for the batch-invariant
 mode). The base GEMM is ``torch._grouped_mm`` over the experts' stacked weights (views of one buffer per
-projection, moe_fused.stack_in_place; left dense after loading: moe.StackedDenseLinear); weights
-that are not dense (packed for oneDNN by lora_runner.model.cpu_gemm, quantized) take a loop over the
+projection, moe_fused.stack_in_place; left dense after loading: moe.StackedDenseLinear); FP8 experts
+(lora_runner.model.moe_fp8) are dequantized for the experts the batch routes to, then the same grouped
+GEMM; weights that are not dense (packed for oneDNN by lora_runner.model.cpu_gemm) take a loop over the
 expert segments calling each expert's linear. Off the CPU (the fused kernels' stand-in in tests) the
 grouped GEMM is a matmul per segment. The LoRA runs only over the pairs whose slot has expert LoRA (``LoRASlots.expert_ranks``
 > 0), at the batch's largest such rank (the slots are zero past each adapter's rank: exact), on the
