@@ -124,6 +124,29 @@ def test_mixed_expert_adapters_over_fewer_slots_match_their_oracles_on_fp8(tmp_p
     assert_churn_exact(requests, done, lambda name: adapters[name][1] if name else twin, greedy_oracle, ATOL)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family,fused", [("qwen3_moe", True), ("qwen2_moe", False)],
+                         ids=["qwen3_moe-fused", "qwen2_moe"])
+def test_fp8_tp2_equals_tp1_for_a_mixed_batch_of_expert_adapters(family, fused, tmp_path):
+    """tests/test_moe_tp.py's mixed batch (per-expert, fused, router, attention-only and DoRA adapters, a
+    soft prompt, evictions, preemption) on the FP8 model: each rank quantizes its shard of every expert
+    (down's rows by their maximum over both ranks) as one rank does, so tp=2 equals tp=1."""
+    from factories import save_prompt_adapter
+    from test_moe_tp import serve, write_adapters
+
+    hf = save_moe(tmp_path / "model", family, seed=43, fused=fused)
+    model_dir = str(tmp_path / "model")
+    dirs = write_adapters(tmp_path, hf, ModelConfig.from_dir(model_dir).spec())
+    save_prompt_adapter(hf, tmp_path / "soft", num_virtual_tokens=4, seed=7)
+    want, _ = serve(model_dir, dirs, str(tmp_path / "soft"), 1, quantization="fp8")
+    got, tp2 = serve(model_dir, dirs, str(tmp_path / "soft"), 2, quantization="fp8")
+    assert tp2.adapters.manager.stats.lora_evictions > 0 and set(got) == set(want)
+    for rid, (tokens, logprobs) in want.items():
+        assert got[rid][0] == tokens, rid
+        for step, token in enumerate(tokens):
+            assert abs(got[rid][1][step][token] - logprobs[step][token]) <= 1e-5, (rid, step)
+
+
 @pytest.mark.parametrize("quantization_config,what", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}, "int4 from gptq"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}, "int4 from awq"),

@@ -49,7 +49,7 @@ from lora_runner.distributed import SINGLE, TensorParallel
 from lora_runner.model import moe_cpu, moe_fp8, moe_fused
 from lora_runner.model.forward_context import ForwardContext, LoRAContext
 from lora_runner.model.lora_linear import LoRALinear, moe_lora_modules
-from lora_runner.model.quant.linear import UNQUANTIZED, LinearMethod, UnquantizedLinear, linear_method
+from lora_runner.model.quant.linear import UNQUANTIZED, LinearMethod, UnquantizedLinear
 from punica_kernels import invariant
 
 _FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts\.gate_up_proj|experts\.down_proj"
@@ -94,7 +94,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if shared:  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             gate_up, down, gate = shared
-            self.shared_expert = _expert(gate_up, down, dtype, device, tp, linear_method(config.quantization))
+            shared_method = moe_fp8.shared_expert_method(config.quantization, tp)
+            self.shared_expert = _expert(gate_up, down, dtype, device, tp, shared_method)
             self.shared_expert_gate = LoRALinear(gate, False, dtype, device)  # replicated: a per-token scalar
         # over several ranks every expert's down (and the shared one's) gives a partial sum; the weighted
         # sum of them is linear in each, so ONE all-reduce after the block sums them all (none for LoRA)

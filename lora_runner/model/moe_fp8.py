@@ -18,8 +18,9 @@ the shared expert is a dense FP8 linear.
 
 Tensor parallelism: gate_up is column-parallel, so its rows and their scales split alike; down is
 row-parallel and its partial sums are reduced by the block, not by the linear, so the row maximum over
-every rank's columns is taken here (``row_max``, one all-reduce per expert at load): each rank then
-quantizes its columns with the scale one rank would use.
+every rank's columns is taken here (``row_max``, one all-reduce per expert at load; the shared expert's
+down alike: :class:`UnreducedFp8Linear`): each rank then quantizes its columns with the scale one rank
+would use.
 """
 
 from __future__ import annotations
@@ -33,20 +34,20 @@ from lora_runner.distributed import TensorParallel
 from lora_runner.model.quant import fp8
 from lora_runner.model.quant.config import QuantConfig
 from lora_runner.model.quant.fp8 import Fp8Format
-from lora_runner.model.quant.linear import CheckpointSlice, Fp8Linear
+from lora_runner.model.quant.linear import UNQUANTIZED, CheckpointSlice, Fp8Linear, LinearMethod
 
 
-class StackedFp8Linear(Fp8Linear):
-    """A routed expert's FP8 weight (buffers ``weight`` [N, K] float8_e4m3fn, ``weight_scale`` [N]
-    float32, entries of the block's stacked buffers): weight-only on every device, and a row-parallel
-    shard's scales taken over the whole row though the linear is left unreduced."""
+class UnreducedFp8Linear(Fp8Linear):
+    """An FP8 linear of an MoE block (an expert's, or the shared expert's) whose row-parallel shard is left
+    unreduced (the block reduces once): its scales are still taken over the whole row, from ``tp``."""
 
     def __init__(self, form: Fp8Format, tp: TensorParallel):
         super().__init__(form)
         self.tp = tp
 
     def load(self, layer: nn.Module, parts: list[CheckpointSlice]) -> None:
-        """Quantize each slice into the layer's rows (``layer.weight`` is a view of the stack: written in place)."""
+        """Quantize each slice into the layer's rows (a view of the block's stack for a routed expert:
+        written in place)."""
         row_max = None
         if layer.lora_module.parallel == ROW and self.tp.is_parallel:
             row_max = lambda amax: self.tp.all_reduce(amax, op="max")  # noqa: E731
@@ -56,6 +57,11 @@ class StackedFp8Linear(Fp8Linear):
             layer.weight[offset:offset + size].copy_(weight)
             layer.weight_scale[offset:offset + size].copy_(scale)
             offset += size
+
+
+class StackedFp8Linear(UnreducedFp8Linear):
+    """A routed expert's FP8 weight (buffers ``weight`` [N, K] float8_e4m3fn, ``weight_scale`` [N]
+    float32, entries of the block's stacked buffers): weight-only on every device."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # weight-only: the grouped paths (moe_cpu, the fused kernels) never quantize activations, and the
@@ -68,6 +74,12 @@ def expert_method(quant: QuantConfig | None, tp: TensorParallel) -> StackedFp8Li
     None for unquantized experts (any other quantization is refused by ModelConfig first)."""
     assert quant is None or (quant.kind == "fp8" and quant.fp8.online), f"not an MoE quantization: {quant}"
     return None if quant is None else StackedFp8Linear(quant.fp8, tp)
+
+
+def shared_expert_method(quant: QuantConfig | None, tp: TensorParallel) -> LinearMethod:
+    """The shared expert's linear method: a dense FP8 linear (activations quantized on CUDA, as the
+    attention's) with its unreduced down's scales over the whole row, or unquantized."""
+    return UNQUANTIZED if quant is None else UnreducedFp8Linear(quant.fp8, tp)
 
 
 def stacked_tensor_names(method) -> tuple[str, ...]:
