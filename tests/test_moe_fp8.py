@@ -124,6 +124,22 @@ def test_mixed_expert_adapters_over_fewer_slots_match_their_oracles_on_fp8(tmp_p
     assert_churn_exact(requests, done, lambda name: adapters[name][1] if name else twin, greedy_oracle, ATOL)
 
 
+def test_checkpoint_base_weights_are_the_served_ones(tmp_path):
+    """DoRA's base weights read from the checkpoint (tensor parallelism: no rank holds whole rows) are the
+    served FP8 model's: dequantized for attention and the shared expert, float for the router and the
+    shared expert's gate (a quantized copy there would give DoRA norms of weights the model does not use)."""
+    from lora_runner.model.checkpoint_base_weights import checkpoint_base_weights
+
+    save_moe(tmp_path / "model", "qwen2_moe", seed=10)
+    model, config, _ = load_model(str(tmp_path / "model"), quantization="fp8")
+    read = checkpoint_base_weights(str(tmp_path / "model"), config)
+    block = model.layers[1].mlp
+    served = {"router": block.router, "shared_expert_gate": block.shared_expert_gate,
+              "shared_expert.down": block.shared_expert.down, "qkv": model.layers[1].self_attn.qkv}
+    for name, linear in served.items():
+        assert torch.equal(read(1, name), linear.base_weight()), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,fused", [("qwen3_moe", True), ("qwen2_moe", False)],
                          ids=["qwen3_moe-fused", "qwen2_moe"])

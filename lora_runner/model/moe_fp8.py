@@ -37,6 +37,11 @@ from lora_runner.model.quant.fp8 import Fp8Format
 from lora_runner.model.quant.linear import UNQUANTIZED, CheckpointSlice, Fp8Linear, LinearMethod
 
 
+# an MoE block's LoRA modules whose base weight stays in the model dtype under any quantization (they
+# route: a per-token scalar or E logits, a negligible share of the weights)
+FLOAT_MODULES = ("router", "shared_expert_gate")
+
+
 class UnreducedFp8Linear(Fp8Linear):
     """An FP8 linear of an MoE block (an expert's, or the shared expert's) whose row-parallel shard is left
     unreduced (the block reduces once): its scales are still taken over the whole row, from ``tp``."""
