@@ -1,4 +1,4 @@
-"""Online FP8 (``quantization="fp8"``) on Mixtral, Qwen3-MoE and Qwen2-MoE: the routed experts quantized too.
+"""Online FP8 (``quantization="fp8"``) on Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE: the routed experts too.
 
 The oracle is transformers with every weight the engine quantizes replaced by its dequantized FP8 value
 (each expert's gate, up and down rows, attention, the dense layers' MLP and Qwen2-MoE's shared expert:
@@ -71,6 +71,13 @@ def test_oracle_quantizes_the_experts():
                          ids=["mixtral", "qwen3_moe-fused", "qwen2_moe", "qwen2_moe-fused"])
 def test_engine_greedy_equals_fp8_oracle(name, fused, tmp_path, greedy_oracle):
     hf = save_moe(tmp_path / "model", name, seed=7, fused=fused)
+    assert_engine_greedy_equals(str(tmp_path / "model"), fp8_oracle(hf), greedy_oracle, quantization="fp8")
+
+
+def test_olmoe_engine_greedy_equals_fp8_oracle(tmp_path, greedy_oracle):
+    from test_moe_olmoe import save_olmoe
+
+    hf = save_olmoe(tmp_path / "model", "clip-raw-topk", seed=7, fused=True)
     assert_engine_greedy_equals(str(tmp_path / "model"), fp8_oracle(hf), greedy_oracle, quantization="fp8")
 
 
