@@ -69,8 +69,8 @@ class StackedFp8Linear(UnreducedFp8Linear):
     float32, entries of the block's stacked buffers): weight-only on every device."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # weight-only: the grouped paths (moe_cpu, the fused kernels) never quantize activations, and the
-        # batch-invariant loop calling this must compute what they do
+        # weight-only, as the grouped paths (moe_cpu, the fused kernels): an expert called on its own (the
+        # per-expert loops; the batch-invariant mode refuses quantized models) computes what they do
         return F.linear(x, fp8.dequantize(layer.weight, layer.weight_scale, x.dtype), bias)  # [T, N]
 
 
