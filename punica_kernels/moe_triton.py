@@ -68,14 +68,15 @@ def _moe_gemm_kernel(
                              mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             w_tile = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None].to(tl.int64) * stride_wk,
                              mask=k_mask[:, None] & n_mask[None, :], other=0)  # [BLOCK_K, BLOCK_N]
-            if W_FP8:  # e4m3 bytes -> fp16 bits of value / 256 (exact), then the activations' dtype (exact)
+            if W_FP8:  # e4m3 bytes -> fp16 bits of value / 256 -> value (all exact) in the activations' dtype
                 bits = w_tile.to(tl.uint16)
-                w_tile = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True).to(a_tile.dtype)
+                w_tile = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+                w_tile = (w_tile.to(tl.float32) * 256.0).to(a_tile.dtype)
             acc = tl.dot(a_tile, w_tile, acc, input_precision=DOT_PRECISION)
-        if W_FP8:  # per output channel, times the 256 the conversion divided by
+        if W_FP8:  # per output channel
             scale = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn,
                             mask=n_mask, other=0.0)  # [BLOCK_N] fp32
-            acc = acc * (scale * 256.0)[None, :]
+            acc = acc * scale[None, :]
         if MUL_WEIGHT:
             acc = acc * tl.load(pair_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         c_ptrs = c_ptr + (pairs * stride_cm)[:, None] + (offs_n.to(tl.int64) * stride_cn)[None, :]

@@ -348,6 +348,26 @@ def test_compiled_fused_moe_with_expert_lora_matches_float64(num_tokens, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [3, 300])
+def test_compiled_fused_moe_with_fp8_weights_matches_float64(num_tokens, dtype):
+    """The compiled FP8 GEMM variant (the bytes' bit conversion, on any GPU) with expert LoRA."""
+    slot_ranks = torch.tensor([4, 16, 0, 20], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(num_tokens)
+    token_slots = torch.tensor([0, 1, 3, -1])[torch.randint(0, 4, (num_tokens,), generator=gen)]
+    x, w_gate_up, w_down, weights, experts, lora = _case(num_tokens, 6, 2, True, dtype, seed=num_tokens,
+                                                         slots=token_slots, slot_ranks=slot_ranks)
+    (q_gate_up, s_gate_up), (q_down, s_down) = _fp8(w_gate_up), _fp8(w_down)
+    got = fused_moe(*_to((x, q_gate_up, q_down, weights, experts, lora), "cuda"),
+                    scales=_to((s_gate_up, s_down), "cuda"))
+    clean = (lora[0], lora[1], *(tuple(t.nan_to_num(0.0) for t in factors) for factors in lora[2:]))
+    expected = reference_moe(x, _dequantized(q_gate_up, s_gate_up), _dequantized(q_down, s_down), weights,
+                             experts, clean, stored=dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else TOLERANCE[dtype]
+    torch.testing.assert_close(got.cpu().double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
 def test_fused_moe_replays_in_a_cuda_graph_for_any_routing_and_adapter_mix():
     """No host sync: captured once, replayed over new routing and token slots, equal to the eager call."""
     slot_ranks = torch.tensor([4, 16, 0, 20], dtype=torch.int32)
