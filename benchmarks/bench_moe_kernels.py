@@ -8,6 +8,8 @@ one in eight tokens without an adapter), measured in the same run:
   loop us        the torch path lora_runner.model.moe runs on the CPU: per expert hit, one GEMM per
                  projection over its tokens, and per (expert, adapter) the LoRA delta
   GB/s           expert weight bytes read (experts hit x 3 x H x I x e) over the graph time
+and the base again with FP8 experts (weights "fp8": quantization="fp8"'s float8_e4m3fn weights with a
+float32 scale per (expert, row); the loop over the dequantized weights, as the CPU path).
 The fused output is checked against the loop before timing.
 
     python benchmarks/bench_moe_kernels.py            # on a GPU; on a CPU it says so and exits 0
@@ -35,7 +37,9 @@ logger = logging.getLogger("bench_moe_kernels")
 
 TOKENS = (1, 8, 32, 128, 512)
 ADAPTERS = (0, 8)
-COLUMNS = [("num_tokens", "T", "d"), ("adapters", "adapters", "d"), ("experts_hit", "experts hit", "d"),
+FP8_ADAPTERS = (0,)  # FP8 experts: the base GEMMs change, the expert LoRA does not
+COLUMNS = [("weights", "weights", ""), ("num_tokens", "T", "d"), ("adapters", "adapters", "d"),
+           ("experts_hit", "experts hit", "d"),
            ("fused_us", "fused us", ".1f"), ("graph_us", "graph us", ".1f"), ("loop_us", "loop us", ".1f"),
            ("speedup", "x faster than loop", ".2f"), ("weight_gbps", "GB/s", ".0f")]
 
@@ -114,12 +118,26 @@ def loop_moe(x, w_gate_up, w_down, weights, experts, lora=None) -> torch.Tensor:
     return out
 
 
+def fp8_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Experts' W [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, N], dequantized W in W's dtype)."""
+    from lora_runner.model.quant.fp8 import quantize_per_channel
+
+    quantized, scale = quantize_per_channel(weight.reshape(-1, weight.shape[-1]))
+    quantized, scale = quantized.view(weight.shape), scale.view(weight.shape[:2])
+    return quantized, scale, (quantized.float() * scale[:, :, None]).to(weight.dtype)
+
+
 def bench_point(layer: MoELayer, num_tokens: int, adapters: int, device: torch.device, dtype: torch.dtype,
-                min_seconds: float, gen: torch.Generator) -> dict:
+                min_seconds: float, gen: torch.Generator, fp8: bool = False) -> dict:
     from punica_kernels.moe_triton import fused_moe
 
     operands = make_operands(layer, num_tokens, adapters, device, dtype, gen)
     fused = lambda: fused_moe(*operands)  # noqa: E731
+    if fp8:
+        (q_gate_up, s_gate_up, gate_up), (q_down, s_down, down) = map(fp8_experts, operands[1:3])
+        operands = (operands[0], gate_up, down, *operands[3:])  # the loop's: the dequantized weights
+        scales = (s_gate_up, s_down)
+        fused = lambda: fused_moe(operands[0], q_gate_up, q_down, *operands[3:], scales=scales)  # noqa: E731
     loop = lambda: loop_moe(*operands)  # noqa: E731
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(fused().float(), loop().float(), rtol=tol, atol=tol)  # time the right thing
@@ -131,8 +149,9 @@ def bench_point(layer: MoELayer, num_tokens: int, adapters: int, device: torch.d
             fused()
         graph_us = time_us(graph.replay, device, min_seconds)
     hit = operands[4].unique().numel()
-    weight_bytes = hit * 3 * layer.hidden * layer.intermediate * operands[0].element_size()
-    return dict(num_tokens=num_tokens, adapters=adapters, experts_hit=hit, fused_us=fused_us, graph_us=graph_us,
+    weight_bytes = hit * 3 * layer.hidden * layer.intermediate * (1 if fp8 else operands[0].element_size())
+    return dict(weights="fp8" if fp8 else str(dtype).removeprefix("torch."), num_tokens=num_tokens,
+                adapters=adapters, experts_hit=hit, fused_us=fused_us, graph_us=graph_us,
                 loop_us=loop_us, speedup=loop_us / fused_us,
                 weight_gbps=weight_bytes / (graph_us or fused_us) / 1e3)
 
@@ -142,11 +161,11 @@ def run_rows(layer: MoELayer, tokens, device: torch.device, dtype: torch.dtype, 
     """bench_point over tokens x ADAPTERS into ``rows`` (an error row per failed point); RuntimeError if any failed."""
     gen = torch.Generator().manual_seed(0)
     for num_tokens in tokens:
-        for adapters in ADAPTERS:
+        for adapters, fp8 in [*((a, False) for a in ADAPTERS), *((a, True) for a in FP8_ADAPTERS)]:
             if time.time() > deadline:
                 raise TimeoutError(f"MoE benchmark stopped at T={num_tokens}: out of time")
             try:
-                rows.append(bench_point(layer, num_tokens, adapters, device, dtype, min_seconds, gen))
+                rows.append(bench_point(layer, num_tokens, adapters, device, dtype, min_seconds, gen, fp8))
             except Exception as exc:  # noqa: BLE001 -- one bad point must not hide the others
                 logger.exception("MoE point T=%d adapters=%d failed", num_tokens, adapters)
                 rows.append(dict(num_tokens=num_tokens, adapters=adapters, error=repr(exc)[:200]))

@@ -518,7 +518,8 @@ MOE_TOKENS = (4, 512)  # a decode batch and a prefill: each of the block sizes m
 
 def moe_drivers() -> list[Driver]:
     """One driver per MoE model: moe_triton.fused_moe (alignment, both grouped GEMMs) in each dtype, without
-    LoRA and with expert LoRA of each rank in MOE_LORA_RANKS (shrink and expand of gate_up and down), at a
+    LoRA and with expert LoRA of each rank in MOE_LORA_RANKS (shrink and expand of gate_up and down), and
+    with FP8 experts (quantization="fp8": the GEMMs' W_FP8 variant; the LoRA ops are the same), at a
     decode and a prefill size. Weights are broadcast views (stride 0 over experts and slots, which Triton
     specializes as it would the real, 16-divisible strides): nothing is allocated at the models' sizes."""
     return [Driver(f"fused moe {name}", functools.partial(_drive_moe, shape)) for name, shape in MOE_MODELS.items()]
@@ -526,6 +527,10 @@ def moe_drivers() -> list[Driver]:
 
 def _drive_moe(shape: MoEShape) -> None:
     hidden, inter, experts, top_k = shape.hidden, shape.intermediate, shape.num_experts, shape.top_k
+    fp8 = torch.float8_e4m3fn
+    fp8_weights = (torch.empty(1, 2 * inter, hidden, dtype=fp8).expand(experts, -1, -1),  # [E, 2I, H]
+                   torch.empty(1, hidden, inter, dtype=fp8).expand(experts, -1, -1))  # [E, H, I]
+    fp8_scales = (torch.empty(1, 2 * inter).expand(experts, -1), torch.empty(1, hidden).expand(experts, -1))
     for dtype in DTYPES:
         w_gate_up = torch.empty(1, 2 * inter, hidden, dtype=dtype).expand(experts, -1, -1)  # [E, 2I, H]
         w_down = torch.empty(1, hidden, inter, dtype=dtype).expand(experts, -1, -1)  # [E, H, I]
@@ -534,6 +539,7 @@ def _drive_moe(shape: MoEShape) -> None:
             topk_ids = (torch.arange(num_tokens * top_k) % experts).view(num_tokens, top_k)  # [T, k]
             topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32 if shape.float_weights else dtype)
             moe_triton.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+            moe_triton.fused_moe(x, *fp8_weights, topk_weights, topk_ids, scales=fp8_scales)
             token_slots = torch.arange(num_tokens) % MAX_LORAS  # [T]
             slot_ranks = torch.empty(MAX_LORAS, dtype=torch.int32)
             for rank in MOE_LORA_RANKS:

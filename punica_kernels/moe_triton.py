@@ -44,10 +44,10 @@ def block_m_for(num_pairs: int) -> int:
 # top_k a runtime int, never specialized (1 for down): one config serves every model's k
 @triton.jit(do_not_specialize=["num_pairs", "top_k"])
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr,
+    a_ptr, w_ptr, c_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr, w_scale_ptr,
     num_pairs, top_k, num_columns, num_features,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
-    MUL_WEIGHT: tl.constexpr,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn, stride_se, stride_sn,
+    MUL_WEIGHT: tl.constexpr, W_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -67,8 +67,16 @@ def _moe_gemm_kernel(
             a_tile = tl.load(a_ptr + a_rows[:, None] + offs_k[None, :].to(tl.int64) * stride_ak,
                              mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             w_tile = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None].to(tl.int64) * stride_wk,
-                             mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+                             mask=k_mask[:, None] & n_mask[None, :], other=0)  # [BLOCK_K, BLOCK_N]
+            if W_FP8:  # e4m3 bytes -> fp16 bits of value / 256 -> value (all exact) in the activations' dtype
+                bits = w_tile.to(tl.uint16)
+                w_tile = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+                w_tile = (w_tile.to(tl.float32) * 256.0).to(a_tile.dtype)
             acc = tl.dot(a_tile, w_tile, acc, input_precision=DOT_PRECISION)
+        if W_FP8:  # per output channel
+            scale = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn,
+                            mask=n_mask, other=0.0)  # [BLOCK_N] fp32
+            acc = acc * scale[None, :]
         if MUL_WEIGHT:
             acc = acc * tl.load(pair_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         c_ptrs = c_ptr + (pairs * stride_cm)[:, None] + (offs_n.to(tl.int64) * stride_cn)[None, :]
@@ -76,14 +84,20 @@ def _moe_gemm_kernel(
 
 
 def moe_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align: MoEAlignment,
-             top_k: int, pair_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Semantics: out[p] = a[p // top_k] @ weight[expert(p)].T (* pair_weights[p]) for every pair p.
+             top_k: int, pair_weights: torch.Tensor | None = None,
+             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Semantics: out[p] = a[p // top_k] @ W[expert(p)].T (* pair_weights[p]) for every pair p, W = weight,
+    or with ``weight_scale`` W[e] = weight[e].float() * weight_scale[e][:, None].
 
-    a [rows, K] (tokens for top_k = k, pairs for top_k = 1); weight [E, N, K] same dtype; out [P, N]
-    any float dtype, every row written; pair_weights [P] float32 or None. One launch, grid
-    (max_blocks, cdiv(N, BLOCK_N)).
+    a [rows, K] (tokens for top_k = k, pairs for top_k = 1); weight [E, N, K] a's dtype, or
+    float8_e4m3fn with weight_scale [E, N] float32 (each tile converted to a's dtype in the kernel,
+    read as bytes: FP8 conversions are sm_89+ in Triton, this bit shift any GPU's; the scale multiplies
+    the fp32 accumulator); out [P, N] any float dtype, every row written; pair_weights [P] float32 or
+    None. One launch, grid (max_blocks, cdiv(N, BLOCK_N)).
     """
     num_columns, num_features = weight.shape[1], weight.shape[2]
+    fp8 = weight_scale is not None
+    assert fp8 == (weight.dtype == torch.float8_e4m3fn), "an FP8 weight comes with its scales, and only it"
     if align.max_blocks == 0:
         return out
     # fp32 tiles at BLOCK_K 64 spill on sm_80 (255 registers): half the K step, and 8 warps for the large block
@@ -92,9 +106,11 @@ def moe_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, align: Mo
     num_warps = 4 if half or align.block_m == DECODE_BLOCK_M else 8
     grid = (align.max_blocks, triton.cdiv(num_columns, BLOCK_N))
     kernel_for(_moe_gemm_kernel, a.device)[grid](
-        a, weight, out, align.sorted_pairs, align.block_experts, out if pair_weights is None else pair_weights,
+        a, weight.view(torch.uint8) if fp8 else weight, out, align.sorted_pairs, align.block_experts,
+        out if pair_weights is None else pair_weights, weight_scale if fp8 else out,
         align.num_pairs, top_k, num_columns, num_features, *a.stride(), *weight.stride(), *out.stride(),
-        MUL_WEIGHT=pair_weights is not None, BLOCK_M=align.block_m, BLOCK_N=BLOCK_N,
+        *(weight_scale.stride() if fp8 else (0, 0)),
+        MUL_WEIGHT=pair_weights is not None, W_FP8=fp8, BLOCK_M=align.block_m, BLOCK_N=BLOCK_N,
         BLOCK_K=block_k, DOT_PRECISION=_dot_precision(a.dtype), num_warps=num_warps)
     return out
 
@@ -230,7 +246,7 @@ def moe_lora_expand(y: torch.Tensor, inter: torch.Tensor, lora_b: torch.Tensor, 
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, lora: tuple | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, lora: tuple | None = None, scales: tuple | None = None) -> torch.Tensor:
     """Semantics: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), each expert a SwiGLU
     down(silu(gate(x)) * up(x)) whose gate_up and down outputs get the token's adapter delta (if any).
 
@@ -239,7 +255,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     ``lora``: None, or (token_slots [T] (-1 none), slot_ranks [L] int32, gate_up (lora_a [L, E, 2, R, H],
     lora_b [L, E, 2I, R], slice_scales [L, E, 2]), down (lora_a [L, E, 1, R, I], lora_b [L, E, H, R],
     slice_scales [L, E, 1])). Tokens on a slot of rank 0 are grouped as tokens without one: no LoRA
-    block holds their pairs. Returns out [T, H] in x's dtype. No host sync: graph-capturable.
+    block holds their pairs. ``scales``: None, or FP8 experts' (gate_up [E, 2I], down [E, H]) float32,
+    w_gate_up and w_down then float8_e4m3fn (moe_gemm). Returns out [T, H] in x's dtype. No host sync:
+    graph-capturable.
     """
     num_tokens, top_k = topk_ids.shape
     num_pairs, intermediate = num_tokens * top_k, w_down.shape[2]
@@ -251,12 +269,15 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         token_slots, slot_ranks, gate_up_lora, down_lora = lora
         pair_slots = _slots_with_lora(token_slots[:num_tokens], slot_ranks).repeat_interleave(top_k)  # [P]
         lora_align = moe_align(topk_ids, num_experts, block_m, pair_slots, slot_ranks.shape[0])
-    gate_up = moe_gemm(x, w_gate_up, x.new_empty(num_pairs, 2 * intermediate), align, top_k)  # [P, 2I]
+    s_gate_up, s_down = (None, None) if scales is None else scales
+    gate_up = moe_gemm(x, w_gate_up, x.new_empty(num_pairs, 2 * intermediate), align, top_k,
+                       weight_scale=s_gate_up)  # [P, 2I]
     if lora is not None:
         _add_lora(gate_up, x, gate_up_lora, slot_ranks, lora_align, top_k, None)
     hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]  # [P, I]
     pair_weights = topk_weights.reshape(-1).float()  # [P] exact for any dtype; one kernel variant
-    down = moe_gemm(hidden, w_down, x.new_empty(num_pairs, w_down.shape[1]), align, 1, pair_weights)  # [P, H]
+    down = moe_gemm(hidden, w_down, x.new_empty(num_pairs, w_down.shape[1]), align, 1, pair_weights,
+                    s_down)  # [P, H]
     if lora is not None:
         _add_lora(down, hidden, down_lora, slot_ranks, lora_align, 1, pair_weights)
     return down.view(num_tokens, top_k, w_down.shape[1]).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]

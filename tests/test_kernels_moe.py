@@ -1,6 +1,6 @@
 """Fused MoE kernels (punica_kernels.moe_triton) under the Triton interpreter, fp32 and fp16, against the
 float64 loop of punica_kernels.moe_reference; the alignment's invariants; the block's fused path
-(lora_runner.model.moe_fused) against its torch loop.
+(lora_runner.model.moe_fused) against its torch loop. (FP8 experts: tests/test_kernels_moe_fp8.py.)
 
 Inputs drawn fresh per case; outputs and scratch NaN-poisoned before each call; routing from random
 logits through transformers' top-k with and without renormalisation, skewed so that some experts
@@ -163,23 +163,29 @@ def test_fused_moe_of_no_tokens_is_empty():
 
 # ---------------------------------------------------------------- the block's fused path (moe_fused)
 
-def _block_and_lora(num_tokens: int, seed: int, device: str = "cpu"):
-    """A Qwen3-MoE-shaped block with random weights, and a LoRA context with random expert slots."""
+def _block_and_lora(num_tokens: int, seed: int, device: str = "cpu", fp8: bool = False):
+    """A Qwen3-MoE-shaped block with random weights (``fp8``: its experts quantized online, as
+    quantization="fp8" loads them), and a LoRA context with random expert slots."""
     from adapters.slots import LoRASlots
     from lora_runner.model.config import ModelConfig
     from lora_runner.model.forward_context import LoRAContext
     from lora_runner.model.lora_linear import moe_lora_modules
     from lora_runner.model.moe import SparseMoeBlock
+    from lora_runner.model.quant.config import parse_quantization
 
     config = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=HIDDEN, num_layers=1,
                          num_heads=2, num_kv_heads=2, head_dim=16, intermediate_size=64, rms_norm_eps=1e-6,
                          max_position_embeddings=64, num_experts=5, num_experts_per_tok=2,
                          moe_intermediate_size=INTERMEDIATE, norm_topk_prob=True, moe_layers=(0,),
-                         moe_naming="qwen_moe")
+                         moe_naming="qwen_moe", quantization=parse_quantization({}, "fp8" if fp8 else None))
     gen = torch.Generator().manual_seed(seed)
     block = SparseMoeBlock(config, 0, torch.float32, device)
     for param in block.parameters():
         param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    for linear in (linear for expert in block.experts for linear in (expert.gate_up, expert.down)) if fp8 else ():
+        rows = torch.rand(linear.weight.shape[0], 1, generator=gen) + 0.2  # [N, 1]: rows of unlike magnitude
+        weight = torch.randn(linear.weight.shape, generator=gen) * rows
+        linear.method.load(linear, [("expert", {"weight": weight.to(device)}, weight.shape[0])])
     slots = LoRASlots(types.SimpleNamespace(modules=moe_lora_modules(config, 0)), 3, 16, device)
     slots.slot_ranks.copy_(torch.tensor([8, 0, 16], dtype=torch.int32))
     for expert in range(5):

@@ -41,8 +41,8 @@ def test_drivers_reach_every_block_size_rank_slice_count_and_dtype(configs):
     block_ms = {moe_triton.block_m_for(num_tokens * shape.top_k)
                 for num_tokens in aot.MOE_TOKENS for shape in aot.MOE_MODELS.values()}
     assert block_ms == {moe_triton.DECODE_BLOCK_M, moe_triton.PREFILL_BLOCK_M}
-    assert _variants(configs, "_moe_gemm_kernel", "BLOCK_M", "MUL_WEIGHT") == {
-        (d, m, w) for d in dtypes for m in block_ms for w in (False, True)}
+    assert _variants(configs, "_moe_gemm_kernel", "BLOCK_M", "MUL_WEIGHT", "W_FP8") == {
+        (d, m, w, fp8) for d in dtypes for m in block_ms for w in (False, True) for fp8 in (False, True)}
     assert _variants(configs, "_moe_lora_shrink_kernel", "BLOCK_M", "RANK", "N_SLICES") == {
         (d, m, r, n) for d in dtypes for m in block_ms for r in aot.MOE_LORA_RANKS for n in (1, 2)}
     assert _variants(configs, "_moe_lora_expand_kernel", "BLOCK_M", "RANK", "MUL_WEIGHT") == {
@@ -50,14 +50,17 @@ def test_drivers_reach_every_block_size_rank_slice_count_and_dtype(configs):
 
 
 def _widest(configs) -> list[aot.KernelConfig]:
-    """Per kernel, the fp32 and bf16 configs at the largest block and rank (the most registers)."""
+    """Per kernel, the fp32 and bf16 configs at the largest block and rank (the most registers); the GEMM's
+    with FP8 weights too."""
     chosen = []
     for name in MOE_KERNELS:
         for dtype in ("fp32", "bf16"):
-            candidates = [c for c in configs.values() if c.name == name and c.dtypes().split(",")[0] == dtype]
-            chosen.append(max(candidates, key=lambda c: (c.named_constexprs()["BLOCK_M"],
-                                                         c.named_constexprs().get("RANK", 0),
-                                                         c.named_constexprs().get("N_SLICES", 0))))
+            for fp8 in ((False, True) if name == "_moe_gemm_kernel" else (False,)):
+                candidates = [c for c in configs.values() if c.name == name and c.dtypes().split(",")[0] == dtype
+                              and c.named_constexprs().get("W_FP8", False) == fp8]
+                chosen.append(max(candidates, key=lambda c: (c.named_constexprs()["BLOCK_M"],
+                                                             c.named_constexprs().get("RANK", 0),
+                                                             c.named_constexprs().get("N_SLICES", 0))))
     return chosen
 
 

@@ -112,9 +112,9 @@ def test_first_fused_forward_copies_nothing_and_equals_the_torch_loop(tmp_path):
     expected = block.routed_experts(hidden, weights, experts, lora)  # the CPU's torch loop
     got = moe_fused.fused_routed_experts(block, hidden, weights, experts, lora)
     assert [t.data_ptr() for t in tensors] == addresses  # nothing moved: no copy was made
-    stacks = moe_fused._STACKS[block]
-    assert [s.data_ptr() for s in stacks["base"]] == [block.experts[0].gate_up.weight.data_ptr(),
-                                                       block.experts[0].down.weight.data_ptr()]
+    stacks, base = moe_fused._STACKS[block], moe_fused.base_stacks(block)
+    assert [base[p][0].data_ptr() for p in PROJECTIONS] == [block.experts[0].gate_up.weight.data_ptr(),
+                                                            block.experts[0].down.weight.data_ptr()]
     for projection, stacked in zip(PROJECTIONS, stacks["lora"]):  # lora_a, lora_b, slice_scales [L, E, ...]
         firsts = [group[0] for group in expert_slot_tensors(lora.slots, layer, count, projection)]
         assert [s.data_ptr() for s in stacked] == [t.data_ptr() for t in firsts]

@@ -87,9 +87,12 @@ def mixed_requests(dirs: dict[str, str], soft: str) -> list[tuple]:
              PromptAdapterRequest("soft", soft) if i >= soft_from else None) for i, name in enumerate(names)]
 
 
-def serve(model_dir: str, dirs: dict[str, str], soft: str, tensor_parallel_size: int) -> tuple[dict, LLMEngine]:
-    """{request id: (tokens, logprobs)} of the mixed batch on a fresh engine (closed), and the engine."""
-    engine = LLMEngine(model_dir, **engine_kwargs(model_dir, tensor_parallel_size=tensor_parallel_size))
+def serve(model_dir: str, dirs: dict[str, str], soft: str, tensor_parallel_size: int,
+          **engine_options) -> tuple[dict, LLMEngine]:
+    """{request id: (tokens, logprobs)} of the mixed batch on a fresh engine (closed; ``engine_options``
+    added to engine_kwargs'), and the engine."""
+    engine = LLMEngine(model_dir, **engine_kwargs(model_dir, tensor_parallel_size=tensor_parallel_size,
+                                                  **engine_options))
     try:
         for name, path in dirs.items():  # loaded before the run: no background-load timing in the schedule
             engine.add_lora(LoRARequest(name, path))

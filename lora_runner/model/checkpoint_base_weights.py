@@ -22,7 +22,8 @@ from adapters.dora import BaseWeight
 from lora_runner.model.config import ModelConfig
 from lora_runner.model.loader import weight_files
 from lora_runner.model.lora_linear import LoRALinear, base_weight_reader
-from lora_runner.model.quant.linear import linear_method
+from lora_runner.model.moe_fp8 import FLOAT_MODULES
+from lora_runner.model.quant.linear import UNQUANTIZED, linear_method
 
 
 def checkpoint_base_weights(model_dir: str | os.PathLike, config: ModelConfig,
@@ -43,7 +44,9 @@ def checkpoint_base_weights(model_dir: str | os.PathLike, config: ModelConfig,
             return handle.get_tensor(name)
 
     def linear(layer: int, name: str) -> LoRALinear:
-        module = LoRALinear(modules[(layer, name)], False, dtype, "cpu", method)
+        # an MoE block's router and shared expert gate stay float under quantization, as served (moe_fp8)
+        module = LoRALinear(modules[(layer, name)], False, dtype, "cpu",
+                            UNQUANTIZED if name in FLOAT_MODULES else method)
         module.load_checkpoint(read)
         return module
 

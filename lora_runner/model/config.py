@@ -210,7 +210,7 @@ class ModelConfig:
 
 
 def _check_moe(config: ModelConfig) -> None:
-    """ValueError for MoE sizes that cannot route, or a quantized MoE (not implemented)."""
+    """ValueError for MoE sizes that cannot route, or a quantized MoE other than online FP8 (not implemented)."""
     if not 0 < config.num_experts_per_tok <= config.num_experts:
         raise ValueError(f"num_experts_per_tok ({config.num_experts_per_tok}) must be in 1..num_experts "
                          f"({config.num_experts})")
@@ -222,9 +222,11 @@ def _check_moe(config: ModelConfig) -> None:
         raise ValueError(f"shared_expert_intermediate_size must be positive, got {config.shared_expert_intermediate_size!r}")
     if config.moe_naming not in ("mixtral", "qwen_moe"):
         raise ValueError(f"moe_naming must be 'mixtral' or 'qwen_moe', got {config.moe_naming!r}")
-    if config.quantization is not None:
-        raise ValueError(f"quantized mixture-of-experts models are not supported ({config.quantization.kind} "
-                         f"on {config.architecture}): serve the float checkpoint")
+    quant = config.quantization
+    if quant is not None and not (quant.kind == "fp8" and quant.fp8.online):  # lora_runner.model.moe_fp8
+        raise ValueError(f"quantized mixture-of-experts checkpoints are not supported ({quant.kind} from "
+                         f"{quant.source} on {config.architecture}): serve the float checkpoint, with "
+                         "quantization='fp8' to quantize its experts at load")
 
 
 def _require(raw: dict[str, Any], key: str) -> Any:

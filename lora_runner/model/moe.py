@@ -13,7 +13,9 @@ in the decode graphs (the torch path's grouping reads the routing on the host: i
 capture); the batch-invariant mode keeps a loop over the experts hit (:class:`Expert`, its GEMMs in
 fixed row blocks). The experts' weights are allocated as entries of one buffer per projection
 (``gate_up`` [E, 2I, H], ``down`` [E, H, I]), left dense after loading (:class:`StackedDenseLinear`),
-that the grouped GEMM and the kernels read as they are.
+that the grouped GEMM and the kernels read as they are. With ``quantization="fp8"`` those buffers are
+float8_e4m3fn with float32 scales per (expert, output row) beside them (lora_runner.model.moe_fp8); the
+router and the shared expert's gate stay unquantized, the shared expert is a dense FP8 linear.
 
 Every projection is a :class:`LoRALinear` of its own, built from the descriptors
 lora_runner.model.lora_linear.moe_lora_modules declares (one per expert per projection, PEFT /
@@ -44,7 +46,7 @@ from torch import nn
 
 from adapters.spec import LoRAModule
 from lora_runner.distributed import SINGLE, TensorParallel
-from lora_runner.model import moe_cpu, moe_fused
+from lora_runner.model import moe_cpu, moe_fp8, moe_fused
 from lora_runner.model.forward_context import ForwardContext, LoRAContext
 from lora_runner.model.lora_linear import LoRALinear, moe_lora_modules
 from lora_runner.model.quant.linear import UNQUANTIZED, LinearMethod, UnquantizedLinear
@@ -86,12 +88,14 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         router, *projections = moe_lora_modules(config, layer)
         projections, shared = projections[:2 * config.num_experts], projections[2 * config.num_experts:]
-        self.router = LoRALinear(router, False, dtype, device)  # replicated: every rank routes alike
-        self.experts = _stacked_experts(projections, dtype, device, tp)
+        self.router = LoRALinear(router, False, dtype, device)  # replicated, never quantized: every rank routes alike
+        method = moe_fp8.expert_method(config.quantization, tp) or STACKED_DENSE
+        self.experts = _stacked_experts(projections, dtype, device, tp, method)
         self.shared_expert = self.shared_expert_gate = None
         if shared:  # Qwen2-MoE: + sigmoid(shared_expert_gate(x)) * shared_expert(x)
             gate_up, down, gate = shared
-            self.shared_expert = _expert(gate_up, down, dtype, device, tp)
+            shared_method = moe_fp8.shared_expert_method(config.quantization, tp)
+            self.shared_expert = _expert(gate_up, down, dtype, device, tp, shared_method)
             self.shared_expert_gate = LoRALinear(gate, False, dtype, device)  # replicated: a per-token scalar
         # over several ranks every expert's down (and the shared one's) gives a partial sum; the weighted
         # sum of them is linear in each, so ONE all-reduce after the block sums them all (none for LoRA)
@@ -162,20 +166,22 @@ def expert_token_slots(lora: LoRAContext, num_tokens: int) -> torch.Tensor | Non
 
 
 def _stacked_experts(projections: tuple[LoRAModule, ...], dtype: torch.dtype, device,
-                     tp: TensorParallel) -> nn.ModuleList:
+                     tp: TensorParallel, method: LinearMethod) -> nn.ModuleList:
     """The routed experts of (gate_up, down) descriptor pairs, their weights entries e of one buffer per
-    projection (gate_up [E, 2I, H], down [E, H, I] at ``tp``'s share) that the fused kernels read with no
-    copy (moe_fused.stack_in_place); each expert's own weight is dropped as soon as it is built, so at
-    most one expert's is allocated beside the buffers."""
+    projection and tensor (gate_up [E, 2I, H], down [E, H, I] at ``tp``'s share; FP8 adds the scales
+    [E, 2I], [E, H]: moe_fp8) that the fused kernels read with no copy (moe_fused.stack_in_place); each
+    expert's own tensors are dropped as soon as it is built, so at most one expert's is allocated beside
+    the buffers."""
     experts, stacks = nn.ModuleList(), None
+    names = moe_fp8.stacked_tensor_names(method)
     for e, (gate_up, down) in enumerate(zip(projections[0::2], projections[1::2])):
-        expert = _expert(gate_up, down, dtype, device, tp, STACKED_DENSE)
-        linears = (expert.gate_up, expert.down)
+        expert = _expert(gate_up, down, dtype, device, tp, method)
+        tensors = [(linear, name) for linear in (expert.gate_up, expert.down) for name in names]
         if stacks is None:
-            stacks = tuple(torch.empty(len(projections) // 2, *linear.weight.shape, dtype=dtype, device=device)
-                           for linear in linears)
-        for linear, stack in zip(linears, stacks):
-            linear.weight.data = stack[e]  # the parameter stays; load_weights copies into the buffer
+            stacks = [torch.empty(len(projections) // 2, *getattr(linear, name).shape,
+                                  dtype=getattr(linear, name).dtype, device=device) for linear, name in tensors]
+        for (linear, name), stack in zip(tensors, stacks):
+            getattr(linear, name).data = stack[e]  # the parameter (buffer) stays; loading writes into the stack
         experts.append(expert)
     return experts
 

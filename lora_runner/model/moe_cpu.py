@@ -12,8 +12,9 @@ once per block, one grouped GEMM per projection over the sorted rows, the expert
 index_add_ adds the sorted rows in order, so each token sums its experts in ascending expert order
 (transformers' order, and the per-expert loop's that lora_runner.model.moe keeps for the batch-invariant
 mode). The base GEMM is ``torch._grouped_mm`` over the experts' stacked weights (views of one buffer per
-projection, moe_fused.stack_in_place; left dense after loading: moe.StackedDenseLinear); weights
-that are not dense (packed for oneDNN by lora_runner.model.cpu_gemm, quantized) take a loop over the
+projection, moe_fused.stack_in_place; left dense after loading: moe.StackedDenseLinear); FP8 experts
+(lora_runner.model.moe_fp8) are dequantized for the experts the batch routes to, then the same grouped
+GEMM; weights that are not dense (packed for oneDNN by lora_runner.model.cpu_gemm) take a loop over the
 expert segments calling each expert's linear. Off the CPU (the fused kernels' stand-in in tests) the
 grouped GEMM is a matmul per segment. The LoRA runs only over the pairs whose slot has expert LoRA (``LoRASlots.expert_ranks``
 > 0), at the batch's largest such rank (the slots are zero past each adapter's rank: exact), on the
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lora_runner.model import moe_fused
+from lora_runner.model import moe_fp8, moe_fused
 from lora_runner.model.forward_context import LoRAContext
 
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> {key: stacked views}
@@ -144,7 +145,10 @@ def _base(block, projection: str, x: torch.Tensor, pairs: PairGroups, stacks: di
     """x [P, K] sorted rows through each row's expert's ``projection`` -> [P, N]."""
     stacked = stacks.get(projection)
     if stacked is not None:
-        return grouped_matmul(x, stacked, pairs.sizes, pairs.ends)
+        weight, weight_scale = stacked  # [E, N, K], FP8's [E, N] or None
+        if weight_scale is None:
+            return grouped_matmul(x, weight, pairs.sizes, pairs.ends)
+        return grouped_matmul(x, *moe_fp8.dequantize_experts(weight, weight_scale, pairs.sizes, x.dtype))
     parts, start = [], 0
     for expert, size in zip(block.experts, pairs.sizes):  # weights not dense (packed, quantized): each its linear
         if size:
@@ -154,16 +158,12 @@ def _base(block, projection: str, x: torch.Tensor, pairs: PairGroups, stacks: di
 
 
 def _stacks(block, lora: LoRAContext | None) -> dict:
-    """The block's stacked expert weights ("gate_up" [E, 2I, H], "down" [E, H, I]; absent where not
-    dense: quantized, or packed for oneDNN) and, with ``lora``, its slots ("lora_gate_up", "lora_down": moe_fused's
-    (lora_a [E, L, n, R, K], lora_b [E, L, N, R], slice_scales [E, L, n])); views kept per block."""
+    """The block's stacked expert weights ("gate_up", "down": moe_fused.base_stacks' (weight, FP8 scale or
+    None); absent where not dense: packed for oneDNN, or quantized other than FP8) and, with ``lora``,
+    its slots ("lora_gate_up", "lora_down": moe_fused's (lora_a [E, L, n, R, K], lora_b [E, L, N, R],
+    slice_scales [E, L, n])); views kept per block."""
     stacks = _STACKS.setdefault(block, {})
-    first = block.experts[0].gate_up.weight  # None once packed (after loading): the views are made after that
-    if "base" not in stacks or stacks["weight"] is not first:
-        plain = first is not None and moe_fused.fused_supported(block)
-        stacks["weight"], stacks["base"] = first, {projection: moe_fused.stack_in_place(
-            [getattr(e, projection).weight for e in block.experts]) for projection in ("gate_up", "down")} if plain else {}
-    views = dict(stacks["base"])
+    views = dict(moe_fused.base_stacks(block) or {})
     if lora is not None:
         if stacks.get("slots") is not lora.slots:
             stacks["slots"], stacks["lora"] = lora.slots, {

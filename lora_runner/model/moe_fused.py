@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from lora_runner.model.forward_context import LoRAContext
+from lora_runner.model.moe_fp8 import StackedFp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,28 @@ def stack_in_place(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def fused_supported(block) -> bool:
-    """Whether the block's experts can take the fused kernels: unquantized SwiGLU experts with dense
-    weights (routed experts stay dense after loading: moe.StackedDenseLinear; a quantized expert keeps the
-    torch path)."""
-    return all(not linear.method.quantized and linear.weight is not None
+    """Whether the block's experts can take the fused kernels (and moe_cpu's grouped GEMM): SwiGLU experts
+    with dense weights (routed experts stay dense after loading: moe.StackedDenseLinear), unquantized or
+    FP8 (moe_fp8.StackedFp8Linear)."""
+    return all(linear.weight is not None
+               and (not linear.method.quantized or isinstance(linear.method, StackedFp8Linear))
                for expert in block.experts for linear in (expert.gate_up, expert.down))
+
+
+def base_stacks(block) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """{"gate_up": (weight [E, 2I, H], weight_scale [E, 2I] or None), "down": (weight [E, H, I], [E, H] or
+    None)}: views of the block's stacked expert tensors (scales for FP8 experts, moe_fp8; None unquantized);
+    None for a block :func:`fused_supported` does not take. Kept per block while its first expert's
+    weight is the same tensor (None once packed for oneDNN: made again then)."""
+    stacks = _STACKS.setdefault(block, {})
+    first = block.experts[0].gate_up.weight
+    if "base" not in stacks or stacks["weight"] is not first:
+        scaled = isinstance(block.experts[0].gate_up.method, StackedFp8Linear)
+        stacks["weight"], stacks["base"] = first, {projection: (
+            stack_in_place([getattr(e, projection).weight for e in block.experts]),
+            stack_in_place([getattr(e, projection).weight_scale for e in block.experts]) if scaled else None)
+            for projection in ("gate_up", "down")} if fused_supported(block) else None
+    return stacks["base"]
 
 
 def use_fused(block, hidden: torch.Tensor) -> bool:
@@ -73,19 +91,17 @@ def fused_routed_experts(block, hidden: torch.Tensor, weights: torch.Tensor, exp
     grouped GEMMs and (with adapters) one shrink and one expand per projection."""
     from punica_kernels.moe_triton import fused_moe  # triton is an extra: imported where a GPU path runs
 
-    stacks = _STACKS.setdefault(block, {})
-    if "base" not in stacks:
-        stacks["base"] = (stack_in_place([e.gate_up.weight for e in block.experts]),  # [E, 2I, H]
-                          stack_in_place([e.down.weight for e in block.experts]))  # [E, H, I]
-    w_gate_up, w_down = stacks["base"]
-    factors = None
+    base = base_stacks(block)
+    (w_gate_up, s_gate_up), (w_down, s_down) = base["gate_up"], base["down"]  # [E, 2I, H], [E, H, I] (+ scales)
+    stacks, factors = _STACKS[block], None
     if lora is not None:
         if stacks.get("slots") is not lora.slots:
             stacks["slots"], stacks["lora"] = lora.slots, tuple(
                 stacked_slots(lora, block.experts, projection) for projection in ("gate_up", "down"))
         # expert_ranks, not slot_ranks: a slot without expert LoRA (0 there) runs no expert LoRA op
         factors = (lora.meta.token_slots, lora.slots.expert_ranks, *stacks["lora"])
-    return fused_moe(hidden, w_gate_up, w_down, weights, experts, factors)
+    scales = None if s_gate_up is None else (s_gate_up, s_down)
+    return fused_moe(hidden, w_gate_up, w_down, weights, experts, factors, scales)
 
 
 def stacked_slots(lora: LoRAContext, experts, projection: str) -> tuple[torch.Tensor, ...]:

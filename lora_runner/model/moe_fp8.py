@@ -1,0 +1,105 @@
+"""Online FP8 for a mixture-of-experts block's routed experts (``quantization="fp8"`` on a float checkpoint).
+
+Each routed expert's gate_up and down are quantized at load as a dense FP8 linear's are
+(lora_runner.model.quant.fp8: float8_e4m3fn weight, float32 scale per output channel, max|W[n]| / 448),
+and held as entries of one buffer per projection and tensor, as the unquantized experts are
+(lora_runner.model.moe)::
+
+    gate_up.weight [E, 2I, H] float8_e4m3fn   gate_up.weight_scale [E, 2I] float32
+    down.weight    [E, H, I]  float8_e4m3fn   down.weight_scale    [E, H]  float32
+
+W_e = weight[e].float() * weight_scale[e][:, None]. The weights stay FP8 in memory: the CPU's grouped
+GEMM dequantizes the experts a batch routes to (:func:`dequantize_experts`), the fused Triton GEMM
+converts each FP8 tile to the activations' dtype and scales its accumulator per output channel
+(punica_kernels.moe_triton). Weight-only on every device: the activations stay in the model dtype (the
+dense FP8 linears quantize theirs on CUDA; the experts' grouped GEMM does not, as vLLM's online FP8
+MoE on GPUs without FP8 tensor cores). The router and Qwen2-MoE's shared expert gate stay unquantized;
+the shared expert is a dense FP8 linear.
+
+Tensor parallelism: gate_up is column-parallel, so its rows and their scales split alike; down is
+row-parallel and its partial sums are reduced by the block, not by the linear, so the row maximum over
+every rank's columns is taken here (``row_max``, one all-reduce per expert at load; the shared expert's
+down alike: :class:`UnreducedFp8Linear`): each rank then quantizes its columns with the scale one rank
+would use.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adapters.spec import ROW
+from lora_runner.distributed import TensorParallel
+from lora_runner.model.quant import fp8
+from lora_runner.model.quant.config import QuantConfig
+from lora_runner.model.quant.fp8 import Fp8Format
+from lora_runner.model.quant.linear import UNQUANTIZED, CheckpointSlice, Fp8Linear, LinearMethod
+
+
+# an MoE block's LoRA modules whose base weight stays in the model dtype under any quantization (they
+# route: a per-token scalar or E logits, a negligible share of the weights)
+FLOAT_MODULES = ("router", "shared_expert_gate")
+
+
+class UnreducedFp8Linear(Fp8Linear):
+    """An FP8 linear of an MoE block (an expert's, or the shared expert's) whose row-parallel shard is left
+    unreduced (the block reduces once): its scales are still taken over the whole row, from ``tp``."""
+
+    def __init__(self, form: Fp8Format, tp: TensorParallel):
+        super().__init__(form)
+        self.tp = tp
+
+    def load(self, layer: nn.Module, parts: list[CheckpointSlice]) -> None:
+        """Quantize each slice into the layer's rows (a view of the block's stack for a routed expert:
+        written in place)."""
+        row_max = None
+        if layer.lora_module.parallel == ROW and self.tp.is_parallel:
+            row_max = lambda amax: self.tp.all_reduce(amax, op="max")  # noqa: E731
+        offset = 0
+        for name, tensors, size in parts:
+            weight, scale = self.form.convert(tensors, layer.in_features, size, name, row_max)
+            layer.weight[offset:offset + size].copy_(weight)
+            layer.weight_scale[offset:offset + size].copy_(scale)
+            offset += size
+
+
+class StackedFp8Linear(UnreducedFp8Linear):
+    """A routed expert's FP8 weight (buffers ``weight`` [N, K] float8_e4m3fn, ``weight_scale`` [N]
+    float32, entries of the block's stacked buffers): weight-only on every device."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # weight-only, as the grouped paths (moe_cpu, the fused kernels): an expert called on its own (the
+        # per-expert loops; the batch-invariant mode refuses quantized models) computes what they do
+        return F.linear(x, fp8.dequantize(layer.weight, layer.weight_scale, x.dtype), bias)  # [T, N]
+
+
+def expert_method(quant: QuantConfig | None, tp: TensorParallel) -> StackedFp8Linear | None:
+    """The routed experts' linear method under ``quant``: StackedFp8Linear for FP8 quantized online,
+    None for unquantized experts (any other quantization is refused by ModelConfig first)."""
+    assert quant is None or (quant.kind == "fp8" and quant.fp8.online), f"not an MoE quantization: {quant}"
+    return None if quant is None else StackedFp8Linear(quant.fp8, tp)
+
+
+def shared_expert_method(quant: QuantConfig | None, tp: TensorParallel) -> LinearMethod:
+    """The shared expert's linear method: a dense FP8 linear (activations quantized on CUDA, as the
+    attention's) with its unreduced down's scales over the whole row, or unquantized."""
+    return UNQUANTIZED if quant is None else UnreducedFp8Linear(quant.fp8, tp)
+
+
+def stacked_tensor_names(method) -> tuple[str, ...]:
+    """The per-expert tensors a method holds that the block stacks into one buffer each."""
+    return ("weight", "weight_scale") if isinstance(method, StackedFp8Linear) else ("weight",)
+
+
+def dequantize_experts(weight: torch.Tensor, weight_scale: torch.Tensor, sizes: list[int],
+                       dtype: torch.dtype) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """The experts a batch routes to, dequantized: (W [G, N, K] in ``dtype``, their group sizes [G],
+    int32 cumulative ends [G]) for weight [E, N, K] FP8, weight_scale [E, N] and rows per expert
+    ``sizes`` [E]; G the experts with rows, so a decode step dequantizes k experts per token at most."""
+    present = [e for e, size in enumerate(sizes) if size]
+    index = torch.tensor(present, dtype=torch.int64, device=weight.device)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    dense = (weight[index].to(compute) * weight_scale[index].to(compute)[:, :, None]).to(dtype)  # [G, N, K]
+    kept = [sizes[e] for e in present]
+    return dense, kept, torch.cumsum(torch.tensor(kept), 0).to(torch.int32)
