@@ -377,3 +377,18 @@ def _interpreted(kernel):
     from triton.runtime.interpreter import InterpretedFunction
 
     return InterpretedFunction(kernel.fn)
+
+
+class _DeviceFunction(triton.runtime.JITFunction):
+    """A jit device function the interpreted twins can call: the compiler inlines it as any other,
+    but a plain JITFunction refuses the Python call an interpreted kernel makes."""
+
+    def __call__(self, *args, **kwargs):
+        return _interpreted(self)(*args, **kwargs)
+
+
+def device_function(fn):
+    """``@triton.jit`` for a helper that kernels call, callable from their CPU twins (kernel_for) too."""
+    if triton.knobs.runtime.interpret:  # triton.jit gives interpreted functions, which call each other
+        return triton.jit(fn)
+    return _DeviceFunction(fn)
