@@ -84,6 +84,12 @@ def load_checkpoint(save, tmp_path_factory, name: str, fused: bool) -> TinyCheck
     return TinyCheckpoint(hf=hf, model=model, config=config, path=str(path))
 
 
+def every_layout(names) -> dict:
+    """A checkpoint fixture's params and ids: each of `names` saved per expert and fused."""
+    return dict(params=[(name, fused) for name in sorted(names) for fused in (False, True)],
+                ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'per-expert'}")
+
+
 def assert_one_expert_layout(path: str) -> None:
     """The saved weights hold the experts either fused or per expert, never both nor neither."""
     from safetensors import safe_open
@@ -95,8 +101,7 @@ def assert_one_expert_layout(path: str) -> None:
     assert fused != per_expert
 
 
-@pytest.fixture(scope="module", params=[(name, fused) for name in sorted(MOE_MODELS) for fused in (False, True)],
-                ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'per-expert'}")
+@pytest.fixture(scope="module", **every_layout(MOE_MODELS))
 def ckpt(request, tmp_path_factory):
     return load_checkpoint(save_moe, tmp_path_factory, *request.param)
 

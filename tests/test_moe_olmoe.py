@@ -24,7 +24,8 @@ from lora_runner.model import load_model
 from lora_runner.model.llama import Attention
 from lora_runner.model.moe import SparseMoeBlock
 from test_model_harness import PagedDriver, assert_close, hf_logits
-from test_moe import SIZES, assert_engine_greedy_equals, assert_one_expert_layout, load_checkpoint, save_checkpoint
+from test_moe import (SIZES, assert_engine_greedy_equals, assert_one_expert_layout, every_layout, load_checkpoint,
+                      save_checkpoint)
 from test_moe_lora import assert_slots_match_oracles, merged_model, write_adapter
 
 ATOL = 1e-5
@@ -51,8 +52,7 @@ def save_olmoe(path, variant: str, seed: int = 0, fused: bool = False):
     return hf
 
 
-@pytest.fixture(scope="module", params=[(v, fused) for v in sorted(VARIANTS) for fused in (False, True)],
-                ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'per-expert'}")
+@pytest.fixture(scope="module", **every_layout(VARIANTS))
 def olmoe(request, tmp_path_factory):
     return load_checkpoint(save_olmoe, tmp_path_factory, *request.param)
 
