@@ -389,6 +389,7 @@ class _DeviceFunction(triton.runtime.JITFunction):
 
 def device_function(fn):
     """``@triton.jit`` for a helper that kernels call, callable from their CPU twins (kernel_for) too."""
-    if triton.knobs.runtime.interpret:  # triton.jit gives interpreted functions, which call each other
-        return triton.jit(fn)
+    jitted = triton.jit(fn)
+    if not isinstance(jitted, triton.runtime.JITFunction):  # TRITON_INTERPRET=1: these call each other already
+        return jitted
     return _DeviceFunction(fn)
