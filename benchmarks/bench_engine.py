@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import subprocess
@@ -56,7 +55,8 @@ import torch
 from tqdm.auto import tqdm
 
 from common import (ModelShape, PeftRunner, WorkloadSpec, machine_description,  # benchmarks/common.py
-                    make_workload, markdown_table, percentile, save_random_adapters, save_random_model)
+                    make_workload, markdown_table, percentile, save_random_adapters, save_random_model,
+                    write_report)
 from tp_rows import TP_ADAPTERS, TP_COLUMNS, tp_rows  # benchmarks/tp_rows.py
 
 logger = logging.getLogger("bench_engine")
@@ -442,11 +442,8 @@ def main(argv=None) -> list[dict]:
         report["contention"] = contention
     if tensor_parallel is not None:
         report["tensor_parallel"] = tensor_parallel
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"bench_engine-{report['mode']}-{time.strftime('%Y%m%d-%H%M%S')}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
-    plot(rows, stem.with_suffix(".png"))
+    path = write_report(report, args.out_dir, f"bench_engine-{report['mode']}")
+    plot(rows, path.with_suffix(".png"))
     print(markdown_table(rows, COLUMNS))
     if args.fairness:
         print("\nSkewed load, scheduler only: share of weighted served tokens while all tenants are backlogged")
@@ -460,7 +457,7 @@ def main(argv=None) -> list[dict]:
               "threads, wall-clock tok/s")
         print(markdown_table(tensor_parallel, TP_COLUMNS))
     print(f"\ntok/s per {args.clock} second; {report['machine']}\n"
-          f"total {report['seconds']:.0f} s; written {stem}.json")
+          f"total {report['seconds']:.0f} s; written {path}")
     return rows
 
 

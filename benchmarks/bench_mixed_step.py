@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import statistics
@@ -36,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import ModelShape, machine_description, markdown_table, save_random_model  # benchmarks/common.py
+from common import (ModelShape, machine_description, markdown_table,  # benchmarks/common.py
+                    save_random_model, start_cpu_run, write_report)
 
 logger = logging.getLogger("bench_mixed_step")
 
@@ -203,18 +203,13 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     """Run the benchmark; returns the report (also written as JSON)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
+    started = start_cpu_run(args.threads)
     layer = [] if args.skip_layer else layer_table(args)
     with tempfile.TemporaryDirectory(prefix="bench_mixed_step-") as tmp:
         engine = [] if args.skip_engine else engine_table(Path(tmp), args)
     report = {"clock": "process", "machine": machine_description("cpu"), "args": vars(args),
               "seconds": time.perf_counter() - started, "layer": layer, "engine": engine}
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"bench_mixed_step-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2))
+    path = write_report(report, args.out_dir, "bench_mixed_step")
     if layer:
         print(markdown_table(layer, LAYER_COLUMNS))
     if engine:

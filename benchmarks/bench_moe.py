@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import tempfile
 import time
@@ -48,7 +47,8 @@ import torch
 
 from bench_step import (PROMPT_LEN, EnginePrefill, _faster, engine_decode,  # benchmarks/bench_step.py
                         forward_run, generate_decode, peft_with_adapters)
-from common import FIRST_ORDINARY_TOKEN, machine_description, markdown_table, save_word_tokenizer
+from common import (FIRST_ORDINARY_TOKEN, machine_description, markdown_table, save_word_tokenizer, start_cpu_run,
+                    write_report)
 
 logger = logging.getLogger("bench_moe")
 
@@ -298,9 +298,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     """Run the benchmark; returns the report (also written as JSON)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
+    started = start_cpu_run(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_moe-") as tmp:
         bench = Workbench(Path(tmp), args)
         decode = [] if args.skip_decode else decode_table(bench, args)
@@ -311,10 +309,7 @@ def main(argv=None) -> dict:
                             expert_intermediate=expert_intermediate, vocab=VOCAB_SIZE),
               "adapters": dict(num=NUM_ADAPTERS, ranks=RANKS, kinds=ADAPTER_KINDS),
               "seconds": time.perf_counter() - started, "decode": decode, "prefill": prefill}
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"bench_moe-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2))
+    path = write_report(report, args.out_dir, "bench_moe")
     print(f"{args.family}: {layers} layers, hidden {hidden}, {experts} experts, top-{top_k}, expert intermediate "
           f"{expert_intermediate}; {NUM_ADAPTERS} adapters of ranks {'/'.join(map(str, RANKS))}")
     if decode:

@@ -222,7 +222,7 @@ def main(argv=None) -> list[dict]:
     from tqdm.auto import tqdm
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import machine_description, markdown_table
+    from common import machine_description, markdown_table, write_report
 
     devices = args.device.split(",") if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     cases = args.cases.split(",")
@@ -243,10 +243,7 @@ def main(argv=None) -> list[dict]:
     report = {"code_root": str(args.code_root.resolve()), "seqs": args.seqs, "len": args.len,
               "repeats": args.repeats, "machine": machine_description(devices[0]),
               "seconds": time.perf_counter() - started, "rows": rows}
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"bench_startup-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2, default=str))
+    path = write_report(report, args.out_dir, "bench_startup")
     print(markdown_table(rows, COLUMNS))
     print(f"\nreference workload: {args.seqs} sequences x {args.len} tokens; best of {args.repeats} processes; "
           f"engine code from {args.code_root}\n{report['machine']}\nwritten {path}")

@@ -45,7 +45,6 @@ import argparse
 import contextlib
 import cProfile
 import io
-import json
 import logging
 import pstats
 import statistics
@@ -56,7 +55,7 @@ from pathlib import Path
 import torch
 
 from common import (ModelShape, machine_description, markdown_table,  # benchmarks/common.py
-                    save_random_adapters, save_random_model)
+                    save_random_adapters, save_random_model, start_cpu_run, write_report)
 
 logger = logging.getLogger("bench_step")
 
@@ -471,19 +470,14 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     """Run the benchmark; returns the report (also written as JSON)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
+    started = start_cpu_run(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
         host = [] if args.skip_host else host_table(Path(tmp), args)
         decode = [] if args.skip_decode else decode_table(Path(tmp), args)
         prefill = [] if args.skip_prefill else prefill_table(Path(tmp), args)
     report = {"clock": "process", "machine": machine_description("cpu"), "rank": RANK,
               "seconds": time.perf_counter() - started, "host": host, "decode": decode, "prefill": prefill}
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"bench_step-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2))
+    path = write_report(report, args.out_dir, "bench_step")
     for row in host:
         if "profile" in row:
             print(f"cProfile of {PROFILE_STEPS} decode steps, {row['num_requests']} requests / "

@@ -8,6 +8,7 @@ once ("batch") or as a Poisson process ("poisson").
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import time
@@ -300,6 +301,24 @@ def machine_description(device: str) -> dict:
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def start_cpu_run(threads: int) -> float:
+    """The start of a CPU benchmark's main: INFO logs with times, torch on `threads` threads; returns
+    the start time (time.perf_counter) the report's "seconds" count from."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+    return time.perf_counter()
+
+
+def write_report(report: dict, out_dir: str | Path, name: str) -> Path:
+    """Write `report` as indented JSON to out_dir/<name>-<YYYYmmdd-HHMMSS>.json (out_dir made when
+    missing; values JSON cannot hold written as their str); returns the file's path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    return path
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

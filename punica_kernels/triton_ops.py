@@ -377,3 +377,19 @@ def _interpreted(kernel):
     from triton.runtime.interpreter import InterpretedFunction
 
     return InterpretedFunction(kernel.fn)
+
+
+class _DeviceFunction(triton.runtime.JITFunction):
+    """A jit device function the interpreted twins can call: the compiler inlines it as any other,
+    but a plain JITFunction refuses the Python call an interpreted kernel makes."""
+
+    def __call__(self, *args, **kwargs):
+        return _interpreted(self)(*args, **kwargs)
+
+
+def device_function(fn):
+    """``@triton.jit`` for a helper that kernels call, callable from their CPU twins (kernel_for) too."""
+    jitted = triton.jit(fn)
+    if not isinstance(jitted, triton.runtime.JITFunction):  # TRITON_INTERPRET=1: these call each other already
+        return jitted
+    return _DeviceFunction(fn)

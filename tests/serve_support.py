@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import time
 from pathlib import Path
 
 # A template in the tiny word-level vocabulary ("you"/"we" mark the speakers, "i" the reply).
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}you {% else %}we {% endif %}"
                  "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}i{% endif %}")
+WAIT_S = 120  # a bound on how long the server may take, not a timing assertion
 PROMPTS = ["the cat sat on the mat", "hello world", "a red dog and a blue cat", "we say yes",
            "one two three", "the green tenant says no", "you and i", "is the dog red"]
 
@@ -84,3 +86,11 @@ def token_ids(tokenizer, tokens: list[str]) -> list[int]:
     """Token strings of a logprobs answer back to ids (the test vocabulary maps words one to one)."""
     vocab = tokenizer.get_vocab()
     return [vocab[t] for t in tokens]
+
+
+def wait_until(predicate, what: str) -> None:
+    """Poll `predicate` until it holds; fail naming `what` once WAIT_S seconds have passed."""
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)

@@ -58,36 +58,57 @@ def build_moe(name: str, seed: int = 0):
     return model
 
 
-def save_moe(path, name: str, seed: int = 0, fused: bool = False):
-    """Save a tiny MoE model (per-expert layout via save_pretrained, or the fused in-memory tensors)."""
-    hf = build_moe(name, seed)
+def save_checkpoint(hf, path, fused: bool = False) -> None:
+    """Save a transformers MoE model and a tiny tokenizer into path: save_pretrained's per-expert layout,
+    or (fused) the in-memory state dict, which holds the experts fused as transformers 5 does."""
     hf.save_pretrained(str(path))
     if fused:
         (path / "model.safetensors").unlink()
         save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(path / "model.safetensors"))
     save_tiny_tokenizer(path, hf.config.vocab_size)
+
+
+def save_moe(path, name: str, seed: int = 0, fused: bool = False):
+    """Save a tiny MoE model of MOE_MODELS[name] (per-expert or fused layout); returns transformers' model."""
+    hf = build_moe(name, seed)
+    save_checkpoint(hf, path, fused)
     return hf
 
 
-@pytest.fixture(scope="module", params=[(name, fused) for name in sorted(MOE_MODELS) for fused in (False, True)],
-                ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'per-expert'}")
-def ckpt(request, tmp_path_factory):
-    name, fused = request.param
+def load_checkpoint(save, tmp_path_factory, name: str, fused: bool) -> TinyCheckpoint:
+    """save(path, name, seed=, fused=) into a fresh folder, loaded by us beside transformers' model
+    (the module-scoped checkpoint fixtures of the MoE families)."""
     path = tmp_path_factory.mktemp(name)
-    hf = save_moe(path, name, seed=len(name), fused=fused)
+    hf = save(path, name, seed=len(name), fused=fused)
     model, config, _ = load_model(str(path))
     return TinyCheckpoint(hf=hf, model=model, config=config, path=str(path))
 
 
-def test_checkpoint_layout_is_the_one_asked_for(ckpt):
-    """Guards the layout parametrization: save_pretrained writes per-expert tensors, the fused files not."""
+def every_layout(names) -> dict:
+    """A checkpoint fixture's params and ids: each of `names` saved per expert and fused."""
+    return dict(params=[(name, fused) for name in sorted(names) for fused in (False, True)],
+                ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'per-expert'}")
+
+
+def assert_one_expert_layout(path: str) -> None:
+    """The saved weights hold the experts either fused or per expert, never both nor neither."""
     from safetensors import safe_open
 
-    with safe_open(f"{ckpt.path}/model.safetensors", "pt") as handle:
+    with safe_open(f"{path}/model.safetensors", "pt") as handle:
         keys = list(handle.keys())
     fused = any(k.endswith("experts.gate_up_proj") for k in keys)
     per_expert = any(".experts.0." in k for k in keys)
     assert fused != per_expert
+
+
+@pytest.fixture(scope="module", **every_layout(MOE_MODELS))
+def ckpt(request, tmp_path_factory):
+    return load_checkpoint(save_moe, tmp_path_factory, *request.param)
+
+
+def test_checkpoint_layout_is_the_one_asked_for(ckpt):
+    """Guards the layout parametrization: save_pretrained writes per-expert tensors, the fused files not."""
+    assert_one_expert_layout(ckpt.path)
 
 
 def test_config_and_spec(ckpt):

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from adapters.lora import load_lora
 from adapters.slots import LoRASlots
-from factories import save_lora, save_tiny_tokenizer
+from factories import save_lora
 from lora_runner import LLMEngine
 from lora_runner.distributed import TensorParallel
 from lora_runner.model import load_model
 from lora_runner.model.llama import Attention
 from lora_runner.model.moe import SparseMoeBlock
 from test_model_harness import PagedDriver, assert_close, hf_logits
-from test_moe import SIZES, assert_engine_greedy_equals
+from test_moe import (SIZES, assert_engine_greedy_equals, assert_one_expert_layout, every_layout, load_checkpoint,
+                      save_checkpoint)
 from test_moe_lora import assert_slots_match_oracles, merged_model, write_adapter
 
 ATOL = 1e-5
@@ -48,36 +48,22 @@ def save_olmoe(path, variant: str, seed: int = 0, fused: bool = False):
         for name, param in hf.named_parameters():
             if "norm" in name or name.endswith("gate.weight"):
                 param.add_(torch.randn(param.shape) * 0.3)
-    hf.save_pretrained(str(path))
-    if fused:
-        (path / "model.safetensors").unlink()
-        save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(path / "model.safetensors"))
-    save_tiny_tokenizer(path, hf.config.vocab_size)
+    save_checkpoint(hf, path, fused)
     return hf
 
 
-@pytest.fixture(scope="module", params=[(v, fused) for v in sorted(VARIANTS) for fused in (False, True)],
-                ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'per-expert'}")
+@pytest.fixture(scope="module", **every_layout(VARIANTS))
 def olmoe(request, tmp_path_factory):
-    variant, fused = request.param
-    path = tmp_path_factory.mktemp(variant)
-    hf = save_olmoe(path, variant, seed=len(variant), fused=fused)
-    model, config, _ = load_model(str(path))
-    return hf, model, config, path
+    return load_checkpoint(save_olmoe, tmp_path_factory, *request.param)
 
 
 def test_checkpoint_layout_is_the_one_asked_for(olmoe):
     """Guards the layout parametrization: save_pretrained writes per-expert tensors, the fused files not."""
-    from safetensors import safe_open
-
-    *_, path = olmoe
-    with safe_open(f"{path}/model.safetensors", "pt") as handle:
-        keys = list(handle.keys())
-    assert any(k.endswith("experts.gate_up_proj") for k in keys) != any(".experts.0." in k for k in keys)
+    assert_one_expert_layout(olmoe.path)
 
 
 def test_config_reads_olmoe(olmoe):
-    hf, model, config, path = olmoe
+    hf, model, config = olmoe.hf, olmoe.model, olmoe.config
     assert (config.architecture, config.qk_norm, config.qk_norm_whole) == ("OlmoeForCausalLM", True, True)
     assert config.moe_layers == tuple(range(config.num_layers)) and config.shared_expert_intermediate_size is None
     assert (config.num_experts, config.moe_intermediate_size) == (hf.config.num_experts, hf.config.intermediate_size)
@@ -89,7 +75,7 @@ def test_config_reads_olmoe(olmoe):
 
 
 def test_prefill_and_decodes_match_transformers(olmoe):
-    hf, model, config, _ = olmoe
+    hf, model, config = olmoe.hf, olmoe.model, olmoe.config
     gen = torch.Generator().manual_seed(1)
     full = {s: torch.randint(3, 256, (n,), generator=gen) for s, n in enumerate((11, 7, 9))}
     expected = {s: hf_logits(hf, tokens) for s, tokens in full.items()}
@@ -102,7 +88,7 @@ def test_prefill_and_decodes_match_transformers(olmoe):
 
 def test_olmoe_details_matter(olmoe, monkeypatch):
     """Guards the comparison: per-head q/k norms, no clamp, or the other renormalisation move the logits."""
-    hf, model, config, _ = olmoe
+    hf, model, config = olmoe.hf, olmoe.model, olmoe.config
     tokens = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(3))
     expected = hf_logits(hf, tokens)
     attentions = [layer.self_attn for layer in model.layers]

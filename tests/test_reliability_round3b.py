@@ -176,17 +176,6 @@ def test_lm_eval_style_echo_scoring_under_the_limit_answers_exactly(served, monk
 
 # -- 12: a finished response its client does not read gives its seats back, within a byte budget --------------
 
-WAIT_S = 120  # a bound on how long the server may take, not a timing assertion
-
-
-def _until(predicate, what: str) -> None:
-    import time
-
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
 
 @pytest.mark.parametrize("max_unsent", [64 << 20, 1])
 def test_unread_finished_streams_free_their_seats_within_the_unsent_budget(engine_checkpoint, tmp_path, max_unsent):
@@ -195,7 +184,7 @@ def test_unread_finished_streams_free_their_seats_within_the_unsent_budget(engin
     for them keeps the seats taken (the old bound) until the connections go. A bystander stays exact."""
     import socket
 
-    from serve_support import model_with_chat_template, serve_args, serve_configs
+    from serve_support import model_with_chat_template, serve_args, serve_configs, wait_until
     from test_reliability_stream import _stalled_stream
 
     from lora_runner.entrypoints.launch import build_state
@@ -214,19 +203,19 @@ def test_unread_finished_streams_free_their_seats_within_the_unsent_budget(engin
                 "logprobs": 5, "temperature": 1.0, "seed": 3, "stream": True}
         socks = [_stalled_stream(server.port, body), _stalled_stream(server.port, body)]
         engine = state.engine
-        _until(lambda: engine.num_in_flight() == 2, "the stalled streams started")
-        _until(lambda: (engine.get_stats().running, engine.get_stats().waiting) == (0, 0)
+        wait_until(lambda: engine.num_in_flight() == 2, "the stalled streams started")
+        wait_until(lambda: (engine.get_stats().running, engine.get_stats().waiting) == (0, 0)
                and engine.engine.has_unfinished_requests() is False, "the engine finished both")
         assert engine.num_in_flight() == 2  # their outputs wait unread in the collectors
         if max_unsent > 1:
-            _until(lambda: state.in_flight == 0, "the finished streams kept their seats")
+            wait_until(lambda: state.in_flight == 0, "the finished streams kept their seats")
             assert 0 < state.unsent_bytes <= max_unsent
         else:
             assert state.in_flight == 32 and state.unsent_bytes == 0  # over the budget: seats kept
         _bystander_is_exact((server, state, model_dir, loras))
         for sock in socks:
             sock.close()
-        _until(lambda: state.in_flight == 0 and state.unsent_bytes == 0, "a closed connection kept its share")
+        wait_until(lambda: state.in_flight == 0 and state.unsent_bytes == 0, "a closed connection kept its share")
     finally:
         server.stop()
 

@@ -26,19 +26,11 @@ import time
 import httpx
 import openai
 import pytest
-from serve_support import PROMPTS, model_with_chat_template, serve_args, serve_configs
+from serve_support import PROMPTS, WAIT_S, model_with_chat_template, serve_args, serve_configs, wait_until
 
 KEYS = {"sk-tenant-a": {"name": "a", "base": True}, "sk-tenant-b": {"name": "b", "base": True}}
 MAX_UNSENT = 1_000_000  # two tenants: a share of 500 kB each
 LONG_PROMPT = "the cat sat on the mat and the dog said yes " * 6  # 66 tokens
-WAIT_S = 120  # a bound on how long the server may take, not a timing assertion
-
-
-def _until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +182,7 @@ def test_a_tenants_unread_responses_are_bounded_by_its_share_of_the_unsent_bytes
     assert state.unsent_bytes == 0
     sock = _unread_request(server.port, "sk-tenant-a", body)
     try:
-        _until(lambda: state.unsent_bytes > 0 and state.in_flight == 0, "a's response was reserved and ran")
+        wait_until(lambda: state.unsent_bytes > 0 and state.in_flight == 0, "a's response was reserved and ran")
         held = state.unsent_bytes
         assert MAX_UNSENT // 2 < 2 * held and held <= MAX_UNSENT // 2  # one fits a share, two do not
         with pytest.raises(openai.RateLimitError, match="--max-unsent-bytes"):
@@ -200,7 +192,7 @@ def test_a_tenants_unread_responses_are_bounded_by_its_share_of_the_unsent_bytes
         assert state.unsent_bytes == held  # b's was refunded once sent; a's is still unread
     finally:
         sock.close()
-    _until(lambda: state.unsent_bytes == 0, "a closed connection kept its reserved bytes")
+    wait_until(lambda: state.unsent_bytes == 0, "a closed connection kept its reserved bytes")
     assert len(_complete(served, body).choices) == 64
 
 
@@ -255,9 +247,9 @@ def test_a_request_cancelled_while_it_is_added_is_aborted_once_in(served, monkey
             await asyncio.sleep(0.05)
 
     asyncio.run(consumer_goes())
-    _until(lambda: "cancelled-add" in added_ids, "the request added after its consumer went was not aborted")
+    wait_until(lambda: "cancelled-add" in added_ids, "the request added after its consumer went was not aborted")
     assert async_engine.num_aborted == aborted_before + 1
-    _until(lambda: not engine.has_unfinished_requests(), "the aborted request still runs")
+    wait_until(lambda: not engine.has_unfinished_requests(), "the aborted request still runs")
 
 
 # -- item 1: a step's masks together ----------------------------------------------------------------------------

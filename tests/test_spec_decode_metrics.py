@@ -131,7 +131,10 @@ def test_draft_model_forwards_on_metrics():
     class Drafting(_Engine):
         def get_stats(self) -> EngineStats:
             return dataclasses.replace(super().get_stats(), draft_forwards=7, draft_computed_tokens=45)
-    samples = _samples(ServerMetrics(Drafting(), "base").render().decode())
+    text = ServerMetrics(Drafting(), "base").render().decode()
+    names = [family.name for family in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names)), "a metric family exposed twice"
+    samples = _samples(text)
     assert samples[("lora_runner_spec_decode_draft_forwards_total", ())] == 7
     assert samples[("lora_runner_spec_decode_draft_computed_tokens_total", ())] == 45
     # n-gram proposals run no draft model: no such series

@@ -2,17 +2,16 @@
 through the server with the official openai client (on test_tool_calls_server's canned engine)."""
 
 import json
-import random
 
 import openai
 import pytest
+from test_tool_calls_parser import parse_in_pieces, splits
 from test_tool_calls_server import HERMES_TEMPLATE, TOOLS, USER, CannedEngine, pieces
 
 from lora_runner.entrypoints.openai.app import build_app
 from lora_runner.entrypoints.openai.background import BackgroundServer
 from lora_runner.entrypoints.openai.state import ServerConfig, ServerState
 from lora_runner.entrypoints.openai.tenants import KeyRing
-from lora_runner.entrypoints.openai.tool_calls.deltas import join_calls
 from lora_runner.entrypoints.openai.tool_calls.whole_call_parsers import Llama3JsonToolParser, PythonicToolParser
 
 OFFERED = ("get_weather", "get_time")
@@ -39,24 +38,11 @@ CASES = {  # (parser, model text) -> (content, [(name, arguments)])
 }
 
 
-def _run(parser_type, chunks: list[str]) -> tuple[str, list[tuple[str, dict]]]:
-    parser, content, calls = parser_type(OFFERED), "", []
-    for position, chunk in enumerate(chunks):
-        out = parser.feed(chunk, position == len(chunks) - 1)
-        content += out.content
-        calls = join_calls(calls, out.calls)
-    assert parser.called == bool(calls)
-    return content, [(call.name, json.loads(call.arguments)) for call in calls]
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_whole_and_every_random_split_agree(case):
     parser_type, text, content, calls = CASES[case]
-    assert _run(parser_type, [text]) == (content, calls)
-    rng = random.Random(case)
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
-        assert _run(parser_type, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]) == (content, calls)
+    for chunks in splits(text, case):
+        assert parse_in_pieces(parser_type(OFFERED), chunks) == (content, calls)
 
 
 def test_plain_content_streams_at_once():

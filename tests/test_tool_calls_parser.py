@@ -49,9 +49,32 @@ def _run(parser, pieces):
     return content, calls, deltas
 
 
-def _random_split(text, rng):
-    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 40)))) if len(text) > 1 else []
+def random_split(text: str, rng: random.Random, max_cuts: int = 40) -> list[str]:
+    """`text` cut at 1 to `max_cuts` places drawn from `rng`."""
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, max_cuts)))) if len(text) > 1 else []
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def splits(text: str, seed: str, times: int = 20, max_cuts: int = 6):
+    """The pieces a parser may get `text` in: whole, one character a piece (every tag split everywhere),
+    then `times` random splits seeded by `seed`."""
+    rng = random.Random(seed)
+    yield [text]
+    yield list(text)
+    for _ in range(times):
+        yield random_split(text, rng, max_cuts)
+
+
+def parse_in_pieces(parser, chunks: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    """(content, [(name, arguments dict)]) the parser makes of `chunks` fed in order, the last one
+    finishing the output; `called` must agree with the calls found."""
+    content, calls = "", []
+    for position, chunk in enumerate(chunks):
+        out = parser.feed(chunk, position == len(chunks) - 1)
+        content += out.content
+        calls = join_calls(calls, out.calls)
+    assert parser.called == bool(calls)
+    return content, [(call.name, json.loads(call.arguments)) for call in calls]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -69,7 +92,7 @@ def test_every_split_streams_the_same_calls_in_openai_shape(case):
     text, content, expected = CASES[case]
     whole_content, whole_calls, _ = _run(HermesToolParser(OFFERED), [text])
     rng = random.Random(case)
-    pieces_list = [list(text), *(_random_split(text, rng) for _ in range(20))]  # one character at a time, then random
+    pieces_list = [list(text), *(random_split(text, rng) for _ in range(20))]  # one character at a time, then random
     for pieces in pieces_list:
         got_content, calls, deltas = _run(HermesToolParser(OFFERED), pieces + [""])
         assert got_content == whole_content

@@ -7,10 +7,10 @@ Where we differ from vLLM on purpose (malformed or unknown calls stay content, n
 case says so."""
 
 import json
-import random
 
 import openai
 import pytest
+from test_tool_calls_parser import parse_in_pieces, splits
 from test_tool_calls_server import HERMES_TEMPLATE, TOOLS, USER, CannedEngine, pieces
 
 from lora_runner.entrypoints.openai.app import build_app
@@ -120,37 +120,18 @@ QWEN = {  # vLLM's case name -> (model output, content, [(name, arguments)])
 }
 
 
-def _run(parser, chunks: list[str]) -> tuple[str, list[tuple[str, dict]]]:
-    content, calls = "", []
-    for position, chunk in enumerate(chunks):
-        out = parser.feed(chunk, position == len(chunks) - 1)
-        content += out.content
-        calls = join_calls(calls, out.calls)
-    assert parser.called == bool(calls)
-    return content, [(call.name, json.loads(call.arguments)) for call in calls]
-
-
-def _splits(text: str, seed: str, times: int = 20):
-    rng = random.Random(seed)
-    yield [text]
-    yield list(text)  # one character per piece: every tag split everywhere
-    for _ in range(times):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-
-
 @pytest.mark.parametrize("case", MISTRAL)
 def test_mistral_vllm_cases_whole_and_split(case):
     text, content, calls = MISTRAL[case]
-    for chunks in _splits(text, case):
-        assert _run(MistralToolParser(SCHEMAS), chunks) == (content, calls)
+    for chunks in splits(text, case):
+        assert parse_in_pieces(MistralToolParser(SCHEMAS), chunks) == (content, calls)
 
 
 @pytest.mark.parametrize("case", QWEN)
 def test_qwen3_xml_vllm_cases_whole_and_split(case):
     text, content, calls = QWEN[case]
-    for chunks in _splits(text, case):
-        assert _run(Qwen3XmlToolParser(SCHEMAS), chunks) == (content, calls)
+    for chunks in splits(text, case):
+        assert parse_in_pieces(Qwen3XmlToolParser(SCHEMAS), chunks) == (content, calls)
 
 
 def test_mistral_content_streams_before_the_token():
@@ -172,7 +153,7 @@ def test_qwen3_type_conversion():
               ("obj_param", '{"key": "value"}'), ("anyof_int", "5"), ("anyof_array", '["a", "b", "c"]'),
               ("type_as_array", "42"), ("multi_non_null", "some text"), ("unknown", "7")]
     parser = Qwen3XmlToolParser({"test_types": {"type": "object", "properties": properties}})
-    _, [(_, arguments)] = _run(parser, [_qwen(("test_types", params))])
+    _, [(_, arguments)] = parse_in_pieces(parser, [_qwen(("test_types", params))])
     assert arguments == {"int_param": 42, "float_param": 3.14, "bool_param": True, "str_param": "hello world",
                          "obj_param": {"key": "value"}, "anyof_int": 5, "anyof_array": ["a", "b", "c"],
                          "type_as_array": 42, "multi_non_null": "some text", "unknown": "7"}
@@ -184,7 +165,7 @@ def test_qwen3_type_conversion():
 
 def test_qwen3_repeated_parameter_is_content():
     text = _qwen(("get_current_weather", [("city", "Dallas"), ("city", "Austin")]))
-    assert _run(Qwen3XmlToolParser(SCHEMAS), [text]) == (text, [])
+    assert parse_in_pieces(Qwen3XmlToolParser(SCHEMAS), [text]) == (text, [])
 
 
 def _server(parser: str):

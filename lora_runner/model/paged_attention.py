@@ -23,6 +23,8 @@ Design points:
 * Logit soft-capping (Gemma 2), a constexpr switch: scores s become c * tanh(s / c) before the mask;
   in log2 units the cap is c * log2(e), so the scale needs no change. tanh is computed from exp2 of
   -2|x| (no overflow; libdevice's tanh does not run in the interpreter).
+* Both kernels walk the keys with the same three device functions (punica_kernels.triton_ops.device_function,
+  inlined by the compiler, callable by the CPU twins): a K/V tile load, its scores, one online-softmax step.
 * fp32 accumulation and online softmax (exp2 with log2(e) folded into the scale); int64 offsets
   for every cache, query and output address. Positions past a sequence's length are masked at
   load time, so stale (even NaN) cache blocks are never read.
@@ -37,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from punica_kernels.triton_ops import kernel_for
+from punica_kernels.triton_ops import device_function, kernel_for
 
 # Tile sizes and warps per element size, chosen so every configuration compiles without register
 # spills on sm_80 and sm_90 (ptxas -v; checked for head_dim 64/128/256 and query groups up to 16) and
@@ -57,8 +59,9 @@ LOG2E = 1.4426950408889634
 LOG2E_F = tl.constexpr(LOG2E)  # the same, for use inside kernels
 _EMPTY = tl.constexpr(-1.0e30)  # running max of a row that has seen no key yet: finite, so exp2 never sees inf - inf
 # The combine functions tl.max / tl.sum reduce with. The kernels call tl.reduce with them directly:
-# the interpreted twins of CPU runs cannot call jit'd helpers such as tl.max (only builtins), and
-# the interpreter runs these two combine functions as vectorized numpy reductions.
+# the interpreted twins of CPU runs cannot call plain jit'd helpers such as tl.max (only builtins and
+# the project's device_function helpers), and the interpreter runs these two combine functions as
+# vectorized numpy reductions.
 _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
 
@@ -106,6 +109,45 @@ def _check_cache(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
     return num_heads, num_kv_heads, head_dim, block_size
 
 
+# ----------------------------------------------------------------------------- one key tile (both kernels)
+
+
+@device_function
+def _load_kv_tile(kv_ptr, table, pos, n_mask, offs_d, d_mask, head_offset, stride_kv, stride_kvb, stride_kvs,
+                  PAGE: tl.constexpr):
+    """K and V [BLOCK_N, BLOCK_D] of one KV head at cache positions `pos` [BLOCK_N] of the sequence whose
+    block-table row is `table`; zeros where ~n_mask (so stale blocks past the length are never read)."""
+    block = tl.load(table + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+    rows = block * stride_kvb + (pos % PAGE).to(tl.int64) * stride_kvs + head_offset  # [BLOCK_N]
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(kv_ptr + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@device_function
+def _tile_scores(q, k, qk_scale, softcap, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Scores q @ k.T [rows, BLOCK_N] in log2 units, soft-capped when SOFTCAP (softcap in log2 units too)."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        decay = tl.exp2(tl.abs(scores) * (-2.0 * LOG2E_F / softcap))  # tanh(x) = sign(x) (1 - d) / (1 + d)
+        capped = (1.0 - decay) / (1.0 + decay) * softcap
+        scores = tl.where(scores < 0, -capped, capped)
+    return scores
+
+
+@device_function
+def _accumulate(scores, v, row_max, row_sum, acc, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step: fold a tile's masked scores [rows, BLOCK_N] (-inf where hidden) and its
+    V into the running (row_max, row_sum, acc); returns the new three."""
+    new_max = tl.maximum(row_max, tl.reduce(scores, 1, _MAX))
+    probs = tl.exp2(scores - new_max[:, None])
+    rescale = tl.exp2(row_max - new_max)
+    row_sum = row_sum * rescale + tl.reduce(probs, 1, _SUM)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, row_sum, acc
+
+
 # ----------------------------------------------------------------------------- decode
 
 
@@ -148,23 +190,11 @@ def _decode_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + offs_n  # [BLOCK_N]
         n_mask = pos < end
-        block = tl.load(table + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        rows = block * stride_kvb + (pos % PAGE).to(tl.int64) * stride_kvs + head_offset  # [BLOCK_N]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(kv_ptr + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N] log2 units
-        if SOFTCAP:  # softcap in log2 units; the helper cannot be a jit function (see _MAX)
-            decay = tl.exp2(tl.abs(scores) * (-2.0 * LOG2E_F / softcap))  # tanh(x) = sign(x) (1 - d) / (1 + d)
-            capped = (1.0 - decay) / (1.0 + decay) * softcap
-            scores = tl.where(scores < 0, -capped, capped)
+        k, v = _load_kv_tile(kv_ptr, table, pos, n_mask, offs_d, d_mask, head_offset, stride_kv, stride_kvb,
+                             stride_kvs, PAGE)  # [BLOCK_N, BLOCK_D] each
+        scores = _tile_scores(q, k, qk_scale, softcap, DOT_PRECISION, SOFTCAP)  # [GROUP_PAD, BLOCK_N]
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.reduce(scores, 1, _MAX))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.reduce(probs, 1, _SUM)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
+        row_max, row_sum, acc = _accumulate(scores, v, row_max, row_sum, acc, DOT_PRECISION)
 
     if SPLIT:
         part_rows = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [GROUP_PAD]
@@ -328,25 +358,13 @@ def _prefill_kernel(
     for tile in range(lo, hi, BLOCK_N):
         pos = tile + offs_n  # [BLOCK_N]
         n_mask = pos < hi
-        block = tl.load(table + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        rows = block * stride_kvb + (pos % PAGE).to(tl.int64) * stride_kvs + head_offset  # [BLOCK_N]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(kv_ptr + stride_kv + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if SOFTCAP:  # as in _decode_kernel
-            decay = tl.exp2(tl.abs(scores) * (-2.0 * LOG2E_F / softcap))  # tanh(x) = sign(x) (1 - d) / (1 + d)
-            capped = (1.0 - decay) / (1.0 + decay) * softcap
-            scores = tl.where(scores < 0, -capped, capped)
+        k, v = _load_kv_tile(kv_ptr, table, pos, n_mask, offs_d, d_mask, head_offset, stride_kv, stride_kvb,
+                             stride_kvs, PAGE)  # [BLOCK_N, BLOCK_D] each
+        scores = _tile_scores(q, k, qk_scale, softcap, DOT_PRECISION, SOFTCAP)  # [BLOCK_M, BLOCK_N]
         in_window = (pos[None, :] > q_pos[:, None] - sliding_window) | (sliding_window <= 0)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & in_window
         scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.reduce(scores, 1, _MAX))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.reduce(probs, 1, _SUM)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
+        row_max, row_sum, acc = _accumulate(scores, v, row_max, row_sum, acc, DOT_PRECISION)
 
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head.to(tl.int64) * stride_oh + offs_d[None, :],

@@ -14,8 +14,9 @@ the adapter manager's cumulative stats (slot loads are the slot misses; hits app
 manager counts them). vLLM's names of the same numbers (``vllm:*``) are read from these at scrape time
 (lora_runner.entrypoints.openai.vllm_metrics). With speculative decoding on: vLLM's counters of verify
 steps, draft tokens, accepted tokens and accepted tokens per draft position (``vllm:spec_decode_*``,
-labelled ``model_name`` = the base model's served name, ``position`` for the last), and the same per
-adapter (``lora_runner_spec_decode_*``, labelled ``model`` by the latency histograms' rule).
+built there, labelled ``model_name`` = the base model's served name, ``position`` for the last), and
+here the same per adapter (``lora_runner_spec_decode_*``, labelled ``model`` by the latency histograms'
+rule) and the draft model's forwards and computed tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adapters.manager import AdapterStats
 from lora_runner.engine.protocol import EngineClient
-from lora_runner.entrypoints.openai.vllm_metrics import VllmCollector
+from lora_runner.entrypoints.openai.vllm_metrics import SPEC_COUNTERS, SPEC_PER_POSITION_DOC, VllmCollector
 from lora_runner.engine.stats import EngineStats
 from lora_runner.request_times import RequestTimes
 
@@ -162,42 +163,24 @@ class _EngineCollector:
         return []
 
 
-_SPEC_COUNTERS = (("num_drafts", "Verify steps of speculative decoding (sequences that verified drafts, per step)"),
-                  ("num_draft_tokens", "Draft tokens verified"),
-                  ("num_accepted_tokens", "Draft tokens accepted"))
-
-
 def _spec_decode_series(stats: EngineStats, adapter_label: Callable[[str | None], str]):
-    """Speculative decoding's counters: vLLM's names for the engine, ours per adapter label (adapters
-    that share a label, "other", are summed)."""
-    spec, base = stats.spec_decode, adapter_label(None)
+    """Speculative decoding's counters per adapter label (adapters that share a label, "other", are
+    summed) and the draft model's cost; vLLM's names of the engine's totals are VllmCollector's."""
+    positions = len(stats.spec_decode.accepted_per_position)
     per_label: dict[str, list] = {}  # label -> [num_drafts, num_draft_tokens, num_accepted_tokens, per position]
     for adapter, counts in stats.spec_decode_by_adapter.items():
-        total = per_label.setdefault(adapter_label(adapter), [0, 0, 0, [0] * len(spec.accepted_per_position)])
-        for i, (name, _) in enumerate(_SPEC_COUNTERS):
+        total = per_label.setdefault(adapter_label(adapter), [0, 0, 0, [0] * positions])
+        for i, (name, _) in enumerate(SPEC_COUNTERS):
             total[i] += getattr(counts, name)
-        for position, accepted in enumerate(counts.accepted_per_position[:len(total[3])]):
+        for position, accepted in enumerate(counts.accepted_per_position[:positions]):
             total[3][position] += accepted
-    for i, (name, doc) in enumerate(_SPEC_COUNTERS):
-        engine = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
-        engine.add_metric([base], getattr(spec, name))
-        yield engine
+    for i, (name, doc) in enumerate(SPEC_COUNTERS):
         ours = CounterMetricFamily(f"lora_runner_spec_decode_{name}", f"{doc}, per served model", labels=["model"])
         for label, total in per_label.items():
             ours.add_metric([label], total[i])
         yield ours
-    if stats.draft_forwards is not None:  # the "draft_model" method: what its proposals cost
-        yield CounterMetricFamily("lora_runner_spec_decode_draft_forwards", "Forward passes of the draft model",
-                                  value=stats.draft_forwards)
-        yield CounterMetricFamily("lora_runner_spec_decode_draft_computed_tokens",
-                                  "Tokens the draft model's forward passes computed", value=stats.draft_computed_tokens)
-    doc = "Draft tokens accepted at each draft position (0: the first draft)"
-    engine = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", doc, labels=["model_name", "position"])
-    for position, accepted in enumerate(spec.accepted_per_position):
-        engine.add_metric([base, str(position)], accepted)
-    yield engine
-    ours = CounterMetricFamily("lora_runner_spec_decode_num_accepted_tokens_per_pos", f"{doc}, per served model",
-                               labels=["model", "position"])
+    ours = CounterMetricFamily("lora_runner_spec_decode_num_accepted_tokens_per_pos",
+                               f"{SPEC_PER_POSITION_DOC}, per served model", labels=["model", "position"])
     for label, total in per_label.items():
         for position, accepted in enumerate(total[3]):
             ours.add_metric([label, str(position)], accepted)

@@ -5,7 +5,9 @@ Nothing is counted twice: at scrape time the ``vllm:*`` series are read from the
 ``model_name`` (the base model's served name: vLLM counts its LoRA requests under it too) and
 ``engine`` ("0"). Our histograms' ``model`` series are summed into one per bucket. Adapter names
 appear only in ``vllm:lora_requests_info``, under our label rule (served names of the base model and
-start-up adapters; "other" for runtime ones).
+start-up adapters; "other" for runtime ones). With speculative decoding on, the engine's
+``vllm:spec_decode_*`` counters (labelled ``model_name`` only, ``position`` for the last) are read
+from its stats snapshot here too; their per-adapter twins are ServerMetrics'.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ HISTOGRAMS = {
     "vllm:request_prefill_time_seconds": ("prefill_time", "Histogram of time spent in PREFILL phase for request."),
     "vllm:request_decode_time_seconds": ("decode_time", "Histogram of time spent in DECODE phase for request."),
 }
+# speculative decoding's counters: (SpecDecodingStats field, help); ServerMetrics' per-adapter
+# lora_runner_spec_decode_* series reuse them
+SPEC_COUNTERS = (("num_drafts", "Verify steps of speculative decoding (sequences that verified drafts, per step)"),
+                 ("num_draft_tokens", "Draft tokens verified"),
+                 ("num_accepted_tokens", "Draft tokens accepted"))
+SPEC_PER_POSITION_DOC = "Draft tokens accepted at each draft position (0: the first draft)"
 
 
 class VllmCollector:
@@ -70,6 +78,8 @@ class VllmCollector:
             family.add_metric(self.labels, buckets, total)
             yield family
         yield self._lora_info(stats)
+        if stats.spec_decode is not None:
+            yield from self._spec_decode(stats.spec_decode)
 
     def describe(self):
         """Nothing up front (as ServerMetrics' engine collector)."""
@@ -102,6 +112,21 @@ class VllmCollector:
         family.add_metric([str(stats.max_loras), joined(stats.waiting_loras), joined(stats.running_loras)],
                           time.time())
         return family
+
+
+    def _spec_decode(self, spec):
+        """vLLM's speculative-decoding counters of the engine, labelled ``model_name`` only (and
+        ``position`` for the accepted tokens per draft position)."""
+        model_name = self.labels[0]
+        for name, doc in SPEC_COUNTERS:
+            family = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
+            family.add_metric([model_name], getattr(spec, name))
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", SPEC_PER_POSITION_DOC,
+                                     labels=["model_name", "position"])
+        for position, accepted in enumerate(spec.accepted_per_position):
+            family.add_metric([model_name, str(position)], accepted)
+        yield family
 
 
 def _samples(metric, suffix: str):

@@ -95,24 +95,54 @@ def _loads(text: str):
         return None
 
 
-class HermesToolParser:
-    """Feeds of one choice's text -> Extracted (content, tool-call deltas); see the module docstring.
+class StreamingToolParser:
+    """What the parsers that stream content up to a call's markup share (hermes, qwen3_xml, mistral):
+    the offered names, the calls found, the text not handled yet, and content's trailing whitespace,
+    held back until more content follows, so content never ends in the whitespace before a call.
     offered: the names of the functions the request offered (only these become calls)."""
 
     def __init__(self, offered: Collection[str]) -> None:
         self.offered = frozenset(offered)
         self.num_calls = 0
-        self._buffer = ""  # text not handled yet: a possible tag start, or the open call's body
-        self._inside = False
+        self._buffer = ""  # text not handled yet: a possible start of the markup, or a call
         self._held_space = ""  # trailing content whitespace, sent once more content follows
-        self._space_before = ""  # the whitespace before the open call's markup
-        self._streamed: ToolCallDelta | None = None  # the open call's first delta, once sent
-        self._sent_arguments = ""  # what was sent of the open call's arguments
+        self._space_before = ""  # the whitespace right before the call's markup (content if the call is malformed)
 
     @property
     def called(self) -> bool:
         """Whether any tool call was found."""
         return self.num_calls > 0
+
+    def _content_until(self, out: Extracted, tag: str, finished: bool) -> int | None:
+        """The buffer's content up to `tag` into `out`: the tag's index in the buffer (the whitespace
+        before it set aside in _space_before), or None when it is absent (the buffer then keeps only
+        an end that may start the tag, nothing once `finished`)."""
+        start = self._buffer.find(tag)
+        if start < 0:
+            keep = 0 if finished else partial_tag(self._buffer, tag)
+            self._content(out, self._buffer[:len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            return None
+        self._content(out, self._buffer[:start])
+        self._space_before, self._held_space = self._held_space, ""  # dropped, unless the call is malformed
+        return start
+
+    def _content(self, out: Extracted, text: str) -> None:
+        text = self._held_space + text
+        kept = text.rstrip()
+        self._held_space = text[len(kept):]
+        out.content += kept
+
+
+class HermesToolParser(StreamingToolParser):
+    """Feeds of one choice's text -> Extracted (content, tool-call deltas); see the module docstring.
+    offered: the names of the functions the request offered (only these become calls)."""
+
+    def __init__(self, offered: Collection[str]) -> None:
+        super().__init__(offered)
+        self._inside = False  # the buffer holds the open call's body
+        self._streamed: ToolCallDelta | None = None  # the open call's first delta, once sent
+        self._sent_arguments = ""  # what was sent of the open call's arguments
 
     def feed(self, text: str, finished: bool = False) -> Extracted:
         """What `text` (the next piece of the output) adds; `finished`: the output ends here."""
@@ -128,14 +158,9 @@ class HermesToolParser:
 
     def _open_call(self, out: Extracted, finished: bool) -> bool:
         """Content up to the next ``<tool_call>``; True when one opened (the buffer then holds its body)."""
-        start = self._buffer.find(OPEN)
-        if start < 0:
-            keep = 0 if finished else partial_tag(self._buffer, OPEN)
-            self._content(out, self._buffer[:len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
+        start = self._content_until(out, OPEN, finished)
+        if start is None:
             return False
-        self._content(out, self._buffer[:start])
-        self._space_before, self._held_space = self._held_space, ""  # dropped, unless the call is malformed
         self._buffer = self._buffer[start + len(OPEN):]
         self._inside, self._streamed, self._sent_arguments = True, None, ""
         return True
@@ -189,9 +214,3 @@ class HermesToolParser:
         if len(ready) > len(self._sent_arguments):
             out.calls.append(ToolCallDelta(self._streamed.index, arguments=ready[len(self._sent_arguments):]))
             self._sent_arguments = ready
-
-    def _content(self, out: Extracted, text: str) -> None:
-        text = self._held_space + text
-        kept = text.rstrip()
-        self._held_space = text[len(kept):]
-        out.content += kept

@@ -25,44 +25,29 @@ import re
 from collections.abc import Collection
 
 from lora_runner.entrypoints.openai.tool_calls.deltas import Extracted, ToolCallDelta, new_call_id
-from lora_runner.entrypoints.openai.tool_calls.hermes_parser import partial_tag, unique_keys_decoder
+from lora_runner.entrypoints.openai.tool_calls.hermes_parser import StreamingToolParser, unique_keys_decoder
 
 BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})\s*(?:\[ARGS\])?\s*")
 
 
-class MistralToolParser:
+class MistralToolParser(StreamingToolParser):
     """Feeds of one choice's text -> Extracted (content, tool-call deltas); see the module docstring.
     offered: the names of the functions the request offered (only these become calls)."""
 
     keep_special_tokens = True  # [TOOL_CALLS] is a control token: decoding must keep it
 
     def __init__(self, offered: Collection[str]) -> None:
-        self.offered = frozenset(offered)
-        self.num_calls = 0
-        self._buffer = ""  # a possible start of [TOOL_CALLS], or everything from the token on
-        self._calling = False
-        self._held_space = ""  # trailing content whitespace, sent once more content follows
-        self._space_before = ""  # the whitespace right before [TOOL_CALLS]
-
-    @property
-    def called(self) -> bool:
-        """Whether any tool call was found."""
-        return self.num_calls > 0
+        super().__init__(offered)
+        self._calling = False  # the buffer holds everything from [TOOL_CALLS] on
 
     def feed(self, text: str, finished: bool = False) -> Extracted:
         """What `text` (the next piece of the output) adds; `finished`: the output ends here."""
         out = Extracted()
         self._buffer += text
         if not self._calling:
-            start = self._buffer.find(BOT)
-            if start < 0:
-                keep = 0 if finished else partial_tag(self._buffer, BOT)
-                self._content(out, self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-            else:
-                self._content(out, self._buffer[:start])
-                self._space_before, self._held_space = self._held_space, ""
+            start = self._content_until(out, BOT, finished)
+            if start is not None:
                 self._calling, self._buffer = True, self._buffer[start:]
         if finished:
             if self._calling:
@@ -128,9 +113,3 @@ class MistralToolParser:
                 return None
             calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
         return calls, rest[end:]
-
-    def _content(self, out: Extracted, text: str) -> None:
-        text = self._held_space + text
-        kept = text.rstrip()
-        self._held_space = text[len(kept):]
-        out.content += kept
