@@ -56,12 +56,12 @@ def test_metrics_count_drafts_for_the_engine_and_per_served_model(served):
     stats = state.engine.get_stats()
     spec, by_adapter = stats.spec_decode, stats.spec_decode_by_adapter
     assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0
-    base = (("model_name", "base"),)
+    base = (("engine", "0"), ("model_name", "base"))
     assert samples[("vllm:spec_decode_num_drafts_total", base)] == spec.num_drafts
     assert samples[("vllm:spec_decode_num_draft_tokens_total", base)] == spec.num_draft_tokens
     assert samples[("vllm:spec_decode_num_accepted_tokens_total", base)] == spec.num_accepted_tokens
     for position, accepted in enumerate(spec.accepted_per_position):
-        key = ("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("model_name", "base"), ("position", str(position))))
+        key = ("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*base, ("position", str(position))))
         assert samples[key] == accepted
     assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):

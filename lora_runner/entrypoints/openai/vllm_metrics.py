@@ -115,17 +115,16 @@ class VllmCollector:
 
 
     def _spec_decode(self, spec):
-        """vLLM's speculative-decoding counters of the engine, labelled ``model_name`` only (and
+        """vLLM's speculative-decoding counters of the engine, labelled as every vllm:* series (and
         ``position`` for the accepted tokens per draft position)."""
-        model_name = self.labels[0]
         for name, doc in SPEC_COUNTERS:
-            family = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
-            family.add_metric([model_name], getattr(spec, name))
+            family = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=LABELS)
+            family.add_metric(self.labels, getattr(spec, name))
             yield family
         family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", SPEC_PER_POSITION_DOC,
-                                     labels=["model_name", "position"])
+                                     labels=[*LABELS, "position"])
         for position, accepted in enumerate(spec.accepted_per_position):
-            family.add_metric([model_name, str(position)], accepted)
+            family.add_metric([*self.labels, str(position)], accepted)
         yield family
 
 
