@@ -17,6 +17,7 @@ import pytest
 from adapters import AdapterTooLargeError, InvalidAdapterError, LoRARequest, UnsafeAdapterError
 from factories import build_tiny_model, save_lora
 from lora_runner import LLMEngine, SamplingParams
+from lora_runner.worker.cuda_graphs import RerunGraph
 
 K = 3
 
@@ -30,12 +31,14 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(rng.randint(6, 14))] for _ in range(n)]
 
 
-def run(path, speculative_config, requests, max_loras=2):
+def run(path, speculative_config, requests, max_loras=2, tp=1, before=None):
     """{index: RequestOutput} of greedy requests [(prompt, LoRARequest | None)] and the engine; the target
-    adapters are loaded before the first step, two requests join per step."""
+    adapters are loaded before the first step, two requests join per step. before(engine): called first."""
     engine = LLMEngine(path, device="cpu", max_num_seqs=4, max_model_len=64, block_size=4, max_loras=max_loras,
                        max_lora_rank=16, max_num_batched_tokens=16, speculative_config=speculative_config,
-                       cpu_threads=1)
+                       cpu_threads=1, tensor_parallel_size=tp)
+    if before is not None:
+        before(engine)
     for _, lora in requests:
         if lora is not None:
             engine.add_lora(LoRARequest(lora.name, lora.path))
@@ -159,6 +162,39 @@ def test_more_draft_adapters_than_draft_slots_stays_exact(model):
     assert_every_draft_accepted(done, "one draft slot")
     stats = engine.scheduler.speculator.proposer.adapters.manager.stats
     assert stats.lora_evictions > 0, stats
+
+
+def test_draft_adapters_with_draft_graphs_and_a_tensor_parallel_target(model, plain):
+    """The draft's forwards in (emulated) graphs: a forward with draft-adapter rows runs eagerly, one of base
+    rows alone replays; at tp=2 the target's ranks verify and the draft runs with its adapters on the engine's
+    side. Every draft is still accepted, the tokens unchanged."""
+    path, dirs = model
+    requests = mixed(dirs, lambda name: dirs[name])
+
+    def graphs(engine):
+        engine.scheduler.speculator.proposer.forward.capture_graphs(K, make_graph=RerunGraph)
+    done, engine = run(path, spec(path), requests, before=graphs)
+    assert tokens(done) == plain
+    assert_every_draft_accepted(done, "draft graphs")
+    assert engine.scheduler.speculator.proposer.forward.graphs.num_replays > 0
+    done, _ = run(path, spec(path), requests, tp=2)
+    assert tokens(done) == plain
+    assert_every_draft_accepted(done, "tp=2")
+
+
+def test_a_request_whose_draft_adapter_cannot_load_after_close_fails(model):
+    path, dirs = model
+    engine = LLMEngine(path, device="cpu", max_model_len=64, block_size=4, speculative_config=spec(path))
+    engine.add_lora(LoRARequest("r4", dirs["r4"]))
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4),
+                       lora_request=LoRARequest("r4", dirs["r4"], draft_lora_path=dirs["r4"]))
+    engine.add_request("b", [5, 6, 7], SamplingParams(max_tokens=4), lora_request=LoRARequest("r4", dirs["r4"]))
+    engine.close()
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    assert done["a"].outputs[0].finish_reason == "error" and "closed" in str(done["a"].error)
+    assert done["b"].outputs[0].finish_reason == "length"  # its adapters were ready: it completes
 
 
 def test_draft_lora_path_is_checked_when_the_request_is_made():

@@ -224,6 +224,8 @@ class LLMEngine(AdapterAPI):
         requests still unfinished finish with "error" at the next step()."""
         self.intake.close()
         self.adapters.close()
+        if self.scheduler.speculator is not None:  # a draft model's adapter loads
+            self.scheduler.speculator.close()
         self.structured.close()
         self.executor.close()
         self.intake.wake()  # the cancelled loads are failures the next step reports

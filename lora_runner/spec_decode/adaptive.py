@@ -84,6 +84,12 @@ class SpeculationPolicy:
         state = getattr(self.proposer, "state", None)  # only a draft model loads anything per request
         return "ready" if state is None else state(request)
 
+    def close(self) -> None:
+        """The engine closed: the proposer's background work stops (a draft model's adapter loads)."""
+        close = getattr(self.proposer, "close", None)
+        if close is not None:
+            close()
+
     def drafts(self, request: Request, budget: int) -> list[int]:
         """The request's drafts this step: [] while its acceptance is low (between probes), else the
         proposer's, cut to what its grammar accepts."""

@@ -34,7 +34,7 @@ import torch
 
 from adapters.manager import AdapterManager
 from adapters.spec import ModelSpec
-from adapters.tier import AdapterRef
+from adapters.tier import AdapterRef, TierClosedError
 from lora_runner.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,11 @@ class DraftAdapters:
             return "ready"
         ref = self._refs.get(request)
         if ref is None:
-            ref = self._refs[request] = self.tier.acquire(lora.draft_request)
+            try:
+                ref = self._refs[request] = self.tier.acquire(lora.draft_request)
+            except TierClosedError as error:  # the engine closed: the request cannot start any more
+                request.error = error
+                return "failed"
         state = self.tier.state(ref)
         if state == "failed" and request.error is None:
             error = self.tier.error(ref)  # its own class; the message says it is the draft model's adapter
@@ -142,5 +146,6 @@ class DraftAdapters:
             self.tier.release(ref)
 
     def close(self) -> None:
-        """Stop background loads (see AdapterManager.close)."""
+        """Stop background loads at once (AdapterManager.close): waiting requests whose draft adapter was
+        not loaded fail; running ones go on with the adapters they have."""
         self.manager.close()

@@ -242,6 +242,11 @@ class DraftModelSpeculator:
         if request.is_finished and self.adapters is not None:
             self.adapters.release(request)
 
+    def close(self) -> None:
+        """The engine closed: the draft adapters' background loads stop (DraftAdapters.close)."""
+        if self.adapters is not None:
+            self.adapters.close()
+
     def _drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)
         self._proposals.pop(request_id, None)
