@@ -202,3 +202,23 @@ def test_draft_lora_path_is_checked_when_the_request_is_made():
         LoRARequest("a", "/x", draft_lora_path="")
     assert LoRARequest("a", "/x", draft_lora_path="/y").draft_request == LoRARequest("a", "/y")
     assert LoRARequest("a", "/x").draft_request is None
+
+
+def test_json_lora_modules_name_a_draft_adapter():
+    """`serve --lora-modules '{"name": ..., "path": ..., "draft_path": ...}'`: the served LoRARequest carries it
+    (HTTP requests for the adapter use the served request); a bad draft_path is a usage error."""
+    import argparse
+
+    from lora_runner.entrypoints.cli import add_serve_arguments, startup_adapters
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["m", "--lora-modules", '{"name": "sql", "path": "/a/sql", "draft_path": "/d/sql"}',
+                              "chat=/a/chat"])
+    assert startup_adapters(args).loras == (LoRARequest("sql", "/a/sql", draft_lora_path="/d/sql"),
+                                            LoRARequest("chat", "/a/chat"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--lora-modules", '{"name": "sql", "path": "/a/sql", "draft_path": 3}'])
+    args = parser.parse_args(["m", "--prompt-adapters", '{"name": "s", "path": "/a/s", "draft_path": "/d/s"}'])
+    with pytest.raises(ValueError, match="draft_path names a LoRA of the speculative draft model"):
+        startup_adapters(args)
