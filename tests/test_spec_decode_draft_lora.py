@@ -106,8 +106,7 @@ def test_the_targets_own_adapters_as_draft_adapters_accept_every_draft(model, pl
     draft = engine.scheduler.speculator.proposer
     assert draft.adapters.manager.stats.lora_loads >= 2  # both draft adapters were written into draft slots
     assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
-    assert draft.adapters.tier.list() == ["r4", "r8-rslora"] or sorted(draft.adapters.tier.list()) == ["r4",
-                                                                                                     "r8-rslora"]
+    assert sorted(draft.adapters.tier.list()) == ["r4", "r8-rslora"]  # the draft's own CPU cache
 
 
 def test_without_draft_adapters_adapter_rows_accept_less(model, plain):

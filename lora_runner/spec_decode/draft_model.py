@@ -1,13 +1,14 @@
 """Draft-model proposals (vLLM's "draft_model" method): a smaller model with the target's tokenizer
 proposes its greedy tokens.
 
-The draft runs without adapters, or with each request's own draft adapter where its LoRARequest names one
-(``draft_lora_path``, lora_runner.spec_decode.draft_adapters), in the engine process beside the scheduler (at tensor_parallel_size
-> 1 too: unsharded, on the engine's side, not on the target's ranks), with its own paged KV cache: a
-block table per request from its own BlockManager, freed when the request finishes or is preempted
-(``release``). The draft reads a request's real tokens (soft-prompt placeholders excluded: the draft
-has no soft prompt); what its cache holds for a request is the list of tokens it computed
-(``_DraftState.cached``, positions 0..).
+The draft runs without adapters, or with each request's own draft adapter where its LoRARequest names
+one (``draft_lora_path``, lora_runner.spec_decode.draft_adapters), in the engine process beside the
+scheduler (at tensor_parallel_size > 1 too: unsharded, on the engine's side, not on the target's ranks),
+with its own paged KV cache: a block table per request from its own BlockManager, freed when the request
+finishes or is preempted (``release``). The draft reads a request's real tokens (soft-prompt placeholders
+excluded: the draft has no soft prompt); what its cache holds for a request is the list of tokens it
+computed (``_DraftState.cached``, positions 0..), with its draft adapter if it has one (no prefix caching:
+no KV is shared between requests).
 
 Each step (``prepare``, the scheduler's hook, with the running requests):
 

@@ -153,8 +153,8 @@ def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConf
     ``loaded``: the draft start-up loaded (None: loaded here). ``target_graphs``: the target runner's decode
     graphs where it captured CUDA graphs: the draft's forwards are captured too, on their memory pool.
     ``draft_loras``: per-request draft adapters with these limits (None: none; a request naming one runs
-    the draft without it). Raises ValueError when the draft's vocabulary is not the target's or its context is shorter than
-    max_model_len, and what load_model raises for a draft it cannot load."""
+    the draft without it). Raises ValueError when the draft's vocabulary is not the target's or its context
+    is shorter than max_model_len, and what load_model raises for a draft it cannot load."""
     if loaded is None:
         loaded = load_draft(config, dtype=dtype, device=device, local_files_only=local_files_only)
     model, draft_config, draft_dir = loaded.model, loaded.config, loaded.model_dir
