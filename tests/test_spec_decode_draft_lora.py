@@ -221,3 +221,22 @@ def test_json_lora_modules_name_a_draft_adapter():
     args = parser.parse_args(["m", "--prompt-adapters", '{"name": "s", "path": "/a/s", "draft_path": "/d/s"}'])
     with pytest.raises(ValueError, match="draft_path names a LoRA of the speculative draft model"):
         startup_adapters(args)
+
+
+def test_add_lora_and_generate_refuse_a_bad_draft_adapter_before_any_work(model):
+    """add_lora loads and validates a LoRA's draft adapter too, so LLM.generate raises its AdapterError
+    before any prompt runs (README: a bad adapter in LLM.generate raises before any work)."""
+    from lora_runner import LLM
+
+    path, dirs = model
+    llm = LLM(path, device="cpu", max_model_len=64, block_size=4, max_lora_rank=16, speculative_config=spec(path))
+    with pytest.raises(AdapterTooLargeError, match="the draft model's adapter .*over-rank.* of LoRA 'r4'"):
+        llm.engine.add_lora(LoRARequest("r4", dirs["r4"], draft_lora_path=dirs["over-rank"]))
+    bad = LoRARequest("r8-rslora", dirs["r8-rslora"], draft_lora_path=dirs["pickle"])
+    with pytest.raises(UnsafeAdapterError, match="the draft model's adapter"):
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=2), lora_request=[None, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats.steps == 0
+    good = LoRARequest("r4", dirs["r4"], draft_lora_path=dirs["r4"])
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), lora_request=good, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.engine.close()

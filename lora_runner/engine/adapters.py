@@ -63,6 +63,8 @@ class EngineAdapters:
         self.manager, self.max_model_len, self.prompts_enabled = manager, max_model_len, prompts_enabled
         self.tiers: dict[str, AdapterTier] = {"lora": manager.loras, "prompt": manager.prompts}
         self.step_lock = threading.Lock()
+        # the speculative draft model's per-request adapters (spec_decode.draft_adapters), set by the engine
+        self.draft_adapters = None
 
     # ------------------------------------------------------------------ user side, per kind
     # kind: "lora" or "prompt"; AdapterAPI's add_lora, pin_prompt_adapter, ... (lora_runner.engine.adapter_api)
@@ -73,13 +75,16 @@ class EngineAdapters:
         ``load_inplace``: a new version is read from what the source holds now even when the name
         already serves this very source (its files were rewritten), and serves the name from the
         next step on. Raises the adapter's AdapterError (ValueError for a disabled or mistyped prompt
-        adapter)."""
+        adapter); a LoRA's draft adapter (LoRARequest.draft_lora_path, with a draft model) loads too."""
         if kind == "prompt":
             check_prompt_adapter_request(request, self.prompts_enabled)
         tier = self.tiers[kind]
         if not load_inplace:
             with _closed_as_engine_error():
-                return tier.add(request)
+                ref = tier.add(request)
+                if kind == "lora" and self.draft_adapters is not None and getattr(request, "draft_lora_path", None):
+                    self.draft_adapters.add(request)  # its draft adapter too: its AdapterError now
+                return ref
         with _closed_as_engine_error():
             ref = tier.stage(request, fresh=True)
         try:

@@ -94,6 +94,8 @@ class LLMEngine(AdapterAPI):
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
                                        cfg.fairness_prefill_weight, cfg.fairness_decode_weight),
                                    grammar_state=grammar_state, speculator=self._speculator())
+        # add_lora validates a LoRA's draft adapter too (the draft_model method's per-request adapters)
+        self.adapters.draft_adapters = getattr(getattr(self.scheduler.speculator, "proposer", None), "adapters", None)
         self.tokenizer = LazyTokenizer(self.model_dir)
         # decode looked up per call, so a tokenizer swapped on the engine (tests) is the one used
         self.output_processor = OutputProcessor(lambda ids, **options: self.tokenizer.decode(ids, **options),

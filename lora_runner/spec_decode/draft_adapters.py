@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.errors import AdapterError
 from adapters.manager import AdapterManager
+from adapters.request import LoRARequest
 from adapters.spec import ModelSpec
 from adapters.tier import AdapterRef, TierClosedError
 from lora_runner.core.request import Request
@@ -104,11 +106,16 @@ class DraftAdapters:
                 return "failed"
         state = self.tier.state(ref)
         if state == "failed" and request.error is None:
-            error = self.tier.error(ref)  # its own class; the message says it is the draft model's adapter
-            request.error = type(error)(f"the draft model's adapter {draft!r} of LoRA {lora.name!r} "
-                                        f"(speculative_config draft_model): {error}")
-            request.error.__cause__ = error
+            request.error = _named(lora, self.tier.error(ref))
         return state
+
+    def add(self, lora: LoRARequest) -> None:
+        """Load and validate the draft adapter `lora` names now, in the calling thread (LLMEngine.add_lora,
+        so LLM.generate refuses a bad one before any work); its AdapterError otherwise."""
+        try:
+            self.tier.add(lora.draft_request)
+        except AdapterError as error:
+            raise _named(lora, error) from error
 
     def ref(self, request: Request) -> AdapterRef | None:
         """The draft adapter version the request holds (None: it runs the draft without LoRA)."""
@@ -149,3 +156,9 @@ class DraftAdapters:
         """Stop background loads at once (AdapterManager.close): waiting requests whose draft adapter was
         not loaded fail; running ones go on with the adapters they have."""
         self.manager.close()
+
+
+def _named(lora: LoRARequest, error: AdapterError) -> AdapterError:
+    """`error` (its own class) with a message that says it is the draft model's adapter of `lora`."""
+    return type(error)(f"the draft model's adapter {lora.draft_lora_path!r} of LoRA {lora.name!r} "
+                       f"(speculative_config draft_model): {error}")
