@@ -163,6 +163,29 @@ def test_more_draft_adapters_than_draft_slots_stays_exact(model):
     assert stats.lora_evictions > 0, stats
 
 
+def test_draft_adapters_take_turns_in_too_few_draft_slots(model):
+    """One draft slot, two running requests with other draft adapters: the newer one gets the slot in its
+    turn (not only once the older one finished, which here would be after it finished itself)."""
+    path, dirs = model
+    outputs = {}
+    for speculative_config in (None, spec(path, max_draft_loras=1)):
+        engine = LLMEngine(path, device="cpu", max_model_len=64, block_size=4, max_lora_rank=16,
+                           speculative_config=speculative_config)
+        for name, max_tokens in (("r4", 40), ("r8-rslora", 6)):  # r4: ~10 steps at 4 tokens a step
+            engine.add_lora(LoRARequest(name, dirs[name]))
+            engine.add_request(name, prompts(1, seed=len(name))[0],
+                               SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                               lora_request=LoRARequest(name, dirs[name], draft_lora_path=dirs[name]))
+        done = {}
+        while engine.has_unfinished_requests():
+            engine.wait_for_work(timeout=5)
+            done.update({out.request_id: out for out in engine.step() if out.finished})
+        engine.close()
+        outputs[speculative_config is None] = done
+    assert tokens(outputs[False]) == tokens(outputs[True])
+    assert_every_draft_accepted(outputs[False], "one draft slot, two adapters")
+
+
 def test_draft_adapters_with_draft_graphs_and_a_tensor_parallel_target(model, plain):
     """The draft's forwards in (emulated) graphs: a forward with draft-adapter rows runs eagerly, one of base
     rows alone replays; at tp=2 the target's ranks verify and the draft runs with its adapters on the engine's

@@ -14,9 +14,9 @@ A request's draft adapter (held from the request's first schedule() until it fin
 - one that fails refuses the request: ``state`` says "failed" with the AdapterError in ``request.error``
   and the scheduler fails it alone ("error"), before it runs;
 - each step, ``slots`` makes the draft adapters of the requests that run in the draft forward resident,
-  at most max_draft_loras distinct ones, in the order given (proposing requests first, oldest first):
-  a request whose draft adapter gets no slot this step skips the draft forward (no proposals; its draft
-  KV is computed with its adapter only), and catches up in a later step. Requests without a draft
+  at most max_draft_loras distinct ones; with more, they take turns (the one that had a slot longest ago
+  first): a request whose draft adapter gets no slot this step skips the draft forward (no proposals;
+  its draft KV is computed with its adapter only) and catches up in a later step. Requests without a draft
   adapter run the draft without LoRA in the same batched forward (slot -1).
 
 The draft's KV of a request depends on its draft adapter; the draft's block pool has no prefix caching,
@@ -79,6 +79,8 @@ class DraftAdapters:
         self.num_slots = settings.max_draft_loras
         self._refs: dict[Request, AdapterRef] = {}  # requests holding a draft adapter version
         self._unready: set[Request] = set()  # requests whose draft adapter failed after they were admitted
+        self._step = 0  # slots() calls
+        self._last_slot: dict[AdapterRef, int] = {}  # held version -> the last slots() call that gave it a slot
 
     @property
     def lora_slots(self):
@@ -124,13 +126,14 @@ class DraftAdapters:
     def slots(self, requests: Sequence[Request]) -> dict[Request, int]:
         """Make this step's draft adapters resident: request -> its draft LoRA slot (-1: none named) for the
         requests that may run in the draft forward; those whose adapter got no slot (more distinct ones
-        than slots: the later ones wait; or it failed) are left out."""
-        chosen: list[AdapterRef] = []
-        for request in requests:
-            ref = self._refs.get(request)
-            if ref is not None and ref not in chosen and len(chosen) < self.num_slots \
-                    and self.tier.state(ref) == "ready":
-                chosen.append(ref)
+        than slots; or it failed) are left out. With more distinct ones than slots they take turns: the
+        adapters that had a slot longest ago go first (then in the order given), so none starves."""
+        self._step += 1
+        wanted = list(dict.fromkeys(ref for request in requests if (ref := self._refs.get(request)) is not None
+                                    and self.tier.state(ref) == "ready"))
+        chosen = sorted(wanted, key=lambda ref: self._last_slot.get(ref, 0))[:self.num_slots]  # stable
+        for ref in chosen:
+            self._last_slot[ref] = self._step
         slot_of = dict(zip(chosen, self.tier.activate(chosen))) if chosen else {}
         out = {}
         for request in requests:
@@ -151,6 +154,8 @@ class DraftAdapters:
         ref = self._refs.pop(request, None)
         if ref is not None:
             self.tier.release(ref)
+            if ref not in self._refs.values():
+                self._last_slot.pop(ref, None)
 
     def close(self) -> None:
         """Stop background loads at once (AdapterManager.close): waiting requests whose draft adapter was
