@@ -263,3 +263,66 @@ def test_add_lora_and_generate_refuse_a_bad_draft_adapter_before_any_work(model)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), lora_request=good, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     llm.engine.close()
+
+
+def test_serving_an_adapter_validates_its_draft_adapter(model):
+    """serve_adapter (the server's --lora-modules and runtime loads) loads a LoRA's draft adapter with it: a
+    bad one raises its AdapterError and nothing is served; a good one serves, its request carrying it."""
+    path, dirs = model
+    engine = LLMEngine(path, device="cpu", max_model_len=64, block_size=4, max_lora_rank=16,
+                       speculative_config=spec(path))
+    with pytest.raises(InvalidAdapterError, match="the draft model's adapter"):
+        engine.serve_adapter(LoRARequest("r4", dirs["r4"], draft_lora_path=dirs["wrong-shapes"]))
+    assert engine.served_adapter("r4") is None
+    served = engine.serve_adapter(LoRARequest("r4", dirs["r4"], draft_lora_path=dirs["r4"]))
+    assert served.request.draft_lora_path == dirs["r4"]
+    engine.close()
+
+
+def test_the_server_serves_draft_adapters(model, tmp_path):
+    """Over HTTP: `--lora-modules` JSON with "draft_path", and /v1/load_lora_adapter's "draft_path", confined
+    as lora_path is and beneath the same directory (403 otherwise); a bad draft adapter answers 422 naming
+    its path relative to that directory; requests on a served adapter draft with its draft adapter."""
+    import json
+    import shutil
+
+    import httpx
+    from serve_support import serve_args, start_server
+
+    path, dirs = model
+    allowed, root = tmp_path / "allowed", tmp_path / "root"
+    root.mkdir()
+    for name in ("r4", "r8-rslora", "wrong-shapes"):
+        shutil.copytree(dirs[name], allowed / name)
+    key = "draft-admin-key-0000"
+    server, state = start_server(serve_args(path, {}, extra=[
+        "--lora-modules", json.dumps({"name": "sql", "path": dirs["r4"], "draft_path": dirs["r4"]}),
+        "--speculative-config", json.dumps(spec(path)), "--api-key", key, "--allow-runtime-lora-updating",
+        "--allowed-adapter-paths", str(allowed), "--adapter-root", str(root)]))
+    try:
+        def load(name, lora_path, draft_path):
+            return httpx.post(server.base_url + "/v1/load_lora_adapter", timeout=60,
+                              headers={"Authorization": f"Bearer {key}"},
+                              json={"lora_name": name, "lora_path": lora_path, "draft_path": draft_path})
+        assert load("chat", str(allowed / "r8-rslora"), str(allowed / "r8-rslora")).status_code == 200
+        escaped = load("x", str(allowed / "r4"), dirs["r4"])  # outside the allowed directory
+        assert escaped.status_code == 403, escaped.text
+        other_dir = load("x", str(allowed / "r4"), "r4")  # relative: the adapter root, another directory
+        assert other_dir.status_code == 403 and "same adapter directory" in other_dir.text, other_dir.text
+        bad = load("x", str(allowed / "r4"), str(allowed / "wrong-shapes"))
+        assert bad.status_code == 422 and "the draft model's adapter 'wrong-shapes'" in bad.text, bad.text
+        assert str(allowed) not in bad.text
+        for name, adapter in (("sql", "r4"), ("chat", "r8-rslora")):
+            served = state.engine.engine.adapters.served(name)
+            assert served.request.draft_lora_path == (dirs["r4"] if name == "sql" else str(allowed / adapter))
+            reply = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                               headers={"Authorization": f"Bearer {key}"},
+                               json={"model": name, "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0,
+                                     "ignore_eos": True})
+            assert reply.status_code == 200, reply.text
+        by_adapter = state.engine.engine.stats.spec_decode_by_adapter
+        for name in ("sql", "chat"):
+            stats = by_adapter[name]
+            assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens, (name, stats)
+    finally:
+        server.stop()

@@ -82,17 +82,24 @@ class EngineAdapters:
         if not load_inplace:
             with _closed_as_engine_error():
                 ref = tier.add(request)
-                if kind == "lora" and self.draft_adapters is not None and getattr(request, "draft_lora_path", None):
-                    self.draft_adapters.add(request)  # its draft adapter too: its AdapterError now
-                return ref
+            self._add_draft(kind, request)
+            return ref
         with _closed_as_engine_error():
             ref = tier.stage(request, fresh=True)
         try:
+            self._add_draft(kind, request)
             with self.step_lock:  # publishing retires the replaced version, which may free its slot
                 tier.publish(None, True, ref)
         finally:
             tier.release(ref)
         return ref
+
+    def _add_draft(self, kind: str, request) -> None:
+        """Load and validate a LoRA's draft adapter now (LoRARequest.draft_lora_path, with a draft model): its
+        AdapterError raised here. Nothing without one."""
+        if kind == "lora" and self.draft_adapters is not None and getattr(request, "draft_lora_path", None):
+            with _closed_as_engine_error():
+                self.draft_adapters.add(request)
 
     def update(self, name: str, state_dict, config, owner: str | None = None,
                claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
@@ -145,7 +152,8 @@ class EngineAdapters:
 
         Returns the served adapter (``version``: the version published now, when loaded), or None when
         ``claim`` said no. Raises ValueError when the name is served already (and ``replace`` is False,
-        or it is served as the other kind).
+        or it is served as the other kind). With ``load``, a LoRA's draft adapter (LoRARequest.
+        draft_lora_path, with a draft model) is loaded and validated too: its AdapterError, nothing served.
         """
         kind = "lora" if isinstance(request, LoRARequest) else "prompt"
         if kind == "prompt":
@@ -154,6 +162,8 @@ class EngineAdapters:
         with _closed_as_engine_error():
             ref = tier.stage(request, fresh=replace) if load else None
         try:
+            if ref is not None:
+                self._add_draft(kind, request)  # nothing served when its draft adapter is bad
             with self.step_lock:  # publishing retires the replaced version, which may free its slot
                 if other.served(request.name) is not None:
                     raise ValueError(f"an adapter named {request.name!r} is already loaded (as a {other.kind})")

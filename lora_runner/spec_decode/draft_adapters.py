@@ -164,6 +164,7 @@ class DraftAdapters:
 
 
 def _named(lora: LoRARequest, error: AdapterError) -> AdapterError:
-    """`error` (its own class) with a message that says it is the draft model's adapter of `lora`."""
-    return type(error)(f"the draft model's adapter {lora.draft_lora_path!r} of LoRA {lora.name!r} "
+    """`error` (its own class) with a message that says it is the draft model's adapter of `lora` (its path
+    relative to the request's root, as the adapter's own errors name it: a server shows it to tenants)."""
+    return type(error)(f"the draft model's adapter {lora.draft_request.relative_path!r} of LoRA {lora.name!r} "
                        f"(speculative_config draft_model): {error}")
