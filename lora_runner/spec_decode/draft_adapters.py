@@ -119,10 +119,6 @@ class DraftAdapters:
         except AdapterError as error:
             raise _named(lora, error) from error
 
-    def ref(self, request: Request) -> AdapterRef | None:
-        """The draft adapter version the request holds (None: it runs the draft without LoRA)."""
-        return self._refs.get(request)
-
     def slots(self, requests: Sequence[Request]) -> dict[Request, int]:
         """Make this step's draft adapters resident: request -> its draft LoRA slot (-1: none named) for the
         requests that may run in the draft forward; those whose adapter got no slot (more distinct ones
