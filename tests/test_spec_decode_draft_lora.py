@@ -326,3 +326,34 @@ def test_the_server_serves_draft_adapters(model, tmp_path):
             assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens, (name, stats)
     finally:
         server.stop()
+
+
+def test_load_inplace_reads_the_draft_adapter_again(model, tmp_path):
+    """Replacing a served LoRA in place (its files rewritten under the same paths) reads its draft adapter
+    again too: after the draft adapter's files change, new requests draft with the new weights."""
+    import shutil
+
+    path, dirs = model
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(dirs["r4"], draft_dir)
+    engine = LLMEngine(path, device="cpu", max_model_len=64, block_size=4, max_lora_rank=16,
+                       speculative_config=spec(path))
+    request = LoRARequest("r4", dirs["r4"], draft_lora_path=str(draft_dir))
+    engine.serve_adapter(request)
+
+    def acceptance(request_id):
+        engine.add_request(request_id, prompts(1, seed=11)[0],
+                           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                           lora_request=request)
+        done = []
+        while engine.has_unfinished_requests():
+            engine.wait_for_work(timeout=5)
+            done += [out for out in engine.step() if out.finished]
+        stats = done[0].spec_decode
+        return stats.num_accepted_tokens / stats.num_draft_tokens
+    assert acceptance("before") == 1.0
+    shutil.rmtree(draft_dir)
+    shutil.copytree(dirs["r8-rslora"], draft_dir)
+    engine.serve_adapter(request, replace=True)
+    assert acceptance("after") < 1.0
+    engine.close()

@@ -87,19 +87,19 @@ class EngineAdapters:
         with _closed_as_engine_error():
             ref = tier.stage(request, fresh=True)
         try:
-            self._add_draft(kind, request)
+            self._add_draft(kind, request, fresh=True)
             with self.step_lock:  # publishing retires the replaced version, which may free its slot
                 tier.publish(None, True, ref)
         finally:
             tier.release(ref)
         return ref
 
-    def _add_draft(self, kind: str, request) -> None:
+    def _add_draft(self, kind: str, request, fresh: bool = False) -> None:
         """Load and validate a LoRA's draft adapter now (LoRARequest.draft_lora_path, with a draft model): its
-        AdapterError raised here. Nothing without one."""
+        AdapterError raised here; ``fresh`` (load_inplace): read again. Nothing without one."""
         if kind == "lora" and self.draft_adapters is not None and getattr(request, "draft_lora_path", None):
             with _closed_as_engine_error():
-                self.draft_adapters.add(request)
+                self.draft_adapters.add(request, fresh=fresh, publish_lock=self.step_lock)
 
     def update(self, name: str, state_dict, config, owner: str | None = None,
                claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
@@ -163,7 +163,7 @@ class EngineAdapters:
             ref = tier.stage(request, fresh=replace) if load else None
         try:
             if ref is not None:
-                self._add_draft(kind, request)  # nothing served when its draft adapter is bad
+                self._add_draft(kind, request, fresh=replace)  # nothing served when its draft adapter is bad
             with self.step_lock:  # publishing retires the replaced version, which may free its slot
                 if other.served(request.name) is not None:
                     raise ValueError(f"an adapter named {request.name!r} is already loaded (as a {other.kind})")

@@ -26,6 +26,7 @@ are exactly those without speculation, only acceptance changes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,13 +112,24 @@ class DraftAdapters:
             request.error = _named(lora, self.tier.error(ref))
         return state
 
-    def add(self, lora: LoRARequest) -> None:
+    def add(self, lora: LoRARequest, fresh: bool = False, publish_lock=None) -> None:
         """Load and validate the draft adapter `lora` names now, in the calling thread (LLMEngine.add_lora,
-        so LLM.generate refuses a bad one before any work); its AdapterError otherwise."""
+        so LLM.generate refuses a bad one before any work); its AdapterError otherwise. ``fresh``
+        (load_inplace): read again from what its path holds now, and serve the draft adapter's name from
+        the next request on, published under ``publish_lock`` (the engine's step lock: publishing retires
+        the old version, which may free a slot)."""
         try:
-            self.tier.add(lora.draft_request)
+            if not fresh:
+                self.tier.add(lora.draft_request)
+                return
+            ref = self.tier.stage(lora.draft_request, fresh=True)
         except AdapterError as error:
             raise _named(lora, error) from error
+        try:
+            with publish_lock if publish_lock is not None else contextlib.nullcontext():
+                self.tier.publish(None, True, ref)
+        finally:
+            self.tier.release(ref)
 
     def slots(self, requests: Sequence[Request]) -> dict[Request, int]:
         """Make this step's draft adapters resident: request -> its draft LoRA slot (-1: none named) for the
