@@ -6,7 +6,10 @@ draft computes exactly what the verify pass computes, so every draft of a mixed 
 base rows) is accepted, and the tokens are those without speculation; a draft adapter that differs gets
 lower acceptance and the same tokens; a bad draft adapter (another base model's shapes, over max_lora_rank,
 a pickle without allow_pickle) fails its own request with its AdapterError while the others go on; more
-draft adapters than draft slots (eviction) stays exact, every draft still accepted."""
+draft adapters than draft slots (eviction) stays exact, every draft still accepted, and they take turns;
+draft graphs and tp=2 alike. add_lora / LLM.generate / serve_adapter / the server's --lora-modules JSON and
+/v1/load_lora_adapter ("draft_path") load and validate a draft adapter with its LoRA, and load_inplace
+reads it again."""
 
 from __future__ import annotations
 
