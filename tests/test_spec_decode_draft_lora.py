@@ -360,3 +360,11 @@ def test_load_inplace_reads_the_draft_adapter_again(model, tmp_path):
     engine.serve_adapter(request, replace=True)
     assert acceptance("after") < 1.0
     engine.close()
+
+
+def test_a_draft_adapter_without_a_draft_model_is_unused_with_a_warning(model, caplog):
+    path, dirs = model
+    engine = LLMEngine(path, device="cpu", max_model_len=64, block_size=4, max_lora_rank=16)
+    engine.add_lora(LoRARequest("r4", dirs["r4"], draft_lora_path=dirs["over-rank"]))  # never read: no error
+    assert "names a draft adapter, unused: the engine has no draft model" in caplog.text
+    engine.close()

@@ -97,7 +97,12 @@ class EngineAdapters:
     def _add_draft(self, kind: str, request, fresh: bool = False) -> None:
         """Load and validate a LoRA's draft adapter now (LoRARequest.draft_lora_path, with a draft model): its
         AdapterError raised here; ``fresh`` (load_inplace): read again. Nothing without one."""
-        if kind == "lora" and self.draft_adapters is not None and getattr(request, "draft_lora_path", None):
+        if kind != "lora" or not getattr(request, "draft_lora_path", None):
+            return
+        if self.draft_adapters is None:
+            logger.warning("LoRA %r names a draft adapter, unused: the engine has no draft model "
+                           '(speculative_config method "draft_model")', request.name)
+        else:
             with _closed_as_engine_error():
                 self.draft_adapters.add(request, fresh=fresh, publish_lock=self.step_lock)
 
