@@ -75,13 +75,19 @@ class LoRARequest(_AdapterRequest):
     adapter is checked against the engine's model when it loads). ValueError for a name or path given twice
     (positionally and by keyword), an id without a path, and vLLM's ``long_lora_max_len`` and
     ``tensorizer_config_dict`` (long-context LoRA and tensorizer loading are not implemented).
+
+    ``draft_lora_path`` (ours): a PEFT LoRA trained for the speculative draft model ("draft_model" method,
+    lora_runner.spec_decode.draft_adapters), loaded, validated and refused as any adapter, against the draft
+    model; None: the draft runs without an adapter for this request. Beneath ``root`` too when one is given.
     """
+
+    draft_lora_path: str | None = None
 
     def __init__(self, name: str | None = None, path: str | int | None = None, revision: str | None = None,
                  root: str | None = None, *, lora_name: str | None = None, lora_int_id: int | None = None,
                  lora_path: str | None = None, lora_local_path: str | None = None,
                  base_model_name: str | None = None, long_lora_max_len: int | None = None,
-                 tensorizer_config_dict: dict | None = None) -> None:
+                 tensorizer_config_dict: dict | None = None, draft_lora_path: str | None = None) -> None:
         for option, value in (("long_lora_max_len", long_lora_max_len),
                               ("tensorizer_config_dict", tensorizer_config_dict)):
             if value is not None:
@@ -101,9 +107,23 @@ class LoRARequest(_AdapterRequest):
                                  "LoRARequest(lora_name, lora_int_id, lora_path)")
         if base_model_name is not None and not isinstance(base_model_name, str):
             raise ValueError(f"adapter {name!r}: base_model_name must be a string or None, got {base_model_name!r}")
-        for field_name, value in (("name", name), ("path", path), ("revision", revision), ("root", root)):
+        for field_name, value in (("name", name), ("path", path), ("revision", revision), ("root", root),
+                                  ("draft_lora_path", draft_lora_path)):
             object.__setattr__(self, field_name, value)
         self.__post_init__()
+        if draft_lora_path is not None:
+            self.draft_request  # noqa: B018 - checks the draft path now (a non-empty string, beneath root)
+
+    @property
+    def draft_request(self) -> LoRARequest | None:
+        """The draft model's adapter as a request of its own (the same name, its draft_lora_path, the same
+        root; no revision: a Hub draft adapter is read at its default branch); None without one."""
+        if self.draft_lora_path is None:
+            return None
+        if not isinstance(self.draft_lora_path, str) or not self.draft_lora_path:
+            raise ValueError(f"adapter {self.name!r}: draft_lora_path must be a non-empty string or None, "
+                             f"got {self.draft_lora_path!r}")
+        return LoRARequest(self.name, self.draft_lora_path, root=self.root)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ each with the base model alone and with --adapters LoRAs (requests spread over t
 speculation, with {"method": "ngram", "num_speculative_tokens": k} and with {"method": "draft_model",
 "model": DRAFT, "num_speculative_tokens": k} for each --k. The draft is the model's first
 --draft-layers layers with its embeddings and head (a smaller model that agrees with it sometimes;
-with all its layers, the model itself: the acceptance ceiling); it runs without adapters, so with LoRAs
-it proposes the base model's tokens.
+with all its layers, the model itself: the acceptance ceiling). With LoRAs, each draft runs twice: without
+adapters (it proposes the base model's tokens) and with per-request draft adapters ("+ draft LoRAs":
+``LoRARequest(..., draft_lora_path=...)``, each request's draft adapter is its own adapter cut to the draft's
+layers, so a draft of all the layers with them proposes exactly what its request decodes).
 Per run: output tokens, engine steps, CPU seconds of this process (the draft's forwards included),
 output tokens per CPU second and per step, acceptance rate (accepted / proposed draft tokens) and
 mean accepted length (1 + accepted drafts per verify step). A random model copies its prompt only by
@@ -21,6 +23,8 @@ that rate, not what a trained model gets.
 
     python benchmarks/bench_spec_decode.py --quick   # CPU, small random model (~30 min on 2 busy cores)
     python benchmarks/bench_spec_decode.py --quick --methods draft_model --draft-layers 1 4 --k 3
+    python benchmarks/bench_spec_decode.py --quick --methods draft_model --draft-layers 2 4 --workloads open \
+        --requests 8 --output-len 32 --repeats 1   # the per-request draft adapter rows, shorter
 
 Writes results/bench_spec_decode-<time>.json and prints the table with ratios against the run
 without speculation.
@@ -78,6 +82,27 @@ def save_truncated_draft(base, path: Path, num_layers: int) -> None:
             shutil.copy(Path(base.name_or_path) / name, path / name)
 
 
+def save_draft_adapters(adapters: list[LoRARequest], root: Path, num_layers: int) -> list[LoRARequest]:
+    """Each adapter with a draft adapter: its own weights of decoder layers 0..num_layers-1 (the draft's
+    layers, save_truncated_draft) written beside it; the requests name them as draft_lora_path."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    with_drafts = []
+    for lora in adapters:
+        path = root / f"{Path(lora.path).name}-draft-{num_layers}"
+        path.mkdir(exist_ok=True)
+        shutil.copy(Path(lora.path) / "adapter_config.json", path / "adapter_config.json")
+        tensors = load_file(str(Path(lora.path) / "adapter_model.safetensors"))
+        kept = {key: t for key, t in tensors.items()
+                if (m := re.search(r"\.layers\.(\d+)\.", key)) is None or int(m.group(1)) < num_layers}
+        save_file(kept, str(path / "adapter_model.safetensors"))
+        with_drafts.append(LoRARequest(lora.name, lora.path, draft_lora_path=str(path)))
+    return with_drafts
+
+
 def spec_config(method: str, k: int, draft_dir: str) -> dict | None:
     """The speculative_config of a row (None: no speculation)."""
     if k == 0:
@@ -132,6 +157,7 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, nargs="+", default=[1],
                         help="decoder layers of the draft model, one row per value (the model's own count: draft = "
                              "target, the acceptance ceiling)")
+    parser.add_argument("--workloads", nargs="+", default=["grounded", "open"], choices=["grounded", "open"])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=48)
@@ -151,18 +177,23 @@ def main() -> None:
         for layers in args.draft_layers:  # before the adapters: PEFT wraps the base model's modules in place
             save_truncated_draft(base, root / f"draft-{layers}", layers)
         adapters = [LoRARequest(p.name, str(p)) for p in save_random_adapters(base, root, args.adapters, args.rank)]
+        draft_adapters = {layers: save_draft_adapters(adapters, root, layers) for layers in args.draft_layers}
         run(str(root / "model"), None, prompts("open", 2, 16, shape.vocab_size, args.seed), [], args)  # warm-up
-        for workload in ("grounded", "open"):
+        for workload in args.workloads:
             requests = prompts(workload, args.requests, args.prompt_len, shape.vocab_size, args.seed)
             for loras in ([], adapters):
                 baseline = None
-                variants = [("ngram", None)] * ("ngram" in args.methods) + [
-                    ("draft_model", layers) for layers in args.draft_layers if "draft_model" in args.methods]
-                for method, layers, k in [("none", None, 0)] + [(m, n, k) for m, n in variants for k in args.k]:
+                variants = [("ngram", None, False)] * ("ngram" in args.methods) + [
+                    ("draft_model", layers, draft_loras) for layers in args.draft_layers
+                    for draft_loras in ([False, True] if loras else [False]) if "draft_model" in args.methods]
+                for method, layers, draft_loras, k in [("none", None, False, 0)] + [
+                        (m, n, d, k) for m, n, d in variants for k in args.k]:
                     spec = spec_config(method, k, str(root / f"draft-{layers}"))
                     name = method if layers is None else f"draft {layers}/{shape.num_layers} layers"
+                    name += " + draft LoRAs" if draft_loras else ""
+                    requested = draft_adapters[layers] if draft_loras else loras
                     row = {"workload": workload, "adapters": len(loras), "method": name, "k": k,
-                           **run(str(root / "model"), spec, requests, loras, args)}
+                           **run(str(root / "model"), spec, requests, requested, args)}
                     baseline = baseline or row
                     row["vs_no_spec_per_cpu_s"] = row["tokens_per_cpu_s"] / baseline["tokens_per_cpu_s"]
                     row["vs_no_spec_per_step"] = row["tokens_per_step"] / baseline["tokens_per_step"]

@@ -83,6 +83,10 @@ class DraftSource(Protocol):
     def release(self, request: Request) -> None:
         """`request` left the running set (finished, aborted or preempted): what is held for it goes."""
 
+    def state(self, request: Request) -> str:
+        """A waiting request's draft adapter: "ready" (or none), "loading" (it waits, as for its own adapter)
+        or "failed" (request.error set: it fails)."""
+
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens after a decoding request's last token, within `budget` tokens (that one included)."""
 
@@ -292,7 +296,8 @@ class Scheduler:
 
     def _take_failed(self) -> list[Request]:
         failed = [request for request in self.waiting if request.error is not None or self._adapter_failed(request)
-                  or self.grammar_state(request) == "failed"]
+                  or self.grammar_state(request) == "failed"
+                  or self.speculator is not None and self.speculator.state(request) == "failed"]
         for request in failed:
             self.waiting.remove(request)
         return failed
@@ -399,6 +404,8 @@ class Scheduler:
         if self._prompt_blocks_to_share(request) is None:
             return False
         if self.grammar_state(request) != "ready":  # its structured-output grammar still compiles
+            return False
+        if self.speculator is not None and self.speculator.state(request) != "ready":  # its draft adapter loads
             return False
         if request.awaiting_virtual_tokens or any(
                 ref is not None and k.state(ref) != "ready" for k, ref in zip(kinds, refs)):

@@ -63,6 +63,8 @@ class EngineAdapters:
         self.manager, self.max_model_len, self.prompts_enabled = manager, max_model_len, prompts_enabled
         self.tiers: dict[str, AdapterTier] = {"lora": manager.loras, "prompt": manager.prompts}
         self.step_lock = threading.Lock()
+        # the speculative draft model's per-request adapters (spec_decode.draft_adapters), set by the engine
+        self.draft_adapters = None
 
     # ------------------------------------------------------------------ user side, per kind
     # kind: "lora" or "prompt"; AdapterAPI's add_lora, pin_prompt_adapter, ... (lora_runner.engine.adapter_api)
@@ -73,21 +75,36 @@ class EngineAdapters:
         ``load_inplace``: a new version is read from what the source holds now even when the name
         already serves this very source (its files were rewritten), and serves the name from the
         next step on. Raises the adapter's AdapterError (ValueError for a disabled or mistyped prompt
-        adapter)."""
+        adapter); a LoRA's draft adapter (LoRARequest.draft_lora_path, with a draft model) loads too."""
         if kind == "prompt":
             check_prompt_adapter_request(request, self.prompts_enabled)
         tier = self.tiers[kind]
         if not load_inplace:
             with _closed_as_engine_error():
-                return tier.add(request)
+                ref = tier.add(request)
+            self._add_draft(kind, request)
+            return ref
         with _closed_as_engine_error():
             ref = tier.stage(request, fresh=True)
         try:
+            self._add_draft(kind, request, fresh=True)
             with self.step_lock:  # publishing retires the replaced version, which may free its slot
                 tier.publish(None, True, ref)
         finally:
             tier.release(ref)
         return ref
+
+    def _add_draft(self, kind: str, request, fresh: bool = False) -> None:
+        """Load and validate a LoRA's draft adapter now (LoRARequest.draft_lora_path, with a draft model): its
+        AdapterError raised here; ``fresh`` (load_inplace): read again. Nothing without one."""
+        if kind != "lora" or not getattr(request, "draft_lora_path", None):
+            return
+        if self.draft_adapters is None:
+            logger.warning("LoRA %r names a draft adapter, unused: the engine has no draft model "
+                           '(speculative_config method "draft_model")', request.name)
+        else:
+            with _closed_as_engine_error():
+                self.draft_adapters.add(request, fresh=fresh, publish_lock=self.step_lock)
 
     def update(self, name: str, state_dict, config, owner: str | None = None,
                claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
@@ -140,7 +157,8 @@ class EngineAdapters:
 
         Returns the served adapter (``version``: the version published now, when loaded), or None when
         ``claim`` said no. Raises ValueError when the name is served already (and ``replace`` is False,
-        or it is served as the other kind).
+        or it is served as the other kind). With ``load``, a LoRA's draft adapter (LoRARequest.
+        draft_lora_path, with a draft model) is loaded and validated too: its AdapterError, nothing served.
         """
         kind = "lora" if isinstance(request, LoRARequest) else "prompt"
         if kind == "prompt":
@@ -149,6 +167,8 @@ class EngineAdapters:
         with _closed_as_engine_error():
             ref = tier.stage(request, fresh=replace) if load else None
         try:
+            if ref is not None:
+                self._add_draft(kind, request, fresh=replace)  # nothing served when its draft adapter is bad
             with self.step_lock:  # publishing retires the replaced version, which may free its slot
                 if other.served(request.name) is not None:
                     raise ValueError(f"an adapter named {request.name!r} is already loaded (as a {other.kind})")

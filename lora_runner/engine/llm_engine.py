@@ -43,6 +43,7 @@ from lora_runner.outputs import RequestOutput
 from lora_runner.sample.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.spec_decode.adaptive import SpeculationPolicy
+from lora_runner.spec_decode.draft_adapters import DraftLoRASettings
 from lora_runner.spec_decode.grammar_masks import position_bitmask
 from lora_runner.spec_decode.ngram import Speculator
 from lora_runner.worker.draft_runner import load_draft_speculator
@@ -93,6 +94,8 @@ class LLMEngine(AdapterAPI):
                                    policy=cfg.scheduling_policy, fairness=VirtualTokenCounter(
                                        cfg.fairness_prefill_weight, cfg.fairness_decode_weight),
                                    grammar_state=grammar_state, speculator=self._speculator())
+        # add_lora validates a LoRA's draft adapter too (the draft_model method's per-request adapters)
+        self.adapters.draft_adapters = getattr(getattr(self.scheduler.speculator, "proposer", None), "adapters", None)
         self.tokenizer = LazyTokenizer(self.model_dir)
         # decode looked up per call, so a tokenizer swapped on the engine (tests) is the one used
         self.output_processor = OutputProcessor(lambda ids, **options: self.tokenizer.decode(ids, **options),
@@ -132,7 +135,9 @@ class LLMEngine(AdapterAPI):
                 max_model_len=self.limits.max_model_len, max_num_batched_tokens=self.limits.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.limits.num_kv_blocks, block_size=cfg.block_size,
                 dtype=cfg.torch_dtype(), device=cfg.torch_device(), local_files_only=cfg.local_files_only,
-                loaded=self._loaded_draft, target_graphs=self.runner.decode_graphs if self.runner else None), spec)
+                loaded=self._loaded_draft, target_graphs=self.runner.decode_graphs if self.runner else None,
+                draft_loras=DraftLoRASettings(spec.max_draft_loras or cfg.max_loras, cfg.max_lora_rank, cfg.cpu_loras,
+                                              cfg.allow_pickle, cfg.local_files_only, cfg.max_adapter_bytes)), spec)
         except BaseException:  # a draft refused or not found: no worker process outlives the failed start
             self.executor.close()
             raise
@@ -221,6 +226,8 @@ class LLMEngine(AdapterAPI):
         requests still unfinished finish with "error" at the next step()."""
         self.intake.close()
         self.adapters.close()
+        if self.scheduler.speculator is not None:  # a draft model's adapter loads
+            self.scheduler.speculator.close()
         self.structured.close()
         self.executor.close()
         self.intake.wake()  # the cancelled loads are failures the next step reports

@@ -80,8 +80,13 @@ def runtime_updating_from_env() -> bool:
 
 
 def startup_adapters(args: argparse.Namespace) -> StartupAdapters:
-    """The adapters named by --lora-modules and --prompt-adapters."""
-    return StartupAdapters(loras=tuple(LoRARequest(*spec) for spec in args.lora_modules),
+    """The adapters named by --lora-modules (a JSON one's "draft_path": its draft_lora_path) and --prompt-adapters;
+    ValueError for a prompt adapter with a draft_path."""
+    if any(len(spec) > 3 for spec in args.prompt_adapters):
+        raise ValueError("--prompt-adapters: draft_path names a LoRA of the speculative draft model; "
+                         "give it in --lora-modules")
+    return StartupAdapters(loras=tuple(LoRARequest(*spec[:3], draft_lora_path=spec[3] if len(spec) > 3 else None)
+                                       for spec in args.lora_modules),
                            prompt_adapters=tuple(PromptAdapterRequest(*spec) for spec in args.prompt_adapters))
 
 

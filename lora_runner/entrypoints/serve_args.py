@@ -21,11 +21,12 @@ SERVER_DEFAULTS = {"max_logprob_entries": 1_000_000, "max_unsent_bytes": 64 << 2
                    "header_timeout": 10.0, "max_header_bytes": 64 << 10}
 
 
-def adapter_spec(text: str) -> tuple[str, str, str | None]:
+def adapter_spec(text: str) -> tuple[str, ...]:
     """NAME=PATH[@REVISION] (@REVISION for Hub repo ids only: refused after a local directory, whose
     revision would be ignored), or vLLM's JSON form '{"name": ..., "path": ..., "base_model_name": ...}'
     -> (name, path, revision). base_model_name is accepted and not used: an adapter's parent in the
-    model list is always the served base model."""
+    model list is always the served base model. The JSON form's "draft_path" (ours: the speculative draft
+    model's adapter, LoRARequest.draft_lora_path) adds a fourth item."""
     if text.lstrip().startswith("{"):
         return _json_adapter_spec(text)
     name, sep, rest = text.partition("=")
@@ -45,22 +46,28 @@ def is_local_path(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.expanduser(path))
 
 
-def _json_adapter_spec(text: str) -> tuple[str, str, str | None]:
+def _json_adapter_spec(text: str) -> tuple[str, ...]:
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"--lora-modules JSON: {exc}") from None
-    unknown = set(spec) - {"name", "path", "base_model_name", "revision"} if isinstance(spec, dict) else set()
+    unknown = set(spec) - {"name", "path", "base_model_name", "revision", "draft_path"} if isinstance(spec, dict) \
+        else set()
     if not isinstance(spec, dict) or unknown:
         raise argparse.ArgumentTypeError(f"--lora-modules JSON must be an object with name, path and optionally "
-                                         f"base_model_name / revision, got {text!r}")
+                                         f"base_model_name / revision / draft_path, got {text!r}")
     name, path, revision = spec.get("name"), spec.get("path"), spec.get("revision")
     if not (isinstance(name, str) and name and isinstance(path, str) and path) or not (
             revision is None or isinstance(revision, str) and revision):
         raise argparse.ArgumentTypeError(f"--lora-modules JSON needs non-empty string name and path, got {text!r}")
     if revision and is_local_path(path):
         raise argparse.ArgumentTypeError(f"{text!r}: revision pins a Hub repo id; a local directory has no revisions")
-    return name, path, revision
+    draft = spec.get("draft_path")
+    if draft is None:
+        return name, path, revision
+    if not isinstance(draft, str) or not draft:
+        raise argparse.ArgumentTypeError(f"--lora-modules JSON draft_path must be a non-empty string, got {text!r}")
+    return name, path, revision, draft
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -78,6 +78,18 @@ class SpeculationPolicy:
         """The proposer's per-request hook (DraftSource.release)."""
         self.proposer.release(request)
 
+    def state(self, request: Request) -> str:
+        """Whether what the proposer needs of a waiting request is loaded (DraftSource.state): its draft
+        adapter (draft_model.DraftModelSpeculator.state); "ready" for a proposer that needs nothing (n-gram)."""
+        state = getattr(self.proposer, "state", None)  # only a draft model loads anything per request
+        return "ready" if state is None else state(request)
+
+    def close(self) -> None:
+        """The engine closed: the proposer's background work stops (a draft model's adapter loads)."""
+        close = getattr(self.proposer, "close", None)
+        if close is not None:
+            close()
+
     def drafts(self, request: Request, budget: int) -> list[int]:
         """The request's drafts this step: [] while its acceptance is low (between probes), else the
         proposer's, cut to what its grammar accepts."""

@@ -6,7 +6,9 @@
   other takes its value, and when neither is given both are 5.
 - ``{"method": "draft_model", "model": PATH_OR_HUB_ID, "num_speculative_tokens": k}`` proposes the
   greedy tokens of a second, smaller model with the target's tokenizer (lora_runner.spec_decode.
-  draft_model); whether its vocabulary matches is checked when the engine loads it.
+  draft_model); whether its vocabulary matches is checked when the engine loads it. A request's
+  ``LoRARequest(..., draft_lora_path=PATH)`` runs the draft with that adapter (spec_decode.draft_adapters);
+  ours, ``"max_draft_loras": n`` (default: the engine's max_loras): the draft model's LoRA device slots.
 
 Other vLLM methods (eagle, medusa, ...) are refused.
 
@@ -28,7 +30,7 @@ METHODS = ("ngram", "draft_model")
 _NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 _ADAPTATION = {"disable_by_batch_size", "min_acceptance_rate", "acceptance_probe_interval"}
 _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", *_ADAPTATION},
-         "draft_model": {"method", "num_speculative_tokens", "model", *_ADAPTATION}}
+         "draft_model": {"method", "num_speculative_tokens", "model", "max_draft_loras", *_ADAPTATION}}
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is set
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
 DEFAULT_PROBE_INTERVAL = 8
@@ -46,6 +48,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None  # no speculation in steps with more decoding requests; None: never
     min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE  # a request's acceptance EMA below it: it pauses
     acceptance_probe_interval: int = DEFAULT_PROBE_INTERVAL  # a paused request speculates once per this many steps
+    max_draft_loras: int | None = None  # the draft model's LoRA slots ("draft_model" only); None: max_loras
 
     @classmethod
     def parse(cls, value: Mapping | str) -> SpeculativeConfig:
@@ -73,7 +76,10 @@ class SpeculativeConfig:
             if not isinstance(model, str) or not model:
                 raise ValueError(f'speculative_config method "draft_model" needs "model": the draft model\'s '
                                  f"local directory or Hub repo id, got {model!r}")
-            return cls(method, k, None, None, model, *_adaptation(value))
+            slots = value.get("max_draft_loras")
+            if slots is not None:
+                _check_count("max_draft_loras", slots)
+            return cls(method, k, None, None, model, *_adaptation(value), max_draft_loras=slots)
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if low is None and high is None:
             low = high = _DEFAULT_LOOKUP

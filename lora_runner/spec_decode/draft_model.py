@@ -1,12 +1,14 @@
 """Draft-model proposals (vLLM's "draft_model" method): a smaller model with the target's tokenizer
 proposes its greedy tokens.
 
-The draft runs without adapters, in the engine process beside the scheduler (at tensor_parallel_size
-> 1 too: unsharded, on the engine's side, not on the target's ranks), with its own paged KV cache: a
-block table per request from its own BlockManager, freed when the request finishes or is preempted
-(``release``). The draft reads a request's real tokens (soft-prompt placeholders excluded: the draft
-has no soft prompt); what its cache holds for a request is the list of tokens it computed
-(``_DraftState.cached``, positions 0..).
+The draft runs without adapters, or with each request's own draft adapter where its LoRARequest names
+one (``draft_lora_path``, lora_runner.spec_decode.draft_adapters), in the engine process beside the
+scheduler (at tensor_parallel_size > 1 too: unsharded, on the engine's side, not on the target's ranks),
+with its own paged KV cache: a block table per request from its own BlockManager, freed when the request
+finishes or is preempted (``release``). The draft reads a request's real tokens (soft-prompt placeholders
+excluded: the draft has no soft prompt); what its cache holds for a request is the list of tokens it
+computed (``_DraftState.cached``, positions 0..), with its draft adapter if it has one (no prefix caching:
+no KV is shared between requests).
 
 Each step (``prepare``, the scheduler's hook, with the running requests):
 
@@ -17,7 +19,9 @@ Each step (``prepare``, the scheduler's hook, with the running requests):
    target's chunked prefill never leaves the draft more than a step behind; a prefix-cache hit, which
    the draft cannot share, is computed here in chunks of the step's budget), and each decoding request
    that may speculate (ngram.draft_limit) also feeds its last token and takes the draft's argmax
-   there: its first proposal; requests that may propose go first, oldest first;
+   there: its first proposal; requests that may propose go first, oldest first; with draft adapters, each
+   row runs with its own (slot -1: none), and a request whose draft adapter got no slot this step sits
+   it out (DraftAdapters.slots);
 3. k - 1 more forwards of one token per proposing request: each feeds its previous proposal and takes
    the argmax after it, until its own limit (max_tokens, max_model_len).
 
@@ -43,6 +47,7 @@ from typing import Protocol
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.core.request import Request
 from lora_runner.spec_decode.config import SpeculativeConfig
+from lora_runner.spec_decode.draft_adapters import DraftAdapters
 from lora_runner.spec_decode.ngram import draft_limit
 
 logger = logging.getLogger(__name__)
@@ -58,6 +63,7 @@ class DraftChunk:
     num_new_tokens: int
     block_table: list[int]  # the draft's blocks covering positions [0, start + num_new_tokens)
     sample: bool
+    lora_slot: int = -1  # the draft model's LoRA slot of the request's draft adapter; -1: none
 
 
 class DraftForward(Protocol):
@@ -82,6 +88,7 @@ class _Proposing:
     request_id: str
     state: _DraftState
     limit: int  # the most proposals it may make
+    lora_slot: int  # its draft adapter's slot this step (-1: none)
     tokens: list[int] = field(default_factory=list)  # its proposals so far
 
 
@@ -110,11 +117,14 @@ class DraftModelSpeculator:
         block_manager: the draft's own KV block pool (no prefix caching).
         max_model_len: no proposal reaches past it.
         max_num_tokens: the most tokens of one draft forward (its buffers).
+        adapters: the per-request draft adapters whose slots `forward` reads (None: the draft runs
+            without adapters, and a request naming one runs without it).
     """
 
     def __init__(self, config: SpeculativeConfig, forward: DraftForward, block_manager: BlockManager, *,
-                 max_model_len: int, max_num_tokens: int) -> None:
+                 max_model_len: int, max_num_tokens: int, adapters: DraftAdapters | None = None) -> None:
         self.config = config
+        self.adapters = adapters
         self.forward = forward
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -128,6 +138,11 @@ class DraftModelSpeculator:
     def num_speculative_tokens(self) -> int:
         """k."""
         return self.config.num_speculative_tokens
+
+    def state(self, request: Request) -> str:
+        """Whether the request's draft adapter lets it run: "ready" (or none), "loading" or "failed"
+        (request.error set); DraftAdapters.state. Always "ready" without draft adapters."""
+        return "ready" if self.adapters is None else self.adapters.state(request)
 
     def prepare(self, running: list[Request]) -> None:
         """This step's proposals for the running requests (see the module docstring)."""
@@ -151,10 +166,15 @@ class DraftModelSpeculator:
         k = self.num_speculative_tokens
         limits = {request: draft_limit(request, k, self.max_model_len) if request.num_uncomputed_tokens == 1 else 0
                   for request in running}
+        order = sorted(limits, key=lambda r: limits[r] == 0)  # stable: proposing ones first, oldest first
+        slots = (dict.fromkeys(order, -1) if self.adapters is None
+                 else self.adapters.slots([r for r in order if limits[r] or self._behind(r)]))
         budget = self.max_num_tokens
         chunks: list[DraftChunk] = []
         proposing: list[_Proposing] = []
-        for request in sorted(limits, key=lambda r: limits[r] == 0):  # stable: proposing ones first, oldest first
+        for request in order:
+            if request not in slots:  # its draft adapter got no slot this step: it catches up later
+                continue
             nv = request.num_virtual_tokens
             real = request.token_ids if nv == 0 else request.token_ids[nv:]  # [L]
             state = self._states.setdefault(request.request_id, _DraftState())
@@ -174,11 +194,12 @@ class DraftModelSpeculator:
                 logger.debug("draft KV pool full: request %r gets no proposals this step", request.request_id)
                 continue
             self.block_manager.allocate(request.request_id, written)
-            chunks.append(DraftChunk(real, start, num_new, self.block_manager.table(request.request_id), samples))
+            chunks.append(DraftChunk(real, start, num_new, self.block_manager.table(request.request_id), samples,
+                                     slots[request]))
             state.cached.extend(real[start:start + num_new])
             state.confirmed = len(state.cached)
             if samples:
-                proposing.append(_Proposing(request.request_id, state, limit))
+                proposing.append(_Proposing(request.request_id, state, limit, slots[request]))
             budget -= num_new
             if budget == 0:
                 break
@@ -192,7 +213,7 @@ class DraftModelSpeculator:
         for p in proposing:
             p.state.cached.append(p.tokens[-1])
             chunks.append(DraftChunk(p.state.cached, len(p.state.cached) - 1, 1,
-                                     self.block_manager.table(p.request_id), True))
+                                     self.block_manager.table(p.request_id), True, p.lora_slot))
         self._run(chunks, proposing)
 
     def _run(self, chunks: list[DraftChunk], proposing: list[_Proposing]) -> None:
@@ -209,9 +230,23 @@ class DraftModelSpeculator:
         token included); [] when it proposed none."""
         return self._proposals.get(request.request_id, [])[:max(0, budget - 1)]
 
+    def _behind(self, request: Request) -> bool:
+        """True unless the draft's cache holds every token the target computed of a request (tokens known to
+        agree: its rollback keeps at least those), so a non-proposing request that is not behind runs nothing."""
+        state = self._states.get(request.request_id)
+        return state is None or state.confirmed < request.num_computed_tokens - request.num_virtual_tokens
+
     def release(self, request: Request) -> None:
-        """The request finished or was preempted: its draft KV blocks go back to the pool."""
+        """The request finished or was preempted: its draft KV blocks go back to the pool; a finished one
+        lets its draft adapter go too (a preempted one keeps it: it runs again)."""
         self._drop(request.request_id)
+        if request.is_finished and self.adapters is not None:
+            self.adapters.release(request)
+
+    def close(self) -> None:
+        """The engine closed: the draft adapters' background loads stop (DraftAdapters.close)."""
+        if self.adapters is not None:
+            self.adapters.close()
 
     def _drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)

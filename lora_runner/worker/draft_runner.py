@@ -1,5 +1,6 @@
 """The draft model of speculative decoding's "draft_model" method (lora_runner.spec_decode.draft_model):
-loaded through the target's loading path, run without adapters over its own paged KV cache.
+loaded through the target's loading path, run over its own paged KV cache without adapters, or with each
+request's draft adapter (lora_runner.spec_decode.draft_adapters) where ``draft_loras`` turns them on.
 
 ``load_draft_speculator`` is the engine's one call: it loads the draft (lora_runner.model.load_model) unless
 start-up did (``load_draft``), checks that its vocabulary is the target's (one ValueError otherwise), and
@@ -30,13 +31,20 @@ import torch
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.model import ModelConfig, load_model
 from lora_runner.spec_decode.config import SpeculativeConfig
+from lora_runner.model.layers import lora_base_weights
+from lora_runner.model.vocab_lora import LMHeadLoRA
+from lora_runner.spec_decode.draft_adapters import DraftAdapters, DraftLoRASettings
 from lora_runner.spec_decode.draft_model import DraftChunk, DraftModelSpeculator, check_same_vocab
 from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
 from lora_runner.worker.cuda_graphs import DecodeGraphPlan, DecodeGraphs
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from lora_runner.worker.kv_cache import allocate_kv_cache
+from lora_runner.worker.lora_features import StepLoRAFeatures
+from punica_kernels import HostTileTable, LoRAMeta
 
 logger = logging.getLogger(__name__)
+
+_MAX_LORA_SLICES = 3  # qkv has the most slices (as the target's runner)
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,9 @@ def draft_kv_blocks(num_kv_blocks: int, *, max_num_seqs: int, k: int, block_size
 
 class DraftModelRunner:
     """The draft model's forward over DraftChunks (spec_decode.draft_model.DraftForward): its own KV
-    cache and batch buffers, no adapter (every token on the base model), greedy tokens out.
+    cache and batch buffers, greedy tokens out. Without ``adapters`` every token runs on the base model;
+    with them each chunk's tokens run with its ``lora_slot`` of the draft's LoRA slots (-1: none), its
+    embed_tokens / lm_head LoRA included, as the target's runner does.
 
     After capture_graphs (CUDA), its forwards replay graphs without LoRA: the one-token feed-back
     forwards decode graphs, a first forward whose rows catch up at most k + 1 tokens (the common one:
@@ -75,16 +85,29 @@ class DraftModelRunner:
         num_kv_blocks, block_size: its paged KV cache (the DraftModelSpeculator's block pool maps it).
         max_num_tokens, max_num_seqs, max_blocks_per_seq: the largest forward (buffer sizes).
         dtype, device: of the KV cache.
+        adapters: the draft model's per-request adapters (their slots); None: no LoRA.
     """
 
     def __init__(self, model, model_config: ModelConfig, *, num_kv_blocks: int, block_size: int,
                  max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, adapters: DraftAdapters | None = None) -> None:
         self.model = model
         self.kv_cache = allocate_kv_cache(model_config, num_kv_blocks, block_size, dtype, device)
-        self.batch_builder = BatchBuilder(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
-                                          max_blocks_per_seq=max_blocks_per_seq, block_size=block_size, device=device)
-        self.forward_contexts = ForwardContextBuilder(self.kv_cache, lora_meta=None, lora_slots=None)
+        sizes = dict(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
+                     max_blocks_per_seq=max_blocks_per_seq, block_size=block_size, device=device)
+        self.lm_head_lora = None
+        if adapters is None:
+            self.batch_builder = BatchBuilder(**sizes)
+            self.forward_contexts = ForwardContextBuilder(self.kv_cache, lora_meta=None, lora_slots=None)
+            return
+        lora, vocab, rank = adapters.lora_slots, adapters.vocab_slots, adapters.lora_slots.max_rank
+        meta = LoRAMeta(max_num_tokens, adapters.num_slots, device, max_rank=rank, max_slices=_MAX_LORA_SLICES)
+        # one row per sampling chunk: the lm_head LoRA's meta over them
+        self.lm_head_lora = (None if vocab is None else
+                             LMHeadLoRA(vocab, max(max_num_seqs, max_num_tokens), adapters.num_slots, rank, device))
+        self.batch_builder = BatchBuilder(**sizes, lora_table=HostTileTable(meta), lm_head=self.lm_head_lora,
+                                          lora_features=StepLoRAFeatures(lora, vocab))
+        self.forward_contexts = ForwardContextBuilder(self.kv_cache, meta, lora, None, vocab)
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
 
     def capture_graphs(self, num_speculative_tokens: int, make_graph=None, pool=None, progress: bool = False) -> None:
@@ -101,7 +124,7 @@ class DraftModelRunner:
     def __call__(self, chunks: Sequence[DraftChunk]) -> list[int]:
         """Write every chunk's K/V; the argmax token after each sampling chunk's last token, in order."""
         step = self.batch_builder.write([SeqChunk(c.token_ids, c.start, c.num_new_tokens, c.block_table,
-                                                  sample=c.sample) for c in chunks])
+                                                  lora_slot=c.lora_slot, sample=c.sample) for c in chunks])
         key = self.graphs.key_for(step) if self.graphs is not None else None
         if key is None:
             batch = self.batch_builder.upload(step)
@@ -111,8 +134,10 @@ class DraftModelRunner:
             hidden = self.graphs.replay(key, batch)  # [padded T, hidden]; sample_indices are real rows
         if not batch.num_samples:
             return []
-        logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab]
-        return logits.argmax(dim=-1).tolist()
+        rows = hidden[batch.sample_indices]  # [S, hidden]
+        lm_head = None if self.lm_head_lora is None else self.lm_head_lora.context(batch.lm_head_table)
+        logits = self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
+        return logits.argmax(dim=-1).tolist()  # [S]
 
 
 def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConfig, target_dir: str | Path,
@@ -120,13 +145,15 @@ def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConf
                           max_num_batched_tokens: int, max_num_seqs: int, num_kv_blocks: int, block_size: int,
                           dtype: torch.dtype, device: torch.device,
                           local_files_only: bool | None = None, loaded: LoadedDraft | None = None,
-                          target_graphs: DecodeGraphs | None = None) -> DraftModelSpeculator:
+                          target_graphs: DecodeGraphs | None = None,
+                          draft_loras: DraftLoRASettings | None = None) -> DraftModelSpeculator:
     """The "draft_model" DraftSource of an engine of these sizes (see the module docstring). ``vocab_of``:
     the token -> id map of a model dir's tokenizer (None: it has none; the engine's LazyTokenizer.vocab).
     ``loaded``: the draft start-up loaded (None: loaded here). ``target_graphs``: the target runner's decode
     graphs where it captured CUDA graphs: the draft's forwards are captured too, on their memory pool.
-    Raises ValueError when the draft's vocabulary is not the target's or its context is shorter than
-    max_model_len, and what load_model raises for a draft it cannot load."""
+    ``draft_loras``: per-request draft adapters with these limits (None: none; a request naming one runs
+    the draft without it). Raises ValueError when the draft's vocabulary is not the target's or its context
+    is shorter than max_model_len, and what load_model raises for a draft it cannot load."""
     if loaded is None:
         loaded = load_draft(config, dtype=dtype, device=device, local_files_only=local_files_only)
     model, draft_config, draft_dir = loaded.model, loaded.config, loaded.model_dir
@@ -140,13 +167,19 @@ def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConf
     blocks = BlockManager(draft_kv_blocks(num_kv_blocks, max_num_seqs=max_num_seqs, k=k, block_size=block_size),
                           block_size)
     max_num_tokens = max_num_batched_tokens + max_num_seqs  # slack for the proposing rows' last tokens
+    adapters = (None if draft_loras is None else
+                 DraftAdapters(draft_config.spec(), draft_loras, device=device, dtype=dtype,
+                               base_weight=lora_base_weights(model)))
     runner = DraftModelRunner(model, draft_config, num_kv_blocks=blocks.num_blocks, block_size=block_size,
                               max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
-                              max_blocks_per_seq=blocks.blocks_for(max_model_len), dtype=dtype, device=device)
+                              max_blocks_per_seq=blocks.blocks_for(max_model_len), dtype=dtype, device=device,
+                              adapters=adapters)
     if target_graphs is not None and target_graphs.pool is not None:
         runner.capture_graphs(k, pool=target_graphs.pool)
-    logger.info("draft model %s (%d layers) proposes up to %d tokens per step; its KV cache: %d blocks%s",
+    logger.info("draft model %s (%d layers) proposes up to %d tokens per step; its KV cache: %d blocks%s%s",
                 config.model, draft_config.num_layers, k, blocks.num_blocks,
-                f"; {len(runner.graphs)} CUDA graphs" if runner.graphs is not None else "")
-    return DraftModelSpeculator(config, runner, blocks, max_model_len=max_model_len, max_num_tokens=max_num_tokens)
+                f"; {len(runner.graphs)} CUDA graphs" if runner.graphs is not None else "",
+                "" if adapters is None else f"; {adapters.num_slots} draft adapter slots")
+    return DraftModelSpeculator(config, runner, blocks, max_model_len=max_model_len, max_num_tokens=max_num_tokens,
+                                adapters=adapters)
 

@@ -66,6 +66,14 @@ def runtime_lora_request(root: str | None, tenant: Tenant, name: str, path: str,
     return LoRARequest(name, os.path.join(base, *parts), root=base)
 
 
+def with_draft_adapter(request: LoRARequest, draft: LoRARequest) -> LoRARequest:
+    """`request` naming `draft` (runtime_lora_request's answer for the draft_path) as its draft adapter; both
+    must lie beneath the same directory (the draft is read beneath the request's root), else PathNotAllowed."""
+    if draft.root != request.root:
+        raise PathNotAllowed("draft_path must lie in the same adapter directory as lora_path")
+    return LoRARequest(request.name, request.path, request.revision, request.root, draft_lora_path=draft.path)
+
+
 def _allowed_absolute_request(allowed_paths: tuple[str, ...], name: str, path: str) -> LoRARequest:
     """An absolute `path` confined to the allowed directory holding it (decided on the string first, then
     opened beneath that directory without following symlinks); PathNotAllowed otherwise."""

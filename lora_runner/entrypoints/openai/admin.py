@@ -15,7 +15,7 @@ from functools import partial
 
 from adapters import UnknownAdapterError
 from adapters.versions import ServedAdapter
-from lora_runner.entrypoints.openai.adapter_root import PathNotAllowed, runtime_lora_request
+from lora_runner.entrypoints.openai.adapter_root import PathNotAllowed, runtime_lora_request, with_draft_adapter
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from, model_not_found
 from lora_runner.entrypoints.openai.protocol import LoadLoRARequest, UnloadLoRARequest
 from lora_runner.entrypoints.openai.state import ServerState
@@ -67,8 +67,11 @@ async def load_lora_adapter(state: ServerState, tenant: Tenant, body: LoadLoRARe
 def _load_and_serve(state: ServerState, tenant: Tenant, body: LoadLoRARequest, claim) -> ServedAdapter | None:
     """On a load thread: the confined request (PathNotAllowed), loaded, validated and served by the engine
     (None when ``claim`` said its caller gave up: then nothing changed)."""
-    request = runtime_lora_request(state.config.adapter_root, tenant, body.lora_name, body.lora_path,
-                                   state.config.allow_hub_adapters, state.config.allowed_adapter_paths)
+    confine = partial(runtime_lora_request, state.config.adapter_root, tenant, body.lora_name,
+                      allow_hub=state.config.allow_hub_adapters, allowed_paths=state.config.allowed_adapter_paths)
+    request = confine(body.lora_path)
+    if body.draft_path is not None:  # the draft model's adapter: confined alike, beneath the same directory
+        request = with_draft_adapter(request, confine(body.draft_path))
     return state.engine.serve_adapter(request, owner=tenant.name, replace=body.load_inplace, claim=claim)
 
 

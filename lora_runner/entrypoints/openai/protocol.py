@@ -210,6 +210,9 @@ class LoadLoRARequest(_Body):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
     load_inplace: bool = False
+    # ours: the speculative draft model's adapter (LoRARequest.draft_lora_path), confined as lora_path is,
+    # beneath the same directory
+    draft_path: str | None = Field(default=None, min_length=1)
 
 
 class UnloadLoRARequest(_Body):
