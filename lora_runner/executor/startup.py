@@ -17,7 +17,9 @@ decided here from the model and the device. The LoRA slots' bytes are logged (a 
 holds every expert's LoRA: 1.59 GiB for Qwen3-30B-A3B at rank 16 in bf16) and left out of the KV cache:
 in this process they are checked against the free device memory before they are allocated, then
 measured (the memory profile's resident bytes; on CPU the RAM left); for worker ranks on CPU they are
-taken off the RAM available before the ranks allocate them. The engine sets the end ids afterwards (the executor's setter).
+taken off the RAM available before the ranks allocate them. On CPU the LoRA CPU cache's byte bound
+(max_cpu_lora_bytes) comes off that RAM too, before the KV cache is sized: the cache fills later.
+The engine sets the end ids afterwards (the executor's setter).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from adapters.manager import AdapterManager
 from adapters.sharding import check_splits
-from adapters.slot_memory import lora_slot_bytes
+from adapters.slot_memory import cpu_cache_bytes, lora_slot_bytes
 from lora_runner.config import EngineConfig
 from lora_runner.device import available_host_memory
 from lora_runner.distributed import TensorParallel
@@ -102,7 +104,7 @@ def _make_manager(cfg: EngineConfig, model_config: ModelConfig, device: torch.de
         max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=cfg.torch_dtype(),
         allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
         max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=on_load_done, base_weight=base_weight,
-        make_slots=make_slots)
+        make_slots=make_slots, max_cpu_lora_bytes=cfg.max_cpu_lora_bytes)
 
 
 def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
@@ -133,8 +135,10 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
             verify_tokens_per_seq=k + 1 if k else 0)
         if draft is not None:  # the draft's KV cache shares the budget, block for block with the target's
             kv_budget, kv_bytes_per_token = draft_kv_share(draft.config, kv_budget, kv_bytes_per_token, cfg, dtype, k)
-    limits = engine_limits(cfg, model_config.max_position_embeddings, kv_bytes_per_token, free,
-                           kv_budget, available_host_memory() if device.type == "cpu" else None)
+    # on CPU the LoRA CPU cache's bound comes off the RAM the KV cache is sized from (it fills later)
+    limits = engine_limits(cfg, model_config.max_position_embeddings, kv_bytes_per_token, free, kv_budget,
+                           max(available_host_memory() - manager.loras.max_cpu_bytes, 0) if device.type == "cpu"
+                           else None)
     make = runner_of(limits)
     runner = make(limits.num_kv_blocks)
     if use_graphs:
@@ -202,15 +206,17 @@ def _start_workers(cfg: EngineConfig, threads: int, on_load_done) -> StartedExec
 def worker_limits(cfg: EngineConfig, model_config: ModelConfig) -> EngineLimits:
     """The runtime sizes of an engine whose ranks are worker processes, decided before they start: on
     CPU the host's RAM holds every rank's KV blocks and LoRA slots (the latter not allocated yet, so
-    taken off the RAM available now); on CUDA kv_cache_memory_bytes is per rank."""
+    taken off the RAM available now, as is the bound of this process's LoRA CPU cache); on CUDA
+    kv_cache_memory_bytes is per rank."""
     device, dtype = cfg.torch_device(), cfg.torch_dtype()
     # a block on one rank (its KV heads); the host's memory holds every rank's blocks, a GPU one rank's
     rank_block = kv_block_bytes(model_config, 1, dtype, TensorParallel(0, cfg.tensor_parallel_size))
     slots = lora_slot_memory(cfg, model_config)
+    cache = cpu_cache_bytes(model_config.spec(), cfg.cpu_loras, cfg.max_lora_rank, dtype, cfg.max_cpu_lora_bytes)
     return engine_limits(cfg, model_config.max_position_embeddings,
                          rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), None,
                          cfg.kv_cache_memory_bytes if device.type == "cuda" else None,
-                         max(available_host_memory() - slots, 0) if device.type == "cpu" else None)
+                         max(available_host_memory() - slots - cache, 0) if device.type == "cpu" else None)
 
 
 def lora_slot_memory(cfg: EngineConfig, model_config: ModelConfig, free_bytes: int | None = None) -> int:
