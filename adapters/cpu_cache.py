@@ -14,11 +14,15 @@ the tier from stalling under it:
 - a queued load starts only while the cached bytes plus the loads running, each counted at one
   entry's share of the bound (``max_bytes / max_entries``), stay under ``max_bytes`` plus
   ``max_loading`` shares (``has_room``): adapters.load_queue's count rule, in bytes. The cache
-  trims evictable entries down to ``max_bytes`` first, so only held and pinned adapters beyond the
-  bound ever hold a load back, and they are released. Under the default bound (``max_entries``
-  adapters of the largest size, adapters.slot_memory.cpu_cache_bytes) no adapter is larger than a
-  share, so this never holds back a load the count rule lets start: a vLLM setup runs as before;
-- pins may hold less than ``max_bytes`` together (``check_pin``), so there is always room to load.
+  trims evictable entries down to ``max_bytes`` first, so only adapters held by requests (which
+  release them) ever hold a load back. Under the default bound (``max_entries`` adapters of the
+  largest size, adapters.slot_memory.cpu_cache_bytes) no adapter is larger than a share, so this
+  never holds back a load the count rule lets start: a vLLM setup runs as before;
+- pins may hold less than ``max_bytes`` together (``check_pin``), so there is always room to load
+  (a replacement that inherits a pin, adapters.tier.publish, is not checked again).
+
+Not counted: an in-memory adapter's request (adapters.memory_source) keeps its snapshot of the
+trainer's tensors as long as its name is served, whether its weights are cached or not.
 
 Not thread-safe on purpose: the owning ``AdapterTier`` holds its lock around every call.
 """

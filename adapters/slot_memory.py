@@ -75,7 +75,8 @@ def cpu_cache_bytes(spec: ModelSpec, max_cpu_loras: int, max_lora_rank: int, dty
     max_cpu_loras only): no setup that runs by count is refused by bytes."""
     if max_cpu_lora_bytes is not None:
         return max_cpu_lora_bytes
-    return max_cpu_loras * lora_slot_bytes(spec, max_lora_rank, dtype).per_slot
+    # at least one byte: a spec with no LoRA-capable module (or max_cpu_loras=0) caches adapters of no bytes
+    return max(max_cpu_loras * lora_slot_bytes(spec, max_lora_rank, dtype).per_slot, 1)
 
 
 def describe_cpu_cache(max_cpu_loras: int, max_bytes: int, default: bool) -> str:
