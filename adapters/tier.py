@@ -188,20 +188,25 @@ class AdapterTier:
             self._start_queued()
             return version.ref
 
-    def add_dummy(self, name: str, size: int) -> AdapterRef:
+    def add_dummy(self, name: str, size: int, hold: bool = False) -> AdapterRef:
         """A ready adapter of the right shapes (rank or virtual tokens ``size``), no file; removable.
 
-        It replaces ``name`` at once and inherits its pin."""
+        It replaces ``name`` at once and inherits its pin. ``hold``: the caller holds it as a request
+        would (``remove`` it, then ``release`` it): never evicted, and not refused by the byte bound,
+        which is the tenants' adapters' (the start-up warm-up makes ``max_loras`` dummies at
+        ``max_lora_rank`` resident at once, whatever the bound)."""
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"dummy {self.kind} size must be a positive int, got {size!r}")
         weights = self._dummy_fn(name, size)
         nbytes = weights.nbytes
-        self._cpu.check_fits(name, nbytes)
+        if not hold:
+            self._cpu.check_fits(name, nbytes)
         with self._lock:
             self._check_open()
             version = AdapterVersion(self._versions.new_ref(name, "<dummy>", None), None)
             version.state, version.weights, version.started = READY, weights, True
             version.done.set()
+            version.holders = int(hold)
             version.pinned = self._versions.retire_name(name)
             self._versions.register(version)
             self._cpu.put(version, nbytes)

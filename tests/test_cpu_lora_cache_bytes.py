@@ -300,3 +300,18 @@ def test_on_cpu_the_cache_bound_comes_off_the_ram_the_kv_cache_is_sized_from(mon
     monkeypatch.setattr(startup, "available_host_memory", lambda: 400 << 10)  # a quarter: less than 4 x 64 tokens
     blocks = {bound: make_engine(path, max_cpu_lora_bytes=bound).block_manager.num_blocks for bound in (1, 200 << 10)}
     assert 16 <= blocks[200 << 10] < blocks[1]  # one request of max_model_len=64 (16 blocks) still fits
+
+
+def test_the_warmup_dummies_are_held_whatever_the_bound():
+    """The memory profile and the CUDA graphs warm up with max_loras dummies at max_lora_rank resident at
+    once: a bound meant for tenants' smaller adapters neither refuses nor evicts them."""
+    from lora_runner.worker.cuda_graphs import resident_dummy_loras
+
+    spec = model_spec(build_tiny_model("llama", seed=0))
+    dummy = dummy_lora("x", spec, RANK).nbytes
+    manager = _manager(spec, max_loras=3, max_cpu_lora_bytes=dummy // 2)
+    tier = manager.loras
+    with resident_dummy_loras(tier, 3, RANK) as slots:
+        assert sorted(slots) == [0, 1, 2] and tier.cpu_bytes == 3 * dummy and len(tier.list()) == 3
+    assert tier.list() == [] and tier.cpu_bytes == 0 and manager.lora_slots.slot_ranks.sum().item() == 0
+    manager.close()
