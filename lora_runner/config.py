@@ -44,8 +44,8 @@ class EngineConfig:
     max_cpu_lora_bytes: int | None = field(**_doc(
         "bytes the LoRAs kept in CPU memory may hold (their tensors' real bytes), least recently used evicted "
         "first; an adapter larger than this alone is refused (None: max_cpu_loras adapters of the largest size at "
-        "max_lora_rank, so max_cpu_loras binds first; logged at start). On CPU it comes off the RAM the KV cache "
-        "is sized from", default=None))
+        "max_lora_rank, so max_cpu_loras binds first; logged at start). On CPU with worker processes "
+        "(the mp and ray backends) it comes off the RAM the KV cache is sized from", default=None))
     max_prompt_adapters: int = field(**_doc("soft-prompt device slots (0 = prompt adapters off)", default=0))
     max_prompt_adapter_tokens: int = field(**_doc("most virtual tokens of one soft prompt (0 = off)", default=0))
     device: str = field(**_doc('"auto" (cuda if available, else cpu), "cpu" or "cuda[:i]"', default="auto"))

@@ -17,8 +17,9 @@ decided here from the model and the device. The LoRA slots' bytes are logged (a 
 holds every expert's LoRA: 1.59 GiB for Qwen3-30B-A3B at rank 16 in bf16) and left out of the KV cache:
 in this process they are checked against the free device memory before they are allocated, then
 measured (the memory profile's resident bytes; on CPU the RAM left); for worker ranks on CPU they are
-taken off the RAM available before the ranks allocate them. On CPU the LoRA CPU cache's byte bound
-(max_cpu_lora_bytes) comes off that RAM too, before the KV cache is sized: the cache fills later.
+taken off the RAM available before the ranks allocate them, as is the LoRA CPU cache's byte bound
+(max_cpu_lora_bytes: the cache fills later). The engine's own process ("uni") on CPU sizes its KV
+cache from the RAM left after its slots, the cache not taken off.
 The engine sets the end ids afterwards (the executor's setter).
 """
 
@@ -135,10 +136,8 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
             verify_tokens_per_seq=k + 1 if k else 0)
         if draft is not None:  # the draft's KV cache shares the budget, block for block with the target's
             kv_budget, kv_bytes_per_token = draft_kv_share(draft.config, kv_budget, kv_bytes_per_token, cfg, dtype, k)
-    # on CPU the LoRA CPU cache's bound comes off the RAM the KV cache is sized from (it fills later)
-    limits = engine_limits(cfg, model_config.max_position_embeddings, kv_bytes_per_token, free, kv_budget,
-                           max(available_host_memory() - manager.loras.max_cpu_bytes, 0) if device.type == "cpu"
-                           else None)
+    limits = engine_limits(cfg, model_config.max_position_embeddings, kv_bytes_per_token, free,
+                           kv_budget, available_host_memory() if device.type == "cpu" else None)
     make = runner_of(limits)
     runner = make(limits.num_kv_blocks)
     if use_graphs:
