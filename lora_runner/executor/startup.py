@@ -211,11 +211,11 @@ def worker_limits(cfg: EngineConfig, model_config: ModelConfig) -> EngineLimits:
     # a block on one rank (its KV heads); the host's memory holds every rank's blocks, a GPU one rank's
     rank_block = kv_block_bytes(model_config, 1, dtype, TensorParallel(0, cfg.tensor_parallel_size))
     slots = lora_slot_memory(cfg, model_config)
+    if device.type != "cpu":
+        return engine_limits(cfg, model_config.max_position_embeddings, rank_block, None, cfg.kv_cache_memory_bytes)
     cache = cpu_cache_bytes(model_config.spec(), cfg.cpu_loras, cfg.max_lora_rank, dtype, cfg.max_cpu_lora_bytes)
-    return engine_limits(cfg, model_config.max_position_embeddings,
-                         rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), None,
-                         cfg.kv_cache_memory_bytes if device.type == "cuda" else None,
-                         max(available_host_memory() - slots - cache, 0) if device.type == "cpu" else None)
+    return engine_limits(cfg, model_config.max_position_embeddings, rank_block * cfg.tensor_parallel_size, None,
+                         None, max(available_host_memory() - slots - cache, 0))
 
 
 def lora_slot_memory(cfg: EngineConfig, model_config: ModelConfig, free_bytes: int | None = None) -> int:
