@@ -5,6 +5,7 @@ from adapters.errors import (
     AdapterError,
     AdapterNotFoundError,
     AdapterTooLargeError,
+    CPUCacheBoundError,
     InvalidAdapterError,
     UnknownAdapterError,
     UnsafeAdapterError,
@@ -21,7 +22,7 @@ from adapters.tier import AdapterRef, AdapterTier
 from adapters.versions import ServedAdapter
 
 __all__ = [
-    "AdapterCapacityError", "AdapterError", "AdapterNotFoundError", "AdapterTooLargeError",
+    "AdapterCapacityError", "AdapterError", "AdapterNotFoundError", "AdapterTooLargeError", "CPUCacheBoundError",
     "InvalidAdapterError", "UnknownAdapterError", "UnsafeAdapterError", "UnsupportedAdapterError",
     "LoRARequest", "PromptAdapterRequest", "ModelSpec",
     "AdapterManager", "AdapterRef", "AdapterStats", "AdapterTier", "LoRAPair", "LoRASlots", "LoRAWeights", "PromptSlots",

@@ -21,6 +21,12 @@ class AdapterTooLargeError(AdapterError):
     """The adapter exceeds a configured limit (rank, virtual tokens, file bytes)."""
 
 
+class CPUCacheBoundError(AdapterTooLargeError):
+    """The adapter alone holds more bytes than the whole LoRA CPU cache may (``max_cpu_lora_bytes``).
+
+    Only this adapter is refused: the requests for it fail, every other request goes on."""
+
+
 class UnsupportedAdapterError(AdapterError):
     """A valid PEFT checkpoint that uses a feature this engine does not implement (DoRA, bias, ...)."""
 

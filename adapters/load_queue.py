@@ -2,9 +2,9 @@
 
 A queued load starts only while fewer than ``max_loading`` loads run and ``ready + running <
 max_cpu + max_loading`` versions, so at most ``max_cpu + max_loading`` versions of one tier hold (or
-are reading) weights. The loads themselves run on the executor's worker threads (the manager's
-daemon pools, shared by both tiers, routed by source); an ``add()`` caller runs its own load and
-counts as running through ``begin``.
+are reading) weights; under a byte bound, the same rule holds in bytes too (adapters.cpu_cache). The
+loads themselves run on the executor's worker threads (the manager's daemon pools, shared by both
+tiers, routed by source); an ``add()`` caller runs its own load and counts as running through ``begin``.
 
 Not thread-safe on purpose: the owning ``AdapterTier`` holds its lock around every call.
 """
@@ -47,10 +47,13 @@ class LoadQueue:
         assert self.num_running > 0, "finish() without a running load"
         self.num_running -= 1
 
-    def start(self, num_ready: int, is_live: Callable[[AdapterVersion], bool]) -> None:
+    def start(self, num_ready: int, is_live: Callable[[AdapterVersion], bool],
+              room: Callable[[int], bool] = lambda num_running: True) -> None:
         """Submit queued loads, oldest first, while the bound allows (module docstring); ``num_ready``
-        versions hold weights now. Skips versions that an add() caller took over or that were dropped."""
-        while self._waiting and self.num_running < self.max_loading and \
+        versions hold weights now; ``room(num_running)``: whether the CPU cache's byte bound lets one
+        more load start (adapters.cpu_cache.CPUCache.has_room). Skips versions that an add() caller
+        took over or that were dropped."""
+        while room(self.num_running) and self._waiting and self.num_running < self.max_loading and \
                 num_ready + self.num_running < self.max_cpu + self.max_loading:
             version = self._waiting.popleft()
             if version.started or not is_live(version):

@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 
 from adapters.base_model import warn_if_other_base
+from adapters.cache_memory import held_bytes
 from adapters.dora import BaseWeight, dora_column_scale
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.patterns import PeftTargets
@@ -100,10 +101,14 @@ class LoRAWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the factors (and DoRA column scales)."""
-        pairs = [pair for slices in self.modules.values() for pair in slices if pair is not None]
-        return sum(t.numel() * t.element_size() for pair in [*pairs, *self.vocab.values()]
-                   for t in (pair.a, pair.b, pair.column_scale) if t is not None)
+        """Bytes of memory the factors (and DoRA column scales) hold: each storage once
+        (adapters.cache_memory; a fused module's slices share their A)."""
+        return held_bytes(t for pair in self.pairs() for t in (pair.a, pair.b, pair.column_scale))
+
+    def pairs(self) -> list[LoRAPair]:
+        """Every slice's pair of every module, then the vocabulary LoRAs'."""
+        return [*(pair for slices in self.modules.values() for pair in slices if pair is not None),
+                *self.vocab.values()]
 
     def size(self) -> int:
         """The adapter's size as the manager reports it (its rank)."""
@@ -111,9 +116,17 @@ class LoRAWeights:
 
     def pin_memory(self) -> "LoRAWeights":
         """A copy in page-locked memory, so slot writes to a GPU are asynchronous."""
+        pinned: dict[int, torch.Tensor] = {}  # id -> its pinned copy: an A its slices share stays one tensor
+
+        def copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            if id(tensor) not in pinned:
+                pinned[id(tensor)] = tensor.pin_memory()
+            return pinned[id(tensor)]
+
         def pin(pair: LoRAPair) -> LoRAPair:
-            column_scale = None if pair.column_scale is None else pair.column_scale.pin_memory()
-            return pair._replace(a=pair.a.pin_memory(), b=pair.b.pin_memory(), column_scale=column_scale)
+            return pair._replace(a=copy(pair.a), b=copy(pair.b), column_scale=copy(pair.column_scale))
 
         modules = {key: tuple(None if pair is None else pin(pair) for pair in slices)
                    for key, slices in self.modules.items()}

@@ -1,6 +1,7 @@
 """One small LRU cache, used twice by an adapter tier: for the CPU cache and for the device slots.
 
-As vLLM's ``LoRALRUCache``: entries in least-recently-used order, a capacity, and an ``on_remove``
+As vLLM's ``LoRALRUCache``: entries in least-recently-used order, a capacity (entries, and optionally
+bytes: each entry is put with its size, as the CPU cache puts an adapter's real bytes), and an ``on_remove``
 hook called for every entry that leaves (evicted or removed), so the owner frees what the entry
 held (CPU tensors, a device slot) in one place. Unlike a plain LRU it never evicts by itself:
 eviction asks the caller which entries to keep (pinned, held by a request, needed this step), as
@@ -25,13 +26,19 @@ class LRUCache(Generic[K, V]):
         capacity: how many entries ``trim`` keeps (entries that ``keep`` protects may exceed it).
         on_remove: called as ``on_remove(key, value)`` after an entry left, whether by ``pop``,
             ``discard`` or ``trim``.
+        max_bytes: how many bytes (the sizes entries were put with) ``trim`` keeps, as ``capacity``;
+            None: entries are bounded by count only.
     """
 
-    def __init__(self, capacity: int, on_remove: Callable[[K, V], None] | None = None):
+    def __init__(self, capacity: int, on_remove: Callable[[K, V], None] | None = None, max_bytes: int | None = None):
         if capacity < 0:
             raise ValueError(f"LRU capacity must be >= 0, got {capacity}")
-        self.capacity = capacity
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"LRU max_bytes must be positive or None, got {max_bytes}")
+        self.capacity, self.max_bytes = capacity, max_bytes
         self._entries: OrderedDict[K, V] = OrderedDict()  # least recently used first
+        self._sizes: dict[K, int] = {}  # key -> the bytes it was put with
+        self.nbytes = 0  # the sum of _sizes
         self._on_remove = on_remove
 
     def __len__(self) -> int:
@@ -48,10 +55,16 @@ class LRUCache(Generic[K, V]):
         """Values, least recently used first."""
         return list(self._entries.values())
 
-    def put(self, key: K, value: V) -> None:
-        """Insert (or replace the value of) ``key`` as the most recently used entry."""
+    def put(self, key: K, value: V, nbytes: int = 0) -> None:
+        """Insert (or replace the value and size of) ``key`` as the most recently used entry of ``nbytes``."""
         self._entries[key] = value
         self._entries.move_to_end(key)
+        self.nbytes += nbytes - self._sizes.get(key, 0)
+        self._sizes[key] = nbytes
+
+    def size(self, key: K) -> int:
+        """The bytes ``key`` was put with (KeyError if absent)."""
+        return self._sizes[key]
 
     def touch(self, key: K) -> None:
         """Mark ``key`` the most recently used entry (KeyError if absent: touch only what is cached)."""
@@ -60,6 +73,7 @@ class LRUCache(Generic[K, V]):
     def pop(self, key: K) -> V:
         """Remove ``key`` (KeyError if absent), call the on-remove hook, return its value."""
         value = self._entries.pop(key)
+        self.nbytes -= self._sizes.pop(key)
         if self._on_remove is not None:
             self._on_remove(key, value)
         return value
@@ -81,11 +95,20 @@ class LRUCache(Generic[K, V]):
                     break
         return found
 
-    def trim(self, keep: Callable[[K], bool]) -> list[K]:
-        """Evict unprotected entries, least recently used first, while over capacity; returns them in order.
+    def over(self) -> bool:
+        """Whether the entries are over the capacity or over ``max_bytes``."""
+        return len(self._entries) > self.capacity or self.max_bytes is not None and self.nbytes > self.max_bytes
 
-        Stops short of the capacity when every remaining entry is protected by ``keep``."""
-        evicted = self.victims(len(self._entries) - self.capacity, keep)
-        for key in evicted:
-            self.pop(key)
+    def trim(self, keep: Callable[[K], bool]) -> list[K]:
+        """Evict unprotected entries, least recently used first, while over capacity or ``max_bytes``;
+        returns them in order.
+
+        Stops short of the bounds when every remaining entry is protected by ``keep``."""
+        evicted = []
+        for key in list(self._entries):
+            if not self.over():
+                break
+            if not keep(key):
+                self.pop(key)
+                evicted.append(key)
         return evicted

@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -36,6 +36,7 @@ from adapters.memory_source import MemoryLoRARequest, load_memory_lora
 from adapters.prompt import dummy_prompt_adapter, load_prompt_adapter
 from adapters.request import LoRARequest, PromptAdapterRequest
 from adapters.sharding import shard_spec
+from adapters.slot_memory import cpu_cache_bytes, describe_cpu_cache
 from adapters.slots import LoRASlots, PromptSlots
 from adapters.spec import ModelSpec
 from adapters.tier import FAILED, LOADING, READY, AdapterRef, AdapterTier, PromptAdapterTier, TierClosedError
@@ -57,6 +58,8 @@ class AdapterStats:
     lora_cpu_evictions: int  # LoRAs dropped from the CPU cache (LRU)
     prompt_loads: int
     prompt_evictions: int
+    # not an event: the bytes the LoRA CPU cache holds now (a gauge; adapters.cpu_cache)
+    lora_cpu_cache_bytes: int = field(default=0, metadata={"gauge": True})
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ class AdapterManager:
         max_loras: LoRA device slots (distinct LoRAs per step).
         max_lora_rank: largest LoRA rank accepted; slots are padded to it.
         max_cpu_loras: LoRA CPU cache capacity (>= max_loras).
+        max_cpu_lora_bytes: LoRA CPU cache capacity in bytes of weights (adapters.cpu_cache); None:
+            ``max_cpu_loras`` adapters of the largest size at ``max_lora_rank``
+            (:func:`adapters.slot_memory.cpu_cache_bytes`), so the count binds first.
         max_prompt_adapters: prompt-adapter device slots (0 disables prompt adapters).
         max_prompt_adapter_tokens: largest number of virtual tokens accepted.
         device, dtype: where and in which dtype slots (and the CPU cache) hold weights.
@@ -117,7 +123,9 @@ class AdapterManager:
 
     CPU memory: each tier holds at most its CPU cache capacity plus ``load_workers +
     download_workers`` adapter versions (loads in flight), plus one per concurrent ``add`` call;
-    further requests wait with their load queued (see adapters.tier).
+    further requests wait with their load queued (see adapters.tier). The LoRA cache is bounded by
+    ``max_cpu_lora_bytes`` too; the prompt cache's bytes are bounded by its count (each soft prompt at
+    most ``max_prompt_adapter_tokens`` x hidden).
     """
 
     def __init__(self, spec: ModelSpec, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
@@ -126,9 +134,10 @@ class AdapterManager:
                  max_adapter_bytes: int | None = None, resolver: Callable | None = None, cache_dir=None,
                  max_cpu_prompt_adapters: int | None = None, load_workers: int = 2, download_workers: int = 8,
                  on_load_done: Callable[[], None] | None = None, base_weight: Callable | None = None,
-                 make_slots: Callable[[str], object] | None = None):
-        if max_adapter_bytes is not None and max_adapter_bytes <= 0:
-            raise ValueError(f"max_adapter_bytes must be positive or None, got {max_adapter_bytes}")
+                 make_slots: Callable[[str], object] | None = None, max_cpu_lora_bytes: int | None = None):
+        for setting, value in (("max_adapter_bytes", max_adapter_bytes), ("max_cpu_lora_bytes", max_cpu_lora_bytes)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{setting} must be positive or None, got {value}")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
         self.max_lora_rank, self.max_prompt_adapter_tokens = max_lora_rank, max_prompt_adapter_tokens
         self.allow_pickle, self.local_files_only = allow_pickle, local_files_only
@@ -150,8 +159,11 @@ class AdapterManager:
             lora_slot_sets, prompt_slot_set = make_slots("lora"), make_slots("prompt")
         self._executor = _LoadPools(load_workers, download_workers)
         in_flight = load_workers + download_workers
+        cache_bytes = cpu_cache_bytes(spec, max_cpu_loras, max_lora_rank, dtype, max_cpu_lora_bytes)
+        logger.info("%s", describe_cpu_cache(max_cpu_loras, cache_bytes, default=max_cpu_lora_bytes is None))
         self.loras = AdapterTier("LoRA", LoRARequest, self._load_lora, self._dummy_lora, lora_slot_sets,
-                                 max_cpu_loras, self._executor, max_loading=in_flight, on_settled=on_load_done)
+                                 max_cpu_loras, self._executor, max_loading=in_flight, on_settled=on_load_done,
+                                 max_bytes=cache_bytes)
         if max_cpu_prompt_adapters is None:
             max_cpu_prompt_adapters = max(max_cpu_loras, max_prompt_adapters)
         self.prompts = PromptAdapterTier("prompt adapter", PromptAdapterRequest, self._load_prompt,
@@ -164,7 +176,8 @@ class AdapterManager:
         lora, prompt = self.loras.counts(), self.prompts.counts()
         return AdapterStats(lora_loads=lora["slot_loads"], lora_evictions=lora["slot_evictions"],
                             lora_disk_loads=lora["disk_loads"], lora_cpu_evictions=lora["cpu_evictions"],
-                            prompt_loads=prompt["slot_loads"], prompt_evictions=prompt["slot_evictions"])
+                            prompt_loads=prompt["slot_loads"], prompt_evictions=prompt["slot_evictions"],
+                            lora_cpu_cache_bytes=self.loras.cpu_bytes)
 
     def close(self) -> None:
         """Stop background loading and return at once: queued and running loads fail ("cancelled"),

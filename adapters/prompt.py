@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from adapters.base_model import warn_if_other_base
+from adapters.cache_memory import held_bytes
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError, UnsupportedAdapterError
 from adapters.spec import ModelSpec
 from adapters.files import AdapterDir
@@ -39,8 +40,8 @@ class PromptWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the embeddings."""
-        return self.embeddings.numel() * self.embeddings.element_size()
+        """Bytes of memory the embeddings hold (their whole storage, adapters.cache_memory)."""
+        return held_bytes([self.embeddings])
 
     def size(self) -> int:
         """The adapter's size as the manager reports it (its number of virtual tokens)."""

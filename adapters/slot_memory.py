@@ -8,7 +8,8 @@ rank 16 in bf16 is about 1.55 GiB a slot (48 layers x 128 experts x (gate, up, d
 scales for experts, which apply plain LoRA only: 1.59 GiB a slot in all, 84 MiB less than with them), and
 ``max_loras`` slots of it compete with the KV cache. The figures here are exactly what
 adapters.manager.build_slots allocates: the slots' own tensors, built on the meta device (no
-memory, no layout formula written twice).
+memory, no layout formula written twice). A slot bounds one adapter's CPU weights too, so the LoRA
+CPU cache's default byte bound is ``max_cpu_loras`` slots (:func:`cpu_cache_bytes`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,25 @@ def all_ranks_slot_bytes(spec: ModelSpec, max_loras: int, max_lora_rank: int, dt
     modules, the router, counted on each rank): what they add to one host's memory on CPU."""
     return max_loras * sum(lora_slot_bytes(spec, max_lora_rank, dtype, rank, world_size).per_slot
                            for rank in range(world_size))
+
+
+def cpu_cache_bytes(spec: ModelSpec, max_cpu_loras: int, max_lora_rank: int, dtype: torch.dtype,
+                    max_cpu_lora_bytes: int | None = None) -> int:
+    """The LoRA CPU cache's byte bound: ``max_cpu_lora_bytes``, or when None its default, ``max_cpu_loras``
+    adapters of the largest size one can be at ``max_lora_rank``: one whole slot at tp=1 (a slot holds an
+    A per slice at the full rank and the DoRA column scales, plus float32 scalings no adapter holds, so
+    no valid adapter is larger). Under the default the count bound binds first, as in vLLM (which has
+    max_cpu_loras only): no setup that runs by count is refused by bytes."""
+    if max_cpu_lora_bytes is not None:
+        return max_cpu_lora_bytes
+    # at least one byte: a spec with no LoRA-capable module (or max_cpu_loras=0) caches adapters of no bytes
+    return max(max_cpu_loras * lora_slot_bytes(spec, max_lora_rank, dtype).per_slot, 1)
+
+
+def describe_cpu_cache(max_cpu_loras: int, max_bytes: int, default: bool) -> str:
+    """One line for the start-up log: the CPU cache's two bounds."""
+    how = f" (default: {max_cpu_loras} adapters of the largest size at max_lora_rank)" if default else ""
+    return f"LoRA CPU cache: max_cpu_loras={max_cpu_loras}, max_cpu_lora_bytes={max_bytes} ({_gib(max_bytes)}){how}"
 
 
 def _gib(num_bytes: int) -> str:

@@ -6,14 +6,17 @@ adapter version:
 
     acquire/prefetch/add -> "loading" (queued until there is room, then a worker thread resolves,
                                        reads and validates; no lock held)
-                         -> "ready"   (in the CPU cache: LRU, max_cpu entries; pinned entries and
-                                       entries held by live requests are never evicted)
+                         -> "ready"   (in the CPU cache: LRU, max_cpu entries and max_bytes of
+                                       weights; pinned entries and entries held by live requests
+                                       are never evicted; adapters.cpu_cache)
                          -> resident  (activate() wrote it into a device slot; LRU among slots)
                          or "failed"  (the AdapterError is remembered while a request holds the ref)
 
 CPU memory is bounded: a queued load starts only while ``ready + loading < max_cpu + max_loading``
 versions, so at most ``max_cpu + max_loading`` versions hold (or are reading) weights, plus one per
 concurrent ``add()`` caller; requests beyond that wait with their version queued (state "loading").
+With ``max_bytes`` the same rule holds in bytes, and an adapter larger than ``max_bytes`` alone is
+refused (adapters.cpu_cache).
 
 A version is identified by an :class:`AdapterRef` (name, path, revision, version number). A request
 with a known name but another (path, revision) creates a new version for that source; the old
@@ -58,9 +61,9 @@ import threading
 from collections import Counter
 from typing import Any, Callable
 
+from adapters.cpu_cache import CPUCache
 from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterError, UnknownAdapterError
 from adapters.load_queue import LoadQueue
-from adapters.lru import LRUCache
 from adapters.memory_source import MemoryLoRARequest
 from adapters.slot_pool import SlotPool
 from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
@@ -89,6 +92,8 @@ class AdapterTier:
         make_dummy: (name, size) -> weights with the right shapes, no file.
         slots: the device slots (``num_slots``, ``write(slot, weights)``, ``clear(slot)``, ``nbytes``).
         max_cpu: CPU cache capacity (adapters); pinned and held adapters are never evicted.
+        max_bytes: CPU cache capacity in bytes of weights (None: count only; adapters.cpu_cache).
+        bytes_setting: the setting ``max_bytes`` comes from, named in messages.
         executor: runs background loads: ``executor.submit(fn, version)`` with ``version.request`` the
             request being loaded (the manager's pools route by source).
         max_loading: background loads in flight beyond the cache (see the module docstring).
@@ -97,7 +102,8 @@ class AdapterTier:
     """
 
     def __init__(self, kind: str, request_type: type, load: Callable, make_dummy: Callable, slots, max_cpu: int,
-                 executor: Any, max_loading: int = 2, on_settled: Callable[[], None] | None = None):
+                 executor: Any, max_loading: int = 2, on_settled: Callable[[], None] | None = None,
+                 max_bytes: int | None = None, bytes_setting: str = "max_cpu_lora_bytes"):
         if max_cpu < slots.num_slots:
             raise ValueError(f"the {kind} CPU cache ({max_cpu}) must hold at least as many adapters as there are "
                              f"device slots ({slots.num_slots})")
@@ -107,7 +113,7 @@ class AdapterTier:
         self.slots, self._on_settled = slots, on_settled
         self._lock = threading.RLock()  # guards every part below; they have no locks of their own
         self._versions = VersionTable(kind, on_drop=self._free)
-        self._cpu: LRUCache[AdapterVersion, None] = LRUCache(max_cpu, on_remove=self._free_weights)  # ready ones
+        self._cpu = CPUCache(kind, max_cpu, max_bytes, on_remove=self._free_weights, setting=bytes_setting)  # ready
         self._slot_pool = SlotPool(kind, slots)
         self._loads = LoadQueue(max_cpu, max_loading, submit=lambda version: executor.submit(self._load, version))
         self._closed = False
@@ -182,21 +188,28 @@ class AdapterTier:
             self._start_queued()
             return version.ref
 
-    def add_dummy(self, name: str, size: int) -> AdapterRef:
+    def add_dummy(self, name: str, size: int, hold: bool = False) -> AdapterRef:
         """A ready adapter of the right shapes (rank or virtual tokens ``size``), no file; removable.
 
-        It replaces ``name`` at once and inherits its pin."""
+        It replaces ``name`` at once and inherits its pin. ``hold``: the caller holds it as a request
+        would (``remove`` it, then ``release`` it): never evicted, and not refused by the byte bound,
+        which is the tenants' adapters' (the start-up warm-up makes ``max_loras`` dummies at
+        ``max_lora_rank`` resident at once, whatever the bound)."""
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"dummy {self.kind} size must be a positive int, got {size!r}")
         weights = self._dummy_fn(name, size)
+        nbytes = weights.nbytes
+        if not hold:
+            self._cpu.check_fits(name, nbytes)
         with self._lock:
             self._check_open()
             version = AdapterVersion(self._versions.new_ref(name, "<dummy>", None), None)
             version.state, version.weights, version.started = READY, weights, True
             version.done.set()
+            version.holders = int(hold)
             version.pinned = self._versions.retire_name(name)
             self._versions.register(version)
-            self._cpu.put(version, None)
+            self._cpu.put(version, nbytes)
             self._trim_cpu()
             return version.ref
 
@@ -214,7 +227,7 @@ class AdapterTier:
         Raises:
             UnknownAdapterError: ``name`` is unknown, or its version failed to load.
             AdapterCapacityError: the pin would leave no device slot for unpinned adapters
-                (at most ``num_slots - 1`` pins).
+                (at most ``num_slots - 1`` pins), or no room in the CPU cache's ``max_bytes``.
         """
         with self._lock:
             version = self._serving(name)
@@ -224,6 +237,7 @@ class AdapterTier:
                 raise AdapterCapacityError(
                     f"cannot pin {self.kind} {name!r}: {self.num_pinned()} of {self.slots.num_slots} device slots "
                     f"are pinned already and at least one must stay free for unpinned adapters")
+            self._cpu.check_pin(version)
             version.pinned = True
 
     def unpin(self, name: str) -> None:
@@ -370,9 +384,20 @@ class AdapterTier:
         """CPU bytes of cached adapters, device bytes of resident adapters' weights, counts."""
         with self._lock:
             cached, resident = list(self._cpu), self._slot_pool.resident()
-            return dict(cpu_bytes=sum(v.weights.nbytes for v in cached),
+            return dict(cpu_bytes=self._cpu.nbytes,
                         device_bytes_used=sum(v.weights.nbytes for v in resident),
                         device_bytes_allocated=self.slots.nbytes, num_cpu=len(cached), num_resident=len(resident))
+
+    @property
+    def cpu_bytes(self) -> int:
+        """Bytes the CPU cache's adapters hold now (each storage once, adapters.cache_memory)."""
+        with self._lock:
+            return self._cpu.nbytes
+
+    @property
+    def max_cpu_bytes(self) -> int | None:
+        """The CPU cache's byte bound (None: count only)."""
+        return self._cpu.max_bytes
 
     def load_stats(self) -> dict[str, int]:
         """Versions now ``ready`` (cached), ``loading`` (load started) and ``queued`` (waiting for room)."""
@@ -468,14 +493,18 @@ class AdapterTier:
     def _start_queued(self) -> None:
         """Start queued loads, oldest first, while the CPU bound allows (module docstring)."""
         if not self._closed:
-            self._loads.start(len(self._cpu), is_live=lambda v: self._versions.get(v.ref) is v)
+            self._loads.start(len(self._cpu), is_live=lambda v: self._versions.get(v.ref) is v,
+                              room=lambda num_running: self._cpu.has_room(num_running, self._loads.max_loading))
 
     def _load(self, version: AdapterVersion) -> None:
         """Load outside the lock, then publish the result (or discard it if the version was dropped)."""
-        name, weights, error = version.ref.name, None, None
+        name, weights, error, nbytes = version.ref.name, None, None, 0
         try:
             weights = self._load_fn(version.request)
+            nbytes = weights.nbytes  # counted here, outside the lock: a MoE adapter has tens of thousands of tensors
+            self._cpu.check_fits(name, nbytes)
         except AdapterError as exc:
+            weights = None
             error = exc
         except Exception as exc:  # a library or loader bug must fail this adapter, not the engine thread
             logger.exception("%s %r: unexpected error while loading", self.kind, name)
@@ -486,17 +515,18 @@ class AdapterTier:
             if self._versions.get(version.ref) is not version or version.state != LOADING:
                 logger.debug("%s %r: dropped or cancelled while loading; result discarded", self.kind, name)
             else:
-                self._settle(version, weights, error)
+                self._settle(version, weights, error, nbytes)
             self._start_queued()
         self._notify()
 
-    def _settle(self, version: AdapterVersion, weights, error: AdapterError | None) -> None:
-        """Publish a finished load: ready (and take over its name) or failed (the name falls back)."""
+    def _settle(self, version: AdapterVersion, weights, error: AdapterError | None, nbytes: int = 0) -> None:
+        """Publish a finished load: ready (and take over its name; its weights hold ``nbytes``) or failed
+        (the name falls back)."""
         if error is None:
             version.state, version.weights = READY, weights
             self._counts["disk_loads"] += 1
             self._versions.take_over(version)
-            self._cpu.put(version, None)
+            self._cpu.put(version, nbytes)
             self._trim_cpu()
         else:
             logger.warning("%s %r failed to load: %s", self.kind, version.ref.name, error)
@@ -514,8 +544,8 @@ class AdapterTier:
             self._cpu.touch(version)
 
     def _trim_cpu(self) -> None:
-        """Evict least recently used, unpinned, unheld versions while the CPU cache is over capacity."""
-        for victim in self._cpu.trim(keep=lambda v: v.holders > 0 or v.pinned):
+        """Evict least recently used, unpinned, unheld versions while the CPU cache is over either bound."""
+        for victim in self._cpu.trim():
             logger.debug("%s %r evicted from the CPU cache", self.kind, victim.ref.name)
             self._counts["cpu_evictions"] += 1
             self._versions.drop(victim)
@@ -525,7 +555,7 @@ class AdapterTier:
         self._cpu.discard(version)
         assert version.slot is None and version.weights is None, f"{version.ref} still holds a slot or weights"
 
-    def _free_weights(self, version: AdapterVersion, _value: None) -> None:
+    def _free_weights(self, version: AdapterVersion) -> None:
         """The CPU cache's on-remove hook: free the version's slot, then its CPU tensors."""
         self._slot_pool.evict(version)
         version.weights = None

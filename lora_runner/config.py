@@ -41,6 +41,11 @@ class EngineConfig:
     max_loras: int = field(**_doc("LoRA device slots (distinct LoRAs per step)", default=4))
     max_lora_rank: int = field(**_doc("largest LoRA rank accepted", default=16))
     max_cpu_loras: int | None = field(**_doc("LoRAs kept in CPU memory (None: max(16, max_loras))", default=None))
+    max_cpu_lora_bytes: int | None = field(**_doc(
+        "bytes the LoRAs kept in CPU memory may hold (their tensors' real bytes), least recently used evicted "
+        "first; an adapter larger than this alone is refused (None: max_cpu_loras adapters of the largest size at "
+        "max_lora_rank, so max_cpu_loras binds first; logged at start). On CPU with worker processes "
+        "(the mp and ray backends) it comes off the RAM the KV cache is sized from", default=None))
     max_prompt_adapters: int = field(**_doc("soft-prompt device slots (0 = prompt adapters off)", default=0))
     max_prompt_adapter_tokens: int = field(**_doc("most virtual tokens of one soft prompt (0 = off)", default=0))
     device: str = field(**_doc('"auto" (cuda if available, else cpu), "cpu" or "cuda[:i]"', default="auto"))
@@ -157,7 +162,7 @@ class EngineConfig:
             _check_int(name, getattr(self, name), minimum=0)
         _check_int("max_logprobs", self.max_logprobs, minimum=-1)  # -1: no cap (vLLM's)
         for name in ("max_cpu_loras", "max_model_len", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes", "max_adapter_bytes", "cpu_threads"):
+                     "kv_cache_memory_bytes", "max_adapter_bytes", "cpu_threads", "max_cpu_lora_bytes"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         utilization = self.gpu_memory_utilization

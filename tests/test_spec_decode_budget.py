@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from adapters.slot_memory import cpu_cache_bytes
 from engine_support import run_to_completion
 from factories import build_tiny_model, save_tiny_tokenizer
 from lora_runner import EngineConfig, LLMEngine, SamplingParams
@@ -154,14 +155,16 @@ def test_worker_ranks_ram_bound_counts_the_draft(target_and_draft):
     cfg = EngineConfig(model=path, tensor_parallel_size=2, speculative_config=speculative(draft_dir),
                        **dict(ENGINE, max_num_seqs=8))
     loaded = draft_runner.load_draft(cfg.speculative(), dtype=torch.float32, device=torch.device("cpu"))
-    available = 2_200_000
     model_config = ModelConfig.from_dir(path)
+    # the LoRA CPU cache's bound comes off the RAM too (adapters.slot_memory.cpu_cache_bytes)
+    cache = cpu_cache_bytes(model_config.spec(), cfg.cpu_loras, cfg.max_lora_rank, torch.float32)
+    available = 2_200_000 + cache
     limits = startup.worker_limits(cfg, model_config, draft_memory(loaded, cfg), available)
     ranks = [allocate_kv_cache(model_config, limits.num_kv_blocks, 4, torch.float32, "cpu", TensorParallel(rank, 2))
              for rank in range(2)]
     draft = allocate_kv_cache(loaded.config, draft_runner.draft_kv_blocks(limits.num_kv_blocks, max_num_seqs=8, k=K,
                                                                           block_size=4), 4, torch.float32, "cpu")
-    bound = (available - startup.lora_slot_memory(cfg, model_config) - checkpoint_bytes(draft_dir)) // 4
+    bound = (available - cache - startup.lora_slot_memory(cfg, model_config) - checkpoint_bytes(draft_dir)) // 4
     assert 8 * 16 * (TARGET_BLOCK + DRAFT_BLOCK) > bound, "the workload would use more: the bound decides"
     assert_fills(bound, sum(cache.nbytes for cache in ranks) + draft.nbytes)
 

@@ -19,7 +19,10 @@ decided here from the model and the device. The LoRA slots' bytes are logged (a 
 holds every expert's LoRA: 1.59 GiB for Qwen3-30B-A3B at rank 16 in bf16) and left out of the KV cache:
 in this process they are checked against the free device memory before they are allocated, then
 measured (the memory profile's resident bytes; on CPU the RAM left); for worker ranks on CPU they are
-taken off the RAM available before the ranks allocate them. The engine sets the end ids afterwards (the executor's setter).
+taken off the RAM available before the ranks allocate them, as is the LoRA CPU cache's byte bound
+(max_cpu_lora_bytes: the cache fills later). The engine's own process ("uni") on CPU sizes its KV
+cache from the RAM left after its slots, the cache not taken off.
+The engine sets the end ids afterwards (the executor's setter).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from adapters.manager import AdapterManager
 from adapters.sharding import check_splits
-from adapters.slot_memory import lora_slot_bytes
+from adapters.slot_memory import cpu_cache_bytes, lora_slot_bytes
 from lora_runner.config import EngineConfig
 from lora_runner.device import available_host_memory
 from lora_runner.distributed import TensorParallel
@@ -105,7 +108,7 @@ def _make_manager(cfg: EngineConfig, model_config: ModelConfig, device: torch.de
         max_prompt_adapter_tokens=cfg.max_prompt_adapter_tokens, device=device, dtype=cfg.torch_dtype(),
         allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
         max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=on_load_done, base_weight=base_weight,
-        make_slots=make_slots)
+        make_slots=make_slots, max_cpu_lora_bytes=cfg.max_cpu_lora_bytes)
 
 
 def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
@@ -197,16 +200,18 @@ def worker_limits(cfg: EngineConfig, model_config: ModelConfig, draft: DraftMemo
                   available_host_bytes: int | None = None) -> EngineLimits:
     """The runtime sizes of an engine whose ranks are worker processes, decided before they start: on
     CPU the host's RAM holds every rank's KV blocks and LoRA slots (the latter not allocated yet, so
-    taken off the RAM available: ``available_host_bytes``, None: asked of the OS now); on CUDA
-    kv_cache_memory_bytes is per rank. A draft model (in this process) shares the budget
-    (lora_runner.executor.draft_budget)."""
+    taken off the RAM available: ``available_host_bytes``, None: asked of the OS now, as is the bound of this
+    process's LoRA CPU cache); on CUDA kv_cache_memory_bytes is per rank. A draft model (in this process)
+    shares the budget (lora_runner.executor.draft_budget)."""
     device, dtype = cfg.torch_device(), cfg.torch_dtype()
     # a block on one rank (its KV heads); the host's memory holds every rank's blocks, a GPU one rank's
     rank_block = kv_block_bytes(model_config, 1, dtype, TensorParallel(0, cfg.tensor_parallel_size))
     slots = lora_slot_memory(cfg, model_config)
     host_ram = None
     if device.type == "cpu":
-        host_ram = max((available_host_memory() if available_host_bytes is None else available_host_bytes) - slots, 0)
+        cache = cpu_cache_bytes(model_config.spec(), cfg.cpu_loras, cfg.max_lora_rank, dtype, cfg.max_cpu_lora_bytes)
+        available = available_host_memory() if available_host_bytes is None else available_host_bytes
+        host_ram = max(available - slots - cache, 0)
     return limits_with_draft(cfg, model_config.max_position_embeddings,
                              rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), draft, None,
                              cfg.kv_cache_memory_bytes if device.type == "cuda" else None, host_ram)

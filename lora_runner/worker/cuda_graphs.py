@@ -358,13 +358,15 @@ class DecodeGraphs:
 @contextmanager
 def resident_dummy_loras(tier, count: int, rank: int, prefix: str = WARMUP_LORA_NAME):
     """Make `count` dummy LoRAs of `rank` resident in device slots; yields their slots and removes
-    them (freeing the slots) on exit. `tier` is the adapter manager's LoRA tier."""
+    them (freeing the slots) on exit. `tier` is the adapter manager's LoRA tier; the dummies are held
+    meanwhile, so the CPU cache's byte bound neither evicts nor refuses them (adapters.cpu_cache)."""
     names = [f"{prefix}{i}" for i in range(count)]
     refs = []
     try:
         for name in names:
-            refs.append(tier.add_dummy(name, rank))
+            refs.append(tier.add_dummy(name, rank, hold=True))
         yield tier.activate(refs)
     finally:
         for ref in refs:
             tier.remove(ref.name)
+            tier.release(ref)

@@ -147,9 +147,11 @@ class _EngineCollector:
                                      "lora_disk_loads = adapter loads from disk or the Hub)", labels=["event"])
         for field in dataclasses.fields(stats):
             value = getattr(stats, field.name)
-            if isinstance(value, (int, float)):
+            if isinstance(value, (int, float)) and not field.metadata.get("gauge"):
                 events.add_metric([field.name], value)
         yield events
+        yield GaugeMetricFamily("lora_runner_cpu_lora_cache_bytes", "Bytes the LoRAs in the CPU cache hold "
+                                "(bounded by max_cpu_lora_bytes)", value=stats.lora_cpu_cache_bytes)
         yield CounterMetricFamily("lora_runner_lora_slot_misses", "LoRAs written into a device slot",
                                   value=stats.lora_loads)
         yield CounterMetricFamily("lora_runner_lora_slot_evictions", "Resident LoRAs evicted from a slot",
