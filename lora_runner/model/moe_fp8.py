@@ -34,7 +34,7 @@ from lora_runner.distributed import TensorParallel
 from lora_runner.model.quant import fp8
 from lora_runner.model.quant.config import QuantConfig
 from lora_runner.model.quant.fp8 import Fp8Format
-from lora_runner.model.quant.linear import UNQUANTIZED, CheckpointSlice, Fp8Linear, LinearMethod
+from lora_runner.model.quant.linear import UNQUANTIZED, Fp8Linear, LinearMethod
 
 
 # an MoE block's LoRA modules whose base weight stays in the model dtype under any quantization (they
@@ -50,18 +50,11 @@ class UnreducedFp8Linear(Fp8Linear):
         super().__init__(form)
         self.tp = tp
 
-    def load(self, layer: nn.Module, parts: list[CheckpointSlice]) -> None:
-        """Quantize each slice into the layer's rows (a view of the block's stack for a routed expert:
-        written in place)."""
-        row_max = None
+    def row_max(self, layer: nn.Module) -> fp8.RowMax | None:
+        """A row-parallel shard's row maxima over every rank, by ``tp`` (the layer itself never reduces)."""
         if layer.lora_module.parallel == ROW and self.tp.is_parallel:
-            row_max = lambda amax: self.tp.all_reduce(amax, op="max")  # noqa: E731
-        offset = 0
-        for name, tensors, size in parts:
-            weight, scale = self.form.convert(tensors, layer.in_features, size, name, row_max)
-            layer.weight[offset:offset + size].copy_(weight)
-            layer.weight_scale[offset:offset + size].copy_(scale)
-            offset += size
+            return lambda amax: self.tp.all_reduce(amax, op="max")
+        return None
 
 
 class StackedFp8Linear(UnreducedFp8Linear):
