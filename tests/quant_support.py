@@ -44,16 +44,17 @@ def save_ct_w4a16(path, group_size: int = 32, seed: int = 0, **overrides):
     return _save_ct(path, build_tiny_model("llama", seed, **overrides), weights, None, group_min_max)
 
 
-def _save_ct(path, model, weights, input_activations, min_max):
-    """Quantize `model`'s Linears (lm_head excepted) by the scheme, observing each weight's `min_max(weight)`,
-    compress and save it with its config and a tokenizer, as llm-compressor does; returns the model."""
+def _save_ct(path, model, weights, input_activations, min_max, ignore=("lm_head",)):
+    """Quantize `model`'s Linears (those `ignore` names excepted) by the scheme, observing each weight's
+    `min_max(weight)`, compress and save it with its config and a tokenizer, as llm-compressor does; returns
+    the model."""
     from compressed_tensors.compressors.model_compressors.model_compressor import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization import apply_quantization_config
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=input_activations)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]),
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)),
                               show_progress=False)
     with torch.no_grad():
         for module in model.modules():
@@ -74,11 +75,22 @@ def _save_ct(path, model, weights, input_activations, min_max):
 def ct_decompressed(path):
     """The oracle of a compressed-tensors checkpoint (FP8 float-quantized or W4A16 pack-quantized):
     transformers with the weights compressed-tensors' own decompressors give for the saved tensors (fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(ct_decompressed_tensors(path), strict=True)
+    return model.eval()
+
+
+def ct_decompressed_tensors(path) -> dict[str, torch.Tensor]:
+    """{checkpoint name: float32 tensor} of a compressed-tensors checkpoint, each quantized weight as
+    compressed-tensors' own decompressors give it (the scales and shapes read with their weights)."""
     from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = json.loads((Path(path) / "config.json").read_text())
     qcfg = QuantizationConfig.model_validate(raw["quantization_config"])
@@ -96,11 +108,7 @@ def ct_decompressed(path):
             local = {"weight": tensor, "weight_scale": tensors[f"{module}.weight_scale"]}
             tensor = NaiveQuantizationCompressor.decompress(local, scheme)["weight"]
         state[name] = tensor.float()
-    config = AutoConfig.from_pretrained(str(path))
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+    return state
 
 
 def edit_config(path, edit) -> None:

@@ -106,6 +106,8 @@ def test_the_device_run_dry_run_runs_every_part_under_the_limit(tmp_path):
     assert {name: part["status"] for name, part in results["parts"].items()} == dict.fromkeys(parts.split(","), "ok")
     assert results["copy_gbps"] > 0 and all(row["differing"] == 0 for row in results["splitk"])
     assert {(row["adapters"], "error" in row) for row in results["moe_kernels"]} == {(0, False), (8, False)}
+    moe_rows = {(row.get("weights") == "fp8", row["adapters"]) for row in results["moe_kernels"]}
+    assert moe_rows == {(False, 0), (False, 8), (True, 0)}  # the FP8 experts' row (bench_moe_kernels.FP8_ADAPTERS)
     assert all(row["repeat_identical"] and row["same_as_eager"] == 1 for row in results["graphs_vs_eager"])
     assert {row["weights"] for row in results["quant_decode"]} == {"bf16", "fp8", "w4a16"}
     assert results["prefix_cache"]["cold_ttft_ms"] > 0 and results["profile"]["decode"]

@@ -6,9 +6,9 @@ float8_e4m3fn with one float32 scale per output channel, lora_runner.model.quant
 the shared expert's gate stay float. Over that oracle (PEFT adapters on it for LoRA): greedy tokens
 equal and logprobs within 1e-4 (fp32, CPU), from per-expert and fused checkpoints, for the base model
 and a mixed batch of per-expert, fused ``target_parameters``, router and attention-only adapters over
-fewer slots than adapters. The experts' weights are FP8 in memory, one scale per (expert, row); other
-quantized MoE checkpoints are refused naming what is not supported. (The fused Triton GEMM with FP8
-weights: tests/test_kernels_moe.py.)
+fewer slots than adapters. The experts' weights are FP8 in memory, one scale per (expert, row); 4-bit
+MoE checkpoints are refused naming what is not supported. (Compressed-tensors FP8 MoE checkpoints:
+tests/test_moe_ct_fp8.py; the fused Triton GEMM with FP8 weights: tests/test_kernels_moe_fp8.py.)
 """
 
 from __future__ import annotations
@@ -170,24 +170,20 @@ def test_fp8_tp2_equals_tp1_for_a_mixed_batch_of_expert_adapters(family, fused, 
             assert abs(got[rid][1][step][token] - logprobs[step][token]) <= 1e-5, (rid, step)
 
 
+W4A16_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False,
+                                                 "strategy": "group", "group_size": 32}}
+
+
 @pytest.mark.parametrize("quantization_config,what", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}, "int4 from gptq"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}, "int4 from awq"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
+      "config_groups": {"group_0": W4A16_GROUP}}, "int4 from compressed-tensors"),
 ])
 def test_other_quantized_moe_checkpoints_are_refused_naming_what(quantization_config, what):
+    """4-bit experts are not implemented (compressed-tensors FP8 checkpoints are read: tests/test_moe_ct_fp8.py)."""
     raw = build_moe("qwen3_moe").config.to_dict() | {"architectures": ["Qwen3MoeForCausalLM"]}
     with pytest.raises(ValueError, match=rf"quantized mixture-of-experts checkpoints are not supported \({what} on "
-                                         r"Qwen3MoeForCausalLM\).*quantization='fp8'"):
+                                         r"Qwen3MoeForCausalLM\).*compressed-tensors FP8.*quantization='fp8'"):
         ModelConfig.from_dict(raw | {"quantization_config": quantization_config})
     assert ModelConfig.from_dict(raw, quantization="fp8").quantization.source == "online"
-
-
-def test_compressed_tensors_fp8_moe_checkpoint_is_refused():
-    """A compressed-tensors FP8 checkpoint (the experts' weight + weight_scale) is not read for MoE: refused."""
-    scheme = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-                                                 "strategy": "channel"}}
-    qcfg = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": scheme}}
-    raw = build_moe("mixtral").config.to_dict() | {"architectures": ["MixtralForCausalLM"]}
-    with pytest.raises(ValueError, match=r"not supported \(fp8 from compressed-tensors on MixtralForCausalLM\)"):
-        ModelConfig.from_dict(raw | {"quantization_config": qcfg})

@@ -19,6 +19,7 @@ from lora_runner.model.families import (
     HIDDEN_ACTS, MODEL_TYPES, SUPPORTED_ARCHITECTURES, family_options, rope_type_alias,
 )
 from lora_runner.model.lora_linear import decoder_lora_modules
+from lora_runner.model.moe_fp8 import FLOAT_MODULES
 from lora_runner.model.quant.config import QuantConfig, parse_quantization
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,11 @@ class ModelConfig:
         if self.num_experts:
             _check_moe(self)
         if self.quantization is not None:
-            self.quantization.check_in_features({m.name: m.in_features for m in decoder_lora_modules(self)})
+            modules = decoder_lora_modules(self)
+            self.quantization.check_in_features({m.name: m.in_features for m in modules})
+            # what the checkpoint may leave unquantized: what the model reads unquantized (an MoE router)
+            self.quantization.check_ignore(path for m in modules if m.name not in FLOAT_MODULES
+                                           for path, _ in m.peft_modules)
 
     @property
     def attn_scale(self) -> float:
@@ -210,7 +215,8 @@ class ModelConfig:
 
 
 def _check_moe(config: ModelConfig) -> None:
-    """ValueError for MoE sizes that cannot route, or a quantized MoE other than online FP8 (not implemented)."""
+    """ValueError for MoE sizes that cannot route, or a quantized MoE other than FP8 (online or compressed-tensors:
+    the 4-bit formats are not implemented for the experts)."""
     if not 0 < config.num_experts_per_tok <= config.num_experts:
         raise ValueError(f"num_experts_per_tok ({config.num_experts_per_tok}) must be in 1..num_experts "
                          f"({config.num_experts})")
@@ -223,10 +229,10 @@ def _check_moe(config: ModelConfig) -> None:
     if config.moe_naming not in ("mixtral", "qwen_moe"):
         raise ValueError(f"moe_naming must be 'mixtral' or 'qwen_moe', got {config.moe_naming!r}")
     quant = config.quantization
-    if quant is not None and not (quant.kind == "fp8" and quant.fp8.online):  # lora_runner.model.moe_fp8
+    if quant is not None and quant.kind != "fp8":  # FP8 experts: lora_runner.model.moe_fp8
         raise ValueError(f"quantized mixture-of-experts checkpoints are not supported ({quant.kind} from "
-                         f"{quant.source} on {config.architecture}): serve the float checkpoint, with "
-                         "quantization='fp8' to quantize its experts at load")
+                         f"{quant.source} on {config.architecture}): serve a compressed-tensors FP8 checkpoint, or the "
+                         "float one with quantization='fp8' to quantize its experts at load")
 
 
 def _require(raw: dict[str, Any], key: str) -> Any:

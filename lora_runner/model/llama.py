@@ -290,7 +290,8 @@ class LlamaForCausalLM(nn.Module):
                                  f"the model expects {tuple(dst.shape)} (config.json does not match the weights)")
             if not tensor.is_floating_point() or tensor.element_size() == 1:
                 raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}: a quantized weight, but config.json "
-                                 "has no quantization_config saying how to read it")
+                                 "has no quantization_config saying how to read it (or it is an MoE router or "
+                                 "shared expert gate, read unquantized under any)")
             dst.copy_(tensor)
             loaded |= self._weight_keys(param_name, index)
         for path, slices in pending.items():  # slices still waiting for optional tensors (g_idx), or short of some

@@ -1,9 +1,14 @@
-"""Online FP8 for a mixture-of-experts block's routed experts (``quantization="fp8"`` on a float checkpoint).
+"""FP8 for a mixture-of-experts block's routed experts: quantized at load (``quantization="fp8"`` on a float
+checkpoint) or read from a compressed-tensors FP8 checkpoint.
 
-Each routed expert's gate_up and down are quantized at load as a dense FP8 linear's are
-(lora_runner.model.quant.fp8: float8_e4m3fn weight, float32 scale per output channel, max|W[n]| / 448),
-and held as entries of one buffer per projection and tensor, as the unquantized experts are
-(lora_runner.model.moe)::
+Online, each routed expert's gate_up and down are quantized as a dense FP8 linear's are
+(lora_runner.model.quant.fp8: float8_e4m3fn weight, float32 scale per output channel, max|W[n]| / 448).
+A compressed-tensors checkpoint (llm-compressor's FP8 / FP8_DYNAMIC on Qwen3-30B-A3B, Mixtral, ...) holds
+every expert's projections as Linears of their own (``experts.<e>.gate_proj.weight`` float8_e4m3fn and
+``weight_scale``, per output channel [N, 1] or per tensor [1], the latter broadcast to the rows of its
+slice, as the dense path does: Fp8Format.convert), the router and Qwen2-MoE's shared expert gate left
+float through its ``ignore`` list (QuantConfig.check_ignore). Either way they are held as entries of one
+buffer per projection and tensor, as the unquantized experts are (lora_runner.model.moe)::
 
     gate_up.weight [E, 2I, H] float8_e4m3fn   gate_up.weight_scale [E, 2I] float32
     down.weight    [E, H, I]  float8_e4m3fn   down.weight_scale    [E, H]  float32
@@ -13,14 +18,15 @@ GEMM dequantizes the experts a batch routes to (:func:`dequantize_experts`), the
 converts each FP8 tile to the activations' dtype and scales its accumulator per output channel
 (punica_kernels.moe_triton). Weight-only on every device: the activations stay in the model dtype (the
 dense FP8 linears quantize theirs on CUDA; the experts' grouped GEMM does not, as vLLM's online FP8
-MoE on GPUs without FP8 tensor cores). The router and Qwen2-MoE's shared expert gate stay unquantized;
+MoE on GPUs without FP8 tensor cores; a compressed-tensors FP8_DYNAMIC checkpoint's experts too, where
+vLLM quantizes their activations per token). The router and Qwen2-MoE's shared expert gate stay unquantized;
 the shared expert is a dense FP8 linear.
 
 Tensor parallelism: gate_up is column-parallel, so its rows and their scales split alike; down is
-row-parallel and its partial sums are reduced by the block, not by the linear, so the row maximum over
-every rank's columns is taken here (``row_max``, one all-reduce per expert at load; the shared expert's
-down alike: :class:`UnreducedFp8Linear`): each rank then quantizes its columns with the scale one rank
-would use.
+row-parallel and its partial sums are reduced by the block, not by the linear, so online the row maximum
+over every rank's columns is taken here (``row_max``, one all-reduce per expert at load; the shared
+expert's down alike: :class:`UnreducedFp8Linear`): each rank then quantizes its columns with the scale
+one rank would use. A checkpoint's scales are already the whole rows': each rank reads them whole.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from lora_runner.distributed import TensorParallel
 from lora_runner.model.quant import fp8
 from lora_runner.model.quant.config import QuantConfig
 from lora_runner.model.quant.fp8 import Fp8Format
-from lora_runner.model.quant.linear import UNQUANTIZED, CheckpointSlice, Fp8Linear, LinearMethod
+from lora_runner.model.quant.linear import UNQUANTIZED, Fp8Linear, LinearMethod
 
 
 # an MoE block's LoRA modules whose base weight stays in the model dtype under any quantization (they
@@ -50,18 +56,11 @@ class UnreducedFp8Linear(Fp8Linear):
         super().__init__(form)
         self.tp = tp
 
-    def load(self, layer: nn.Module, parts: list[CheckpointSlice]) -> None:
-        """Quantize each slice into the layer's rows (a view of the block's stack for a routed expert:
-        written in place)."""
-        row_max = None
+    def row_max(self, layer: nn.Module) -> fp8.RowMax | None:
+        """A row-parallel shard's row maxima over every rank, by ``tp`` (the layer itself never reduces)."""
         if layer.lora_module.parallel == ROW and self.tp.is_parallel:
-            row_max = lambda amax: self.tp.all_reduce(amax, op="max")  # noqa: E731
-        offset = 0
-        for name, tensors, size in parts:
-            weight, scale = self.form.convert(tensors, layer.in_features, size, name, row_max)
-            layer.weight[offset:offset + size].copy_(weight)
-            layer.weight_scale[offset:offset + size].copy_(scale)
-            offset += size
+            return lambda amax: self.tp.all_reduce(amax, op="max")
+        return None
 
 
 class StackedFp8Linear(UnreducedFp8Linear):
@@ -75,9 +74,10 @@ class StackedFp8Linear(UnreducedFp8Linear):
 
 
 def expert_method(quant: QuantConfig | None, tp: TensorParallel) -> StackedFp8Linear | None:
-    """The routed experts' linear method under ``quant``: StackedFp8Linear for FP8 quantized online,
-    None for unquantized experts (any other quantization is refused by ModelConfig first)."""
-    assert quant is None or (quant.kind == "fp8" and quant.fp8.online), f"not an MoE quantization: {quant}"
+    """The routed experts' linear method under ``quant``: StackedFp8Linear for FP8 (quantized online, or read
+    from a compressed-tensors checkpoint), None for unquantized experts (any other quantization is refused
+    by ModelConfig first)."""
+    assert quant is None or quant.kind == "fp8", f"not an MoE quantization: {quant}"
     return None if quant is None else StackedFp8Linear(quant.fp8, tp)
 
 

@@ -4,12 +4,17 @@ GPTQ, AWQ) or the engine's ``quantization="fp8"`` (a float checkpoint quantized 
 Everything is checked here, before any weight is allocated: a config (or a field of one) this code does
 not implement is a ValueError naming the field, never a checkpoint whose scales are silently ignored.
 The 4-bit formats are parsed by their own modules (``lora_runner.model.quant.gptq`` / ``awq`` /
-``ct_int4``: ``parse_config(qcfg) -> Int4Format``); FP8 by ``lora_runner.model.quant.fp8``.
+``ct_int4``: ``parse_config(qcfg) -> Int4Format``); FP8 by ``lora_runner.model.quant.fp8``. A
+compressed-tensors ``ignore`` list must name lm_head; its other entries may name only linears the model
+reads unquantized anyway (an MoE block's router and shared expert gate: :meth:`QuantConfig.check_ignore`,
+which ModelConfig calls with the model's module names).
 """
 
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +40,16 @@ class QuantConfig:
     """The quantization of every linear layer of the decoder (embeddings and lm_head stay unquantized).
 
     ``kind`` "fp8" (``fp8`` set) or "int4" (``int4`` set, W4A16); ``source`` where it came from:
-    "compressed-tensors", "gptq", "awq" or "online".
+    "compressed-tensors", "gptq", "awq" or "online". ``ignore``: the compressed-tensors ``ignore`` entries
+    besides lm_head's (module names or "re:" patterns the checkpoint left unquantized), which
+    :meth:`check_ignore` holds against the model's linears.
     """
 
     kind: str
     source: str
     fp8: Fp8Format | None = None
     int4: Int4Format | None = None
+    ignore: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert (self.kind == "fp8") == (self.fp8 is not None) and (self.kind == "int4") == (self.int4 is not None), \
@@ -56,6 +64,22 @@ class QuantConfig:
             if k % group or k % 8:
                 raise ValueError(f"{WHERE}.group_size {group} does not divide the input width {k} of the {packed} "
                                  "projection (and 4-bit weights pack 8 columns per word)")
+
+    def check_ignore(self, quantized: Iterable[str]) -> None:
+        """ValueError naming the ``ignore`` entry that leaves out one of ``quantized`` (the checkpoint module
+        paths of the linears the model reads quantized): reading one of those unquantized is not
+        implemented. Entries that match only linears the model reads unquantized anyway (an MoE block's
+        router and shared expert gate), or none of its linears, pass: they leave nothing out. An entry
+        matches as compressed-tensors matches it: equal to the path, or "re:" and ``re.match``."""
+        paths = list(quantized)
+        for entry in self.ignore:
+            matches = _ignore_matcher(entry)
+            left_out = [path for path in paths if matches(path)]
+            if left_out:
+                raise ValueError(f"{WHERE}.ignore entry {entry!r} leaves {left_out[0]} unquantized"
+                                 f"{f' (and {len(left_out) - 1} more)' if len(left_out) > 1 else ''}: reading a "
+                                 "decoder linear unquantized is not implemented (only lm_head and a "
+                                 "mixture-of-experts block's router and shared expert gate may be ignored)")
 
 
 def parse_quantization(raw: dict[str, Any], quantization: str | None = None) -> QuantConfig | None:
@@ -103,10 +127,8 @@ def _compressed_tensors(qcfg: dict[str, Any]) -> QuantConfig:
     ignore = qcfg.get("ignore") or []
     if not any(name in _LM_HEAD_NAMES for name in ignore):
         raise ValueError(f"{WHERE}.ignore must name lm_head: a quantized lm_head is not implemented")
-    others = [name for name in ignore if name not in _LM_HEAD_NAMES]
-    if others:
-        raise ValueError(f"{WHERE}.ignore {others!r:.120}: leaving decoder linears unquantized is not implemented "
-                         "(only lm_head may be ignored)")
+    # the rest (an MoE router's, say) is held against the model's linears by QuantConfig.check_ignore
+    others = tuple(name for name in ignore if name not in _LM_HEAD_NAMES)
     groups = qcfg.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(f"{WHERE}.config_groups has {len(groups)} groups; one scheme for every Linear is "
@@ -131,10 +153,22 @@ def _compressed_tensors(qcfg: dict[str, Any]) -> QuantConfig:
         if weights.get("type") != "float":
             raise ValueError(f"{where}.weights.type {weights.get('type')!r} is not implemented for 8 bits "
                              "(supported: 'float', FP8)")
-        return QuantConfig("fp8", "compressed-tensors", fp8=parse_ct_fp8(scheme, where))
+        return QuantConfig("fp8", "compressed-tensors", fp8=parse_ct_fp8(scheme, where), ignore=others)
     if scheme.get("input_activations") is not None:
         raise ValueError(f"{where}.input_activations is not implemented with 4-bit weights (W4A16 only)")
-    return QuantConfig("int4", "compressed-tensors", int4=_int4_format("compressed-tensors", qcfg))
+    return QuantConfig("int4", "compressed-tensors", int4=_int4_format("compressed-tensors", qcfg), ignore=others)
+
+
+def _ignore_matcher(entry: str) -> Callable[[str], bool]:
+    """Whether a compressed-tensors ``ignore`` entry names a module path, as compressed_tensors.utils.match_name
+    decides: equal to it, or "re:" and ``re.match``. ValueError for a pattern that does not compile."""
+    if not entry.startswith("re:"):
+        return lambda path: path == entry
+    try:
+        pattern = re.compile(entry[3:])
+    except re.error as err:
+        raise ValueError(f"{WHERE}.ignore entry {entry!r} is not a regular expression: {err}") from err
+    return lambda path: pattern.match(path) is not None
 
 
 def _int4_format(method: str, qcfg: dict[str, Any]) -> Int4Format:

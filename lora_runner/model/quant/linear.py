@@ -78,12 +78,18 @@ class Fp8Linear:
         layer.register_buffer("weight", torch.empty(out_features, in_features, dtype=fp8.FP8_DTYPE, device=device))
         layer.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
 
-    def load(self, layer: nn.Module, parts: list[CheckpointSlice]) -> None:
-        """Convert each slice's checkpoint tensors and write them at the slice's rows. A row-parallel
-        shard (``layer.reduce``) quantized online takes each row's maximum over every rank (one
+    def row_max(self, layer: nn.Module) -> fp8.RowMax | None:
+        """Where online quantization takes each row's maximum from (fp8.quantize_per_channel): None for a
+        layer holding whole rows; over every rank for a row-parallel shard (``layer.reduce``: one
         all-reduce per layer at load), so its scales are those of one rank."""
         reduce = getattr(layer, "reduce", None)
-        row_max = None if reduce is None else (lambda amax: reduce.all_reduce(amax, op="max"))
+        return None if reduce is None else (lambda amax: reduce.all_reduce(amax, op="max"))
+
+    def load(self, layer: nn.Module, parts: list[CheckpointSlice]) -> None:
+        """Convert each slice's checkpoint tensors and write them at the slice's rows (in place: the layer's
+        buffers may be views of a larger one, as an MoE block's stacked experts), quantizing online with
+        each row's maximum from :meth:`row_max`."""
+        row_max = self.row_max(layer)
         for offset, (name, tensors, size) in zip(_offsets(parts), parts):
             weight, scale = self.form.convert(tensors, layer.in_features, size, name, row_max)
             layer.weight[offset:offset + size].copy_(weight)
