@@ -13,9 +13,10 @@ in the decode graphs (the torch path's grouping reads the routing on the host: i
 capture); the batch-invariant mode keeps a loop over the experts hit (:class:`Expert`, its GEMMs in
 fixed row blocks). The experts' weights are allocated as entries of one buffer per projection
 (``gate_up`` [E, 2I, H], ``down`` [E, H, I]), left dense after loading (:class:`StackedDenseLinear`),
-that the grouped GEMM and the kernels read as they are. With ``quantization="fp8"`` (or a compressed-tensors FP8 checkpoint) those buffers are
-float8_e4m3fn with float32 scales per (expert, output row) beside them (lora_runner.model.moe_fp8); the
-router and the shared expert's gate stay unquantized, the shared expert is a dense FP8 linear.
+that the grouped GEMM and the kernels read as they are. With ``quantization="fp8"`` (or a compressed-tensors
+FP8 checkpoint) those buffers are float8_e4m3fn with float32 scales per (expert, output row) beside them
+(lora_runner.model.moe_fp8); the router and the shared expert's gate stay unquantized, the shared expert is a
+dense FP8 linear.
 
 Every projection is a :class:`LoRALinear` of its own, built from the descriptors
 lora_runner.model.lora_linear.moe_lora_modules declares (one per expert per projection, PEFT /
