@@ -33,7 +33,13 @@ from adapters.file_limits import default_max_adapter_bytes
 from adapters.files import AdapterDir
 from adapters.hub import adapter_file_patterns, resolve
 from adapters.lora import dummy_lora, load_lora
-from adapters.memory_source import MemoryLoRARequest, MemorySnapshots, load_memory_lora, memory_lora_request
+from adapters.memory_source import (
+    MemoryLoRARequest,
+    MemorySnapshots,
+    default_memory_adapter_bytes,
+    load_memory_lora,
+    memory_lora_request,
+)
 from adapters.prompt import dummy_prompt_adapter, load_prompt_adapter
 from adapters.request import LoRARequest, PromptAdapterRequest
 from adapters.sharding import shard_spec
@@ -340,13 +346,6 @@ class _LoadPools:
         """Stop both pools without waiting."""
         for pool in (self._local, self._hub):
             pool.shutdown()
-
-
-def default_memory_adapter_bytes(cache_bytes: int, max_adapter_bytes: int) -> int:
-    """The default bound on the bytes in-memory LoRA snapshots hold together: what the LoRA CPU cache may
-    hold (``cache_bytes``), and at least four of the largest adapters (the version serving, the one being
-    pushed, two that running streams still finish on), so an RL loop that ran before is never refused."""
-    return max(cache_bytes, 4 * max_adapter_bytes)
 
 
 def _default_resolve(path, revision, allow_patterns, local_files_only, cache_dir=None) -> str:

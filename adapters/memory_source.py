@@ -26,6 +26,12 @@ naming it is refused (adapters.tier's ``SupersededAdapterError``, or an ``Invali
 adapters.cache_memory) and bounds their total by ``max_memory_adapter_bytes``: an update that would
 pass it is refused (:class:`MemoryAdapterBoundError`, naming the setting) before its snapshot is
 taken, and the version serving before keeps serving. The bound is one for the engine, not per tenant.
+
+The cached weights of a version are its snapshot's very tensors when these are already in the
+engine's dtype (``parse_lora(share_storage=True)``; the snapshot never changes), so an in-memory
+adapter is held once: counted both here and in the LoRA CPU cache, which each bound what they
+reference. In another dtype (a float32 trainer, a bfloat16 engine) the weights are a conversion,
+and on CUDA a pinned copy.
 """
 
 from __future__ import annotations
@@ -154,6 +160,14 @@ class MemorySnapshots:
                 logger.debug("in-memory adapter snapshot %s released (%d bytes)", path, nbytes)
 
 
+def default_memory_adapter_bytes(cache_bytes: int, max_adapter_bytes: int) -> int:
+    """The default bound on the bytes in-memory LoRA snapshots hold together: what the LoRA CPU cache may
+    hold (``cache_bytes``), and at least four of the largest adapters (``max_adapter_bytes``: the version
+    serving, the one being pushed, two that running streams still finish on), so that an RL loop that
+    ran before the bound existed is not refused."""
+    return max(cache_bytes, 4 * max_adapter_bytes)
+
+
 def memory_lora_request(name: str, state_dict: Mapping[str, torch.Tensor], config, *,
                         max_bytes: int | None, snapshots: MemorySnapshots | None = None) -> MemoryLoRARequest:
     """A snapshot of ``state_dict`` and ``config`` as a request for a new version of ``name``.
@@ -208,8 +222,9 @@ def load_memory_lora(request: MemoryLoRARequest, spec: ModelSpec, *, max_lora_ra
     if getattr(request.tensors, "released", False):
         raise InvalidAdapterError(f"adapter {request.name!r}: this in-memory version ({request.path}) was released: "
                                   "a later update replaced it")
+    # the snapshot never changes, so the cached weights may be its very tensors (when already in ``dtype``)
     return parse_lora(request.name, dict(request.config), dict(request.tensors), spec, max_lora_rank=max_lora_rank,
-                      dtype=dtype, base_weight=base_weight)
+                      dtype=dtype, base_weight=base_weight, share_storage=True)
 
 
 def _config_dict(name: str, config) -> dict:

@@ -23,8 +23,7 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import save as safetensors_bytes
 
 from adapters.cache_memory import held_bytes
-from adapters.manager import default_memory_adapter_bytes
-from adapters.memory_source import MemoryAdapterBoundError
+from adapters.memory_source import MemoryAdapterBoundError, default_memory_adapter_bytes
 from adapters.slot_memory import cpu_cache_bytes
 from lora_runner import SamplingParams
 from tests import factories
@@ -88,6 +87,26 @@ def test_counted_bytes_are_the_snapshots_real_storages_even_for_views(kit, greed
     assert _counted(engine) == _nbytes(state) < flat.untyped_storage().nbytes()
     assert_exact(run_to_completion(engine, [("a", PROMPT, GREEDY, served.request)])["a"], policies[0], PROMPT,
                  greedy_oracle, MAX_TOKENS)
+
+
+def test_the_cached_weights_are_the_snapshot_itself_not_a_second_copy(kit, greedy_oracle):
+    path, _, policies = kit
+    engine = make_engine(path)  # float32 on CPU, as the trainer's tensors: nothing to convert
+    served = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
+    tier = engine.adapters.manager.loras
+    weights = tier._versions.get(served.version).weights  # noqa: SLF001 - the cached version's weights
+    factors = [t for pair in weights.pairs() for t in (pair.a, pair.b, pair.column_scale)]
+    snapshot = list(served.request.tensors.values())
+    assert tier.cpu_bytes == weights.nbytes == held_bytes(snapshot) == held_bytes(snapshot + factors)
+    assert_exact(run_to_completion(engine, [("a", PROMPT, GREEDY, served.request)])["a"], policies[0], PROMPT,
+                 greedy_oracle, MAX_TOKENS)
+    # in another dtype the weights are a conversion, so they are their own storage
+    engine = make_engine(path, dtype="bfloat16")
+    served = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
+    weights = engine.adapters.manager.loras._versions.get(served.version).weights  # noqa: SLF001
+    snapshot = list(served.request.tensors.values())
+    assert held_bytes(snapshot + [t for pair in weights.pairs() for t in (pair.a, pair.b)]) \
+        == held_bytes(snapshot) + weights.nbytes
 
 
 def test_default_bound_is_the_cpu_cache_bytes_and_at_least_four_adapters(kit):
