@@ -68,7 +68,7 @@ class MemoryLoRARequest(LoRARequest):
     """A LoRA whose weights were handed over in memory (build it with :func:`memory_lora_request`).
 
     ``path`` is a ``memory:`` id unique to this snapshot; ``tensors`` and ``config`` are the snapshot
-    (CPU tensors nobody else holds, a JSON-like dict) and are left out of equality and hashing.
+    (CPU tensors nobody changes, a JSON-like dict) and are left out of equality and hashing.
     """
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
