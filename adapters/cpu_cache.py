@@ -21,8 +21,11 @@ the tier from stalling under it:
 - pins may hold less than ``max_bytes`` together (``check_pin``), so there is always room to load
   (a replacement that inherits a pin, adapters.tier.publish, is not checked again).
 
-Not counted: an in-memory adapter's request (adapters.memory_source) keeps its snapshot of the
-trainer's tensors as long as its name is served, whether its weights are cached or not.
+Counted elsewhere: an in-memory adapter's request (adapters.memory_source) keeps its snapshot of the
+trainer's tensors while its name is served from it or a live version was made from it, whether its
+weights are cached or not; those snapshots are bounded together by ``max_memory_adapter_bytes``
+(adapters.memory_source.MemorySnapshots). A cached version's weights may be its snapshot's very
+tensors (same dtype): then the same storage is counted in both bounds, and held once.
 
 Not thread-safe on purpose: the owning ``AdapterTier`` holds its lock around every call.
 """

@@ -254,14 +254,18 @@ def _group_keys(name: str, tensors: dict[str, torch.Tensor], spec: ModelSpec) ->
 
 
 def _checked_factor(name: str, key: str, tensor: torch.Tensor, shape: tuple[int, int], scaling: float,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """Shape/dtype/finiteness checks; returns ``tensor * scaling`` cast to ``dtype``."""
+                    dtype: torch.dtype, share: bool = False) -> torch.Tensor:
+    """Shape/dtype/finiteness checks; returns ``tensor * scaling`` cast to ``dtype`` (with ``share``,
+    ``tensor`` itself when that is it bit for bit: scaling 1, the same dtype, contiguous)."""
     if tuple(tensor.shape) != shape:
         raise InvalidAdapterError(f"adapter {name!r}: {key} has shape {tuple(tensor.shape)}, expected {shape} "
                                   "for this base model (adapter trained on a different model?)")
     if not tensor.is_floating_point():
         raise InvalidAdapterError(f"adapter {name!r}: {key} has dtype {tensor.dtype}; floating point expected")
-    out = (tensor.float() * scaling).to(dtype).contiguous()
+    if share and scaling == 1.0 and tensor.dtype == dtype and tensor.is_contiguous():
+        out = tensor  # an immutable snapshot (adapters.memory_source): not held twice
+    else:
+        out = (tensor.float() * scaling).to(dtype).contiguous()
     low, high = out.aminmax()  # one pass; NaN propagates into both, inf shows in one
     if not (torch.isfinite(low) and torch.isfinite(high)):
         if not torch.isfinite(tensor).all():
@@ -295,8 +299,11 @@ def _slice_rows(module: LoRAModule, indices: tuple[int, ...], b: torch.Tensor) -
 
 def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: ModelSpec, *,
                max_lora_rank: int, dtype: torch.dtype = torch.float32,
-               base_weight: BaseWeight | None = None) -> LoRAWeights:
+               base_weight: BaseWeight | None = None, share_storage: bool = False) -> LoRAWeights:
     """Validate a PEFT LoRA (config + state dict) against ``spec`` and convert it to :class:`LoRAWeights`.
+
+    ``share_storage``: factors already in ``dtype`` (and contiguous) are used as they are, not copied;
+    only for tensors nobody changes afterwards (an in-memory adapter's snapshot).
 
     ``base_weight`` (layer, module name) -> base weight [N, K] is needed for DoRA only: its column scales
     are computed from it (on its device) once everything else has been validated.
@@ -325,8 +332,8 @@ def parse_lora(name: str, config: dict, tensors: dict[str, torch.Tensor], spec: 
         target = targets.get(key)
         shape_a, shape_b = (vocab_factor_shapes(name, key, factors, rank, spec) if target is None
                             else target[0].peft_shapes(target[1], rank))
-        a = _checked_factor(name, f"{key}.lora_A", factors["lora_A"], shape_a, 1.0, dtype)  # [r, K]
-        b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b, 1.0, dtype)  # [N_j, r]
+        a = _checked_factor(name, f"{key}.lora_A", factors["lora_A"], shape_a, 1.0, dtype, share_storage)  # [r, K]
+        b = _checked_factor(name, f"{key}.lora_B", factors["lora_B"], shape_b, 1.0, dtype, share_storage)  # [N_j, r]
         if target is None:
             vocab[VOCAB_MODULES[key]] = LoRAPair(a, b, scaling)
             continue

@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -32,7 +33,13 @@ from adapters.file_limits import default_max_adapter_bytes
 from adapters.files import AdapterDir
 from adapters.hub import adapter_file_patterns, resolve
 from adapters.lora import dummy_lora, load_lora
-from adapters.memory_source import MemoryLoRARequest, load_memory_lora
+from adapters.memory_source import (
+    MemoryLoRARequest,
+    MemorySnapshots,
+    default_memory_adapter_bytes,
+    load_memory_lora,
+    memory_lora_request,
+)
 from adapters.prompt import dummy_prompt_adapter, load_prompt_adapter
 from adapters.request import LoRARequest, PromptAdapterRequest
 from adapters.sharding import shard_spec
@@ -60,6 +67,8 @@ class AdapterStats:
     prompt_evictions: int
     # not an event: the bytes the LoRA CPU cache holds now (a gauge; adapters.cpu_cache)
     lora_cpu_cache_bytes: int = field(default=0, metadata={"gauge": True})
+    # the bytes the live snapshots of in-memory LoRAs hold now (a gauge; adapters.memory_source)
+    memory_adapter_bytes: int = field(default=0, metadata={"gauge": True})
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,8 @@ class AdapterManager:
             "prompt"), built elsewhere: an engine whose model lives in worker processes passes proxies
             (``num_slots``, ``write``, ``clear``, ``nbytes``). None: device slots built here, exposed as
             ``lora_slots``, ``vocab_slots``, ``prompt_slots`` (all three None when make_slots is given).
+        max_memory_adapter_bytes: bytes the live snapshots of LoRAs handed over in memory may hold together
+            (adapters.memory_source); None: :func:`default_memory_adapter_bytes`.
 
     CPU memory: each tier holds at most its CPU cache capacity plus ``load_workers +
     download_workers`` adapter versions (loads in flight), plus one per concurrent ``add`` call;
@@ -134,8 +145,10 @@ class AdapterManager:
                  max_adapter_bytes: int | None = None, resolver: Callable | None = None, cache_dir=None,
                  max_cpu_prompt_adapters: int | None = None, load_workers: int = 2, download_workers: int = 8,
                  on_load_done: Callable[[], None] | None = None, base_weight: Callable | None = None,
-                 make_slots: Callable[[str], object] | None = None, max_cpu_lora_bytes: int | None = None):
-        for setting, value in (("max_adapter_bytes", max_adapter_bytes), ("max_cpu_lora_bytes", max_cpu_lora_bytes)):
+                 make_slots: Callable[[str], object] | None = None, max_cpu_lora_bytes: int | None = None,
+                 max_memory_adapter_bytes: int | None = None):
+        for setting, value in (("max_adapter_bytes", max_adapter_bytes), ("max_cpu_lora_bytes", max_cpu_lora_bytes),
+                               ("max_memory_adapter_bytes", max_memory_adapter_bytes)):
             if value is not None and value <= 0:
                 raise ValueError(f"{setting} must be positive or None, got {value}")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
@@ -161,9 +174,16 @@ class AdapterManager:
         in_flight = load_workers + download_workers
         cache_bytes = cpu_cache_bytes(spec, max_cpu_loras, max_lora_rank, dtype, max_cpu_lora_bytes)
         logger.info("%s", describe_cpu_cache(max_cpu_loras, cache_bytes, default=max_cpu_lora_bytes is None))
+        if max_memory_adapter_bytes is None:
+            max_memory_adapter_bytes = default_memory_adapter_bytes(cache_bytes, max_adapter_bytes)
+            how = " (default: max(max_cpu_lora_bytes, 4 x max_adapter_bytes))"
+        else:
+            how = ""
+        logger.info("in-memory LoRA snapshots: max_memory_adapter_bytes=%d%s", max_memory_adapter_bytes, how)
+        self.memory_snapshots = MemorySnapshots(max_memory_adapter_bytes)
         self.loras = AdapterTier("LoRA", LoRARequest, self._load_lora, self._dummy_lora, lora_slot_sets,
                                  max_cpu_loras, self._executor, max_loading=in_flight, on_settled=on_load_done,
-                                 max_bytes=cache_bytes)
+                                 max_bytes=cache_bytes, snapshots=self.memory_snapshots)
         if max_cpu_prompt_adapters is None:
             max_cpu_prompt_adapters = max(max_cpu_loras, max_prompt_adapters)
         self.prompts = PromptAdapterTier("prompt adapter", PromptAdapterRequest, self._load_prompt,
@@ -177,7 +197,22 @@ class AdapterManager:
         return AdapterStats(lora_loads=lora["slot_loads"], lora_evictions=lora["slot_evictions"],
                             lora_disk_loads=lora["disk_loads"], lora_cpu_evictions=lora["cpu_evictions"],
                             prompt_loads=prompt["slot_loads"], prompt_evictions=prompt["slot_evictions"],
-                            lora_cpu_cache_bytes=self.loras.cpu_bytes)
+                            lora_cpu_cache_bytes=self.loras.cpu_bytes,
+                            memory_adapter_bytes=self.memory_snapshots.nbytes)
+
+    @contextmanager
+    def memory_update(self, name: str, state_dict, config):
+        """The request of an update of LoRA ``name`` from tensors in memory (adapters.memory_source), its
+        snapshot counted against ``max_memory_adapter_bytes`` (MemoryAdapterBoundError, before any copy,
+        when it would pass it): serve it inside the block; after it the snapshot is released unless it
+        is in use (served, or a live version of it)."""
+        request = memory_lora_request(name, state_dict, config, max_bytes=self.max_adapter_bytes,
+                                      snapshots=self.memory_snapshots)
+        try:
+            yield request
+        finally:
+            self.memory_snapshots.settle(request.path)
+            self.loras.release_snapshots()
 
     def close(self) -> None:
         """Stop background loading and return at once: queued and running loads fail ("cancelled"),

@@ -15,30 +15,48 @@ the engine the tensors (PEFT key names, as in ``adapter_model.safetensors``, e.g
   (:func:`adapters.lora.parse_lora`: config, targets, ranks against ``max_lora_rank``, shapes, dtypes,
   finite values, DoRA), so an update is refused for exactly what the same files would be refused for.
 
-The snapshot lives as long as the request does (the served record keeps it): a version whose
+The snapshot lives while the engine may read it: while its name is served from it (a version whose
 weights the CPU cache evicted reloads from it, as a file adapter reloads from its folder, and keeps
-its version (the weights are the same), so the version ``update_lora`` returned is the one outputs
-name.
+its version: the weights are the same, so the version ``update_lora`` returned is the one outputs
+name) or a live version (held by running requests, or staged) was made from it. Then it is released:
+emptied, so a reference a caller kept (an old ``ServedAdapter``) holds no tensors, and a request
+naming it is refused (adapters.tier's ``SupersededAdapterError``, or an ``InvalidAdapterError`` here).
+
+:class:`MemorySnapshots` counts the bytes every live snapshot holds (each storage once,
+adapters.cache_memory) and bounds their total by ``max_memory_adapter_bytes``: an update that would
+pass it is refused (:class:`MemoryAdapterBoundError`, naming the setting) before its snapshot is
+taken, and the version serving before keeps serving. The bound is one for the engine, not per tenant.
+
+The cached weights of a version are its snapshot's very tensors when these are already in the
+engine's dtype (``parse_lora(share_storage=True)``; the snapshot never changes), so an in-memory
+adapter is held once: counted both here and in the LoRA CPU cache, which each bound what they
+reference. In another dtype (a float32 trainer, a bfloat16 engine) the weights are a conversion,
+and on CUDA a pinned copy.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
+from adapters.cache_memory import held_bytes
 from adapters.dora import BaseWeight
 from adapters.errors import AdapterTooLargeError, InvalidAdapterError
 from adapters.lora import LoRAWeights, parse_lora
 from adapters.request import LoRARequest
 from adapters.spec import ModelSpec
 from adapters.weights import MAX_CONFIG_BYTES
+
+logger = logging.getLogger(__name__)
 
 MEMORY_SCHEME = "memory:"
 _ids = itertools.count(1)
@@ -50,7 +68,7 @@ class MemoryLoRARequest(LoRARequest):
     """A LoRA whose weights were handed over in memory (build it with :func:`memory_lora_request`).
 
     ``path`` is a ``memory:`` id unique to this snapshot; ``tensors`` and ``config`` are the snapshot
-    (CPU tensors nobody else holds, a JSON-like dict) and are left out of equality and hashing.
+    (CPU tensors nobody changes, a JSON-like dict) and are left out of equality and hashing.
     """
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
@@ -59,17 +77,111 @@ class MemoryLoRARequest(LoRARequest):
     immutable: ClassVar[bool] = True
 
 
+class _Snapshot(dict):
+    """A snapshot's tensors by PEFT key; ``released`` once MemorySnapshots emptied it."""
+
+    released = False
+
+
+class MemoryAdapterBoundError(AdapterTooLargeError):
+    """An in-memory update would make the live snapshots hold more than ``max_memory_adapter_bytes``.
+
+    Nothing was copied; the version serving the name keeps serving."""
+
+
+class MemorySnapshots:
+    """The live snapshots of in-memory adapters and the bytes they hold, bounded by ``max_bytes``.
+
+    ``reserve`` counts an update's bytes before its snapshot is taken (refusing one that would pass
+    the bound) and holds it as pending; ``settle`` ends the update (published or not); the owning tier
+    calls ``release_unused`` whenever a version or a served record may have let go of one, and a
+    snapshot no longer pending nor in use is released (emptied) and no longer counted. Thread-safe.
+
+    Args:
+        max_bytes: the bound on the bytes all live snapshots hold together.
+        setting: the name of the setting ``max_bytes`` comes from, for messages.
+    """
+
+    def __init__(self, max_bytes: int, setting: str = "max_memory_adapter_bytes"):
+        self.max_bytes, self.setting = max_bytes, setting
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[MemoryLoRARequest | None, int]] = {}  # memory id -> (request, bytes held)
+        self._pending: set[str] = set()  # memory ids of updates still being served
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the live snapshots hold now (reservations included)."""
+        with self._lock:
+            return sum(nbytes for _, nbytes in self._held.values())
+
+    def reserve(self, name: str, path: str, nbytes: int) -> None:
+        """Count ``nbytes`` for the snapshot ``path`` about to be taken (pending until ``settle``);
+        MemoryAdapterBoundError when the live snapshots would then hold more than ``max_bytes``."""
+        with self._lock:
+            held = sum(b for _, b in self._held.values())
+            if held + nbytes > self.max_bytes:
+                raise MemoryAdapterBoundError(
+                    f"adapter {name!r}: its tensors hold {nbytes} bytes and the live in-memory adapters' snapshots "
+                    f"{held}, over the limit {self.setting}={self.max_bytes}; wait for running requests on older "
+                    f"versions to finish, withdraw an in-memory adapter, or raise {self.setting}")
+            self._held[path] = (None, nbytes)
+            self._pending.add(path)
+
+    def hold(self, request: MemoryLoRARequest) -> None:
+        """The snapshot reserved under ``request.path`` was taken: count the bytes it really holds."""
+        with self._lock:
+            self._held[request.path] = (request, held_bytes(request.tensors.values()))
+
+    def cancel(self, path: str) -> None:
+        """The snapshot reserved under ``path`` was never taken: no longer counted."""
+        with self._lock:
+            self._held.pop(path, None)
+            self._pending.discard(path)
+
+    def settle(self, path: str) -> None:
+        """The update of snapshot ``path`` ended: from now on it is released once no longer in use."""
+        with self._lock:
+            self._pending.discard(path)
+
+    def release_unused(self, in_use: Callable[[MemoryLoRARequest], bool]) -> None:
+        """Release every snapshot neither pending nor ``in_use`` (call it under the owning tier's lock)."""
+        with self._lock:
+            unused = [path for path, (request, _) in self._held.items()
+                      if path not in self._pending and (request is None or not in_use(request))]
+            for path in unused:
+                request, nbytes = self._held.pop(path)
+                if request is not None:  # the bytes go even if a caller still holds the request
+                    request.tensors.released = True
+                    request.tensors.clear()
+                logger.debug("in-memory adapter snapshot %s released (%d bytes)", path, nbytes)
+
+
+def default_memory_adapter_bytes(cache_bytes: int, max_adapter_bytes: int) -> int:
+    """The default bound on the bytes in-memory LoRA snapshots hold together: what the LoRA CPU cache may
+    hold (``cache_bytes``), and at least four of the largest adapters (``max_adapter_bytes``: the version
+    serving, the one being pushed, two that running streams still finish on), so that an RL loop that
+    ran before the bound existed is not refused."""
+    return max(cache_bytes, 4 * max_adapter_bytes)
+
+
 def memory_lora_request(name: str, state_dict: Mapping[str, torch.Tensor], config, *,
-                        max_bytes: int | None) -> MemoryLoRARequest:
+                        max_bytes: int | None, snapshots: MemorySnapshots | None = None) -> MemoryLoRARequest:
     """A snapshot of ``state_dict`` and ``config`` as a request for a new version of ``name``.
 
     ``config``: a PEFT ``LoraConfig`` or an ``adapter_config.json`` dict. Checked here, before any
     copy: the config's JSON size (at most ``MAX_CONFIG_BYTES``), every key a string and every value a
-    dense tensor, their bytes at most ``max_bytes`` (the bound a file of them would meet).
+    dense tensor, their bytes at most ``max_bytes`` (the bound a file of them would meet), and with
+    ``snapshots`` at most what the live snapshots leave under their bound (the snapshot is then counted
+    there, pending: the caller settles it, ``MemorySnapshots.settle``, once the update ended).
 
     Raises:
         InvalidAdapterError: the config is not a JSON object, or the state dict is not str -> tensor.
-        AdapterTooLargeError: the config or the tensors are over their bounds.
+        AdapterTooLargeError: the config or the tensors are over their bounds (MemoryAdapterBoundError:
+            over ``snapshots``' bound).
     """
     config_dict = _config_dict(name, config)
     if not isinstance(state_dict, Mapping):
@@ -87,17 +199,32 @@ def memory_lora_request(name: str, state_dict: Mapping[str, torch.Tensor], confi
     if max_bytes is not None and nbytes > max_bytes:
         raise AdapterTooLargeError(f"adapter {name!r}: its tensors hold {nbytes} bytes, over the limit "
                                    f"max_adapter_bytes={max_bytes}")
-    # a snapshot the trainer cannot change: it goes on updating its parameters in place
-    snapshot = {key: tensor.detach().to("cpu", copy=True) for key, tensor in state_dict.items()}
-    return MemoryLoRARequest(name, f"{MEMORY_SCHEME}{name}/{_PROCESS}-{next(_ids)}", tensors=snapshot,
-                             config=config_dict)
+    path = f"{MEMORY_SCHEME}{name}/{_PROCESS}-{next(_ids)}"
+    if snapshots is not None:
+        snapshots.reserve(name, path, nbytes)  # before the copy: an update over the bound allocates nothing
+    try:
+        # a snapshot the trainer cannot change: it goes on updating its parameters in place
+        snapshot = {key: tensor.detach().to("cpu", copy=True) for key, tensor in state_dict.items()}
+    except BaseException:
+        if snapshots is not None:
+            snapshots.cancel(path)
+        raise
+    request = MemoryLoRARequest(name, path, tensors=_Snapshot(snapshot), config=config_dict)
+    if snapshots is not None:
+        snapshots.hold(request)
+    return request
 
 
 def load_memory_lora(request: MemoryLoRARequest, spec: ModelSpec, *, max_lora_rank: int,
                      dtype: torch.dtype = torch.float32, base_weight: BaseWeight | None = None) -> LoRAWeights:
-    """Validate the snapshot as a file load validates what it read (:func:`adapters.lora.parse_lora`)."""
+    """Validate the snapshot as a file load validates what it read (:func:`adapters.lora.parse_lora`);
+    InvalidAdapterError when the snapshot was released (a later update replaced it)."""
+    if getattr(request.tensors, "released", False):
+        raise InvalidAdapterError(f"adapter {request.name!r}: this in-memory version ({request.path}) was released: "
+                                  "a later update replaced it")
+    # the snapshot never changes, so the cached weights may be its very tensors (when already in ``dtype``)
     return parse_lora(request.name, dict(request.config), dict(request.tensors), spec, max_lora_rank=max_lora_rank,
-                      dtype=dtype, base_weight=base_weight)
+                      dtype=dtype, base_weight=base_weight, share_storage=True)
 
 
 def _config_dict(name: str, config) -> dict:

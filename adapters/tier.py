@@ -64,7 +64,7 @@ from typing import Any, Callable
 from adapters.cpu_cache import CPUCache
 from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterError, UnknownAdapterError
 from adapters.load_queue import LoadQueue
-from adapters.memory_source import MemoryLoRARequest
+from adapters.memory_source import MemoryLoRARequest, MemorySnapshots
 from adapters.slot_pool import SlotPool
 from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
 
@@ -99,11 +99,14 @@ class AdapterTier:
         max_loading: background loads in flight beyond the cache (see the module docstring).
         on_settled: called (outside the lock) whenever a load finishes, fails or is cancelled, so an
             engine waiting for work can wake up.
+        snapshots: the live snapshots of in-memory adapters (adapters.memory_source); the tier releases
+            each once neither its served record nor a live version was made from it.
     """
 
     def __init__(self, kind: str, request_type: type, load: Callable, make_dummy: Callable, slots, max_cpu: int,
                  executor: Any, max_loading: int = 2, on_settled: Callable[[], None] | None = None,
-                 max_bytes: int | None = None, bytes_setting: str = "max_cpu_lora_bytes"):
+                 max_bytes: int | None = None, bytes_setting: str = "max_cpu_lora_bytes",
+                 snapshots: MemorySnapshots | None = None):
         if max_cpu < slots.num_slots:
             raise ValueError(f"the {kind} CPU cache ({max_cpu}) must hold at least as many adapters as there are "
                              f"device slots ({slots.num_slots})")
@@ -116,6 +119,7 @@ class AdapterTier:
         self._cpu = CPUCache(kind, max_cpu, max_bytes, on_remove=self._free_weights, setting=bytes_setting)  # ready
         self._slot_pool = SlotPool(kind, slots)
         self._loads = LoadQueue(max_cpu, max_loading, submit=lambda version: executor.submit(self._load, version))
+        self._snapshots = snapshots
         self._closed = False
         self._counts: Counter[str] = Counter()  # cumulative events, see counts()
 
@@ -142,6 +146,7 @@ class AdapterTier:
             version = self._versions.release(ref)  # drops it if it was retired or failed
             if version.holders == 0:
                 self._trim_cpu()
+                self.release_snapshots()
             self._start_queued()
 
     def state(self, ref: AdapterRef) -> str:
@@ -293,6 +298,7 @@ class AdapterTier:
                 self._versions.publish(version)
             if served is not None:
                 self._versions.serve(served, replace)
+            self.release_snapshots()
             return True
 
     def withdraw(self, name: str) -> ServedAdapter:
@@ -306,6 +312,7 @@ class AdapterTier:
             if served is None:
                 raise UnknownAdapterError(f"{self.kind} {name!r} is not served")
             self._versions.retire_name(name)
+            self.release_snapshots()
             self._start_queued()
             return served
 
@@ -398,6 +405,20 @@ class AdapterTier:
     def max_cpu_bytes(self) -> int | None:
         """The CPU cache's byte bound (None: count only)."""
         return self._cpu.max_bytes
+
+    def release_snapshots(self) -> None:
+        """Release the in-memory snapshots no longer in use: neither the served record of their name nor
+        a live version (held by requests, staged or cached) was made from them (adapters.memory_source)."""
+        if not self._snapshots:
+            return
+        with self._lock:
+            live = {version.ref.path for version in self._versions}
+
+            def in_use(request) -> bool:
+                served = self._versions.served(request.name)
+                return request.path in live or served is not None and served.request.path == request.path
+
+            self._snapshots.release_unused(in_use)
 
     def load_stats(self) -> dict[str, int]:
         """Versions now ``ready`` (cached), ``loading`` (load started) and ``queued`` (waiting for room)."""

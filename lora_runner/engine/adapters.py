@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 from adapters.manager import AdapterManager
-from adapters.memory_source import memory_lora_request
 from adapters.request import LoRARequest
 from adapters.tier import AdapterRef, AdapterTier, TierClosedError
 from adapters.versions import ServedAdapter
@@ -113,13 +112,14 @@ class EngineAdapters:
         version serves the name from the next step on; running requests finish on theirs. ``owner``:
         the tenant updating it (None keeps the served record's owner). Returns the served adapter with
         ``version`` the new version and ``request`` what later requests for it pass (None when ``claim``,
-        asked as in ``serve``, said no). Raises its AdapterError (the current version keeps serving),
+        asked as in ``serve``, said no). Raises its AdapterError (the current version keeps serving;
+        MemoryAdapterBoundError when the live snapshots would pass max_memory_adapter_bytes),
         ValueError when a prompt adapter has the name."""
-        request = memory_lora_request(name, state_dict, config, max_bytes=self.manager.max_adapter_bytes)
-        if owner is None:
-            old = self.tiers["lora"].served(name)
-            owner = None if old is None else old.owner
-        return self.serve(request, owner=owner, replace=True, claim=claim)
+        with self.manager.memory_update(name, state_dict, config) as request:  # counted, max_memory_adapter_bytes
+            if owner is None:
+                old = self.tiers["lora"].served(name)
+                owner = None if old is None else old.owner
+            return self.serve(request, owner=owner, replace=True, claim=claim)
 
     def remove(self, kind: str, name: str) -> None:
         """Forget ``name`` and its pin; deferred while running requests use it (they finish on its weights)."""

@@ -152,6 +152,8 @@ class _EngineCollector:
         yield events
         yield GaugeMetricFamily("lora_runner_cpu_lora_cache_bytes", "Bytes the LoRAs in the CPU cache hold "
                                 "(bounded by max_cpu_lora_bytes)", value=stats.lora_cpu_cache_bytes)
+        yield GaugeMetricFamily("lora_runner_memory_adapter_bytes", "Bytes the snapshots of LoRAs handed over in "
+                                "memory hold (bounded by max_memory_adapter_bytes)", value=stats.memory_adapter_bytes)
         yield CounterMetricFamily("lora_runner_lora_slot_misses", "LoRAs written into a device slot",
                                   value=stats.lora_loads)
         yield CounterMetricFamily("lora_runner_lora_slot_evictions", "Resident LoRAs evicted from a slot",

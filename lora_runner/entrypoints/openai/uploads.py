@@ -15,7 +15,9 @@ Bounds: the body is refused with 413 over ``max_adapter_bytes`` before it is rea
 (body_limit.BodyLimitMiddleware, which gives this route that bound instead of --max-body-bytes).
 The upload is then read exactly as an adapter folder is (adapters.weights: header checks, size
 bounds) from a private temporary folder, and validated as any load is (shapes, ranks, finite
-values); an update that fails answers 422 and the version serving before keeps serving.
+values); an update that fails answers 422 and the version serving before keeps serving. That includes
+one whose snapshot would make the live in-memory snapshots pass ``--max-memory-adapter-bytes``
+(adapters.memory_source.MemoryAdapterBoundError, refused before the upload is copied into a snapshot).
 """
 
 from __future__ import annotations
