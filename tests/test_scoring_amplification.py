@@ -270,6 +270,7 @@ def test_a_step_whose_masks_together_pass_the_step_budget_fails_its_slowest_alon
     request may): steps with the three together (600 ms) pass the 500 ms a step may; the first of the slowest fails with an
     error naming structured_outputs_step_mask_budget_ms, the other two finish; a bystander is unaffected."""
     from lora_runner.engine.structured.request_grammar import RequestGrammar
+    from lora_runner.entrypoints.openai import generation
 
     server, state = byte_served
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
@@ -281,9 +282,21 @@ def test_a_step_whose_masks_together_pass_the_step_budget_fails_its_slowest_alon
 
     filled = set()  # the grammars filled once: each sample's first token is free, so every sample has output
     # before any fails (a failure before a stream's first output would be a 400 instead)
+    # and no fill costs anything before the server has read the first output and begun the stream: on a loaded
+    # host the loop may read late, and outputs not read yet are merged, a failure with them (then a 400)
+    begun = threading.Event()
+    real_start = generation.start_runs
+
+    async def start_then_signal(*args, **kwargs):
+        runs = await real_start(*args, **kwargs)
+        begun.set()
+        return runs
+
+    monkeypatch.setattr(generation, "start_runs", start_then_signal)
 
     def costly_fill(self, bitmask, index, eos_allowed=True):
         if id(self) in filled:
+            assert begun.wait(WAIT_S), "the stream never began"
             now[0] += 0.2
         filled.add(id(self))
         return real_fill(self, bitmask, index, eos_allowed)
