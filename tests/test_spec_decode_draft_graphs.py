@@ -154,3 +154,66 @@ def test_cuda_draft_graphs_with_draft_adapters_at_start_up(model, dirs):  # noqa
     accepted = sum(out.spec_decode.num_accepted_tokens for out in done.values())
     assert drafted > 0 and accepted >= 0.95 * drafted  # draft = target: all but a rounding tie (a stale table: ~10%)
 
+
+# ------------------------------------------------------------------ the draft adapters' slots in the budget
+def slot_tensor_bytes(slots) -> int:
+    """Bytes of every tensor the slot objects hold (each storage once, found through their attributes), less
+    the [num_slots] int32 rank vectors (bookkeeping: 4 bytes a slot, which adapters.slot_memory leaves out)."""
+    storages = {}
+
+    def walk(value, depth):
+        if isinstance(value, torch.Tensor):
+            if not (value.dtype == torch.int32 and value.dim() == 1):
+                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item, depth + 1)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item, depth + 1)
+        elif depth < 4 and type(value).__module__.startswith("adapters."):
+            for item in vars(value).values():
+                walk(item, depth + 1)
+
+    for member in slots:
+        walk(member, 0)
+    return sum(storages.values())
+
+
+def test_draft_adapter_slot_bytes_are_the_allocated_slots(model, caplog):  # noqa: F811
+    """The bytes the budget takes off for the draft adapters are those of the slot tensors the engine
+    allocates (max_draft_loras of them, not max_loras), and the draft's one INFO line says them."""
+    path = model[0]
+    with caplog.at_level(logging.INFO, "lora_runner.executor.draft_budget"):
+        engine = LLMEngine(path, device="cpu", max_model_len=64, block_size=4, max_loras=2, max_lora_rank=16,
+                           cpu_threads=1, speculative_config=spec(path, max_draft_loras=3))
+    draft = engine.scheduler.speculator.proposer
+    manager = draft.adapters.manager
+    allocated = slot_tensor_bytes([manager.lora_slots, manager.vocab_slots, manager.prompt_slots])
+    memory = draft_memory(LoadedDraft(draft.forward.model, ModelConfig.from_dir(path), Path(path)), engine.config)
+    assert memory.num_lora_slots == 3 == manager.lora_slots.num_slots
+    assert memory.lora_slot_bytes == allocated > 0
+    [line] = [r.getMessage() for r in caplog.records if r.name == "lora_runner.executor.draft_budget"]
+    assert f"its 3 adapter slots {allocated} bytes" in line, line
+    engine.close()
+
+
+def test_draft_adapter_slots_come_off_the_profiled_budget(model):  # noqa: F811
+    """The memory profile ran before the draft adapters' slots were allocated: its budget less their bytes
+    holds the KV caches (as a budget that much smaller without them), and one they do not fit is refused."""
+    path = model[0]
+    cfg = EngineConfig(model=path, device="cpu", max_model_len=64, block_size=4, max_num_seqs=4,
+                       max_num_batched_tokens=16, speculative_config=spec(path))
+    loaded = load_draft(cfg.speculative(), dtype=torch.float32, device=torch.device("cpu"))
+    memory = draft_memory(loaded, cfg)
+    per_token = kv_block_bytes(ModelConfig.from_dir(path), 1, torch.float32)
+    budget = 200_000
+
+    def blocks(draft, profiled):
+        return limits_with_draft(cfg, 512, per_token, draft, free_device_bytes=10**9,
+                                 device_kv_budget_bytes=profiled).num_kv_blocks
+    slots, uncounted = memory.lora_slot_bytes, dataclasses.replace(memory, lora_slot_bytes=0)
+    assert slots > 0
+    assert blocks(memory, budget + slots) == blocks(uncounted, budget) < blocks(uncounted, budget + slots)
+    with pytest.raises(ValueError, match="adapter slots.*lower max_draft_loras"):
+        blocks(memory, memory.lora_slot_bytes)
