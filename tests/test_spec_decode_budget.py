@@ -1,6 +1,6 @@
 """A draft model's weights and KV cache inside the memory budget (lora_runner.executor.draft_budget), on
 every path that sizes the target's KV cache: kv_cache_memory_bytes in this process and per worker rank
-(tp = 2), the CPU's RAM-based bound (the draft's weights taken off the RAM first), the CUDA memory
+(tp = 2), the CPU's RAM-based bound (the draft's weights and adapter slots taken off the RAM first), the CUDA memory
 profile's budget and kv_cache_memory_bytes against the free device memory (the device branches of the
 sizing, driven on CPU). Bytes are counted from the allocated KV tensors (the engine's own, or the ones
 allocate_kv_cache makes for a worker rank's spec) and from the draft model's parameters. Engines on the
@@ -114,14 +114,15 @@ def test_kv_cache_memory_bytes_holds_both_caches(target_and_draft, requests, ref
 
 
 def test_the_ram_bound_holds_both_caches_after_the_draft_weights(target_and_draft, monkeypatch):
-    """On CPU the default KV bound is drawn from the RAM available less the draft's weights, and holds
-    both caches."""
+    """On CPU the default KV bound is drawn from the RAM available less the draft's weights and adapter slots
+    (allocated after it), and holds both caches."""
     path, draft_dir = target_and_draft
     available = 1_200_000  # RAM available after the model and its slots (the draft not loaded yet)
     monkeypatch.setattr(startup, "available_host_memory", lambda: available)
     engine = LLMEngine(path, speculative_config=speculative(draft_dir), **dict(ENGINE, max_num_seqs=8))
     runner = draft_of(engine)
-    bound = (available - checkpoint_bytes(draft_dir)) // 4  # kv_budget.CPU_KV_MEMORY_FRACTION
+    slots = engine.scheduler.speculator.proposer.adapters.tier.slots.nbytes
+    bound = (available - checkpoint_bytes(draft_dir) - slots) // 4  # kv_budget.CPU_KV_MEMORY_FRACTION
     assert 8 * 16 * (TARGET_BLOCK + DRAFT_BLOCK) > bound, "the workload would use more: the bound decides"
     assert_fills(bound, engine.runner.kv_cache.nbytes + runner.kv_cache.nbytes)
     engine.close()
@@ -164,7 +165,8 @@ def test_worker_ranks_ram_bound_counts_the_draft(target_and_draft):
              for rank in range(2)]
     draft = allocate_kv_cache(loaded.config, draft_runner.draft_kv_blocks(limits.num_kv_blocks, max_num_seqs=8, k=K,
                                                                           block_size=4), 4, torch.float32, "cpu")
-    bound = (available - cache - startup.lora_slot_memory(cfg, model_config) - checkpoint_bytes(draft_dir)) // 4
+    bound = (available - cache - startup.lora_slot_memory(cfg, model_config) - checkpoint_bytes(draft_dir)
+             - draft_memory(loaded, cfg).lora_slot_bytes) // 4
     assert 8 * 16 * (TARGET_BLOCK + DRAFT_BLOCK) > bound, "the workload would use more: the bound decides"
     assert_fills(bound, sum(cache.nbytes for cache in ranks) + draft.nbytes)
 
@@ -186,22 +188,25 @@ def allocated_bytes(cfg: EngineConfig, loaded, num_kv_blocks: int) -> int:
 
 def test_the_profiled_budget_holds_both_caches(loaded_draft):
     cfg, loaded = loaded_draft
-    profiled = 120_000  # what the memory profile left for KV caches (the draft's weights were resident in it)
+    slots = draft_memory(loaded, cfg).lora_slot_bytes  # the draft adapters' slots: allocated after the profile
+    profiled = 120_000 + slots  # what the memory profile left for KV caches (the draft's weights resident in it)
     limits = limits_with_draft(cfg, 512, TARGET_BLOCK // 4, draft_memory(loaded, cfg), free_device_bytes=10**9,
                                device_kv_budget_bytes=profiled)
-    assert_fills(profiled, allocated_bytes(cfg, loaded, limits.num_kv_blocks))
+    assert_fills(profiled - slots, allocated_bytes(cfg, loaded, limits.num_kv_blocks))
     with pytest.raises(ValueError, match="raise gpu_memory_utilization"):
         limits_with_draft(cfg, 512, TARGET_BLOCK // 4, draft_memory(loaded, cfg), free_device_bytes=10**9,
-                          device_kv_budget_bytes=4 * DRAFT_BLOCK + TARGET_BLOCK)  # the spare blocks, no room for one
+                          device_kv_budget_bytes=slots + 4 * DRAFT_BLOCK + TARGET_BLOCK)  # spare blocks, room for none
 
 
 def test_device_kv_cache_memory_bytes_holds_both_caches_and_must_be_free(loaded_draft):
     cfg, loaded = loaded_draft
     cfg = dataclasses.replace(cfg, kv_cache_memory_bytes=130_000)
-    limits = limits_with_draft(cfg, 512, TARGET_BLOCK // 4, draft_memory(loaded, cfg), free_device_bytes=200_000)
+    slots = draft_memory(loaded, cfg).lora_slot_bytes  # free after the weights, taken by the draft adapters' slots
+    limits = limits_with_draft(cfg, 512, TARGET_BLOCK // 4, draft_memory(loaded, cfg),
+                               free_device_bytes=200_000 + slots)
     assert_fills(130_000, allocated_bytes(cfg, loaded, limits.num_kv_blocks))
     with pytest.raises(ValueError, match="lower kv_cache_memory_bytes"):  # the draft's weights took the memory
-        limits_with_draft(cfg, 512, TARGET_BLOCK // 4, draft_memory(loaded, cfg), free_device_bytes=100_000)
+        limits_with_draft(cfg, 512, TARGET_BLOCK // 4, draft_memory(loaded, cfg), free_device_bytes=100_000 + slots)
 
 
 # ------------------------------------------------------------------ refused: the setting named

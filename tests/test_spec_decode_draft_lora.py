@@ -188,8 +188,8 @@ def test_draft_adapters_take_turns_in_too_few_draft_slots(model):
 
 
 def test_draft_adapters_with_draft_graphs_and_a_tensor_parallel_target(model, plain):
-    """The draft's forwards in (emulated) graphs: a forward with draft-adapter rows runs eagerly, one of base
-    rows alone replays; at tp=2 the target's ranks verify and the draft runs with its adapters on the engine's
+    """The draft's forwards in (emulated) graphs (captured with the draft's LoRA: test_spec_decode_draft_graphs);
+    at tp=2 the target's ranks verify and the draft runs with its adapters on the engine's
     side. Every draft is still accepted, the tokens unchanged."""
     path, dirs = model
     requests = mixed(dirs, lambda name: dirs[name])

@@ -233,8 +233,9 @@ def test_draft_model_is_loaded_once_at_start_up(engine_checkpoint, monkeypatch):
 
 def test_draft_model_forwards_replay_graphs_and_propose_as_eager(engine_checkpoint):
     """The draft's forwards replay emulated graphs (the feed-back forwards decode graphs, short catch-ups
-    verify graphs, without LoRA): the same proposals, hence the same drafts, acceptance and tokens as an
-    engine whose draft runs eagerly; requests on an adapter beside base ones."""
+    verify graphs; no request names a draft adapter, so the graphs without LoRA): the same proposals, hence
+    the same drafts, acceptance and tokens as an engine whose draft runs eagerly; requests on an adapter
+    beside base ones."""
     path, _, adapters = engine_checkpoint
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": K, "min_acceptance_rate": 0}
     requests = grounded_requests(adapters, num_requests=6, seed=2, max_tokens=30)
@@ -242,10 +243,11 @@ def test_draft_model_forwards_replay_graphs_and_propose_as_eager(engine_checkpoi
     draft = engines[1].scheduler.speculator.proposer.forward
     draft.capture_graphs(K, make_graph=RerunGraph)
     keys = draft.graphs.plan.keys()
-    assert len(draft.graphs) == len(keys) and not any(key.has_lora for key in keys)
+    assert len(draft.graphs) == len(keys) and any(key.has_lora for key in keys)  # the engine's draft adapters
     eager, graphed = (run_to_completion(engine, requests, per_step=None) for engine in engines)
     check_same(eager, graphed, 1e-4)
     want, got = engines[0].stats.spec_decode, engines[1].stats.spec_decode
     assert (got.num_draft_tokens, got.num_accepted_tokens) == (want.num_draft_tokens, want.num_accepted_tokens)
     assert got.num_accepted_tokens > 0
     assert draft.graphs.num_verify_replays > 0 and draft.graphs.num_replays > draft.graphs.num_verify_replays
+    assert draft.num_eager_fallbacks == 0

@@ -38,12 +38,12 @@ from lora_runner.engine.output_processor import OutputProcessor
 from lora_runner.engine.stats import EngineStats
 from lora_runner.engine.structured import StructuredOutputs, grammar_state
 from lora_runner.engine.tokenizer import LazyTokenizer, eos_token_ids
+from lora_runner.executor.draft_budget import draft_lora_settings
 from lora_runner.executor.startup import start_executor
 from lora_runner.outputs import RequestOutput
 from lora_runner.sample.sampler import SamplerOutput
 from lora_runner.sampling_params import SamplingParams
 from lora_runner.spec_decode.adaptive import SpeculationPolicy
-from lora_runner.spec_decode.draft_adapters import DraftLoRASettings
 from lora_runner.spec_decode.grammar_masks import position_bitmask
 from lora_runner.spec_decode.ngram import Speculator
 from lora_runner.worker.draft_runner import load_draft_speculator
@@ -136,8 +136,7 @@ class LLMEngine(AdapterAPI):
                 max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.limits.num_kv_blocks, block_size=cfg.block_size,
                 dtype=cfg.torch_dtype(), device=cfg.torch_device(), local_files_only=cfg.local_files_only,
                 loaded=self._loaded_draft, target_graphs=self.runner.decode_graphs if self.runner else None,
-                draft_loras=DraftLoRASettings(spec.max_draft_loras or cfg.max_loras, cfg.max_lora_rank, cfg.cpu_loras,
-                                              cfg.allow_pickle, cfg.local_files_only, cfg.max_adapter_bytes)), spec)
+                draft_loras=draft_lora_settings(cfg)), spec)
         except BaseException:  # a draft refused or not found: no worker process outlives the failed start
             self.executor.close()
             raise

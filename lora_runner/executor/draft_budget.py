@@ -16,7 +16,14 @@ first (engine_limits' reserved_bytes). That holds on every path:
 - CPU: the RAM-based bound or kv_cache_memory_bytes, with the draft's weights taken off the RAM available
   before the bound is drawn (as the LoRA slots of worker ranks are).
 
-A budget too small for the draft's spare blocks plus one block is a ValueError naming the setting to raise.
+The draft adapters' device slots (``max_draft_loras`` at max_lora_rank, lora_runner.spec_decode.draft_adapters)
+are allocated with the speculator, after every budget is drawn, so their bytes (adapters.slot_memory, the slot
+classes' own tensors) are taken off what is available first: the profiled budget on CUDA (the profile did not
+see them resident), the device memory free for kv_cache_memory_bytes, the RAM on CPU; the target's slots are
+resident before the profile, or taken off the same way.
+
+A budget too small for the draft's spare blocks plus one block, or for its adapter slots, is a ValueError naming
+the setting to change.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from itertools import chain
 
 import torch
 
+from adapters.slot_memory import lora_slot_bytes
 from lora_runner.config import EngineConfig
 from lora_runner.executor.limits import EngineLimits, engine_limits
+from lora_runner.spec_decode.draft_adapters import DraftLoRASettings
 from lora_runner.worker.draft_runner import LoadedDraft, draft_kv_blocks
 from lora_runner.worker.kv_cache import kv_block_bytes
 
@@ -43,6 +52,8 @@ class DraftMemory:
     block_bytes: int  # one block of its KV cache (block_size tokens, all its layers, K and V)
     spare_blocks: int  # its KV blocks beyond one per target block (draft_kv_blocks)
     block_size: int
+    lora_slot_bytes: int = 0  # its draft adapters' device slots, allocated after the budget is drawn
+    num_lora_slots: int = 0  # max_draft_loras
 
     @property
     def per_token_bytes(self) -> int:
@@ -58,13 +69,24 @@ class DraftMemory:
         """The draft's KV blocks beside a target cache of num_kv_blocks."""
         return num_kv_blocks + self.spare_blocks
 
+
+def draft_lora_settings(cfg: EngineConfig) -> DraftLoRASettings:
+    """The draft adapters' limits in an engine of `cfg` (a "draft_model" speculative_config): max_draft_loras
+    slots (default max_loras) and the engine's adapter limits."""
+    return DraftLoRASettings(cfg.speculative().max_draft_loras or cfg.max_loras, cfg.max_lora_rank, cfg.cpu_loras,
+                             cfg.allow_pickle, cfg.local_files_only, cfg.max_adapter_bytes)
+
+
 def draft_memory(draft: LoadedDraft, cfg: EngineConfig) -> DraftMemory:
-    """The DraftMemory of `draft` in an engine of `cfg` (its speculative k, block_size, max_num_seqs, dtype)."""
-    k = cfg.speculative().num_speculative_tokens
+    """The DraftMemory of `draft` in an engine of `cfg` (its speculative k, block_size, max_num_seqs, dtype and
+    draft adapter slots)."""
+    k, dtype = cfg.speculative().num_speculative_tokens, cfg.torch_dtype()
+    slots = draft_lora_settings(cfg).max_draft_loras
     return DraftMemory(weight_bytes=model_bytes(draft.model),
-                       block_bytes=kv_block_bytes(draft.config, cfg.block_size, cfg.torch_dtype()),
+                       block_bytes=kv_block_bytes(draft.config, cfg.block_size, dtype),
                        spare_blocks=draft_kv_blocks(0, max_num_seqs=cfg.max_num_seqs, k=k, block_size=cfg.block_size),
-                       block_size=cfg.block_size)
+                       block_size=cfg.block_size, num_lora_slots=slots,
+                       lora_slot_bytes=slots * lora_slot_bytes(draft.config.spec(), cfg.max_lora_rank, dtype).per_slot)
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -88,13 +110,31 @@ def limits_with_draft(cfg: EngineConfig, max_position_embeddings: int, kv_bytes_
     if draft is None:
         return engine_limits(cfg, max_position_embeddings, kv_bytes_per_token, free_device_bytes,
                              device_kv_budget_bytes, available_host_bytes)
+    slots = draft.lora_slot_bytes
     if available_host_bytes is not None:
-        available_host_bytes = max(available_host_bytes - draft.weight_bytes, 0)
+        available_host_bytes = max(available_host_bytes - draft.weight_bytes - slots, 0)
+    if free_device_bytes is not None:
+        free_device_bytes = _less_slots(free_device_bytes, draft, "the device memory free after the weights")
+    if device_kv_budget_bytes is not None:
+        device_kv_budget_bytes = _less_slots(device_kv_budget_bytes, draft, "the profiled KV budget",
+                                             ", or raise gpu_memory_utilization")
     limits = engine_limits(cfg, max_position_embeddings, kv_bytes_per_token + draft.per_token_bytes,
                            free_device_bytes, device_kv_budget_bytes, available_host_bytes,
                            reserved_bytes=draft.spare_bytes)
     blocks = draft.kv_blocks(limits.num_kv_blocks)
-    logger.info("draft model: weights %d bytes (%.1f MiB); its KV cache %d blocks, %d bytes (%.1f MiB), in the KV "
-                "budget beside the model's %d blocks", draft.weight_bytes, draft.weight_bytes / 2**20, blocks,
-                blocks * draft.block_bytes, blocks * draft.block_bytes / 2**20, limits.num_kv_blocks)
+    logger.info("draft model: weights %d bytes (%.1f MiB); its %d adapter slots %d bytes (%.1f MiB), taken off "
+                "before the KV budget; its KV cache %d blocks, %d bytes (%.1f MiB), in the KV budget beside the "
+                "model's %d blocks", draft.weight_bytes, draft.weight_bytes / 2**20, draft.num_lora_slots, slots,
+                slots / 2**20, blocks, blocks * draft.block_bytes, blocks * draft.block_bytes / 2**20,
+                limits.num_kv_blocks)
     return limits
+
+
+def _less_slots(available: int, draft: DraftMemory, what: str, more: str = "") -> int:
+    """`available` device bytes less the draft's adapter slots; a ValueError naming the settings (and `more`)
+    when they do not fit."""
+    if draft.lora_slot_bytes >= available:
+        raise ValueError(f"the draft model's {draft.num_lora_slots} adapter slots take {draft.lora_slot_bytes} "
+                         f"bytes, not less than {what} ({available} bytes): lower max_draft_loras (speculative_config) "
+                         f"or max_lora_rank{more}")
+    return available - draft.lora_slot_bytes

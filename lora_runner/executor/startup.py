@@ -11,8 +11,9 @@
   reads DoRA's base weights from the checkpoint (no rank holds a whole row).
 
 A "draft_model" speculator's model is loaded in this process (either way) before the KV budget is decided,
-and its weights and KV cache share that budget with the target's (lora_runner.executor.draft_budget); the
-engine builds the speculator over it.
+and its weights and KV cache share that budget with the target's (lora_runner.executor.draft_budget); its
+adapter slots, allocated when the engine builds the speculator over it (after the memory profile on CUDA),
+are taken off the budget first.
 
 Either way the adapter manager's weights are validated once here, and the runtime sizes (EngineLimits) are
 decided here from the model and the device. The LoRA slots' bytes are logged (a mixture of experts' slot

@@ -133,8 +133,9 @@ class DecodeGraphPlan:
             sequence); 0: none.
         max_num_tokens: the token buffers' size (bounds the verify graphs' B * (k + 1)); needed with
             verify_tokens_per_seq.
-        with_lora: False: graphs without LoRA only (a model served without adapters: the speculative
-            draft model, lora_runner.worker.draft_runner); a step with LoRA tokens then runs eagerly.
+        with_lora: False: graphs without LoRA only (a model served without adapters: a speculative
+            draft model without draft adapters, lora_runner.worker.draft_runner); a step with LoRA tokens
+            then runs eagerly.
     """
 
     def __init__(self, max_num_seqs: int, full_lora: LoRAFeatures = ALL_LORA_FEATURES,

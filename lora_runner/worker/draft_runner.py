@@ -11,16 +11,18 @@ k - 1 proposals past the tokens the target holds); its blocks are the draft's si
 Memory: start-up loads the draft before the KV budget is decided (before the target's memory profile on
 CUDA, so its weights count as resident; off the RAM available on CPU), and every budget (the profiled one,
 kv_cache_memory_bytes, per rank too, the CPU bound) is shared with the draft's cache block for block
-(lora_runner.executor.draft_budget), so both fit the setting. Where the target
-captured CUDA graphs, the draft's forwards are captured too (DraftModelRunner.capture_graphs), on the
-target's graph pool: the draft's graphs are smaller than the target's largest and never replay at once
-with one. Its eager forwards (long catch-ups) run before the target's in each step, on activations far
-smaller than the profiled target step's (a smaller model, at most max_num_batched_tokens + max_num_seqs
-tokens, max_num_seqs logits rows): the allocator serves them from the memory that step freed.
+(lora_runner.executor.draft_budget), so both fit the setting; the draft adapters' slots, allocated here,
+after the budget, are taken off first (DraftMemory.lora_slot_bytes). Where the target captured CUDA graphs,
+the draft's forwards are captured too, with its LoRA (DraftModelRunner.capture_graphs), on the target's graph
+pool: the draft's graphs are smaller than the target's largest and never replay at once with one. Its eager
+forwards (long catch-ups) run before the target's in each step, on activations far smaller than the profiled
+target step's (a smaller model, at most max_num_batched_tokens + max_num_seqs tokens, max_num_seqs logits
+rows): the allocator serves them from the memory that step freed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,13 +32,14 @@ import torch
 
 from lora_runner.core.block_manager import BlockManager
 from lora_runner.model import ModelConfig, load_model
-from lora_runner.spec_decode.config import SpeculativeConfig
+from lora_runner.model.forward_context import PLAIN_LORA
 from lora_runner.model.layers import lora_base_weights
 from lora_runner.model.vocab_lora import LMHeadLoRA
+from lora_runner.spec_decode.config import SpeculativeConfig
 from lora_runner.spec_decode.draft_adapters import DraftAdapters, DraftLoRASettings
 from lora_runner.spec_decode.draft_model import DraftChunk, DraftModelSpeculator, check_same_vocab
-from lora_runner.worker.batch_builder import BatchBuilder, SeqChunk
-from lora_runner.worker.cuda_graphs import DecodeGraphPlan, DecodeGraphs
+from lora_runner.worker.batch_builder import BatchBuilder, BatchShape, SeqChunk
+from lora_runner.worker.cuda_graphs import DecodeGraphPlan, DecodeGraphs, resident_dummy_loras
 from lora_runner.worker.forward_context_builder import ForwardContextBuilder
 from lora_runner.worker.kv_cache import allocate_kv_cache
 from lora_runner.worker.lora_features import StepLoRAFeatures
@@ -76,9 +79,12 @@ class DraftModelRunner:
     with them each chunk's tokens run with its ``lora_slot`` of the draft's LoRA slots (-1: none), its
     embed_tokens / lm_head LoRA included, as the target's runner does.
 
-    After capture_graphs (CUDA), its forwards replay graphs without LoRA: the one-token feed-back
-    forwards decode graphs, a first forward whose rows catch up at most k + 1 tokens (the common one:
-    the accepted drafts and the bonus token) a verify graph; longer catch-ups run eagerly.
+    After capture_graphs (CUDA), its forwards replay graphs: the one-token feed-back forwards decode graphs,
+    a first forward whose rows catch up at most k + 1 tokens (the common one: the accepted drafts and the
+    bonus token) a verify graph; longer catch-ups run eagerly. With adapters the graphs are captured with
+    the draft's LoRA context as the target's are (cuda_graphs: the LoRA table is rebuilt per step in the
+    step's upload, at the addresses the capture saw; slots are written in place), so rows of any draft
+    adapters and base rows replay in one graph; base-only forwards replay the graphs without LoRA.
 
     Args:
         model, model_config: the draft decoder and its config.
@@ -92,10 +98,15 @@ class DraftModelRunner:
                  max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, dtype: torch.dtype,
                  device: torch.device, adapters: DraftAdapters | None = None) -> None:
         self.model = model
+        self.adapters = adapters
         self.kv_cache = allocate_kv_cache(model_config, num_kv_blocks, block_size, dtype, device)
+        self.graphs: DecodeGraphs | None = None  # set by capture_graphs
+        self.num_eager_forwards = 0  # forwards run eagerly (a graph's shape or not)
+        self.num_eager_fallbacks = 0  # of those, forwards of a graph's shape that no graph of their LoRA kind served
         sizes = dict(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                      max_blocks_per_seq=max_blocks_per_seq, block_size=block_size, device=device)
         self.lm_head_lora = None
+        self.lora_features: StepLoRAFeatures | None = None
         if adapters is None:
             self.batch_builder = BatchBuilder(**sizes)
             self.forward_contexts = ForwardContextBuilder(self.kv_cache, lora_meta=None, lora_slots=None)
@@ -105,19 +116,27 @@ class DraftModelRunner:
         # one row per sampling chunk: the lm_head LoRA's meta over them
         self.lm_head_lora = (None if vocab is None else
                              LMHeadLoRA(vocab, max(max_num_seqs, max_num_tokens), adapters.num_slots, rank, device))
+        self.lora_features = StepLoRAFeatures(lora, vocab)
         self.batch_builder = BatchBuilder(**sizes, lora_table=HostTileTable(meta), lm_head=self.lm_head_lora,
-                                          lora_features=StepLoRAFeatures(lora, vocab))
+                                          lora_features=self.lora_features)
         self.forward_contexts = ForwardContextBuilder(self.kv_cache, meta, lora, None, vocab)
-        self.graphs: DecodeGraphs | None = None  # set by capture_graphs
 
     def capture_graphs(self, num_speculative_tokens: int, make_graph=None, pool=None, progress: bool = False) -> None:
-        """Capture decode and verify graphs (k + 1 tokens per sequence) without LoRA; make_graph and pool:
-        see DecodeGraphs (default: CUDA graphs on a new pool; the engine passes the target's)."""
+        """Capture decode and verify graphs (k + 1 tokens per sequence); make_graph and pool: see DecodeGraphs
+        (default: CUDA graphs on a new pool; the engine passes the target's). With draft adapters the graphs
+        with LoRA too, as the target's runner captures them: with one dummy adapter of the slots' rank resident
+        in the draft's tier (removed afterwards), so a replay serves any mix of draft adapters and base rows."""
         builder = self.batch_builder
-        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), with_lora=False,
+        with_lora = self.adapters is not None
+        plan = DecodeGraphPlan(min(builder.max_num_seqs, builder.max_num_tokens), with_lora=with_lora,
+                               full_lora=self.lora_features.most if with_lora else PLAIN_LORA,
                                verify_tokens_per_seq=num_speculative_tokens + 1, max_num_tokens=builder.max_num_tokens)
         graphs = DecodeGraphs(self.model, self.forward_contexts, builder, plan, make_graph, pool=pool)
-        graphs.capture(-1, progress=progress)
+        if not with_lora:
+            graphs.capture(-1, progress=progress)
+        else:
+            with resident_dummy_loras(self.adapters.tier, 1, self.adapters.lora_slots.max_rank) as slots:
+                graphs.capture(slots[0], progress=progress)
         self.graphs = graphs
 
     @torch.inference_mode()
@@ -127,6 +146,7 @@ class DraftModelRunner:
                                                   lora_slot=c.lora_slot, sample=c.sample) for c in chunks])
         key = self.graphs.key_for(step) if self.graphs is not None else None
         if key is None:
+            self._count_eager(step)
             batch = self.batch_builder.upload(step)
             hidden = self.model(batch.input_ids, batch.positions, self.forward_contexts.for_step(batch))  # [T, hidden]
         else:
@@ -138,6 +158,14 @@ class DraftModelRunner:
         lm_head = None if self.lm_head_lora is None else self.lm_head_lora.context(batch.lm_head_table)
         logits = self.model.compute_logits(rows) if lm_head is None else self.model.compute_logits(rows, lm_head)
         return logits.argmax(dim=-1).tolist()  # [S]
+
+    def _count_eager(self, step: BatchShape) -> None:
+        """Count an eager forward, and a fallback when its shape has a graph but its LoRA work has none (the
+        graphs were captured without LoRA, or without an optional LoRA feature the step needs)."""
+        self.num_eager_forwards += 1
+        if self.graphs is not None and step.has_lora and self.graphs.key_for(
+                dataclasses.replace(step, has_lora=False, lora_features=PLAIN_LORA)) is not None:
+            self.num_eager_fallbacks += 1
 
 
 def load_draft_speculator(config: SpeculativeConfig, *, target_config: ModelConfig, target_dir: str | Path,
