@@ -201,13 +201,14 @@ class AdapterManager:
                             memory_adapter_bytes=self.memory_snapshots.nbytes)
 
     @contextmanager
-    def memory_update(self, name: str, state_dict, config):
+    def memory_update(self, name: str, state_dict, config, owner: str | None = None, share: float | None = None):
         """The request of an update of LoRA ``name`` from tensors in memory (adapters.memory_source), its
-        snapshot counted against ``max_memory_adapter_bytes`` (MemoryAdapterBoundError, before any copy,
-        when it would pass it): serve it inside the block; after it the snapshot is released unless it
+        snapshot counted against ``max_memory_adapter_bytes`` and charged to ``owner`` (MemoryAdapterBoundError,
+        before any copy, when it would pass the bound; MemoryAdapterShareError when it would pass the owner's
+        ``share`` of it, if given): serve it inside the block; after it the snapshot is released unless it
         is in use (served, or a live version of it)."""
         request = memory_lora_request(name, state_dict, config, max_bytes=self.max_adapter_bytes,
-                                      snapshots=self.memory_snapshots)
+                                      snapshots=self.memory_snapshots, owner=owner, share=share)
         try:
             yield request
         finally:

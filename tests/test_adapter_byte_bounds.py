@@ -1,0 +1,131 @@
+"""The adapters' byte bounds hold against every way around them (issues 34 and 36: nothing a tenant sends may
+grow memory past an operator's bound, nor let one tenant's memory refuse another's updates).
+
+- In-memory snapshots: each tenant gets a share (--max-tenant-share) of max_memory_adapter_bytes, charged to
+  the adapter's owner, so tenant A filling its share leaves B's updates room; the operator keeps the whole bound.
+- Prompt adapters: their CPU cache is bounded by bytes too (max_cpu_prompt_adapter_bytes), apart from the
+  LoRAs' bound, and its default lets the count bind first.
+- Pins: a replacement that would inherit a pin is checked against max_cpu_lora_bytes as a pin is.
+- The engine's own process on CPU takes an explicit max_cpu_lora_bytes off the RAM its KV cache is sized from.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import httpx
+import psutil
+import pytest
+import torch
+import yaml
+from peft import get_peft_model_state_dict
+from safetensors.torch import save as safetensors_bytes
+
+from adapters import AdapterCapacityError, AdapterManager, CPUCacheBoundError, LoRARequest, PromptAdapterRequest
+from adapters.lora import load_lora
+from adapters.memory_source import MemoryAdapterBoundError, MemoryAdapterShareError, MemorySnapshots
+from engine_support import make_engine
+from factories import save_prompt_adapter, save_tiny_model
+from lora_runner import EngineConfig, LLMEngine
+from lora_runner.model import load_model
+from serve_support import serve_args, start_server
+
+MiB = 2**20
+RANK = 16
+
+
+def _manager(spec, **overrides) -> AdapterManager:
+    kwargs = dict(max_loras=3, max_lora_rank=RANK, max_cpu_loras=8, max_prompt_adapters=2,
+                  max_prompt_adapter_tokens=8, local_files_only=True)
+    return AdapterManager(spec, **{**kwargs, **overrides})
+
+
+@pytest.fixture(scope="module")
+def spec(engine_checkpoint):
+    return load_model(engine_checkpoint[0])[1].spec()
+
+
+def _peft_state(policy) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict, adapter_config dict) of a PeftModel, as a trainer hands them over."""
+    state = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(policy).items()}
+    config = json.loads(json.dumps(policy.peft_config["default"].to_dict(),
+                                   default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    return state, config
+
+
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+# ------------------------------------------------------------------ 1. a tenant's share of the snapshot bound
+def test_the_ledger_charges_each_owner_and_holds_it_to_its_share():
+    snapshots = MemorySnapshots(400)
+    snapshots.reserve("a1", "memory:a1", 100, owner="A", share=0.5)
+    snapshots.reserve("a2", "memory:a2", 100, owner="A", share=0.5)  # A holds its share, 200, exactly
+    with pytest.raises(MemoryAdapterShareError, match="max_memory_adapter_bytes") as refused:
+        snapshots.reserve("a3", "memory:a3", 1, owner="A", share=0.5)
+    assert "share 200" in str(refused.value)
+    snapshots.reserve("b1", "memory:b1", 150, owner="B", share=0.5)  # B's share is untouched by A's
+    assert snapshots.owner_bytes("A") == 200 and snapshots.owner_bytes("B") == 150 and snapshots.nbytes == 350
+    snapshots.reserve("op", "memory:op", 50)  # the operator: no share, the whole bound
+    with pytest.raises(MemoryAdapterBoundError, match="max_memory_adapter_bytes"):
+        snapshots.reserve("b2", "memory:b2", 1, owner="B", share=0.5)  # within B's share, over the bound
+    snapshots.cancel("memory:a1")
+    snapshots.reserve("a3", "memory:a3", 100, owner="A", share=0.5)  # A's freed bytes are A's again
+
+
+def test_an_update_is_charged_to_the_adapters_owner_whoever_pushes_it(engine_checkpoint):
+    path, _, adapters = engine_checkpoint
+    state, config = _peft_state(adapters["r4"][1])
+    one = _nbytes(state)
+    engine = make_engine(path, max_memory_adapter_bytes=4 * one)
+    ledger = engine.adapters.manager.memory_snapshots
+    for name in ("a-1", "a-2"):
+        engine.update_lora(name, state, config, owner="acme", tenant_share=0.5)
+    assert ledger.owner_bytes("acme") == 2 * one
+    with pytest.raises(MemoryAdapterShareError, match="max_memory_adapter_bytes"):
+        engine.update_lora("a-1", state, config, tenant_share=0.5)  # no owner given: the served record's, acme
+    assert engine.update_lora("b-1", state, config, owner="beta", tenant_share=0.5).owner == "beta"
+    engine.update_lora("operator", state, config)  # the Python API's operator: the whole bound, all 4 used
+    assert ledger.nbytes == 4 * one and ledger.owner_bytes(None) == one
+
+
+KEYS = {
+    "key-acme-000000": {"name": "acme", "adapters": ["a-1", "a-2", "a-3", "a-4"], "admin": True},
+    "key-beta-000000": {"name": "beta", "adapters": ["b-1", "b-2"], "admin": True},
+}
+ACME, BETA = list(KEYS)
+
+
+def test_one_tenant_filling_its_share_cannot_refuse_anothers_upload(engine_checkpoint, tmp_path):
+    model_dir, _, adapters = engine_checkpoint
+    state, config = _peft_state(adapters["r4"][1])
+    one = _nbytes(state)
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(yaml.safe_dump(KEYS))
+    server, _ = start_server(serve_args(model_dir, {}, extra=[
+        "--api-key", "byte-bounds-operator", "--tenant-keys", str(keys_file), "--allow-runtime-lora-updating",
+        "--max-memory-adapter-bytes", str(4 * one), "--max-tenant-share", "0.5"]))
+
+    def upload(name: str, key: str) -> httpx.Response:
+        return httpx.post(server.base_url + f"/v1/lora_adapters/{name}/versions", timeout=60,
+                          content=safetensors_bytes(state),
+                          headers={"Authorization": f"Bearer {key}", "Content-Type": "application/octet-stream",
+                                   "X-Adapter-Config": json.dumps(config)})
+
+    try:
+        for name in ("a-1", "a-2"):  # acme fills its share: 2 of the 4 snapshots the bound holds
+            assert upload(name, ACME).status_code == 200
+        for name in ("a-3", "a-4", "a-1"):  # a new name or an update of its own: over its share either way
+            refused = upload(name, ACME)
+            assert refused.status_code == 429, refused.text
+            error = refused.json()["error"]
+            assert "max_memory_adapter_bytes" in error["message"] and error["code"] == "tenant_share_exceeded"
+        for name in ("b-1", "b-2"):  # beta's updates still fit: acme could not take the rest of the bound
+            accepted = upload(name, BETA)
+            assert accepted.status_code == 200, accepted.text
+        listed = httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {ACME}"}).json()
+        assert {"a-1", "a-2"} <= {m["id"] for m in listed["data"]}  # acme's served versions keep serving
+    finally:
+        server.stop()
