@@ -24,6 +24,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from adapters import AdapterCapacityError, AdapterManager, CPUCacheBoundError, LoRARequest, PromptAdapterRequest
 from adapters.lora import load_lora
+from adapters.manager import prompt_cache_bytes
 from adapters.memory_source import MemoryAdapterBoundError, MemoryAdapterShareError, MemorySnapshots
 from engine_support import make_engine
 from factories import save_prompt_adapter, save_tiny_model
@@ -129,3 +130,38 @@ def test_one_tenant_filling_its_share_cannot_refuse_anothers_upload(engine_check
         assert {"a-1", "a-2"} <= {m["id"] for m in listed["data"]}  # acme's served versions keep serving
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------ 2. prompt adapters bounded by bytes
+def test_prompt_adapters_are_bounded_by_their_own_bytes(engine_checkpoint, spec, tmp_path):
+    path, hf, adapters = engine_checkpoint
+    for i, tokens in enumerate((4, 4, 8)):
+        save_prompt_adapter(hf, tmp_path / f"p{i}", num_virtual_tokens=tokens, seed=i)
+    one = 4 * spec.hidden_size * 4  # four virtual tokens in float32
+    manager = _manager(spec, max_cpu_prompt_adapter_bytes=one * 3 // 2)  # one soft prompt of 4 tokens fits
+    manager.loras.add(LoRARequest("r4", adapters["r4"][0]))
+    tier = manager.prompts
+    assert tier.max_cpu_bytes == one * 3 // 2
+    tier.add(PromptAdapterRequest("p0", str(tmp_path / "p0")))
+    tier.add(PromptAdapterRequest("p1", str(tmp_path / "p1")))  # the count (8) allows both; the bytes do not
+    assert tier.list() == ["p1"] and tier.cpu_bytes == one and tier.counts()["cpu_evictions"] == 1
+    with pytest.raises(CPUCacheBoundError, match="max_cpu_prompt_adapter_bytes"):  # 8 tokens: larger than the bound
+        tier.add(PromptAdapterRequest("p2", str(tmp_path / "p2")))
+    assert tier.list() == ["p1"] and manager.loras.list() == ["r4"]  # the LoRAs' cache is not the soft prompts'
+    manager.close()
+    # the default: max(max_cpu_loras, max_prompt_adapters) soft prompts of max_prompt_adapter_tokens, so the count
+    # binds first
+    manager = _manager(spec)
+    assert manager.prompts.max_cpu_bytes == prompt_cache_bytes(spec, 8, 8, torch.float32) == 8 * 2 * one
+    for i in range(3):
+        manager.prompts.add(PromptAdapterRequest(f"p{i}", str(tmp_path / f"p{i}")))
+    assert manager.prompts.list() == ["p0", "p1", "p2"]
+    manager.close()
+
+
+def test_the_engine_setting_reaches_the_prompt_cache(engine_checkpoint):
+    engine = make_engine(engine_checkpoint[0], max_prompt_adapters=1, max_prompt_adapter_tokens=8,
+                         max_cpu_prompt_adapter_bytes=12345)
+    assert engine.adapters.manager.prompts.max_cpu_bytes == 12345
+    with pytest.raises(ValueError, match="max_cpu_prompt_adapter_bytes"):
+        EngineConfig("m", max_cpu_prompt_adapter_bytes=0)

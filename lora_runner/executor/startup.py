@@ -109,7 +109,8 @@ def _make_manager(cfg: EngineConfig, model_config: ModelConfig, device: torch.de
         allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
         max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=on_load_done, base_weight=base_weight,
         make_slots=make_slots, max_cpu_lora_bytes=cfg.max_cpu_lora_bytes,
-        max_memory_adapter_bytes=cfg.max_memory_adapter_bytes)
+        max_memory_adapter_bytes=cfg.max_memory_adapter_bytes,
+        max_cpu_prompt_adapter_bytes=cfg.max_cpu_prompt_adapter_bytes)
 
 
 def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
