@@ -165,3 +165,66 @@ def test_the_engine_setting_reaches_the_prompt_cache(engine_checkpoint):
     assert engine.adapters.manager.prompts.max_cpu_bytes == 12345
     with pytest.raises(ValueError, match="max_cpu_prompt_adapter_bytes"):
         EngineConfig("m", max_cpu_prompt_adapter_bytes=0)
+
+
+# ------------------------------------------------------------------ 3. a replacement that inherits a pin
+@pytest.fixture(scope="module")
+def pinned_sizes(engine_checkpoint, spec):
+    """(bytes of the kept pin r8-qv, of the small pinned r4, of the larger replacement r16-mlp)."""
+    adapters = engine_checkpoint[2]
+    sizes = tuple(load_lora(n, adapters[n][0], spec, max_lora_rank=RANK).nbytes for n in ("r8-qv", "r4", "r16-mlp"))
+    assert sizes[1] < sizes[2], "the replacement must be the larger"
+    return sizes
+
+
+def _pinned_tier(engine_checkpoint, spec, pinned_sizes):
+    """A LoRA tier whose bound lets r8-qv and r4 be pinned together, not r8-qv and r16-mlp ("x" pins r4)."""
+    adapters = engine_checkpoint[2]
+    keep, _, large = pinned_sizes
+    manager = _manager(spec, max_cpu_lora_bytes=keep + large)
+    tier = manager.loras
+    tier.add(LoRARequest("keep", adapters["r8-qv"][0]))
+    tier.add(LoRARequest("x", adapters["r4"][0]))
+    tier.pin("keep")
+    tier.pin("x")
+    return manager, tier, tier.lookup("x")
+
+
+def test_a_published_replacement_that_would_push_the_pins_past_the_bound_is_refused(engine_checkpoint, spec,
+                                                                                    pinned_sizes):
+    adapters = engine_checkpoint[2]
+    manager, tier, old = _pinned_tier(engine_checkpoint, spec, pinned_sizes)
+    staged = tier.stage(LoRARequest("x", adapters["r16-mlp"][0]), fresh=True)  # load_inplace / update_lora
+    with pytest.raises(AdapterCapacityError, match="max_cpu_lora_bytes") as refused:
+        tier.publish(None, True, staged)
+    tier.release(staged)
+    assert "cannot replace pinned LoRA 'x'" in str(refused.value)
+    assert tier.lookup("x") == old and tier._get(old).pinned and tier.num_pinned() == 2  # noqa: SLF001
+    assert tier.cpu_bytes == sum(pinned_sizes[:2])  # the refused version was dropped
+    same_size = tier.stage(LoRARequest("x", adapters["r4"][0]), fresh=True)  # a new version that fits: pinned
+    assert tier.publish(None, True, same_size)
+    tier.release(same_size)
+    assert tier.lookup("x") == same_size != old and tier._get(same_size).pinned  # noqa: SLF001
+    manager.close()
+
+
+def test_a_loaded_replacement_that_would_push_the_pins_past_the_bound_fails_and_the_pin_stays(engine_checkpoint,
+                                                                                             spec, pinned_sizes):
+    adapters = engine_checkpoint[2]
+    manager, tier, old = _pinned_tier(engine_checkpoint, spec, pinned_sizes)
+    with pytest.raises(AdapterCapacityError, match="max_cpu_lora_bytes"):  # a new path under the name: add()
+        tier.add(LoRARequest("x", adapters["r16-mlp"][0]))
+    assert tier.lookup("x") == old and tier._get(old).pinned and tier.num_pinned() == 2  # noqa: SLF001
+    assert tier.cpu_bytes == sum(pinned_sizes[:2]) and tier.counts()["load_failures"] == 1
+    tier.unpin("x")  # unpinned, the same replacement is only a cache entry: it loads
+    assert tier.add(LoRARequest("x", adapters["r16-mlp"][0])) == tier.lookup("x") != old
+    manager.close()
+
+
+def test_a_dummy_that_would_inherit_a_pin_past_the_bound_is_refused(engine_checkpoint, spec, pinned_sizes):
+    manager, tier, old = _pinned_tier(engine_checkpoint, spec, pinned_sizes)
+    # rank 10 on every module: within the bound alone (check_fits), past it beside the kept pin
+    with pytest.raises(AdapterCapacityError, match="max_cpu_lora_bytes"):
+        tier.add_dummy("x", 10)
+    assert tier.lookup("x") == old and tier._get(old).pinned  # noqa: SLF001
+    manager.close()
