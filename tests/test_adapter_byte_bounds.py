@@ -228,3 +228,22 @@ def test_a_dummy_that_would_inherit_a_pin_past_the_bound_is_refused(engine_check
         tier.add_dummy("x", 10)
     assert tier.lookup("x") == old and tier._get(old).pinned  # noqa: SLF001
     manager.close()
+
+
+# ------------------------------------------------------------------ 4. the engine's own process on CPU
+def test_in_process_host_ram_takes_off_an_explicit_cpu_cache_bound_only(monkeypatch):
+    from lora_runner.executor import startup
+
+    monkeypatch.setattr(startup, "available_host_memory", lambda: 64 * MiB)
+    assert startup.in_process_host_ram(EngineConfig("m", device="cpu")) == 64 * MiB  # the default is not
+    assert startup.in_process_host_ram(EngineConfig("m", device="cpu", max_cpu_lora_bytes=24 * MiB)) == 40 * MiB
+    assert startup.in_process_host_ram(EngineConfig("m", device="cpu", max_cpu_lora_bytes=96 * MiB)) == 0
+
+
+def test_a_uni_cpu_engine_sizes_its_kv_cache_from_the_ram_left_by_an_explicit_cpu_cache_bound(tmp_path,
+                                                                                              monkeypatch):
+    path = tmp_path / "model"
+    save_tiny_model(path, "llama", seed=0, max_position_embeddings=2**18)  # the RAM decides the KV cache
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 * MiB))
+    engine = LLMEngine(str(path), device="cpu", max_cpu_lora_bytes=32 * MiB)
+    assert engine.runner.kv_cache.nbytes == 8 * MiB  # a quarter of the 32 MiB left (16 MiB without the bound)
