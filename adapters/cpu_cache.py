@@ -18,8 +18,11 @@ the tier from stalling under it:
   release them) ever hold a load back. Under the default bound (``max_entries`` adapters of the
   largest size, adapters.slot_memory.cpu_cache_bytes) no adapter is larger than a share, so this
   never holds back a load the count rule lets start: a vLLM setup runs as before;
-- pins may hold less than ``max_bytes`` together (``check_pin``), so there is always room to load
-  (a replacement that inherits a pin, adapters.tier.publish, is not checked again).
+- pins may hold less than ``max_bytes`` together (``check_pin``), so there is always room to load;
+  a replacement that would inherit a pin (adapters.tier: ``publish``, a load that takes over its
+  name, ``add_dummy``) is checked again with its own bytes in place of the version it replaces
+  (``check_inherited_pin``), and refused when the pins would reach the bound: the old version keeps
+  serving, pinned.
 
 Counted elsewhere: an in-memory adapter's request (adapters.memory_source) keeps its snapshot of the
 trainer's tensors while its name is served from it or a live version was made from it, whether its
@@ -76,6 +79,10 @@ class CPUCache:
         """Cached versions, least recently used first (a snapshot)."""
         return iter(self._lru)
 
+    def size(self, version: AdapterVersion) -> int:
+        """Bytes a cached ``version``'s weights hold (0 when it is not cached)."""
+        return self._lru.size(version) if version in self._lru else 0
+
     def check_fits(self, name: str, nbytes: int) -> None:
         """CPUCacheBoundError when an adapter of ``nbytes`` could never be cached under ``max_bytes``."""
         if self.max_bytes is not None and nbytes > self.max_bytes:
@@ -117,6 +124,21 @@ class CPUCache:
             raise AdapterCapacityError(
                 f"cannot pin {self.kind} {version.ref.name!r}: the pinned {self.kind}s would hold {pinned} bytes, "
                 f"leaving no room in the CPU cache ({self.setting}={self.max_bytes}) for any other")
+
+    def check_inherited_pin(self, name: str, nbytes: int, replaced: AdapterVersion | None,
+                            new: AdapterVersion | None = None) -> None:
+        """AdapterCapacityError when a new version of ``name`` (``new``, if it is already cached; its weights
+        hold ``nbytes``) taking over the pin of ``replaced`` would leave the pins ``max_bytes`` or more, as
+        ``check_pin`` refuses a pin: the replacement is refused, so that a larger update cannot slip past the
+        bound that a pin of the same weights would have met."""
+        if self.max_bytes is None:
+            return
+        others = sum(self._lru.size(v) for v in self._lru if v.pinned and v is not replaced and v is not new)
+        if others + nbytes >= self.max_bytes:
+            raise AdapterCapacityError(
+                f"cannot replace pinned {self.kind} {name!r}: the new version holds {nbytes} bytes, so the pinned "
+                f"{self.kind}s would hold {others + nbytes}, leaving no room in the CPU cache "
+                f"({self.setting}={self.max_bytes}) for any other; unpin it first or raise {self.setting}")
 
 
 def _protected(version: AdapterVersion) -> bool:

@@ -131,12 +131,15 @@ class AdapterManager:
             ``lora_slots``, ``vocab_slots``, ``prompt_slots`` (all three None when make_slots is given).
         max_memory_adapter_bytes: bytes the live snapshots of LoRAs handed over in memory may hold together
             (adapters.memory_source); None: :func:`default_memory_adapter_bytes`.
+        max_cpu_prompt_adapter_bytes: prompt-adapter CPU cache capacity in bytes of weights (adapters.cpu_cache);
+            None: ``max_cpu_prompt_adapters`` soft prompts of ``max_prompt_adapter_tokens`` each
+            (:func:`prompt_cache_bytes`), so the count binds first.
 
     CPU memory: each tier holds at most its CPU cache capacity plus ``load_workers +
     download_workers`` adapter versions (loads in flight), plus one per concurrent ``add`` call;
     further requests wait with their load queued (see adapters.tier). The LoRA cache is bounded by
-    ``max_cpu_lora_bytes`` too; the prompt cache's bytes are bounded by its count (each soft prompt at
-    most ``max_prompt_adapter_tokens`` x hidden).
+    ``max_cpu_lora_bytes`` too, the prompt cache by ``max_cpu_prompt_adapter_bytes``: one bound per kind, so
+    a flood of one kind never evicts the other.
     """
 
     def __init__(self, spec: ModelSpec, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
@@ -146,9 +149,10 @@ class AdapterManager:
                  max_cpu_prompt_adapters: int | None = None, load_workers: int = 2, download_workers: int = 8,
                  on_load_done: Callable[[], None] | None = None, base_weight: Callable | None = None,
                  make_slots: Callable[[str], object] | None = None, max_cpu_lora_bytes: int | None = None,
-                 max_memory_adapter_bytes: int | None = None):
+                 max_memory_adapter_bytes: int | None = None, max_cpu_prompt_adapter_bytes: int | None = None):
         for setting, value in (("max_adapter_bytes", max_adapter_bytes), ("max_cpu_lora_bytes", max_cpu_lora_bytes),
-                               ("max_memory_adapter_bytes", max_memory_adapter_bytes)):
+                               ("max_memory_adapter_bytes", max_memory_adapter_bytes),
+                               ("max_cpu_prompt_adapter_bytes", max_cpu_prompt_adapter_bytes)):
             if value is not None and value <= 0:
                 raise ValueError(f"{setting} must be positive or None, got {value}")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
@@ -186,9 +190,16 @@ class AdapterManager:
                                  max_bytes=cache_bytes, snapshots=self.memory_snapshots)
         if max_cpu_prompt_adapters is None:
             max_cpu_prompt_adapters = max(max_cpu_loras, max_prompt_adapters)
+        prompt_bytes = max_cpu_prompt_adapter_bytes or prompt_cache_bytes(
+            spec, max_cpu_prompt_adapters, max_prompt_adapter_tokens, dtype)
+        if max_prompt_adapters:
+            logger.info("prompt-adapter CPU cache: max_cpu_prompt_adapters=%d, max_cpu_prompt_adapter_bytes=%d%s",
+                        max_cpu_prompt_adapters, prompt_bytes, "" if max_cpu_prompt_adapter_bytes else
+                        " (default: that many soft prompts of max_prompt_adapter_tokens)")
         self.prompts = PromptAdapterTier("prompt adapter", PromptAdapterRequest, self._load_prompt,
                                          self._dummy_prompt, prompt_slot_set, max_cpu_prompt_adapters,
-                                         self._executor, max_loading=in_flight, on_settled=on_load_done)
+                                         self._executor, max_loading=in_flight, on_settled=on_load_done,
+                                         max_bytes=prompt_bytes, bytes_setting="max_cpu_prompt_adapter_bytes")
 
     @property
     def stats(self) -> AdapterStats:
@@ -201,13 +212,14 @@ class AdapterManager:
                             memory_adapter_bytes=self.memory_snapshots.nbytes)
 
     @contextmanager
-    def memory_update(self, name: str, state_dict, config):
+    def memory_update(self, name: str, state_dict, config, owner: str | None = None, share: float | None = None):
         """The request of an update of LoRA ``name`` from tensors in memory (adapters.memory_source), its
-        snapshot counted against ``max_memory_adapter_bytes`` (MemoryAdapterBoundError, before any copy,
-        when it would pass it): serve it inside the block; after it the snapshot is released unless it
+        snapshot counted against ``max_memory_adapter_bytes`` and charged to ``owner`` (MemoryAdapterBoundError,
+        before any copy, when it would pass the bound; MemoryAdapterShareError when it would pass the owner's
+        ``share`` of it, if given): serve it inside the block; after it the snapshot is released unless it
         is in use (served, or a live version of it)."""
         request = memory_lora_request(name, state_dict, config, max_bytes=self.max_adapter_bytes,
-                                      snapshots=self.memory_snapshots)
+                                      snapshots=self.memory_snapshots, owner=owner, share=share)
         try:
             yield request
         finally:
@@ -346,6 +358,16 @@ class _LoadPools:
         """Stop both pools without waiting."""
         for pool in (self._local, self._hub):
             pool.shutdown()
+
+
+def prompt_cache_bytes(spec: ModelSpec, max_cpu_prompt_adapters: int, max_prompt_adapter_tokens: int,
+                       dtype: torch.dtype) -> int:
+    """The prompt-adapter CPU cache's default byte bound: ``max_cpu_prompt_adapters`` soft prompts of the
+    largest size one can be ([max_prompt_adapter_tokens, hidden] in ``dtype``), so that, as for LoRAs
+    (adapters.slot_memory.cpu_cache_bytes), the count binds first and no setup that runs by count is
+    refused by bytes. At least one byte (prompt adapters off: no soft prompt is ever cached)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return max(max_cpu_prompt_adapters * max_prompt_adapter_tokens * spec.hidden_size * item, 1)
 
 
 def _default_resolve(path, revision, allow_patterns, local_files_only, cache_dir=None) -> str:

@@ -25,7 +25,12 @@ naming it is refused (adapters.tier's ``SupersededAdapterError``, or an ``Invali
 :class:`MemorySnapshots` counts the bytes every live snapshot holds (each storage once,
 adapters.cache_memory) and bounds their total by ``max_memory_adapter_bytes``: an update that would
 pass it is refused (:class:`MemoryAdapterBoundError`, naming the setting) before its snapshot is
-taken, and the version serving before keeps serving. The bound is one for the engine, not per tenant.
+taken, and the version serving before keeps serving. Each snapshot is charged to its adapter's owner
+(the tenant that loaded the name; None: the operator): an update may also name the owner's share of the
+bound (``share``, a fraction: the server passes ``--max-tenant-share`` for a tenant's update when its keys
+name several tenants), and one that would make that owner's snapshots pass it is refused
+(:class:`MemoryAdapterShareError`), so one tenant filling its share leaves the rest of the bound to the
+others. The operator (the Python API, an operator key) has no share: only the whole bound applies.
 
 The cached weights of a version are its snapshot's very tensors when these are already in the
 engine's dtype (``parse_lora(share_storage=True)``; the snapshot never changes), so an in-memory
@@ -39,6 +44,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import threading
 import uuid
 from collections.abc import Mapping
@@ -89,13 +95,19 @@ class MemoryAdapterBoundError(AdapterTooLargeError):
     Nothing was copied; the version serving the name keeps serving."""
 
 
+class MemoryAdapterShareError(MemoryAdapterBoundError):
+    """An in-memory update would make its owner's live snapshots hold more than the owner's share of
+    ``max_memory_adapter_bytes``. Nothing was copied; the version serving the name keeps serving."""
+
+
 class MemorySnapshots:
     """The live snapshots of in-memory adapters and the bytes they hold, bounded by ``max_bytes``.
 
-    ``reserve`` counts an update's bytes before its snapshot is taken (refusing one that would pass
-    the bound) and holds it as pending; ``settle`` ends the update (published or not); the owning tier
-    calls ``release_unused`` whenever a version or a served record may have let go of one, and a
-    snapshot no longer pending nor in use is released (emptied) and no longer counted. Thread-safe.
+    ``reserve`` counts an update's bytes, charged to its owner, before its snapshot is taken (refusing
+    one that would pass the bound, or its owner's share of it) and holds it as pending; ``settle``
+    ends the update (published or not); the owning tier calls ``release_unused`` whenever a version or
+    a served record may have let go of one, and a snapshot no longer pending nor in use is released
+    (emptied) and no longer counted. Thread-safe.
 
     Args:
         max_bytes: the bound on the bytes all live snapshots hold together.
@@ -105,7 +117,8 @@ class MemorySnapshots:
     def __init__(self, max_bytes: int, setting: str = "max_memory_adapter_bytes"):
         self.max_bytes, self.setting = max_bytes, setting
         self._lock = threading.Lock()
-        self._held: dict[str, tuple[MemoryLoRARequest | None, int]] = {}  # memory id -> (request, bytes held)
+        # memory id -> (request, bytes held, owner: the tenant charged, None for the operator)
+        self._held: dict[str, tuple[MemoryLoRARequest | None, int, str | None]] = {}
         self._pending: set[str] = set()  # memory ids of updates still being served
 
     def __len__(self) -> int:
@@ -116,25 +129,49 @@ class MemorySnapshots:
     def nbytes(self) -> int:
         """Bytes the live snapshots hold now (reservations included)."""
         with self._lock:
-            return sum(nbytes for _, nbytes in self._held.values())
+            return sum(nbytes for _, nbytes, _ in self._held.values())
 
-    def reserve(self, name: str, path: str, nbytes: int) -> None:
-        """Count ``nbytes`` for the snapshot ``path`` about to be taken (pending until ``settle``);
-        MemoryAdapterBoundError when the live snapshots would then hold more than ``max_bytes``."""
+    def owner_bytes(self, owner: str | None) -> int:
+        """Bytes the live snapshots charged to ``owner`` hold now (reservations included)."""
         with self._lock:
-            held = sum(b for _, b in self._held.values())
+            return sum(nbytes for _, nbytes, charged in self._held.values() if charged == owner)
+
+    def share_bytes(self, share: float) -> int:
+        """An owner's share of ``max_bytes`` in bytes: ``share`` (a fraction in (0, 1]) of it, at least one byte."""
+        if not 0 < share <= 1:
+            raise ValueError(f"a tenant's share of {self.setting} must be in (0, 1], got {share!r}")
+        return max(1, math.floor(share * self.max_bytes))
+
+    def reserve(self, name: str, path: str, nbytes: int, owner: str | None = None,
+                share: float | None = None) -> None:
+        """Count ``nbytes`` for the snapshot ``path`` about to be taken, charged to ``owner`` (pending
+        until ``settle``). MemoryAdapterShareError when ``share`` is given and the owner's live snapshots
+        would then hold more than that fraction of ``max_bytes``; MemoryAdapterBoundError when all the
+        live snapshots would hold more than ``max_bytes``."""
+        with self._lock:
+            if share is not None:
+                limit = self.share_bytes(share)
+                mine = sum(b for _, b, charged in self._held.values() if charged == owner)
+                if mine + nbytes > limit:
+                    raise MemoryAdapterShareError(
+                        f"adapter {name!r}: its tensors hold {nbytes} bytes and this tenant's live in-memory "
+                        f"adapters' snapshots {mine}, over its share {limit} of {self.setting}={self.max_bytes} "
+                        f"(x {share:g}, --max-tenant-share); wait for running requests on older versions to "
+                        "finish or withdraw one of its in-memory adapters")
+            held = sum(b for _, b, _ in self._held.values())
             if held + nbytes > self.max_bytes:
                 raise MemoryAdapterBoundError(
                     f"adapter {name!r}: its tensors hold {nbytes} bytes and the live in-memory adapters' snapshots "
                     f"{held}, over the limit {self.setting}={self.max_bytes}; wait for running requests on older "
                     f"versions to finish, withdraw an in-memory adapter, or raise {self.setting}")
-            self._held[path] = (None, nbytes)
+            self._held[path] = (None, nbytes, owner)
             self._pending.add(path)
 
     def hold(self, request: MemoryLoRARequest) -> None:
         """The snapshot reserved under ``request.path`` was taken: count the bytes it really holds."""
         with self._lock:
-            self._held[request.path] = (request, held_bytes(request.tensors.values()))
+            owner = self._held[request.path][2]
+            self._held[request.path] = (request, held_bytes(request.tensors.values()), owner)
 
     def cancel(self, path: str) -> None:
         """The snapshot reserved under ``path`` was never taken: no longer counted."""
@@ -150,10 +187,10 @@ class MemorySnapshots:
     def release_unused(self, in_use: Callable[[MemoryLoRARequest], bool]) -> None:
         """Release every snapshot neither pending nor ``in_use`` (call it under the owning tier's lock)."""
         with self._lock:
-            unused = [path for path, (request, _) in self._held.items()
+            unused = [path for path, (request, _, _) in self._held.items()
                       if path not in self._pending and (request is None or not in_use(request))]
             for path in unused:
-                request, nbytes = self._held.pop(path)
+                request, nbytes, _ = self._held.pop(path)
                 if request is not None:  # the bytes go even if a caller still holds the request
                     request.tensors.released = True
                     request.tensors.clear()
@@ -169,19 +206,21 @@ def default_memory_adapter_bytes(cache_bytes: int, max_adapter_bytes: int) -> in
 
 
 def memory_lora_request(name: str, state_dict: Mapping[str, torch.Tensor], config, *,
-                        max_bytes: int | None, snapshots: MemorySnapshots | None = None) -> MemoryLoRARequest:
+                        max_bytes: int | None, snapshots: MemorySnapshots | None = None, owner: str | None = None,
+                        share: float | None = None) -> MemoryLoRARequest:
     """A snapshot of ``state_dict`` and ``config`` as a request for a new version of ``name``.
 
     ``config``: a PEFT ``LoraConfig`` or an ``adapter_config.json`` dict. Checked here, before any
     copy: the config's JSON size (at most ``MAX_CONFIG_BYTES``), every key a string and every value a
     dense tensor, their bytes at most ``max_bytes`` (the bound a file of them would meet), and with
-    ``snapshots`` at most what the live snapshots leave under their bound (the snapshot is then counted
-    there, pending: the caller settles it, ``MemorySnapshots.settle``, once the update ended).
+    ``snapshots`` at most what the live snapshots leave under their bound, and under ``owner``'s
+    ``share`` of it when given (the snapshot is then counted there, charged to ``owner`` and pending: the
+    caller settles it, ``MemorySnapshots.settle``, once the update ended).
 
     Raises:
         InvalidAdapterError: the config is not a JSON object, or the state dict is not str -> tensor.
         AdapterTooLargeError: the config or the tensors are over their bounds (MemoryAdapterBoundError:
-            over ``snapshots``' bound).
+            over ``snapshots``' bound; MemoryAdapterShareError: over the owner's share of it).
     """
     config_dict = _config_dict(name, config)
     if not isinstance(state_dict, Mapping):
@@ -201,7 +240,8 @@ def memory_lora_request(name: str, state_dict: Mapping[str, torch.Tensor], confi
                                    f"max_adapter_bytes={max_bytes}")
     path = f"{MEMORY_SCHEME}{name}/{_PROCESS}-{next(_ids)}"
     if snapshots is not None:
-        snapshots.reserve(name, path, nbytes)  # before the copy: an update over the bound allocates nothing
+        # before the copy: an update over the bound (or its owner's share) allocates nothing
+        snapshots.reserve(name, path, nbytes, owner, share)
     try:
         # a snapshot the trainer cannot change: it goes on updating its parameters in place
         snapshot = {key: tensor.detach().to("cpu", copy=True) for key, tensor in state_dict.items()}

@@ -39,7 +39,9 @@ there now, and its number (hence its prefix-cache keys) is new. Adapters handed 
 one replaced is refused (``SupersededAdapterError``) rather than loaded back over it.
 
 Pins live on the version record only, on the version a name serves (``AdapterVersion.pinned``): a
-replacement inherits the pin once it takes over; a failed, removed or retired version holds none.
+replacement inherits the pin once it takes over, unless its bytes would put the pins past the CPU
+cache's byte bound (then it is refused with AdapterCapacityError, and the old version keeps serving,
+pinned: adapters.cpu_cache); a failed, removed or retired version holds none.
 At most ``num_slots - 1`` versions are pinned, so unpinned adapters always keep a slot;
 ``reserved_slots`` tells the scheduler how many slots pinned residents keep from a step.
 
@@ -208,6 +210,9 @@ class AdapterTier:
             self._cpu.check_fits(name, nbytes)
         with self._lock:
             self._check_open()
+            serving = self._serving(name)
+            if not hold and serving is not None and serving.pinned:  # it inherits the pin: checked as a pin is
+                self._cpu.check_inherited_pin(name, nbytes, serving)
             version = AdapterVersion(self._versions.new_ref(name, "<dummy>", None), None)
             version.state, version.weights, version.started = READY, weights, True
             version.done.set()
@@ -285,6 +290,8 @@ class AdapterTier:
 
         Raises:
             ValueError: the name is served already and ``replace`` is False.
+            AdapterCapacityError: the version would inherit a pin that its bytes put past the CPU cache's
+                bound (adapters.cpu_cache.CPUCache.check_inherited_pin); nothing changed.
         """
         with self._lock:
             if served is not None and self._versions.served(served.name) is not None and not replace:
@@ -295,6 +302,9 @@ class AdapterTier:
                 version = self._get(ref)
                 if version.state == FAILED:  # a slot write failed since it was staged
                     raise copy.copy(version.error) from version.error
+                serving = self._serving(ref.name)
+                if serving is not None and serving is not version and serving.pinned:
+                    self._cpu.check_inherited_pin(ref.name, self._cpu.size(version), serving, version)
                 self._versions.publish(version)
             if served is not None:
                 self._versions.serve(served, replace)
@@ -542,7 +552,9 @@ class AdapterTier:
 
     def _settle(self, version: AdapterVersion, weights, error: AdapterError | None, nbytes: int = 0) -> None:
         """Publish a finished load: ready (and take over its name; its weights hold ``nbytes``) or failed
-        (the name falls back)."""
+        (the name falls back; so does a version whose inherited pin its bytes put past the byte bound)."""
+        if error is None:
+            error = self._inherited_pin_error(version, nbytes)
         if error is None:
             version.state, version.weights = READY, weights
             self._counts["disk_loads"] += 1
@@ -555,6 +567,19 @@ class AdapterTier:
             self._counts["load_failures"] += 1
             self._versions.fall_back(version)
         version.done.set()
+
+    def _inherited_pin_error(self, version: AdapterVersion, nbytes: int) -> AdapterCapacityError | None:
+        """The error refusing a loaded ``version`` (``nbytes``) that is, or would become by taking over its
+        name, pinned past the CPU cache's byte bound (CPUCache.check_inherited_pin); None when it may."""
+        serving = self._serving(version.ref.name)
+        takes_over = not version.retired and serving is not None and serving is not version and serving.pinned
+        if not (version.pinned or takes_over):
+            return None
+        try:
+            self._cpu.check_inherited_pin(version.ref.name, nbytes, serving if takes_over else None)
+        except AdapterCapacityError as exc:
+            return exc
+        return None
 
     def _notify(self) -> None:
         if self._on_settled is not None:

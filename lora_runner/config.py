@@ -44,15 +44,23 @@ class EngineConfig:
     max_cpu_lora_bytes: int | None = field(**_doc(
         "bytes the LoRAs kept in CPU memory may hold (their tensors' real bytes), least recently used evicted "
         "first; an adapter larger than this alone is refused (None: max_cpu_loras adapters of the largest size at "
-        "max_lora_rank, so max_cpu_loras binds first; logged at start). On CPU with worker processes "
-        "(the mp and ray backends) it comes off the RAM the KV cache is sized from", default=None))
+        "max_lora_rank, so max_cpu_loras binds first; logged at start). On CPU it comes off the RAM the KV cache "
+        "is sized from: always with worker processes (the mp and ray backends), in the engine's own process only "
+        "when set (the default is an upper bound real adapters seldom reach)", default=None))
     max_memory_adapter_bytes: int | None = field(**_doc(
         "bytes the snapshots of LoRAs handed over in memory (update_lora, POST /v1/lora_adapters/{name}/versions) "
-        "may hold together, one bound for all tenants: the served versions' and those running requests still "
-        "finish on; an update past it is refused before it is copied (None: max(max_cpu_lora_bytes, 4 x "
-        "max_adapter_bytes); logged at start)", default=None))
+        "may hold together: the served versions' and those running requests still finish on; an update past it "
+        "is refused before it is copied. When the server's keys name several tenants, each tenant's adapters' "
+        "snapshots may hold --max-tenant-share of it (HTTP 429 over it; operator keys and the Python API: the "
+        "whole bound) (None: max(max_cpu_lora_bytes, 4 x max_adapter_bytes); logged at start)", default=None))
     max_prompt_adapters: int = field(**_doc("soft-prompt device slots (0 = prompt adapters off)", default=0))
     max_prompt_adapter_tokens: int = field(**_doc("most virtual tokens of one soft prompt (0 = off)", default=0))
+    max_cpu_prompt_adapter_bytes: int | None = field(**_doc(
+        "bytes the prompt adapters (soft prompts) kept in CPU memory may hold (their tensors' real bytes), least "
+        "recently used evicted first; a soft prompt larger than this alone is refused; a bound of its own, beside "
+        "max_cpu_lora_bytes, so soft prompts never evict LoRAs nor LoRAs soft prompts (None: as many soft prompts "
+        "as the prompt CPU cache counts, max(max_cpu_loras, max_prompt_adapters), of max_prompt_adapter_tokens "
+        "each, so the count binds first; logged at start)", default=None))
     device: str = field(**_doc('"auto" (cuda if available, else cpu), "cpu" or "cuda[:i]"', default="auto"))
     dtype: str | torch.dtype = field(**_doc('"auto" (bf16 on CUDA, fp32 on CPU), a name ("float32", "bfloat16", '
                                             '"float16") or a torch.dtype', default="auto"))
@@ -168,7 +176,7 @@ class EngineConfig:
         _check_int("max_logprobs", self.max_logprobs, minimum=-1)  # -1: no cap (vLLM's)
         for name in ("max_cpu_loras", "max_model_len", "max_num_batched_tokens",
                      "kv_cache_memory_bytes", "max_adapter_bytes", "cpu_threads", "max_cpu_lora_bytes",
-                     "max_memory_adapter_bytes"):
+                     "max_memory_adapter_bytes", "max_cpu_prompt_adapter_bytes"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         utilization = self.gpu_memory_utilization

@@ -5,9 +5,9 @@ while its name is served from it or a request runs on its version. These tests c
 counted are the snapshots' real storages, that twenty updates of one name leave only the live
 versions' snapshots counted and held (a stream started on an old version finishes exactly, then its
 snapshot is freed), and that an update past the bound is refused naming the setting, before any
-copy, while the current version keeps serving (in Python and over HTTP: a 4xx). The bound is one for
-the engine, not per tenant: one tenant's snapshots can hold another's updates back (not tested: no
-per-tenant share exists).
+copy, while the current version keeps serving (in Python and over HTTP: a 4xx). Without a tenant share
+(the Python API, one tenant) the bound is one for the engine; each tenant's share of it is tested in
+test_adapter_byte_bounds.py.
 """
 
 from __future__ import annotations

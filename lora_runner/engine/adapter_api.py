@@ -35,13 +35,16 @@ class AdapterAPI:
         return self._adapter_seam().add("lora", lora_request, load_inplace=load_inplace)
 
     def update_lora(self, name: str, state_dict: Mapping[str, Any], config: Any, owner: str | None = None,
-                    claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
+                    claim: Callable[[], bool] | None = None, tenant_share: float | None = None) -> ServedAdapter | None:
         """Serve a new version of the LoRA ``name`` from tensors in memory: a PEFT state dict (key names
         as in adapter_model.safetensors) and its LoraConfig or adapter_config dict, validated as a file
         load is (adapters.memory_source). Returns the served adapter: ``version`` is the new version,
         ``request`` what later requests for it pass as ``lora_request`` (None when ``claim``, asked as in
-        serve_adapter, said no). Raises its AdapterError; the version serving before keeps serving then."""
-        return self._adapter_seam().update(name, state_dict, config, owner=owner, claim=claim)
+        serve_adapter, said no). ``tenant_share``: the fraction of max_memory_adapter_bytes the adapter's
+        owner's snapshots may hold together (None: the whole bound, as for the operator). Raises its
+        AdapterError; the version serving before keeps serving then."""
+        return self._adapter_seam().update(name, state_dict, config, owner=owner, claim=claim,
+                                           tenant_share=tenant_share)
 
     def max_adapter_bytes(self) -> int:
         """The largest adapter (file, upload or in-memory tensors) accepted, in bytes."""

@@ -106,19 +106,22 @@ class EngineAdapters:
                 self.draft_adapters.add(request, fresh=fresh, publish_lock=self.step_lock)
 
     def update(self, name: str, state_dict, config, owner: str | None = None,
-               claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
+               claim: Callable[[], bool] | None = None, tenant_share: float | None = None) -> ServedAdapter | None:
         """Serve a new version of the LoRA ``name`` from tensors in memory (a PEFT state dict and its
         LoraConfig or adapter_config dict, adapters.memory_source), validated as a file load is. The
         version serves the name from the next step on; running requests finish on theirs. ``owner``:
         the tenant updating it (None keeps the served record's owner). Returns the served adapter with
         ``version`` the new version and ``request`` what later requests for it pass (None when ``claim``,
         asked as in ``serve``, said no). Raises its AdapterError (the current version keeps serving;
-        MemoryAdapterBoundError when the live snapshots would pass max_memory_adapter_bytes),
-        ValueError when a prompt adapter has the name."""
-        with self.manager.memory_update(name, state_dict, config) as request:  # counted, max_memory_adapter_bytes
-            if owner is None:
-                old = self.tiers["lora"].served(name)
-                owner = None if old is None else old.owner
+        MemoryAdapterBoundError when the live snapshots would pass max_memory_adapter_bytes;
+        MemoryAdapterShareError when the owner's would pass ``tenant_share`` of it, if given: the server's
+        share for a tenant), ValueError when a prompt adapter has the name. The snapshot is charged to the
+        adapter's owner (adapters.memory_source)."""
+        if owner is None:
+            old = self.tiers["lora"].served(name)
+            owner = None if old is None else old.owner
+        # counted against max_memory_adapter_bytes and the owner's share of it
+        with self.manager.memory_update(name, state_dict, config, owner=owner, share=tenant_share) as request:
             return self.serve(request, owner=owner, replace=True, claim=claim)
 
     def remove(self, kind: str, name: str) -> None:

@@ -101,9 +101,10 @@ class EngineClient(Protocol):
         Raises its AdapterError, or ValueError when the name is taken."""
 
     def update_lora(self, name: str, state_dict: Mapping[str, Any], config: Any, owner: str | None = None,
-                    claim: Callable[[], bool] | None = None) -> ServedAdapter | None:
+                    claim: Callable[[], bool] | None = None, tenant_share: float | None = None) -> ServedAdapter | None:
         """Serve a new version of the LoRA ``name`` from a PEFT state dict and its LoraConfig (or
-        adapter_config dict), validated as a file load is; its ``version`` serves from the next step on."""
+        adapter_config dict), validated as a file load is; its ``version`` serves from the next step on.
+        ``tenant_share``: the fraction of max_memory_adapter_bytes the adapter's owner may hold in snapshots."""
 
     def max_adapter_bytes(self) -> int:
         """The largest adapter (file, upload or in-memory tensors) accepted, in bytes."""

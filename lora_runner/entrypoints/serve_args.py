@@ -104,7 +104,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: max_model_len)")
     add("--max-pending-requests", type=int, default=1024, help="sequences (prompts x n) in flight; 503 beyond")
     add("--max-tenant-share", type=float, default=0.5,
-        help="fraction of --max-pending-requests one tenant may hold when keys name several tenants (429)")
+        help="fraction of --max-pending-requests (and of --max-unsent-bytes' responses being built, and of "
+        "--max-memory-adapter-bytes' in-memory adapter snapshots) one tenant may hold when keys name several "
+        "tenants (429)")
     add("--max-prompts-per-request", type=int, default=256, help="prompts in one completion request (400)")
     add("--max-chat-messages", type=int, default=1024, help="messages in one chat request (400)")
     add("--max-logprob-entries", type=int, default=SERVER_DEFAULTS["max_logprob_entries"],

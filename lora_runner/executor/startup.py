@@ -22,7 +22,11 @@ in this process they are checked against the free device memory before they are 
 measured (the memory profile's resident bytes; on CPU the RAM left); for worker ranks on CPU they are
 taken off the RAM available before the ranks allocate them, as is the LoRA CPU cache's byte bound
 (max_cpu_lora_bytes: the cache fills later). The engine's own process ("uni") on CPU sizes its KV
-cache from the RAM left after its slots, the cache not taken off.
+cache from the RAM left after its slots, less an explicitly set max_cpu_lora_bytes (the operator said
+how much the cache may take). Its default bound is not taken off there: it is max_cpu_loras adapters
+of the largest size at max_lora_rank, an upper bound that real adapters (a few target modules, lower
+ranks) seldom approach, and taking it off would shrink the KV cache of every existing CPU setup whose
+sizes follow from the RAM reported (tests/test_startup.py pins them).
 The engine sets the end ids afterwards (the executor's setter).
 """
 
@@ -110,7 +114,8 @@ def _make_manager(cfg: EngineConfig, model_config: ModelConfig, device: torch.de
         allow_pickle=cfg.allow_pickle, local_files_only=cfg.local_files_only,
         max_adapter_bytes=cfg.max_adapter_bytes, on_load_done=on_load_done, base_weight=base_weight,
         make_slots=make_slots, max_cpu_lora_bytes=cfg.max_cpu_lora_bytes,
-        max_memory_adapter_bytes=cfg.max_memory_adapter_bytes)
+        max_memory_adapter_bytes=cfg.max_memory_adapter_bytes,
+        max_cpu_prompt_adapter_bytes=cfg.max_cpu_prompt_adapter_bytes)
 
 
 def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
@@ -126,7 +131,7 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
     use_graphs = not cfg.enforce_eager and cuda_graphs_available(device)
     spec = cfg.speculative()
     k = spec.num_speculative_tokens if spec is not None else 0  # the verify graphs' k
-    host_ram = available_host_memory() if device.type == "cpu" else None  # before the draft: its weights come off it
+    host_ram = in_process_host_ram(cfg) if device.type == "cpu" else None  # before the draft: its weights come off it
     # loaded before the memory profile, so its weights count as resident (lora_runner.executor.draft_budget)
     draft = _load_draft(cfg, device)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
@@ -147,6 +152,13 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
         runner.capture_decode_graphs(manager.loras, cfg.max_lora_rank, num_speculative_tokens=k)
     return StartedExecutor(UniProcExecutor(runner, make), manager, model_config, model_dir, limits, model, runner,
                            draft)
+
+
+def in_process_host_ram(cfg: EngineConfig) -> int:
+    """The RAM the "uni" engine on CPU sizes its KV cache from: what is available now (its slots already
+    allocated), less an explicitly set ``max_cpu_lora_bytes``, which the LoRA CPU cache fills later. The
+    default bound is not taken off (module docstring)."""
+    return max(available_host_memory() - (cfg.max_cpu_lora_bytes or 0), 0)
 
 
 def _load_draft(cfg: EngineConfig, device: torch.device) -> LoadedDraft | None:

@@ -18,6 +18,9 @@ bounds) from a private temporary folder, and validated as any load is (shapes, r
 values); an update that fails answers 422 and the version serving before keeps serving. That includes
 one whose snapshot would make the live in-memory snapshots pass ``--max-memory-adapter-bytes``
 (adapters.memory_source.MemoryAdapterBoundError, refused before the upload is copied into a snapshot).
+When the keys name several tenants, a tenant's update is also held to its share of that bound
+(--max-tenant-share, charged to the adapter's owner): over it is a 429, so one tenant's snapshots
+never refuse another's update; operator keys keep the whole bound.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fastapi import Request
 
 from adapters.files import AdapterDir
 from adapters.hub import CONFIG_FILE, SAFETENSORS_FILE
+from adapters.memory_source import MemoryAdapterShareError
 from adapters.versions import ServedAdapter
 from adapters.weights import read_adapter_config, read_adapter_tensors
 from lora_runner.entrypoints.openai.errors import APIError, api_error_from
@@ -53,6 +57,9 @@ async def upload_lora_version(state: ServerState, tenant: Tenant, name: str, req
     existed = state.engine.served_adapter(name) is not None
     try:
         served = await state.loads.run(tenant.name, partial(_update, state, tenant, name, weights, config))
+    except MemoryAdapterShareError as exc:  # the tenant's own snapshots fill its share: retry when they went
+        state.metrics.runtime_loads.labels("failed").inc()
+        raise APIError(429, str(exc), "tenant_share_exceeded") from exc
     except Exception as exc:  # noqa: BLE001 - mapped to its status (422 for an update that fails)
         state.metrics.runtime_loads.labels("failed").inc()
         raise api_error_from(exc) from exc
@@ -117,4 +124,6 @@ def _update(state: ServerState, tenant: Tenant, name: str, weights: bytes, confi
 
     old = state.engine.served_adapter(name)
     owner = tenant.name if old is None else None  # None keeps the served record's owner
-    return state.engine.update_lora(name, tensors, config, owner=owner, claim=still_allowed)
+    # a tenant's share of max_memory_adapter_bytes, as of every shared budget (ServerState.tenant_seats)
+    share = state.config.max_tenant_share if state.tenant_seats is not None and not tenant.operator else None
+    return state.engine.update_lora(name, tensors, config, owner=owner, claim=still_allowed, tenant_share=share)
