@@ -30,7 +30,7 @@ float32 throughout (dtype="float32"; FP8 is weight-only on the CPU).
                  first token equal (prefill). The FP8 rows' reference is the FP8 oracle, run once
                  per batch and not timed: transformers with every weight the engine quantizes
                  replaced by its dequantized FP8 value (PEFT's per-adapter batches on it for the
-                 expert LoRAs), as tests/test_moe_fp8.py's.
+                 expert LoRAs): tests/quant_support.fp8_oracle, tests/test_moe_fp8.py's.
   expert memory  bytes of the routed experts' weights (FP8: with their scales) in the engine's
                  model, float32 and quantization="fp8".
 
@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,6 +60,7 @@ from bench_step import (PROMPT_LEN, EnginePrefill, _faster, engine_decode,  # be
 from common import (FIRST_ORDINARY_TOKEN, machine_description, markdown_table, save_word_tokenizer, start_cpu_run,
                     write_report)
 
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # quant_support: the FP8 oracle, the tests' own
 logger = logging.getLogger("bench_moe")
 
 NUM_ADAPTERS = 8
@@ -105,7 +107,6 @@ ENGINE_ROWS = {"engine base": EngineRow(None, None, "transformers (base)", None)
 PEFT_ROWS = {PEFT_EXPERT: "expert", PEFT_ATTENTION: "attention"}
 # references that are not timed: transformers / PEFT over the dequantized FP8 weights (Workbench.fp8_hf/fp8_peft)
 ORACLE_ROWS = ("FP8 oracle (base)", "FP8 oracle 8 expert LoRAs")
-FLOAT_LINEARS = ("mlp.gate", "shared_expert_gate")  # the router and the shared expert's gate: never quantized
 ROWS = ["transformers (base)", *ENGINE_ROWS, *PEFT_ROWS]  # the tables' order
 
 
@@ -157,29 +158,6 @@ def save_adapters(base_model, root: Path, kind: str, seed: int) -> list[Path]:
         paths.append(root / f"{kind}-{i:03d}")
         peft_model.save_pretrained(str(paths[-1]))
     return paths
-
-
-def dequantized(weight: torch.Tensor) -> torch.Tensor:
-    """W [..., N, K] -> its FP8 value, one scale per output channel (lora_runner.model.quant.fp8)."""
-    from lora_runner.model.quant.fp8 import quantize_per_channel
-
-    rows = weight.reshape(-1, weight.shape[-1])  # [*, K]: per-row scales do not depend on the grouping
-    quantized, scale = quantize_per_channel(rows)
-    return (quantized.float() * scale[:, None]).reshape(weight.shape).to(weight.dtype)
-
-
-def save_fp8_oracle(hf, path: Path) -> None:
-    """Write a copy of transformers model `hf` with every decoder weight quantization="fp8" quantizes (the
-    linears but the router's, the fused experts) replaced by its dequantized FP8 value."""
-    twin = copy.deepcopy(hf)
-    with torch.no_grad():
-        for name, module in twin.model.layers.named_modules():
-            if isinstance(module, torch.nn.Linear) and not name.endswith(FLOAT_LINEARS):
-                module.weight.copy_(dequantized(module.weight))
-            elif name.endswith("experts") and hasattr(module, "gate_up_proj"):  # transformers 5's fused experts
-                module.gate_up_proj.copy_(dequantized(module.gate_up_proj))  # [E, 2I, H]
-                module.down_proj.copy_(dequantized(module.down_proj))  # [E, H, I]
-    twin.save_pretrained(str(path))
 
 
 def expert_memory(model_dir: str) -> list[dict]:
@@ -238,6 +216,7 @@ class Workbench:
     oracle's (transformers over the dequantized FP8 weights, PEFT's expert LoRAs on it)."""
 
     def __init__(self, tmp: Path, args) -> None:
+        from quant_support import fp8_oracle
         from transformers import AutoModelForCausalLM
 
         self.model_dir = str(tmp / "model")
@@ -247,7 +226,7 @@ class Workbench:
         del base
         self.hf = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.peft = {kind: peft_with_adapters(self.model_dir, paths) for kind, paths in self.adapters.items()}
-        save_fp8_oracle(self.hf, tmp / "fp8-oracle")
+        fp8_oracle(self.hf).save_pretrained(str(tmp / "fp8-oracle"))
         self.fp8_hf = AutoModelForCausalLM.from_pretrained(str(tmp / "fp8-oracle"), dtype=torch.float32).eval()
         self.fp8_peft = peft_with_adapters(str(tmp / "fp8-oracle"), self.adapters["expert"])
 
