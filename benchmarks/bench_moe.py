@@ -11,10 +11,13 @@ by PEFT with random A and B, ranks 8 and 16 alternating:
   attention LoRAs  q_proj/v_proj only: the same attention LoRA without the experts, for comparison
 
 Rows: transformers (base), the engine base-only, with the 8 expert LoRAs and with the 8 attention
-LoRAs (request i uses adapter i % 8), and PEFT with each set. PEFT refuses a mixed-adapter batch
+LoRAs (request i uses adapter i % 8), the engine with online FP8 weights (quantization="fp8": experts,
+attention and dense MLPs float8_e4m3fn with a float32 scale per output channel; the router float)
+base-only and with the 8 expert LoRAs, and PEFT with each set. PEFT refuses a mixed-adapter batch
 (`adapter_names=`) on a `target_parameters` LoRA ("lora.ParamWrapper does not support mixed adapter
 batches yet", PEFT 0.21), so its expert row runs what a PEFT user can: one sub-batch per adapter
-(`set_adapter`), the times summed; its attention row is its mixed batch.
+(`set_adapter`), the times summed; its attention row is its mixed batch. The engine computes in
+float32 throughout (dtype="float32"; FP8 is weight-only on the CPU).
 
   decode tok/s   --batch equal-length prompts, greedy, EOS ignored: engine steps after every
                  request has its first token; for generate, (time of n new tokens - time of 1).
@@ -24,7 +27,12 @@ batches yet", PEFT 0.21), so its expert row runs what a PEFT user can: one sub-b
   same tokens    each engine row against its reference (base: transformers; expert / attention
                  LoRAs: PEFT with the same adapters): all decoded tokens equal per request, up to
                  the engine's first EOS, which generate's min_new_tokens forbids (decode); greedy
-                 first token equal (prefill).
+                 first token equal (prefill). The FP8 rows' reference is the FP8 oracle, run once
+                 per batch and not timed: transformers with every weight the engine quantizes
+                 replaced by its dequantized FP8 value (PEFT's per-adapter batches on it for the
+                 expert LoRAs): tests/quant_support.fp8_oracle, tests/test_moe_fp8.py's.
+  expert memory  bytes of the routed experts' weights (FP8: with their scales) in the engine's
+                 model, float32 and quantization="fp8".
 
     python benchmarks/bench_moe.py             # ~1.5 min on one busy CPU core
     python benchmarks/bench_moe.py --quick     # fewer tokens and repeats, ~30 s
@@ -39,9 +47,11 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +60,7 @@ from bench_step import (PROMPT_LEN, EnginePrefill, _faster, engine_decode,  # be
 from common import (FIRST_ORDINARY_TOKEN, machine_description, markdown_table, save_word_tokenizer, start_cpu_run,
                     write_report)
 
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # quant_support: the FP8 oracle, the tests' own
 logger = logging.getLogger("bench_moe")
 
 NUM_ADAPTERS = 8
@@ -73,14 +84,29 @@ PREFILL_COLUMNS = [("run", "run", ""), ("sequences", "sequences", "d"), ("tokens
                    ("prefill_tokens_per_s", "prefill tok/s", ".1f"),
                    ("vs_transformers", "vs transformers", ".2f"), ("vs_engine_base", "vs engine base", ".2f"),
                    ("vs_peft", "vs PEFT (same adapters)", ".2f"), ("same_first_token", "same first token", ".0%")]
-# engine row -> (adapter kind, None: base; the row its tokens must equal; the PEFT row of the same adapters)
-ENGINE_ROWS = {"engine base": (None, "transformers (base)", None),
-               "engine 8 expert LoRAs": ("expert", "PEFT 8 expert LoRAs (per-adapter batches)",
-                                         "PEFT 8 expert LoRAs (per-adapter batches)"),
-               "engine 8 attention LoRAs": ("attention", "PEFT 8 attention LoRAs (mixed batch)",
-                                            "PEFT 8 attention LoRAs (mixed batch)")}
-PEFT_ROWS = {"PEFT 8 expert LoRAs (per-adapter batches)": "expert",
-             "PEFT 8 attention LoRAs (mixed batch)": "attention"}
+MEMORY_COLUMNS = [("weights", "expert weights", ""), ("bytes", "bytes", "d"), ("mib", "MiB", ".2f"),
+                  ("vs_float32", "vs float32", ".3f")]
+
+
+class EngineRow(NamedTuple):
+    """An engine row: its adapters, its weights' online quantization, the row its tokens must equal and the
+    PEFT row of the same adapters (its speed's comparison)."""
+
+    kind: str | None  # ADAPTER_KINDS key, None: base only
+    quantization: str | None
+    reference: str  # a table row, or an ORACLE_ROWS one
+    peft: str | None
+
+
+PEFT_EXPERT, PEFT_ATTENTION = "PEFT 8 expert LoRAs (per-adapter batches)", "PEFT 8 attention LoRAs (mixed batch)"
+ENGINE_ROWS = {"engine base": EngineRow(None, None, "transformers (base)", None),
+               "engine 8 expert LoRAs": EngineRow("expert", None, PEFT_EXPERT, PEFT_EXPERT),
+               "engine 8 attention LoRAs": EngineRow("attention", None, PEFT_ATTENTION, PEFT_ATTENTION),
+               "engine FP8 base": EngineRow(None, "fp8", "FP8 oracle (base)", None),
+               "engine FP8 8 expert LoRAs": EngineRow("expert", "fp8", "FP8 oracle 8 expert LoRAs", PEFT_EXPERT)}
+PEFT_ROWS = {PEFT_EXPERT: "expert", PEFT_ATTENTION: "attention"}
+# references that are not timed: transformers / PEFT over the dequantized FP8 weights (Workbench.fp8_hf/fp8_peft)
+ORACLE_ROWS = ("FP8 oracle (base)", "FP8 oracle 8 expert LoRAs")
 ROWS = ["transformers (base)", *ENGINE_ROWS, *PEFT_ROWS]  # the tables' order
 
 
@@ -134,6 +160,23 @@ def save_adapters(base_model, root: Path, kind: str, seed: int) -> list[Path]:
     return paths
 
 
+def expert_memory(model_dir: str) -> list[dict]:
+    """The bytes of the routed experts' weights (and FP8 scales) in the engine's model, float32 and FP8."""
+    from lora_runner.model import load_model
+    from lora_runner.model.moe import SparseMoeBlock
+
+    rows = []
+    for quantization in (None, "fp8"):
+        model, _, _ = load_model(model_dir, dtype=torch.float32, quantization=quantization)
+        size = sum(t.numel() * t.element_size() for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)
+                   for expert in layer.mlp.experts for linear in (expert.gate_up, expert.down)
+                   for t in (linear.weight, getattr(linear, "weight_scale", None)) if t is not None)
+        rows.append({"weights": "float32" if quantization is None else "fp8 (+ float32 scales)", "bytes": size,
+                     "mib": size / 2**20, "vs_float32": size / rows[0]["bytes"] if rows else 1.0})
+        del model
+    return rows
+
+
 def adapter_groups(num_rows: int) -> dict[str, list[int]]:
     """{PEFT adapter name: its rows}, request i on adapter i % NUM_ADAPTERS (as the engine's)."""
     return {f"a{a}": list(range(a, num_rows, NUM_ADAPTERS)) for a in range(min(NUM_ADAPTERS, num_rows))}
@@ -169,9 +212,11 @@ def peft_grouped_forward(model, prompts: list[list[int]]) -> tuple[float, list[i
 
 
 class Workbench:
-    """The model directory, both adapter sets and the transformers / PEFT models over them."""
+    """The model directory, both adapter sets and the transformers / PEFT models over them, and the FP8
+    oracle's (transformers over the dequantized FP8 weights, PEFT's expert LoRAs on it)."""
 
     def __init__(self, tmp: Path, args) -> None:
+        from quant_support import fp8_oracle
         from transformers import AutoModelForCausalLM
 
         self.model_dir = str(tmp / "model")
@@ -181,6 +226,9 @@ class Workbench:
         del base
         self.hf = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.peft = {kind: peft_with_adapters(self.model_dir, paths) for kind, paths in self.adapters.items()}
+        fp8_oracle(self.hf).save_pretrained(str(tmp / "fp8-oracle"))
+        self.fp8_hf = AutoModelForCausalLM.from_pretrained(str(tmp / "fp8-oracle"), dtype=torch.float32).eval()
+        self.fp8_peft = peft_with_adapters(str(tmp / "fp8-oracle"), self.adapters["expert"])
 
     def paths(self, kind: str | None) -> list[Path]:
         """The adapter directories of `kind` (none for the base)."""
@@ -191,14 +239,19 @@ def decode_runs(bench: Workbench, prompts: list[list[int]], new_tokens: int) -> 
     """{row: callable returning that row's decode result}: every row of the decode table."""
     names = [f"a{i % NUM_ADAPTERS}" for i in range(len(prompts))]
     runs = {"transformers (base)": lambda: generate_decode(bench.hf, prompts, new_tokens),
-            "PEFT 8 expert LoRAs (per-adapter batches)": lambda: peft_grouped_decode(
-                bench.peft["expert"], prompts, new_tokens),
-            "PEFT 8 attention LoRAs (mixed batch)": lambda: generate_decode(
-                bench.peft["attention"], prompts, new_tokens, adapter_names=names)}
-    for row, (kind, _, _) in ENGINE_ROWS.items():
-        runs[row] = (lambda kind=kind: engine_decode(bench.model_dir, bench.paths(kind), prompts, new_tokens,
-                                                     NUM_ADAPTERS if kind else 0))
+            PEFT_EXPERT: lambda: peft_grouped_decode(bench.peft["expert"], prompts, new_tokens),
+            PEFT_ATTENTION: lambda: generate_decode(bench.peft["attention"], prompts, new_tokens, adapter_names=names)}
+    for row, spec in ENGINE_ROWS.items():
+        runs[row] = (lambda spec=spec: engine_decode(bench.model_dir, bench.paths(spec.kind), prompts, new_tokens,
+                                                     NUM_ADAPTERS if spec.kind else 0, spec.quantization))
     return {row: runs[row] for row in ROWS}
+
+
+def oracle_decode(bench: Workbench, prompts: list[list[int]], new_tokens: int) -> dict[str, list[list[int]]]:
+    """{ORACLE_ROWS row: its greedy tokens for each prompt}, run once (not timed)."""
+    tokens = dict(zip(ORACLE_ROWS, (generate_decode(bench.fp8_hf, prompts, new_tokens),
+                                    peft_grouped_decode(bench.fp8_peft, prompts, new_tokens))))
+    return {row: result["token_ids"] for row, result in tokens.items()}
 
 
 def decode_table(bench: Workbench, args) -> list[dict]:
@@ -211,9 +264,10 @@ def decode_table(bench: Workbench, args) -> list[dict]:
         for row, run in runs.items():
             best[row] = _faster(best[row], run())
         logger.info("decode run %d: %s", repeat, {row: round(r["decode_tokens_per_s"], 1) for row, r in best.items()})
+    tokens = {**{row: result["token_ids"] for row, result in best.items()},
+              **oracle_decode(bench, prompts, args.new_tokens)}
     return [table_row(row, best, "decode_tokens_per_s", batch=args.batch, new_tokens=args.new_tokens,
-                      total_tokens_per_s=best[row]["total_tokens_per_s"],
-                      same_tokens=same_fraction(row, {r: v["token_ids"] for r, v in best.items()}))
+                      total_tokens_per_s=best[row]["total_tokens_per_s"], same_tokens=same_fraction(row, tokens))
             for row in best]
 
 
@@ -221,7 +275,7 @@ def table_row(row: str, results: dict, key: str, **extra) -> dict:
     """One table row: `key` of results[row] and its ratios to transformers, the engine base and the
     PEFT row with the same adapters (None for base rows)."""
     value = results[row][key]
-    peft_row = ENGINE_ROWS[row][2] if row in ENGINE_ROWS else (row if row in PEFT_ROWS else None)
+    peft_row = ENGINE_ROWS[row].peft if row in ENGINE_ROWS else (row if row in PEFT_ROWS else None)
     return {"run": row, key: value, "vs_transformers": value / results["transformers (base)"][key],
             "vs_engine_base": value / results["engine base"][key],
             "vs_peft": value / results[peft_row][key] if peft_row else None, **extra}
@@ -232,7 +286,7 @@ def same_fraction(row: str, tokens: dict) -> float | None:
     engine's first EOS: generate's min_new_tokens forbids EOS where the engine (ignore_eos) may pick it."""
     if row not in ENGINE_ROWS:
         return None
-    reference = tokens[ENGINE_ROWS[row][1]]
+    reference = tokens[ENGINE_ROWS[row].reference]
     cuts = [ids.index(EOS) if EOS in ids else len(ids) for ids in tokens[row]]
     return sum(a[:cut] == b[:cut] for a, b, cut in zip(tokens[row], reference, cuts)) / len(reference)
 
@@ -242,12 +296,12 @@ def prefill_table(bench: Workbench, args) -> list[dict]:
     forward for transformers / PEFT), best of args.repeats after a warm-up run."""
     num_tokens = args.prefill_tokens // PREFILL_SEQUENCES * PREFILL_SEQUENCES
     names = [f"a{i % NUM_ADAPTERS}" for i in range(PREFILL_SEQUENCES)]
-    engines = {row: EnginePrefill(bench.model_dir, bench.paths(kind), num_tokens, NUM_ADAPTERS if kind else 0)
-               for row, (kind, _, _) in ENGINE_ROWS.items()}
+    engines = {row: EnginePrefill(bench.model_dir, bench.paths(spec.kind), num_tokens,
+                                  NUM_ADAPTERS if spec.kind else 0, spec.quantization)
+               for row, spec in ENGINE_ROWS.items()}
     runs = {"transformers (base)": lambda p: forward_run(bench.hf, p),
-            "PEFT 8 expert LoRAs (per-adapter batches)": lambda p: peft_grouped_forward(bench.peft["expert"], p),
-            "PEFT 8 attention LoRAs (mixed batch)": lambda p: forward_run(bench.peft["attention"], p,
-                                                                           adapter_names=names),
+            PEFT_EXPERT: lambda p: peft_grouped_forward(bench.peft["expert"], p),
+            PEFT_ATTENTION: lambda p: forward_run(bench.peft["attention"], p, adapter_names=names),
             **{row: engine.run for row, engine in engines.items()}}
     runs = {row: runs[row] for row in ROWS}
     best, same = dict.fromkeys(runs, float("inf")), dict.fromkeys(ENGINE_ROWS, 0)
@@ -258,8 +312,10 @@ def prefill_table(bench: Workbench, args) -> list[dict]:
         results = {row: run(prompts) for row, run in runs.items()}
         for row, (seconds, _) in results.items():
             best[row] = min(best[row], seconds) if repeat else best[row]
-        for row, (_, reference, _) in ENGINE_ROWS.items():
-            same[row] += sum(a == b for a, b in zip(results[row][1], results[reference][1]))
+        results.update(zip(ORACLE_ROWS, (forward_run(bench.fp8_hf, prompts),  # not timed
+                                         peft_grouped_forward(bench.fp8_peft, prompts))))
+        for row, spec in ENGINE_ROWS.items():
+            same[row] += sum(a == b for a, b in zip(results[row][1], results[spec.reference][1]))
         logger.info("prefill run %d: %s", repeat, {row: round(s, 3) for row, s in best.items()})
     for engine in engines.values():
         engine.engine.close()
@@ -303,12 +359,14 @@ def main(argv=None) -> dict:
         bench = Workbench(Path(tmp), args)
         decode = [] if args.skip_decode else decode_table(bench, args)
         prefill = [] if args.skip_prefill else prefill_table(bench, args)
+        memory = expert_memory(bench.model_dir)
     layers, hidden, experts, top_k, expert_intermediate = SHAPES[args.shape]
     report = {"clock": "process", "machine": machine_description("cpu"), "family": args.family,
               "model": dict(layers=layers, hidden=hidden, experts=experts, top_k=top_k,
                             expert_intermediate=expert_intermediate, vocab=VOCAB_SIZE),
               "adapters": dict(num=NUM_ADAPTERS, ranks=RANKS, kinds=ADAPTER_KINDS),
-              "seconds": time.perf_counter() - started, "decode": decode, "prefill": prefill}
+              "seconds": time.perf_counter() - started, "decode": decode, "prefill": prefill,
+              "expert_memory": memory}
     path = write_report(report, args.out_dir, "bench_moe")
     print(f"{args.family}: {layers} layers, hidden {hidden}, {experts} experts, top-{top_k}, expert intermediate "
           f"{expert_intermediate}; {NUM_ADAPTERS} adapters of ranks {'/'.join(map(str, RANKS))}")
@@ -316,6 +374,7 @@ def main(argv=None) -> dict:
         print("\ndecode:\n" + markdown_table(decode, DECODE_COLUMNS))
     if prefill:
         print(f"\nprefill of {PREFILL_SEQUENCES} sequences in one step:\n" + markdown_table(prefill, PREFILL_COLUMNS))
+    print("\nrouted experts' weights in the engine's model:\n" + markdown_table(memory, MEMORY_COLUMNS))
     print(f"\nCPU seconds of this process, {args.threads} torch thread(s); written {path}")
     return report
 

@@ -94,9 +94,9 @@ PREFILL_COLUMNS = [("run", "run", ""), ("sequences", "sequences", "d"), ("tokens
 
 
 def make_engine(model_dir: str, num_requests: int, max_loras: int, max_model_len: int,
-                max_num_batched_tokens: int = 0):
+                max_num_batched_tokens: int = 0, quantization: str | None = None):
     """An eager CPU engine sized for `num_requests` running requests (and at least
-    `max_num_batched_tokens` tokens per step)."""
+    `max_num_batched_tokens` tokens per step), its weights quantized online as `quantization` says."""
     from lora_runner import LLMEngine
 
     max_model_len = -(-max_model_len // 16) * 16  # whole KV blocks: the default budget rounds down
@@ -104,7 +104,7 @@ def make_engine(model_dir: str, num_requests: int, max_loras: int, max_model_len
                      max_cpu_loras=max(16, max_loras), device="cpu", dtype="float32",
                      max_num_seqs=num_requests, max_model_len=max_model_len,
                      max_num_batched_tokens=max(2048, num_requests * PROMPT_LEN, max_num_batched_tokens),
-                     enforce_eager=True)
+                     enforce_eager=True, quantization=quantization)
 
 
 def add_requests(engine, adapter_paths: list[Path], num_requests: int, num_adapters: int,
@@ -238,13 +238,13 @@ def host_table(tmp: Path, args) -> list[dict]:
 
 
 def engine_decode(model_dir: str, adapter_paths: list[Path], prompts: list[list[int]],
-                  new_tokens: int, num_adapters: int) -> dict:
+                  new_tokens: int, num_adapters: int, quantization: str | None = None) -> dict:
     """Engine decode and end-to-end tokens per CPU second for one batch of `prompts`."""
     from adapters import LoRARequest
     from lora_runner import SamplingParams
 
     engine = make_engine(model_dir, len(prompts), max(1, num_adapters),
-                         PROMPT_LEN + new_tokens + 8)
+                         PROMPT_LEN + new_tokens + 8, quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         lora = (LoRARequest(f"a{i % num_adapters}", str(adapter_paths[i % num_adapters]))
@@ -353,11 +353,13 @@ class EnginePrefill:
     """One engine that prefills a batch of prompts in a single step, each sequence with its
     adapter (round-robin over `num_adapters`, loaded up front) or none."""
 
-    def __init__(self, model_dir: str, adapter_paths: list[Path], num_tokens: int, num_adapters: int):
+    def __init__(self, model_dir: str, adapter_paths: list[Path], num_tokens: int, num_adapters: int,
+                 quantization: str | None = None):
         from adapters import LoRARequest
 
         self.engine = make_engine(model_dir, PREFILL_SEQUENCES, max(1, num_adapters),
-                                  num_tokens // PREFILL_SEQUENCES + 8, max_num_batched_tokens=num_tokens)
+                                  num_tokens // PREFILL_SEQUENCES + 8, max_num_batched_tokens=num_tokens,
+                                  quantization=quantization)
         self.loras = [LoRARequest(f"a{i}", str(adapter_paths[i])) for i in range(num_adapters)]
         for lora in self.loras:
             self.engine.add_lora(lora)  # loaded before timing, as the forward's weights are

@@ -41,7 +41,7 @@ MATMUL_CONFIG = {2: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_s
 RMS_NORM_WARPS = 8
 SOFTMAX_BLOCK, SOFTMAX_WARPS = 1024, 4  # columns per step of a row's softmax
 # the combine function tl.sum reduces with, called through tl.reduce: the interpreted twins cannot call
-# jit'd helpers (lora_runner.model.paged_attention says more)
+# plain jit'd helpers such as tl.sum, only builtins and device_function ones (lora_runner.model.paged_attention)
 _SUM = tl.standard._sum_combine
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .moe_align import MoEAlignment, moe_align
-from .triton_ops import _dot_precision, _expand_precision, kernel_for
+from .triton_ops import _dot_precision, _expand_precision, device_function, kernel_for
 
 BLOCK_N = 64  # GEMM / expand: output columns per program
 BLOCK_K = 64  # GEMM / shrink: reduction step
@@ -39,6 +39,27 @@ PREFILL_PAIRS = 1024  # pairs from which an alignment uses PREFILL_BLOCK_M
 def block_m_for(num_pairs: int) -> int:
     """Rows per block of an alignment of ``num_pairs`` pairs (depends on the batch's size only)."""
     return PREFILL_BLOCK_M if num_pairs >= PREFILL_PAIRS else DECODE_BLOCK_M
+
+
+# ----------------------------------------------------------------------------- a block's prologue (all kernels)
+
+
+@device_function
+def _block_slot(block_slots_ptr, slot_ranks_ptr, block, RANK: tl.constexpr):
+    """The adapter slot of LoRA block ``block`` (-1: none) and the rank its ops read: the slot's rank rounded
+    up to 16 (tl.dot's smallest tile), at most RANK; a slot of -1 reads slot 0's rank, unused."""
+    slot = tl.load(block_slots_ptr + block)
+    rank = tl.minimum((tl.load(slot_ranks_ptr + tl.maximum(slot, 0)) + 15) // 16 * 16, RANK)
+    return slot, rank
+
+
+@device_function
+def _block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
+    """The pairs of block ``block`` [BLOCK_M] int64 and their mask (rows padding a group's last block hold
+    num_pairs)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + offs_m).to(tl.int64)  # [BLOCK_M]
+    return pairs, pairs < num_pairs
 
 
 # top_k a runtime int, never specialized (1 for down): one config serves every model's k
@@ -53,9 +74,7 @@ def _moe_gemm_kernel(
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= 0:
-        offs_m = tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + offs_m).to(tl.int64)  # [BLOCK_M]
-        row_mask = pairs < num_pairs
+        pairs, row_mask = _block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M)  # [BLOCK_M] each
         a_rows = (pairs // top_k) * stride_am  # [BLOCK_M] the pair's token (gate_up) or the pair itself (down)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < num_columns
@@ -124,13 +143,10 @@ def _moe_lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_NR: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
-    slot = tl.load(block_slots_ptr + block)
-    rank = tl.minimum((tl.load(slot_ranks_ptr + tl.maximum(slot, 0)) + 15) // 16 * 16, RANK)
+    slot, rank = _block_slot(block_slots_ptr, slot_ranks_ptr, block, RANK)
     if (slot >= 0) & (rank > 0):
         expert = tl.load(block_experts_ptr + block)
-        offs_m = tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + offs_m).to(tl.int64)  # [BLOCK_M]
-        row_mask = pairs < num_pairs
+        pairs, row_mask = _block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M)  # [BLOCK_M] each
         x_rows = (pairs // top_k) * stride_xm  # [BLOCK_M]
         offs_i = tl.arange(0, BLOCK_NR)  # the slices' A rows stacked: x is read once for all slices
         slice_of_i, rank_of_i = offs_i // RANK, offs_i % RANK
@@ -185,19 +201,16 @@ def _moe_lora_expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
-    slot = tl.load(block_slots_ptr + block)
-    rank = tl.minimum((tl.load(slot_ranks_ptr + tl.maximum(slot, 0)) + 15) // 16 * 16, RANK)
+    slot, rank = _block_slot(block_slots_ptr, slot_ranks_ptr, block, RANK)
     if (slot >= 0) & (rank > 0):
         expert = tl.load(block_experts_ptr + block)
         # program_id(1) numbers each slice's column blocks in turn (slices of equal width)
-        blocks_per_slice = (slice_width + BLOCK_N - 1) // BLOCK_N  # not tl.cdiv: a jit helper the CPU twin cannot call
+        blocks_per_slice = (slice_width + BLOCK_N - 1) // BLOCK_N  # not tl.cdiv: plain jit, the CPU twin cannot call it
         slice_id = tl.program_id(1) // blocks_per_slice
         offs_n = (tl.program_id(1) % blocks_per_slice) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < slice_width
         columns = (slice_id * slice_width + offs_n).to(tl.int64)  # [BLOCK_N]
-        offs_m = tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + offs_m).to(tl.int64)  # [BLOCK_M]
-        row_mask = pairs < num_pairs
+        pairs, row_mask = _block_pairs(sorted_pairs_ptr, block, num_pairs, BLOCK_M)  # [BLOCK_M] each
         scale = tl.load(slice_scales_ptr + slot.to(tl.int64) * stride_gs + expert.to(tl.int64) * stride_ge
                         + slice_id * stride_gj)  # fp32
         b_rows = slot.to(tl.int64) * stride_bs + expert.to(tl.int64) * stride_be + columns * stride_bn  # [BLOCK_N]

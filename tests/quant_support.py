@@ -3,17 +3,21 @@
 ``save_ct_fp8`` writes a compressed-tensors FP8 checkpoint the way llm-compressor does (apply the
 scheme, observe each weight's min/max, ``ModelCompressor.compress_model``, ``save_pretrained``,
 ``update_config``); ``ct_decompressed`` is the oracle: a plain transformers model whose weights are
-compressed-tensors' own decompression of the saved tensors.
+compressed-tensors' own decompression of the saved tensors. ``fp8_oracle`` is online FP8's
+(``quantization="fp8"``): transformers with every weight the engine quantizes replaced by its FP8 value
+(tests/test_moe_fp8.py, benchmarks/bench_moe.py).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import torch
 
 from factories import build_tiny_model, save_tiny_tokenizer
+from lora_runner.model.quant.fp8 import quantize_per_channel
 
 
 def save_ct_fp8(path, strategy: str = "channel", seed: int = 0, activations: bool = True, **overrides):
@@ -129,3 +133,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
         total += tensor.numel() * tensor.element_size()
     return total
 
+
+FLOAT_LINEARS = ("mlp.gate", "shared_expert_gate")  # the router and the shared expert's gate: never quantized
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """W [..., N, K] -> its FP8 value per output channel (each [N, K] matrix quantized on its own)."""
+    rows = weight.reshape(-1, weight.shape[-1])  # [*, K]: per-row scales do not depend on the grouping
+    quantized, scale = quantize_per_channel(rows)
+    return (quantized.float() * scale[:, None]).reshape(weight.shape).to(weight.dtype)
+
+
+def fp8_oracle(hf):
+    """A copy of transformers model ``hf`` with every decoder weight quantization="fp8" quantizes (every linear
+    but the router and the shared expert's gate, the fused experts) replaced by its dequantized FP8 value."""
+    twin = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, module in twin.model.layers.named_modules():
+            if isinstance(module, torch.nn.Linear) and not name.endswith(FLOAT_LINEARS):
+                module.weight.copy_(dequantized(module.weight))
+            elif name.endswith("experts") and hasattr(module, "gate_up_proj"):  # transformers 5's fused experts
+                module.gate_up_proj.copy_(dequantized(module.gate_up_proj))  # [E, 2I, H]
+                module.down_proj.copy_(dequantized(module.down_proj))  # [E, H, I]
+    return twin.eval()

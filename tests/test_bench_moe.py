@@ -1,6 +1,7 @@
 """benchmarks/bench_moe.py --smoke: the MoE decode and prefill tables on a 2-layer random Qwen3-MoE, every row
 timed and every engine row's tokens equal to its reference's (transformers for the base, PEFT for the 8 expert
-LoRAs and the 8 attention LoRAs): the plumbing of the benchmark and a check of the expert LoRA's numbers, not speed."""
+LoRAs and the 8 attention LoRAs, the FP8 oracle over dequantized weights for the online-FP8 rows), and the
+experts' bytes in FP8: the plumbing of the benchmark and a check of the expert LoRA's numbers, not speed."""
 
 from __future__ import annotations
 
@@ -30,4 +31,8 @@ def test_smoke_writes_both_tables_with_engine_tokens_equal_to_peft(tmp_path, mon
         assert list(rows) == bench_moe.ROWS
         assert all(row[rate] > 0 and row["vs_engine_base"] > 0 for row in rows.values())
         assert {run: rows[run][same] for run in bench_moe.ENGINE_ROWS} == dict.fromkeys(bench_moe.ENGINE_ROWS, 1.0)
-    assert "| engine 8 expert LoRAs |" in capsys.readouterr().out
+    float32, fp8 = report["expert_memory"]
+    # one byte a weight and a float32 scale a row (K = 64 and 32 here), against four bytes a weight
+    assert 0.25 < fp8["bytes"] / float32["bytes"] == fp8["vs_float32"] <= 0.3, report["expert_memory"]
+    out = capsys.readouterr().out
+    assert "| engine 8 expert LoRAs |" in out and "| engine FP8 8 expert LoRAs |" in out

@@ -13,8 +13,6 @@ tests/test_moe_ct_fp8.py; the fused Triton GEMM with FP8 weights: tests/test_ker
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -24,35 +22,14 @@ from lora_runner import LLMEngine
 from lora_runner.model import ModelConfig, load_model
 from lora_runner.model.moe import SparseMoeBlock
 from lora_runner.model.moe_fp8 import StackedFp8Linear
-from lora_runner.model.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_per_channel
-from quant_support import weight_bytes
+from lora_runner.model.quant.fp8 import FP8_DTYPE, FP8_MAX
+from quant_support import fp8_oracle, weight_bytes
 from test_moe import assert_engine_greedy_equals, build_moe, save_moe
 from test_moe_lora import family_adapters
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # PEFT's own warnings on target_parameters
 
 ATOL = 1e-4
-FLOAT_LINEARS = ("mlp.gate", "shared_expert_gate")  # the router and the shared expert's gate: never quantized
-
-
-def dequantized(weight: torch.Tensor) -> torch.Tensor:
-    """W [..., N, K] -> its FP8 value per output channel (each [N, K] matrix quantized on its own)."""
-    rows = weight.reshape(-1, weight.shape[-1])  # [*, K]: per-row scales do not depend on the grouping
-    quantized, scale = quantize_per_channel(rows)
-    return (quantized.float() * scale[:, None]).reshape(weight.shape).to(weight.dtype)
-
-
-def fp8_oracle(hf):
-    """A copy of transformers model ``hf`` with every decoder weight the engine quantizes dequantized."""
-    twin = copy.deepcopy(hf)
-    with torch.no_grad():
-        for name, module in twin.model.layers.named_modules():
-            if isinstance(module, torch.nn.Linear) and not name.endswith(FLOAT_LINEARS):
-                module.weight.copy_(dequantized(module.weight))
-            elif name.endswith("experts") and hasattr(module, "gate_up_proj"):  # transformers 5's fused experts
-                module.gate_up_proj.copy_(dequantized(module.gate_up_proj))  # [E, 2I, H]
-                module.down_proj.copy_(dequantized(module.down_proj))  # [E, H, I]
-    return twin.eval()
 
 
 def test_oracle_quantizes_the_experts():
