@@ -112,11 +112,15 @@ def test_the_device_run_dry_run_runs_every_part_under_the_limit(tmp_path):
     assert {row["weights"] for row in results["quant_decode"]} == {"bf16", "fp8", "w4a16"}
     assert results["prefix_cache"]["cold_ttft_ms"] > 0 and results["profile"]["decode"]
     spec = {(row["method"], row["adapters"]): row for row in results["spec_decode"]}
-    assert set(spec) == {(method, adapters) for method in ("none", "ngram k=3", "draft_model k=3") for adapters in (0, 2)}
+    draft_loras = ("draft_model k=3 + draft LoRAs", 2)  # per-request draft adapters, at the most adapters
+    assert set(spec) == {(method, adapters) for method in ("none", "ngram k=3", "draft_model k=3")
+                         for adapters in (0, 2)} | {draft_loras}
     for (method, _), row in spec.items():  # fp32: speculation keeps every greedy token; verify steps replay graphs
         assert row["tokens_per_s"] > 0
         if method != "none":
             assert row["same_as_no_spec"] == 1 and row["drafts"] > 0 and row["verify_replays"] > 0, row
+        if method.startswith("draft_model"):  # the draft's forwards replay its graphs; its adapters only where named
+            assert row["draft_replays"] > 0 and row["draft_slot_loads"] == 2 * (method.endswith("LoRAs")), row
     table = (tmp_path / "device_run.md").read_text()
     assert "### targets" in table and "### decode by weight format" in table and "### speculative decoding" in table
 

@@ -1,6 +1,7 @@
 """A draft model's weights and KV cache inside the memory budget (lora_runner.executor.draft_budget), on
 every path that sizes the target's KV cache: kv_cache_memory_bytes in this process and per worker rank
-(tp = 2), the CPU's RAM-based bound (the draft's weights and adapter slots taken off the RAM first), the CUDA memory
+(tp = 2), the CPU's RAM-based bound (the draft's weights and adapter slots taken off the RAM first, and its
+adapters' CPU cache bound where the model's is: worker ranks, or max_cpu_lora_bytes set), the CUDA memory
 profile's budget and kv_cache_memory_bytes against the free device memory (the device branches of the
 sizing, driven on CPU). Bytes are counted from the allocated KV tensors (the engine's own, or the ones
 allocate_kv_cache makes for a worker rank's spec) and from the draft model's parameters. Engines on the
@@ -128,6 +129,32 @@ def test_the_ram_bound_holds_both_caches_after_the_draft_weights(target_and_draf
     engine.close()
 
 
+def test_an_explicit_cpu_cache_bound_takes_the_draft_adapters_cache_off_the_ram_too(target_and_draft, monkeypatch,
+                                                                                      caplog):
+    """In the engine's own process an explicit max_cpu_lora_bytes comes off the RAM (startup.in_process_host_ram),
+    and so does the draft adapters' CPU cache bound (unset, neither does: the test above); the bound counted is
+    the one the draft's AdapterManager draws, and the draft's INFO line gives it."""
+    path, draft_dir = target_and_draft
+    # 16 (max_cpu_loras) draft adapters at rank 16, each a whole slot of the one-layer draft: about 1.6 MB
+    draft_cache = cpu_cache_bytes(ModelConfig.from_dir(draft_dir).spec(), 16, 16, torch.float32)
+    explicit = 200_000
+    available = 1_200_000 + explicit + draft_cache
+    monkeypatch.setattr(startup, "available_host_memory", lambda: available)
+    with caplog.at_level(logging.INFO, "lora_runner.executor.draft_budget"):
+        engine = LLMEngine(path, speculative_config=speculative(draft_dir), max_cpu_lora_bytes=explicit,
+                           **dict(ENGINE, max_num_seqs=8))
+    tier = engine.scheduler.speculator.proposer.adapters.tier
+    loaded = draft_runner.LoadedDraft(draft_of(engine).model, ModelConfig.from_dir(draft_dir), Path(draft_dir))
+    memory = draft_memory(loaded, engine.config)
+    assert memory.cpu_cache_bytes == tier.max_cpu_bytes > 2 * (TARGET_BLOCK + DRAFT_BLOCK) * 4, "would not show"
+    bound = (available - explicit - checkpoint_bytes(draft_dir) - tier.slots.nbytes - tier.max_cpu_bytes) // 4
+    assert 8 * 16 * (TARGET_BLOCK + DRAFT_BLOCK) > bound, "the workload would use more: the bound decides"
+    assert_fills(bound, engine.runner.kv_cache.nbytes + draft_of(engine).kv_cache.nbytes)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "lora_runner.executor.draft_budget"]
+    assert f"CPU cache bound {tier.max_cpu_bytes} bytes" in line and "taken off the RAM" in line, line
+    engine.close()
+
+
 def test_worker_ranks_share_kv_cache_memory_bytes_with_the_draft(target_and_draft, requests, reference,
                                                                  monkeypatch):
     """tp = 2: the draft is loaded once, in the engine's process, before the ranks' sizes are decided; the
@@ -159,14 +186,15 @@ def test_worker_ranks_ram_bound_counts_the_draft(target_and_draft):
     model_config = ModelConfig.from_dir(path)
     # the LoRA CPU cache's bound comes off the RAM too (adapters.slot_memory.cpu_cache_bytes)
     cache = cpu_cache_bytes(model_config.spec(), cfg.cpu_loras, cfg.max_lora_rank, torch.float32)
-    available = 2_200_000 + cache
-    limits = startup.worker_limits(cfg, model_config, draft_memory(loaded, cfg), available)
+    memory = draft_memory(loaded, cfg)  # the draft adapters' slots and their CPU cache bound come off too
+    available = 2_200_000 + cache + memory.cpu_cache_bytes
+    limits = startup.worker_limits(cfg, model_config, memory, available)
     ranks = [allocate_kv_cache(model_config, limits.num_kv_blocks, 4, torch.float32, "cpu", TensorParallel(rank, 2))
              for rank in range(2)]
     draft = allocate_kv_cache(loaded.config, draft_runner.draft_kv_blocks(limits.num_kv_blocks, max_num_seqs=8, k=K,
                                                                           block_size=4), 4, torch.float32, "cpu")
     bound = (available - cache - startup.lora_slot_memory(cfg, model_config) - checkpoint_bytes(draft_dir)
-             - draft_memory(loaded, cfg).lora_slot_bytes) // 4
+             - memory.lora_slot_bytes - memory.cpu_cache_bytes) // 4
     assert 8 * 16 * (TARGET_BLOCK + DRAFT_BLOCK) > bound, "the workload would use more: the bound decides"
     assert_fills(bound, sum(cache.nbytes for cache in ranks) + draft.nbytes)
 

@@ -29,7 +29,7 @@ DRY_RUN_NOTES = dict(
     moe="the fused MoE kernels under TRITON_INTERPRET=1 on a toy layer (no graph replay)",
     profile="decode graphs emulated (RerunGraph); 'kernels' are aten ops, no LoRA kernel is named on CPU",
     graphs="RerunGraph replays vs the eager path", prefix="the CPU engine", quant="FP8 and W4A16 on their CPU paths",
-    spec="fp32 CPU engines, decode and verify graphs emulated (RerunGraph), 2 adapters",
+    spec="fp32 CPU engines, decode and verify graphs and the draft's graphs emulated (RerunGraph), 2 adapters",
     batch_invariant="the CPU mode (row-blocked GEMMs, per-token attention), not the CUDA kernels")
 
 

@@ -18,7 +18,8 @@ is rewritten after every part, so a slow or failing part loses only its own resu
   prefix     prefix-cache TTFT, cold vs cached prefix
   quant      decode tok/s at batch 1 and 32: bf16 (the same engine) vs FP8 and W4A16 engines
   spec       speculative decoding (spec_rows.py): decode tok/s and acceptance without speculation, with
-             n-gram k=3 and with a draft model (the model truncated to its first layer), base and 8 adapters
+             n-gram k=3 and with a draft model (the model truncated to its first layer), base and 8 adapters,
+             and the draft model with per-request draft LoRAs (each adapter cut to the draft's layer), 8 adapters
   batch_invariant  decode tok/s with EngineConfig.batch_invariant vs default (graphs, adapters), and one
              request's tokens and logprobs bitwise equal alone and among the batch
 

@@ -1,9 +1,16 @@
 """The device run's speculative-decoding rows: decode tokens/s and acceptance without speculation, with
-n-gram drafts and with a draft model, each with the base model alone and with adapters (graphs on).
+n-gram drafts and with a draft model, each with the base model alone and with adapters (graphs on), and
+the draft model with per-request draft adapters (``LoRARequest(..., draft_lora_path=...)``) at the most
+adapters ("+ draft LoRAs").
 
 One engine per method (speculative_config is fixed at start-up), each serving both adapter settings;
 the draft is the run's random model truncated to its first layers (its embeddings, norm and head kept:
-a smaller model that agrees with it sometimes, as benchmarks/bench_spec_decode.py's). The workload is
+a smaller model that agrees with it sometimes, as benchmarks/bench_spec_decode.py's). The draft LoRAs'
+row runs on the draft_model engine (no engine of its own: cheap): each dummy adapter gets a dummy draft
+adapter of its name in the draft's tier, which is the adapter cut to the draft's layers (dummies are
+seeded by name and drawn layer by layer), as bench_spec_decode.py builds its draft adapters. Its
+``draft slot loads`` shows the draft adapters were written into the draft's slots, ``draft replays`` /
+``draft eager`` whether the draft's forwards (with their LoRA) replayed graphs. The workload is
 input-grounded: each prompt holds a passage and the start of it again, so n-gram proposals hit where
 the model continues the passage. The adapters are the engine's dummy ones (every LoRA kernel runs).
 A random model copies only by chance: the acceptance is a floor, the
@@ -22,6 +29,7 @@ import torch
 import gpu_check
 
 METHODS = ("none", "ngram", "draft_model")
+DRAFT_LORAS = "draft_model + draft LoRAs"  # the row's name in results["spec_decode_skipped"]
 
 
 def write_truncated_draft(model_dir: Path, out_dir: Path, num_layers: int) -> Path:
@@ -71,18 +79,33 @@ def make_engine(model_dir: Path, sizes, spec: dict | None, k: int, num_requests:
                                             num_speculative_tokens=k if spec else 0)
     for i in range(max_loras):
         engine.adapters.manager.loras.add_dummy(f"bench-{i}", 16)
+    draft = draft_runner(engine)
+    if draft is not None:
+        if sizes.device == "cpu":  # the draft's graphs, with its LoRA (on CUDA the engine captured them)
+            draft.capture_graphs(k, make_graph=RerunGraph)
+        for i in range(max_loras):  # the target's dummy "bench-<i>" cut to the draft's layers (module docstring)
+            engine.scheduler.speculator.proposer.adapters.tier.add_dummy(f"bench-{i}", 16)
     return engine
 
 
-def serve(engine, prompts: list[list[int]], output_len: int, num_adapters: int, tag: str) -> dict:
-    """Serve the prompts (adapters round-robin) greedily to output_len tokens: decode tokens/s after every
-    prompt's first token, the engine steps, the tokens."""
+def draft_runner(engine):
+    """The draft model's runner behind a "draft_model" engine's speculation policy (None: another method)."""
+    speculator = engine.scheduler.speculator
+    proposer = speculator.proposer if speculator is not None else None
+    return getattr(proposer, "forward", None)
+
+
+def serve(engine, prompts: list[list[int]], output_len: int, num_adapters: int, tag: str,
+          draft_loras: bool = False) -> dict:
+    """Serve the prompts (adapters round-robin, each with its draft adapter when ``draft_loras``) greedily to
+    output_len tokens: decode tokens/s after every prompt's first token, the engine steps, the tokens."""
     from adapters import LoRARequest
     from lora_runner import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    draft_path = "<dummy>" if draft_loras else None  # the draft tier's dummy of the same name (make_engine)
     for i, prompt in enumerate(prompts):
-        lora = LoRARequest(f"bench-{i % num_adapters}", "<dummy>") if num_adapters else None
+        lora = LoRARequest(f"bench-{i % num_adapters}", "<dummy>", draft_lora_path=draft_path) if num_adapters else None
         engine.add_request(f"{tag}-{i}", prompt, params, lora_request=lora)
     progress, decode_start, decode_tokens, steps = {}, None, 0, 0
     while engine.has_unfinished_requests():
@@ -102,8 +125,9 @@ def serve(engine, prompts: list[list[int]], output_len: int, num_adapters: int, 
 def spec_decode_rows(model_dir: Path, sizes, *, num_requests: int, prompt_len: int, output_len: int,
                      adapter_counts: tuple[int, ...], k: int, draft_layers: int, results: dict,
                      deadline: float) -> None:
-    """results["spec_decode"]: one row per (method, adapters) (see the module docstring); a method whose
-    engine would start past `deadline` is left out (results["spec_decode_skipped"] names it)."""
+    """results["spec_decode"]: one row per (method, adapters), and the draft LoRAs' row at the most adapters
+    (see the module docstring); a method whose engine would start past `deadline`, or the draft LoRAs' row
+    past it, is left out (results["spec_decode_skipped"] names it)."""
     rows = results["spec_decode"] = []
     draft_dir = write_truncated_draft(model_dir, model_dir.parent / "draft", draft_layers)
     prompts = grounded_prompts(num_requests, prompt_len, sizes.model["vocab_size"])
@@ -117,22 +141,51 @@ def spec_decode_rows(model_dir: Path, sizes, *, num_requests: int, prompt_len: i
         try:
             serve(engine, prompts[:2], 2, 0, f"{method}-warmup")  # kernels compiled outside the timings
             for adapters in adapter_counts:
-                graphs = engine.runner.decode_graphs
-                verify_before = graphs.num_verify_replays if graphs is not None else 0
-                before = engine.stats.spec_decode
-                run = serve(engine, prompts, output_len, adapters, f"{method}-{adapters}")
-                rows.append(_row(method, adapters, k, run, before, engine.stats.spec_decode, baseline,
-                                 graphs.num_verify_replays - verify_before if graphs is not None else 0))
+                row_start = time.time()
+                rows.append(_measured(engine, method, adapters, k, baseline,
+                                      lambda tag: serve(engine, prompts, output_len, adapters, tag)))
+            if method == "draft_model" and max(adapter_counts):
+                adapters, now = max(adapter_counts), time.time()
+                if now + (now - row_start) > deadline:  # it costs about what the last row did (8 adapters too)
+                    results.setdefault("spec_decode_skipped", []).append(DRAFT_LORAS)
+                else:
+                    rows.append(_measured(engine, method, adapters, k, baseline, lambda tag: serve(
+                        engine, prompts, output_len, adapters, tag, draft_loras=True), draft_loras=True))
         finally:
             engine.close()
             del engine
             gpu_check.free_device_memory()
 
 
-def _row(method: str, adapters: int, k: int, run: dict, before, after, baseline: dict, verify_replays: int) -> dict:
+def _measured(engine, method: str, adapters: int, k: int, baseline: dict, serve_tagged,
+              draft_loras: bool = False) -> dict:
+    """The row of ``serve_tagged(tag)`` (serve with a tag) on `engine`, with the engine's counters read around
+    it: its SpecDecodingStats, verify graph replays, and the draft's graph replays, eager forwards and slot
+    loads."""
+    graphs, draft = engine.runner.decode_graphs, draft_runner(engine)
+
+    def counters() -> dict:
+        if draft is None:
+            return {}
+        draft_graphs = draft.graphs.num_replays if draft.graphs is not None else 0
+        loads = draft.adapters.tier.counts()["slot_loads"] if draft.adapters is not None else 0
+        return dict(draft_replays=draft_graphs, draft_eager=draft.num_eager_forwards, draft_slot_loads=loads)
+
+    verify_before = graphs.num_verify_replays if graphs is not None else 0
+    before, draft_before = engine.stats.spec_decode, counters()
+    run = serve_tagged(f"{method}-{adapters}{'-draft-loras' if draft_loras else ''}")
+    row = _row(method, adapters, k, run, before, engine.stats.spec_decode, baseline,
+               graphs.num_verify_replays - verify_before if graphs is not None else 0, draft_loras)
+    row.update({name: value - draft_before[name] for name, value in counters().items()})
+    return row
+
+
+def _row(method: str, adapters: int, k: int, run: dict, before, after, baseline: dict, verify_replays: int,
+         draft_loras: bool = False) -> dict:
     """One table row; `before` / `after`: the engine's SpecDecodingStats around the run (None: no speculation)."""
-    row = dict(method=method if method == "none" else f"{method} k={k}", adapters=adapters,
-               tokens_per_s=run["tokens_per_s"], steps=run["steps"], verify_replays=verify_replays)
+    name = method if method == "none" else f"{method} k={k}" + (" + draft LoRAs" if draft_loras else "")
+    row = dict(method=name, adapters=adapters, tokens_per_s=run["tokens_per_s"], steps=run["steps"],
+               verify_replays=verify_replays)
     if after is not None:
         drafts = after.num_draft_tokens - before.num_draft_tokens
         accepted = after.num_accepted_tokens - before.num_accepted_tokens
@@ -152,4 +205,6 @@ def _row(method: str, adapters: int, k: int, run: dict, before, after, baseline:
 COLUMNS = [("method", "method", ""), ("adapters", "adapters", "d"), ("tokens_per_s", "decode tok/s", ".0f"),
            ("vs_no_spec", "x no spec", ".2f"), ("steps", "steps", "d"), ("drafts", "drafts", "d"),
            ("acceptance", "accept", ".2f"), ("mean_accepted_length", "mean len", ".2f"),
-           ("verify_replays", "verify replays", "d"), ("same_as_no_spec", "same tokens", ".0%")]
+           ("verify_replays", "verify replays", "d"), ("draft_replays", "draft replays", "d"),
+           ("draft_eager", "draft eager", "d"), ("draft_slot_loads", "draft slot loads", "d"),
+           ("same_as_no_spec", "same tokens", ".0%")]

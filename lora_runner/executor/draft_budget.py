@@ -22,6 +22,13 @@ classes' own tensors) are taken off what is available first: the profiled budget
 see them resident), the device memory free for kv_cache_memory_bytes, the RAM on CPU; the target's slots are
 resident before the profile, or taken off the same way.
 
+The draft adapters' CPU cache (their AdapterManager's, with its default byte bound: max(max_cpu_loras,
+max_draft_loras) draft adapters of the largest size at max_lora_rank, adapters.slot_memory.cpu_cache_bytes)
+follows the rule of the model's LoRA CPU cache (lora_runner.executor.startup): on CPU its bound is taken off the
+RAM before the KV budget is drawn for worker ranks always, and in the engine's own process only when
+max_cpu_lora_bytes is set explicitly (the operator then reserves RAM for adapter caches; by default neither
+bound is, so existing CPU setups keep their KV cache).
+
 A budget too small for the draft's spare blocks plus one block, or for its adapter slots, is a ValueError naming
 the setting to change.
 """
@@ -34,7 +41,7 @@ from itertools import chain
 
 import torch
 
-from adapters.slot_memory import lora_slot_bytes
+from adapters.slot_memory import cpu_cache_bytes, lora_slot_bytes
 from lora_runner.config import EngineConfig
 from lora_runner.executor.limits import EngineLimits, engine_limits
 from lora_runner.spec_decode.draft_adapters import DraftLoRASettings
@@ -54,6 +61,7 @@ class DraftMemory:
     block_size: int
     lora_slot_bytes: int = 0  # its draft adapters' device slots, allocated after the budget is drawn
     num_lora_slots: int = 0  # max_draft_loras
+    cpu_cache_bytes: int = 0  # its draft adapters' CPU cache bound (on CPU taken off the RAM as the model's is)
 
     @property
     def per_token_bytes(self) -> int:
@@ -81,12 +89,15 @@ def draft_memory(draft: LoadedDraft, cfg: EngineConfig) -> DraftMemory:
     """The DraftMemory of `draft` in an engine of `cfg` (its speculative k, block_size, max_num_seqs, dtype and
     draft adapter slots)."""
     k, dtype = cfg.speculative().num_speculative_tokens, cfg.torch_dtype()
-    slots = draft_lora_settings(cfg).max_draft_loras
+    settings, spec = draft_lora_settings(cfg), draft.config.spec()
+    slots = settings.max_draft_loras
     return DraftMemory(weight_bytes=model_bytes(draft.model),
                        block_bytes=kv_block_bytes(draft.config, cfg.block_size, dtype),
                        spare_blocks=draft_kv_blocks(0, max_num_seqs=cfg.max_num_seqs, k=k, block_size=cfg.block_size),
                        block_size=cfg.block_size, num_lora_slots=slots,
-                       lora_slot_bytes=slots * lora_slot_bytes(draft.config.spec(), cfg.max_lora_rank, dtype).per_slot)
+                       lora_slot_bytes=slots * lora_slot_bytes(spec, cfg.max_lora_rank, dtype).per_slot,
+                       # the bound the draft's AdapterManager draws itself (DraftAdapters: no explicit bound given)
+                       cpu_cache_bytes=cpu_cache_bytes(spec, settings.cpu_cache_loras, cfg.max_lora_rank, dtype))
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -103,16 +114,19 @@ def model_bytes(model: torch.nn.Module) -> int:
 def limits_with_draft(cfg: EngineConfig, max_position_embeddings: int, kv_bytes_per_token: int,
                       draft: DraftMemory | None, free_device_bytes: int | None = None,
                       device_kv_budget_bytes: int | None = None,
-                      available_host_bytes: int | None = None) -> EngineLimits:
+                      available_host_bytes: int | None = None, *, with_cpu_cache: bool = False) -> EngineLimits:
     """engine_limits (same arguments) with the draft's share of the budget counted (see the module
     docstring) and logged; without a draft (None), engine_limits itself. available_host_bytes: the RAM
-    available before the draft's weights were loaded (they are taken off it here)."""
+    available before the draft's weights were loaded (they are taken off it here, and with ``with_cpu_cache``
+    its adapters' CPU cache bound too: worker ranks, or max_cpu_lora_bytes set; startup decides)."""
     if draft is None:
         return engine_limits(cfg, max_position_embeddings, kv_bytes_per_token, free_device_bytes,
                              device_kv_budget_bytes, available_host_bytes)
     slots = draft.lora_slot_bytes
+    cache_off = with_cpu_cache and available_host_bytes is not None
     if available_host_bytes is not None:
-        available_host_bytes = max(available_host_bytes - draft.weight_bytes - slots, 0)
+        cache = draft.cpu_cache_bytes if cache_off else 0
+        available_host_bytes = max(available_host_bytes - draft.weight_bytes - slots - cache, 0)
     if free_device_bytes is not None:
         free_device_bytes = _less_slots(free_device_bytes, draft, "the device memory free after the weights")
     if device_kv_budget_bytes is not None:
@@ -123,11 +137,21 @@ def limits_with_draft(cfg: EngineConfig, max_position_embeddings: int, kv_bytes_
                            reserved_bytes=draft.spare_bytes)
     blocks = draft.kv_blocks(limits.num_kv_blocks)
     logger.info("draft model: weights %d bytes (%.1f MiB); its %d adapter slots %d bytes (%.1f MiB), taken off "
-                "before the KV budget; its KV cache %d blocks, %d bytes (%.1f MiB), in the KV budget beside the "
-                "model's %d blocks", draft.weight_bytes, draft.weight_bytes / 2**20, draft.num_lora_slots, slots,
-                slots / 2**20, blocks, blocks * draft.block_bytes, blocks * draft.block_bytes / 2**20,
-                limits.num_kv_blocks)
+                "before the KV budget; its adapters' CPU cache bound %d bytes (%.1f MiB), %s; its KV cache %d "
+                "blocks, %d bytes (%.1f MiB), in the KV budget beside the model's %d blocks", draft.weight_bytes,
+                draft.weight_bytes / 2**20, draft.num_lora_slots, slots, slots / 2**20, draft.cpu_cache_bytes,
+                draft.cpu_cache_bytes / 2**20, _where_cache(cache_off, available_host_bytes is not None), blocks,
+                blocks * draft.block_bytes, blocks * draft.block_bytes / 2**20, limits.num_kv_blocks)
     return limits
+
+
+def _where_cache(taken_off: bool, on_cpu: bool) -> str:
+    """Whether the draft adapters' CPU cache bound came off the RAM the KV budget is drawn from, for the log."""
+    if taken_off:
+        return "taken off the RAM before the KV budget"
+    if on_cpu:
+        return "not taken off the RAM (max_cpu_lora_bytes unset: as the model's cache)"
+    return "in host RAM, outside the device KV budget"
 
 
 def _less_slots(available: int, draft: DraftMemory, what: str, more: str = "") -> int:

@@ -26,7 +26,8 @@ cache from the RAM left after its slots, less an explicitly set max_cpu_lora_byt
 how much the cache may take). Its default bound is not taken off there: it is max_cpu_loras adapters
 of the largest size at max_lora_rank, an upper bound that real adapters (a few target modules, lower
 ranks) seldom approach, and taking it off would shrink the KV cache of every existing CPU setup whose
-sizes follow from the RAM reported (tests/test_startup.py pins them).
+sizes follow from the RAM reported (tests/test_startup.py pins them). A draft model's adapters have a
+CPU cache of their own whose bound follows the same rule (lora_runner.executor.draft_budget).
 The engine sets the end ids afterwards (the executor's setter).
 """
 
@@ -145,7 +146,8 @@ def _start_in_process(cfg: EngineConfig, on_load_done) -> StartedExecutor:
             verify_tokens_per_seq=k + 1 if k else 0)
     # the draft's KV cache shares whichever budget this is, block for block with the target's
     limits = limits_with_draft(cfg, model_config.max_position_embeddings, kv_block_bytes(model_config, 1, dtype),
-                               draft_memory(draft, cfg) if draft is not None else None, free, kv_budget, host_ram)
+                               draft_memory(draft, cfg) if draft is not None else None, free, kv_budget, host_ram,
+                               with_cpu_cache=cfg.max_cpu_lora_bytes is not None)  # in_process_host_ram's rule
     make = runner_of(limits)
     runner = make(limits.num_kv_blocks)
     if use_graphs:
@@ -228,7 +230,8 @@ def worker_limits(cfg: EngineConfig, model_config: ModelConfig, draft: DraftMemo
         host_ram = max(available - slots - cache, 0)
     return limits_with_draft(cfg, model_config.max_position_embeddings,
                              rank_block * (cfg.tensor_parallel_size if device.type == "cpu" else 1), draft, None,
-                             cfg.kv_cache_memory_bytes if device.type == "cuda" else None, host_ram)
+                             cfg.kv_cache_memory_bytes if device.type == "cuda" else None, host_ram,
+                             with_cpu_cache=True)  # the draft adapters' cache bound too, as the model's above
 
 
 def lora_slot_memory(cfg: EngineConfig, model_config: ModelConfig, free_bytes: int | None = None) -> int:

@@ -4,7 +4,8 @@ PEFT LoRA trained for the draft model, so a tenant's draft proposes what its ada
 The draft model owns its LoRA layers as the target does, so its adapters take the target's path: one
 adapters.AdapterManager over the draft model's ModelSpec (LoRA only, no soft prompts) resolves, reads and
 validates them with the same loaders, limits (max_lora_rank, max_adapter_bytes, safetensors unless
-allow_pickle) and AdapterError subclasses, in the background, into a CPU cache (max_cpu_loras) and a few
+allow_pickle) and AdapterError subclasses, in the background, into a CPU cache (max_cpu_loras; its default
+byte bound comes off the CPU RAM where the model's does: lora_runner.executor.draft_budget) and a few
 device slots (``max_draft_loras``, default max_loras) written and evicted LRU by its tier.
 
 A request's draft adapter (held from the request's first schedule() until it finishes):
@@ -58,6 +59,11 @@ class DraftLoRASettings:
         if self.max_draft_loras < 1:
             raise ValueError(f"max_draft_loras must be >= 1, got {self.max_draft_loras}")
 
+    @property
+    def cpu_cache_loras(self) -> int:
+        """How many draft adapters the CPU cache keeps: max_cpu_loras, and at least one per device slot."""
+        return max(self.max_cpu_loras, self.max_draft_loras)
+
 
 class DraftAdapters:
     """The draft model's adapters, per request (see the module docstring).
@@ -72,7 +78,7 @@ class DraftAdapters:
     def __init__(self, spec: ModelSpec, settings: DraftLoRASettings, *, device: torch.device, dtype: torch.dtype,
                  base_weight=None) -> None:
         self.manager = AdapterManager(spec, max_loras=settings.max_draft_loras, max_lora_rank=settings.max_lora_rank,
-                                      max_cpu_loras=max(settings.max_cpu_loras, settings.max_draft_loras),
+                                      max_cpu_loras=settings.cpu_cache_loras,
                                       device=device, dtype=dtype, allow_pickle=settings.allow_pickle,
                                       local_files_only=settings.local_files_only,
                                       max_adapter_bytes=settings.max_adapter_bytes, base_weight=base_weight)
