@@ -24,21 +24,25 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 LORA = dict(r=4, lora_alpha=8, scale=0.15)
 
 
-@pytest.fixture(scope="module")
-def kit(engine_checkpoint, tmp_path_factory):
-    """(model dir, base model, three PEFT policies of one config with different weights)."""
+def policy_kit(engine_checkpoint, tmp_path_factory, name: str, seeds: tuple[int, ...]):
+    """(model dir, base model, PEFT policies of one config with different weights, one per seed)."""
     path, hf, _ = engine_checkpoint
-    root = tmp_path_factory.mktemp("versions")
-    policies = [factories.save_lora(hf, root / f"policy-{seed}", seed=seed, **LORA) for seed in (21, 22, 23)]
+    root = tmp_path_factory.mktemp(name)
+    policies = [factories.save_lora(hf, root / f"policy-{seed}", seed=seed, **LORA) for seed in seeds]
     return path, hf, policies
 
 
-def _state(policy) -> dict[str, torch.Tensor]:
+@pytest.fixture(scope="module")
+def kit(engine_checkpoint, tmp_path_factory):
+    return policy_kit(engine_checkpoint, tmp_path_factory, "versions", (21, 22, 23))
+
+
+def peft_state(policy) -> dict[str, torch.Tensor]:
     """The policy's PEFT state dict (adapter_model.safetensors' key names), as a trainer hands it over."""
-    return {key: tensor.clone() for key, tensor in get_peft_model_state_dict(policy).items()}
+    return {key: tensor.detach().clone() for key, tensor in get_peft_model_state_dict(policy).items()}
 
 
-def _config(policy):
+def peft_config(policy):
     return policy.peft_config["default"]
 
 
@@ -102,7 +106,7 @@ def test_updates_from_memory_are_peft_exact_and_each_a_new_version(kit, greedy_o
     versions = []
     for step in range(5):  # a trainer pushing its policy after each step
         policy = policies[step % len(policies)]
-        served = engine.update_lora("policy", _state(policy), _config(policy))
+        served = engine.update_lora("policy", peft_state(policy), peft_config(policy))
         versions.append(served.version.version)
         output = _generate(engine, f"s{step}", served.request)
         assert_exact(output, policy, PROMPT, greedy_oracle, MAX_TOKENS)
@@ -114,8 +118,8 @@ def test_updates_from_memory_are_peft_exact_and_each_a_new_version(kit, greedy_o
 def test_an_update_is_a_snapshot_the_trainer_cannot_change_afterwards(kit, greedy_oracle):
     path, _, policies = kit
     engine = make_engine(path)
-    state = _state(policies[0])
-    served = engine.update_lora("policy", state, _config(policies[0]).to_dict())  # a dict config works too
+    state = peft_state(policies[0])
+    served = engine.update_lora("policy", state, peft_config(policies[0]).to_dict())  # a dict config works too
     for tensor in state.values():  # the trainer goes on changing its parameters in place
         tensor.mul_(-3.0)
     engine.adapters.manager.loras.remove("policy")  # the weights leave the CPU cache: a reload reads the snapshot
@@ -126,8 +130,8 @@ def test_an_update_is_a_snapshot_the_trainer_cannot_change_afterwards(kit, greed
 def test_a_superseded_in_memory_request_is_refused_rather_than_undoing_the_update(kit, greedy_oracle):
     path, _, policies = kit
     engine = make_engine(path)
-    first = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
-    second = engine.update_lora("policy", _state(policies[1]), _config(policies[1]))
+    first = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
+    second = engine.update_lora("policy", peft_state(policies[1]), peft_config(policies[1]))
     with pytest.raises(SupersededAdapterError, match="no longer the one served"):
         engine.add_request("stale", PROMPT, GREEDY, lora_request=first.request)
     assert engine.served_adapter("policy").version == second.version
@@ -136,7 +140,7 @@ def test_a_superseded_in_memory_request_is_refused_rather_than_undoing_the_updat
 
 def _hostile_updates(policy) -> dict:
     """name -> (state dict, config, the error) of updates a trainer (or a tenant) must not get served."""
-    state, config = _state(policy), _config(policy).to_dict()
+    state, config = peft_state(policy), peft_config(policy).to_dict()
     key = next(k for k in state if k.endswith("lora_A.weight"))
     wrong_shape = {**state, key: state[key].t().contiguous()}
     nan = {**state, key: state[key] * float("nan")}
@@ -157,7 +161,7 @@ def _hostile_updates(policy) -> dict:
 def test_hostile_updates_are_refused_and_the_current_version_keeps_serving(kit, greedy_oracle):
     path, _, policies = kit
     engine = make_engine(path)
-    current = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
+    current = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
     for what, (state, config, error) in _hostile_updates(policies[1]).items():
         with pytest.raises(error):
             engine.update_lora("policy", state, config)
@@ -170,11 +174,11 @@ def test_hostile_updates_are_refused_and_the_current_version_keeps_serving(kit, 
 def test_a_stream_started_on_one_version_finishes_on_it_while_the_next_is_published(kit, greedy_oracle):
     path, _, policies = kit
     engine = make_engine(path)
-    v1 = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
+    v1 = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
     long = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
     engine.add_request("old", PROMPT, long, lora_request=v1.request)
     done = step_until(engine, {}, lambda: any(r.num_output_tokens >= 3 for r in engine.scheduler.running))
-    v2 = engine.update_lora("policy", _state(policies[1]), _config(policies[1]))  # mid-stream
+    v2 = engine.update_lora("policy", peft_state(policies[1]), peft_config(policies[1]))  # mid-stream
     done = run_to_completion(engine, [("new", PROMPT, long, v2.request)], done=done)
     assert_exact(done["old"], policies[0], PROMPT, greedy_oracle, 10)
     assert_exact(done["new"], policies[1], PROMPT, greedy_oracle, 10)
@@ -201,7 +205,7 @@ def test_twenty_updates_while_other_tenants_stream_stay_exact(kit, greedy_oracle
         engine.add_request(request_id, prompt, params, lora_request=(lora or [None])[0])
     for step in range(20):
         policy = policies[step % len(policies)]
-        served = engine.update_lora("policy", _state(policy), _config(policy))
+        served = engine.update_lora("policy", peft_state(policy), peft_config(policy))
         engine.add_request(f"u{step}", PROMPT, GREEDY, lora_request=served.request)
         updates.append((f"u{step}", policy, served.version))
         done.update({o.request_id: o for o in engine.step() if o.finished})  # one step per update
@@ -221,7 +225,7 @@ def test_llm_update_lora_and_generate_name_the_version(kit, greedy_oracle):
     llm = LLM(path, **ENGINE_DEFAULTS)
     try:
         for policy in policies[:2]:
-            served = llm.update_lora("policy", _state(policy), _config(policy))
+            served = llm.update_lora("policy", peft_state(policy), peft_config(policy))
             output = llm.generate([PROMPT], GREEDY, lora_request=served.request, use_tqdm=False)[0]
             assert_exact(output, policy, PROMPT, greedy_oracle, MAX_TOKENS)
             assert output.lora_version == served.version == llm.served_adapter("policy").version
@@ -236,7 +240,7 @@ def test_updates_from_memory_reach_every_rank_at_tp2(kit, greedy_oracle):
     try:
         files = engine.executor.shared.files_created
         for step, policy in enumerate(policies):
-            served = engine.update_lora("policy", _state(policy), _config(policy))
+            served = engine.update_lora("policy", peft_state(policy), peft_config(policy))
             output = _generate(engine, f"tp{step}", served.request)
             assert_exact(output, policy, PROMPT, greedy_oracle, MAX_TOKENS)
             assert output.lora_version == served.version

@@ -30,28 +30,11 @@ from tests import factories
 
 from engine_support import assert_exact, make_engine, run_to_completion, step_until
 from serve_support import serve_args, start_server, token_ids
-
-PROMPT = list(range(5, 17))
-MAX_TOKENS = 4
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-LORA = dict(r=4, lora_alpha=8, scale=0.15)
-
+from test_adapter_versions_engine import GREEDY, LORA, MAX_TOKENS, PROMPT, peft_config, peft_state, policy_kit
 
 @pytest.fixture(scope="module")
 def kit(engine_checkpoint, tmp_path_factory):
-    """(model dir, base model, three PEFT policies of one config with different weights)."""
-    path, hf, _ = engine_checkpoint
-    root = tmp_path_factory.mktemp("memsnap")
-    policies = [factories.save_lora(hf, root / f"policy-{seed}", seed=seed, **LORA) for seed in (61, 62, 63)]
-    return path, hf, policies
-
-
-def _state(policy) -> dict[str, torch.Tensor]:
-    return {key: tensor.detach().clone() for key, tensor in get_peft_model_state_dict(policy).items()}
-
-
-def _config(policy):
-    return policy.peft_config["default"]
+    return policy_kit(engine_checkpoint, tmp_path_factory, "memsnap", (61, 62, 63))
 
 
 def _nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -75,14 +58,14 @@ def test_counted_bytes_are_the_snapshots_real_storages_even_for_views(kit, greed
     path, _, policies = kit
     engine = make_engine(path)
     assert _counted(engine) == 0
-    state = _state(policies[0])
+    state = peft_state(policies[0])
     # a trainer may hand over views of one flat buffer: the snapshot copies each, so it holds numel bytes each
     flat = torch.cat([t.flatten() for t in state.values()] + [torch.zeros(1000)])
     views, offset = {}, 0
     for key, tensor in state.items():
         views[key] = flat[offset:offset + tensor.numel()].view_as(tensor)
         offset += tensor.numel()
-    served = engine.update_lora("policy", views, _config(policies[0]))
+    served = engine.update_lora("policy", views, peft_config(policies[0]))
     assert _counted(engine) == _storages([served.request]) == held_bytes(served.request.tensors.values())
     assert _counted(engine) == _nbytes(state) < flat.untyped_storage().nbytes()
     assert_exact(run_to_completion(engine, [("a", PROMPT, GREEDY, served.request)])["a"], policies[0], PROMPT,
@@ -92,7 +75,7 @@ def test_counted_bytes_are_the_snapshots_real_storages_even_for_views(kit, greed
 def test_the_cached_weights_are_the_snapshot_itself_not_a_second_copy(kit, greedy_oracle):
     path, _, policies = kit
     engine = make_engine(path)  # float32 on CPU, as the trainer's tensors: nothing to convert
-    served = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
+    served = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
     tier = engine.adapters.manager.loras
     weights = tier._versions.get(served.version).weights  # noqa: SLF001 - the cached version's weights
     factors = [t for pair in weights.pairs() for t in (pair.a, pair.b, pair.column_scale)]
@@ -102,7 +85,7 @@ def test_the_cached_weights_are_the_snapshot_itself_not_a_second_copy(kit, greed
                  greedy_oracle, MAX_TOKENS)
     # in another dtype the weights are a conversion, so they are their own storage
     engine = make_engine(path, dtype="bfloat16")
-    served = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
+    served = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
     weights = engine.adapters.manager.loras._versions.get(served.version).weights  # noqa: SLF001
     snapshot = list(served.request.tensors.values())
     assert held_bytes(snapshot + [t for pair in weights.pairs() for t in (pair.a, pair.b)]) \
@@ -123,7 +106,7 @@ def test_default_bound_is_the_cpu_cache_bytes_and_at_least_four_adapters(kit):
 def test_twenty_updates_keep_only_the_live_versions_snapshots(kit, greedy_oracle):
     path, _, policies = kit
     engine = make_engine(path)
-    first = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
+    first = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
     engine.add_request("old", PROMPT, long, lora_request=first.request)
     done = step_until(engine, {}, lambda: any(r.num_output_tokens >= 1 for r in engine.scheduler.running))
@@ -135,7 +118,7 @@ def test_twenty_updates_keep_only_the_live_versions_snapshots(kit, greedy_oracle
         if step:
             freed.append(weakref.ref(next(iter(served.request.tensors.values()))))
         policy = policies[step % len(policies)]
-        served = engine.update_lora("policy", _state(policy), _config(policy))
+        served = engine.update_lora("policy", peft_state(policy), peft_config(policy))
         done.update({o.request_id: o for o in engine.step() if o.finished})
         # live: the version "old" runs on, and the served one
         assert _counted(engine) == _storages([first.request, served.request]), step
@@ -154,25 +137,25 @@ def test_twenty_updates_keep_only_the_live_versions_snapshots(kit, greedy_oracle
 
 def test_an_update_over_the_bound_is_refused_naming_the_setting_and_the_current_version_serves(kit, greedy_oracle):
     path, _, policies = kit
-    one = _nbytes(_state(policies[0]))
+    one = _nbytes(peft_state(policies[0]))
     engine = make_engine(path, max_memory_adapter_bytes=one * 5 // 2)  # two snapshots fit, three do not
-    v1 = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
+    v1 = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
     long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     engine.add_request("old", PROMPT, long, lora_request=v1.request)
     done = step_until(engine, {}, lambda: any(r.num_output_tokens >= 1 for r in engine.scheduler.running))
-    v2 = engine.update_lora("policy", _state(policies[1]), _config(policies[1]))  # v1 still runs: two live
-    state = _state(policies[2])
+    v2 = engine.update_lora("policy", peft_state(policies[1]), peft_config(policies[1]))  # v1 still runs: two live
+    state = peft_state(policies[2])
     with pytest.raises(MemoryAdapterBoundError, match="max_memory_adapter_bytes"):
-        engine.update_lora("policy", state, _config(policies[2]))
+        engine.update_lora("policy", state, peft_config(policies[2]))
     with pytest.raises(MemoryAdapterBoundError, match="max_memory_adapter_bytes"):  # another name: one global bound
-        engine.update_lora("other", state, _config(policies[2]))
+        engine.update_lora("other", state, peft_config(policies[2]))
     assert _counted(engine) == 2 * one
     assert engine.served_adapter("policy").version == v2.version and engine.served_adapter("other") is None
     done = run_to_completion(engine, [("current", PROMPT, GREEDY, v2.request)], done=done)
     assert_exact(done["current"], policies[1], PROMPT, greedy_oracle, MAX_TOKENS)
     assert_exact(done["old"], policies[0], PROMPT, greedy_oracle, 12)
     assert _counted(engine) == one  # v1's last request ended: its snapshot went, so the update fits now
-    v3 = engine.update_lora("policy", state, _config(policies[2]))
+    v3 = engine.update_lora("policy", state, peft_config(policies[2]))
     done = run_to_completion(engine, [("next", PROMPT, GREEDY, v3.request)])
     assert_exact(done["next"], policies[2], PROMPT, greedy_oracle, MAX_TOKENS)
 
@@ -180,12 +163,12 @@ def test_an_update_over_the_bound_is_refused_naming_the_setting_and_the_current_
 def test_a_withdrawn_or_refused_update_holds_nothing(kit):
     path, _, policies = kit
     engine = make_engine(path)
-    served = engine.update_lora("policy", _state(policies[0]), _config(policies[0]))
-    assert engine.update_lora("policy", _state(policies[1]), _config(policies[1]), claim=lambda: False) is None
+    served = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
+    assert engine.update_lora("policy", peft_state(policies[1]), peft_config(policies[1]), claim=lambda: False) is None
     assert _counted(engine) == _storages([served.request])  # the update its caller gave up on is not kept
-    bad = {**_state(policies[1]), "base_model.model.nowhere.lora_A.weight": torch.zeros(4, 4)}
+    bad = {**peft_state(policies[1]), "base_model.model.nowhere.lora_A.weight": torch.zeros(4, 4)}
     with pytest.raises(Exception):  # noqa: B017 - any AdapterError: only what stays counted matters here
-        engine.update_lora("policy", bad, _config(policies[1]))
+        engine.update_lora("policy", bad, peft_config(policies[1]))
     assert _counted(engine) == _storages([served.request])
     engine.unserve_adapter("policy")
     assert _counted(engine) == 0 and not served.request.tensors
@@ -202,7 +185,7 @@ def test_an_upload_over_the_bound_is_a_4xx_naming_the_setting_and_the_current_ve
     uploads = []
     for policy in policies:
         state = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(policy).items()}
-        config = json.loads(json.dumps(_config(policy).to_dict(), default=lambda v: sorted(v)
+        config = json.loads(json.dumps(peft_config(policy).to_dict(), default=lambda v: sorted(v)
                                        if isinstance(v, set) else str(v)))
         uploads.append((state, config))
     one = _nbytes(uploads[0][0])
