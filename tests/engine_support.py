@@ -39,13 +39,14 @@ def make_engine(path: str, *, poison: Iterable[str] = (), **overrides) -> LLMEng
 def run_to_completion(engine: LLMEngine, requests: Iterable[tuple] = (), *, per_step: int | None = None,
                       on_step: Callable[[int, list[RequestOutput]], None] | None = None,
                       done: dict[str, RequestOutput] | None = None,
-                      timeout: float = HANG_GUARD_S) -> dict[str, RequestOutput]:
+                      timeout: float = HANG_GUARD_S, wait_s: float | None = None) -> dict[str, RequestOutput]:
     """Add ``requests`` and step until nothing is unfinished; returns ``done``: {id: finished output}.
 
     requests: ``(id, prompt, params[, lora_request[, prompt_adapter_request]])``, all added before
     the first step, or ``per_step`` of them before each step. ``on_step(step, outputs)`` sees every
     step's outputs. A request reported finished twice (or already in ``done``) fails the test.
-    The deadline bounds the wait (steps are instant while every request waits on a load).
+    The deadline bounds the wait (steps are instant while every request waits on a load). wait_s: wait
+    up to that long for work before each step (LLMEngine.wait_for_work) instead of stepping at once.
     """
     pending, done, step = list(requests), {} if done is None else done, 0
     deadline = time.monotonic() + timeout
@@ -57,6 +58,8 @@ def run_to_completion(engine: LLMEngine, requests: Iterable[tuple] = (), *, per_
                 lora, prompt_adapter = (*adapters, None, None)[:2]
                 engine.add_request(request_id, prompt, params, lora_request=lora,
                                    prompt_adapter_request=prompt_adapter)
+        if wait_s is not None:
+            engine.wait_for_work(timeout=wait_s)
         outputs = engine.step()
         if on_step is not None:
             on_step(step, outputs)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from adapters import LoRARequest
+from engine_support import run_to_completion
 from factories import save_lora
 from lora_runner import EngineConfig, LLMEngine, SamplingParams
 from lora_runner.executor.draft_budget import draft_memory, limits_with_draft
@@ -62,16 +63,10 @@ def run(path, speculative_config, requests, device="cpu", before=None, **engine)
         before(engine)
     for lora in dict.fromkeys(lora for _, lora in requests if lora is not None):
         engine.add_lora(lora)  # its draft adapter too: no request waits on a load, so the steps are the same
-    pending, done = list(enumerate(requests)), {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(2):
-            if pending:
-                i, (prompt, lora) = pending.pop(0)
-                engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-                                   lora_request=lora)
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id[1:])] = out
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    done = run_to_completion(engine, [(f"r{i}", prompt, params, lora) for i, (prompt, lora) in enumerate(requests)],
+                             per_step=2)
+    done = {int(request_id[1:]): output for request_id, output in done.items()}
     engine.close()
     return done, engine
 

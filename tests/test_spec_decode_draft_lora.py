@@ -16,6 +16,7 @@ import random
 import pytest
 
 from adapters import AdapterTooLargeError, InvalidAdapterError, LoRARequest, UnsafeAdapterError
+from engine_support import run_to_completion
 from factories import build_tiny_model, save_lora
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.worker.cuda_graphs import RerunGraph
@@ -43,17 +44,11 @@ def run(path, speculative_config, requests, max_loras=2, tp=1, before=None):
     for _, lora in requests:
         if lora is not None:
             engine.add_lora(LoRARequest(lora.name, lora.path))
-    pending, done = list(enumerate(requests)), {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(2):
-            if pending:
-                i, (prompt, lora) = pending.pop(0)
-                engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-                                   lora_request=lora)
-        engine.wait_for_work(timeout=5)  # a request waiting for its draft adapter's load
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id[1:])] = out
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    # wait_s: a request may wait for its draft adapter's load
+    done = run_to_completion(engine, [(f"r{i}", prompt, params, lora) for i, (prompt, lora) in enumerate(requests)],
+                             per_step=2, wait_s=5)
+    done = {int(request_id[1:]): output for request_id, output in done.items()}
     engine.close()
     return done, engine
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from adapters import LoRARequest, PromptAdapterRequest
+from engine_support import run_to_completion
 from factories import save_lora, save_prompt_adapter
 from lora_runner import LLMEngine, SamplingParams
 from lora_runner.model import ModelConfig
@@ -83,21 +84,17 @@ def run(checkpoint, spec, prompts, stop_words=(), seeded=False, tp=1):
             engine.add_lora(kind["lora_request"])
         if "prompt_adapter_request" in kind:
             engine.add_prompt_adapter(kind["prompt_adapter_request"])
-    pending = list(enumerate(prompts))
-    done = {}
-    while pending or engine.has_unfinished_requests():
-        for _ in range(2):
-            if pending:
-                i, prompt = pending.pop(0)
-                params = (SamplingParams(temperature=0.3, top_k=40, seed=100 + i, max_tokens=16, ignore_eos=True)
-                          if seeded else
-                          SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2,
-                                         stop=list(stop_words) if i % 2 == 0 else [], n=2 if i == 1 else 1,
-                                         **GREEDY_EXTRAS.get(i, {})))
-                engine.add_request(f"r{i}", prompt, params, **adapter_requests[KINDS[i % len(KINDS)]])
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id[1:])] = out
+    requests = []
+    for i, prompt in enumerate(prompts):
+        params = (SamplingParams(temperature=0.3, top_k=40, seed=100 + i, max_tokens=16, ignore_eos=True)
+                  if seeded else
+                  SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2,
+                                 stop=list(stop_words) if i % 2 == 0 else [], n=2 if i == 1 else 1,
+                                 **GREEDY_EXTRAS.get(i, {})))
+        kind = adapter_requests[KINDS[i % len(KINDS)]]
+        requests.append((f"r{i}", prompt, params, kind.get("lora_request"), kind.get("prompt_adapter_request")))
+    done = run_to_completion(engine, requests, per_step=2)
+    done = {int(request_id[1:]): output for request_id, output in done.items()}
     engine.close()
     return done, engine
 
