@@ -171,13 +171,20 @@ def test_hostile_updates_are_refused_and_the_current_version_keeps_serving(kit, 
         assert output.lora_version == current.version, what
 
 
+def stream_on_a_first_update(path, policy, max_tokens: int, after_tokens: int):
+    """(engine, the first update of "policy", the stream's params, done so far): a greedy stream "old" of
+    max_tokens started on that version, stepped until it has after_tokens tokens."""
+    engine = make_engine(path)
+    first = engine.update_lora("policy", peft_state(policy), peft_config(policy))
+    long = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    engine.add_request("old", PROMPT, long, lora_request=first.request)
+    done = step_until(engine, {}, lambda: any(r.num_output_tokens >= after_tokens for r in engine.scheduler.running))
+    return engine, first, long, done
+
+
 def test_a_stream_started_on_one_version_finishes_on_it_while_the_next_is_published(kit, greedy_oracle):
     path, _, policies = kit
-    engine = make_engine(path)
-    v1 = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
-    long = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
-    engine.add_request("old", PROMPT, long, lora_request=v1.request)
-    done = step_until(engine, {}, lambda: any(r.num_output_tokens >= 3 for r in engine.scheduler.running))
+    engine, v1, long, done = stream_on_a_first_update(path, policies[0], max_tokens=10, after_tokens=3)
     v2 = engine.update_lora("policy", peft_state(policies[1]), peft_config(policies[1]))  # mid-stream
     done = run_to_completion(engine, [("new", PROMPT, long, v2.request)], done=done)
     assert_exact(done["old"], policies[0], PROMPT, greedy_oracle, 10)

@@ -30,7 +30,8 @@ from tests import factories
 
 from engine_support import assert_exact, make_engine, run_to_completion, step_until
 from serve_support import serve_args, start_server, token_ids
-from test_adapter_versions_engine import GREEDY, LORA, MAX_TOKENS, PROMPT, peft_config, peft_state, policy_kit
+from test_adapter_versions_engine import (GREEDY, LORA, MAX_TOKENS, PROMPT, peft_config, peft_state, policy_kit,
+                                          stream_on_a_first_update)
 
 @pytest.fixture(scope="module")
 def kit(engine_checkpoint, tmp_path_factory):
@@ -105,11 +106,7 @@ def test_default_bound_is_the_cpu_cache_bytes_and_at_least_four_adapters(kit):
 
 def test_twenty_updates_keep_only_the_live_versions_snapshots(kit, greedy_oracle):
     path, _, policies = kit
-    engine = make_engine(path)
-    first = engine.update_lora("policy", peft_state(policies[0]), peft_config(policies[0]))
-    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
-    engine.add_request("old", PROMPT, long, lora_request=first.request)
-    done = step_until(engine, {}, lambda: any(r.num_output_tokens >= 1 for r in engine.scheduler.running))
+    engine, first, _, done = stream_on_a_first_update(path, policies[0], max_tokens=40, after_tokens=1)
     old_bytes = _counted(engine)
     assert old_bytes == _storages([first.request])
     freed = []  # weak references to a snapshot tensor of each replaced version
