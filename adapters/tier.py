@@ -58,7 +58,6 @@ their own); disk and Hub IO always run outside it.
 from __future__ import annotations
 
 import copy
-import logging
 import threading
 from collections import Counter
 from typing import Any, Callable
@@ -68,23 +67,18 @@ from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterEr
 from adapters.load_queue import LoadQueue
 from adapters.memory_source import MemoryLoRARequest, MemorySnapshots
 from adapters.slot_pool import SlotPool
+from adapters.tier_state import TierClosedError, TierState, logger
 from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
 
 __all__ = ["FAILED", "LOADING", "READY", "AdapterRef", "AdapterTier", "PromptAdapterTier", "ServedAdapter",
            "SupersededAdapterError", "TierClosedError"]
-
-logger = logging.getLogger(__name__)
 
 
 class SupersededAdapterError(AdapterError):
     """A request named an in-memory adapter version that a later update replaced (adapters.memory_source)."""
 
 
-class TierClosedError(RuntimeError):
-    """The adapter manager was closed: it starts no new loads (lora_runner raises EngineClosedError)."""
-
-
-class AdapterTier:
+class AdapterTier(TierState):
     """Two-tier LRU cache of one adapter kind (CPU cache of ``max_cpu`` entries, device slots).
 
     Args:
@@ -444,25 +438,6 @@ class AdapterTier:
                     ("slot_loads", "slot_evictions", "disk_loads", "load_failures", "cpu_evictions")}
 
     # ---- internals (call with the lock held, except _load and _notify) ---------------------------
-    def _check_request(self, request) -> None:
-        if not isinstance(request, self._request_type):
-            raise ValueError(f"expected a {self._request_type.__name__}, got {type(request).__name__}")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierClosedError(f"the {self.kind} tier is closed: no new adapters are loaded")
-
-    def _get(self, ref: AdapterRef) -> AdapterVersion:
-        with self._lock:
-            version = self._versions.get(ref)
-        if version is None:
-            raise UnknownAdapterError(f"unknown {self.kind} version {ref} (removed, replaced or evicted)")
-        return version
-
-    def _serving(self, name: str) -> AdapterVersion | None:
-        """The version that serves ``name`` now: the fallback while a replacement loads, else the newest."""
-        return self._versions.serving(name)
-
     def _load_held(self, request, staged: bool, fresh: bool = False) -> AdapterRef:
         """add() and stage(): the request's version loaded in this thread (unless a worker has it) and
         held; raises its AdapterError, releasing it."""
@@ -521,12 +496,6 @@ class AdapterTier:
             self._loads.push(version)
         return version
 
-    def _start_queued(self) -> None:
-        """Start queued loads, oldest first, while the CPU bound allows (module docstring)."""
-        if not self._closed:
-            self._loads.start(len(self._cpu), is_live=lambda v: self._versions.get(v.ref) is v,
-                              room=lambda num_running: self._cpu.has_room(num_running, self._loads.max_loading))
-
     def _load(self, version: AdapterVersion) -> None:
         """Load outside the lock, then publish the result (or discard it if the version was dropped)."""
         name, weights, error, nbytes = version.ref.name, None, None, 0
@@ -580,21 +549,6 @@ class AdapterTier:
         except AdapterCapacityError as exc:
             return exc
         return None
-
-    def _notify(self) -> None:
-        if self._on_settled is not None:
-            self._on_settled()
-
-    def _touch_cpu(self, version: AdapterVersion) -> None:
-        if version.state == READY:  # only ready versions are cached; a load's end touches it anyway
-            self._cpu.touch(version)
-
-    def _trim_cpu(self) -> None:
-        """Evict least recently used, unpinned, unheld versions while the CPU cache is over either bound."""
-        for victim in self._cpu.trim():
-            logger.debug("%s %r evicted from the CPU cache", self.kind, victim.ref.name)
-            self._counts["cpu_evictions"] += 1
-            self._versions.drop(victim)
 
     def _free(self, version: AdapterVersion) -> None:
         """The version table's on-drop hook: the version leaves the CPU cache (if cached)."""
