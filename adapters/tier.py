@@ -67,7 +67,8 @@ from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterEr
 from adapters.load_queue import LoadQueue
 from adapters.memory_source import MemoryLoRARequest, MemorySnapshots
 from adapters.slot_pool import SlotPool
-from adapters.tier_state import TierClosedError, TierState, logger
+from adapters.tier_state import TierClosedError, logger
+from adapters.tier_stats import TierStats
 from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
 
 __all__ = ["FAILED", "LOADING", "READY", "AdapterRef", "AdapterTier", "PromptAdapterTier", "ServedAdapter",
@@ -78,7 +79,7 @@ class SupersededAdapterError(AdapterError):
     """A request named an in-memory adapter version that a later update replaced (adapters.memory_source)."""
 
 
-class AdapterTier(TierState):
+class AdapterTier(TierStats):
     """Two-tier LRU cache of one adapter kind (CPU cache of ``max_cpu`` entries, device slots).
 
     Args:
@@ -118,11 +119,6 @@ class AdapterTier(TierState):
         self._snapshots = snapshots
         self._closed = False
         self._counts: Counter[str] = Counter()  # cumulative events, see counts()
-
-    @property
-    def max_loading(self) -> int:
-        """Background loads in flight at most (beyond the CPU cache, see the module docstring)."""
-        return self._loads.max_loading
 
     # ---- requests' side: acquire / release -------------------------------------------------------
     def acquire(self, request) -> AdapterRef:
@@ -391,25 +387,6 @@ class AdapterTier(TierState):
         self._counts["load_failures"] += 1
         self._versions.fall_back(version)
 
-    def memory_stats(self) -> dict:
-        """CPU bytes of cached adapters, device bytes of resident adapters' weights, counts."""
-        with self._lock:
-            cached, resident = list(self._cpu), self._slot_pool.resident()
-            return dict(cpu_bytes=self._cpu.nbytes,
-                        device_bytes_used=sum(v.weights.nbytes for v in resident),
-                        device_bytes_allocated=self.slots.nbytes, num_cpu=len(cached), num_resident=len(resident))
-
-    @property
-    def cpu_bytes(self) -> int:
-        """Bytes the CPU cache's adapters hold now (each storage once, adapters.cache_memory)."""
-        with self._lock:
-            return self._cpu.nbytes
-
-    @property
-    def max_cpu_bytes(self) -> int | None:
-        """The CPU cache's byte bound (None: count only)."""
-        return self._cpu.max_bytes
-
     def release_snapshots(self) -> None:
         """Release the in-memory snapshots no longer in use: neither the served record of their name nor
         a live version (held by requests, staged or cached) was made from them (adapters.memory_source)."""
@@ -423,19 +400,6 @@ class AdapterTier(TierState):
                 return request.path in live or served is not None and served.request.path == request.path
 
             self._snapshots.release_unused(in_use)
-
-    def load_stats(self) -> dict[str, int]:
-        """Versions now ``ready`` (cached), ``loading`` (load started) and ``queued`` (waiting for room)."""
-        with self._lock:
-            queued = sum(1 for v in self._versions if v.state == LOADING and not v.started)
-            return dict(ready=len(self._cpu), loading=self._loads.num_running, queued=queued)
-
-    def counts(self) -> dict[str, int]:
-        """Cumulative events: slot_loads (writes into a device slot), slot_evictions (resident adapters
-        evicted to make room), disk_loads / load_failures (background or add() loads), cpu_evictions."""
-        with self._lock:
-            return {key: self._counts[key] for key in
-                    ("slot_loads", "slot_evictions", "disk_loads", "load_failures", "cpu_evictions")}
 
     # ---- internals (call with the lock held, except _load and _notify) ---------------------------
     def _load_held(self, request, staged: bool, fresh: bool = False) -> AdapterRef:
