@@ -63,11 +63,12 @@ from collections import Counter
 from typing import Any, Callable
 
 from adapters.cpu_cache import CPUCache
-from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterError, UnknownAdapterError
+from adapters.errors import AdapterError, InvalidAdapterError, UnknownAdapterError
 from adapters.load_queue import LoadQueue
 from adapters.memory_source import MemoryLoRARequest, MemorySnapshots
 from adapters.slot_pool import SlotPool
 from adapters.tier_state import TierClosedError, logger
+from adapters.tier_pins import TierPins
 from adapters.tier_stats import TierStats
 from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
 
@@ -79,7 +80,7 @@ class SupersededAdapterError(AdapterError):
     """A request named an in-memory adapter version that a later update replaced (adapters.memory_source)."""
 
 
-class AdapterTier(TierStats):
+class AdapterTier(TierPins, TierStats):
     """Two-tier LRU cache of one adapter kind (CPU cache of ``max_cpu`` entries, device slots).
 
     Args:
@@ -220,40 +221,6 @@ class AdapterTier(TierStats):
                 raise UnknownAdapterError(f"unknown {self.kind} {name!r}; known: {sorted(self._versions.names())}")
             self._versions.retire_name(name)
             self._start_queued()
-
-    def pin(self, name: str) -> None:
-        """Never evict the version ``name`` serves from the CPU cache, nor from its slot once resident.
-
-        Raises:
-            UnknownAdapterError: ``name`` is unknown, or its version failed to load.
-            AdapterCapacityError: the pin would leave no device slot for unpinned adapters
-                (at most ``num_slots - 1`` pins), or no room in the CPU cache's ``max_bytes``.
-        """
-        with self._lock:
-            version = self._serving(name)
-            if version is None or version.state == FAILED:
-                raise UnknownAdapterError(f"cannot pin {self.kind} {name!r}: it is unknown or failed to load")
-            if not version.pinned and self.num_pinned() + 1 > self.slots.num_slots - 1:
-                raise AdapterCapacityError(
-                    f"cannot pin {self.kind} {name!r}: {self.num_pinned()} of {self.slots.num_slots} device slots "
-                    f"are pinned already and at least one must stay free for unpinned adapters")
-            self._cpu.check_pin(version)
-            version.pinned = True
-
-    def unpin(self, name: str) -> None:
-        """Make ``name`` evictable again."""
-        with self._lock:
-            version = self._serving(name)
-            if version is None:
-                raise UnknownAdapterError(f"cannot unpin unknown {self.kind} {name!r}")
-            version.pinned = False
-            self._trim_cpu()
-            self._start_queued()
-
-    def num_pinned(self) -> int:
-        """How many versions are pinned (at most ``num_slots - 1``)."""
-        with self._lock:
-            return self._versions.num_pinned()
 
     def list(self) -> list[str]:
         """Names whose serving version is in the CPU cache, least recently used first."""
@@ -500,19 +467,6 @@ class AdapterTier(TierStats):
             self._counts["load_failures"] += 1
             self._versions.fall_back(version)
         version.done.set()
-
-    def _inherited_pin_error(self, version: AdapterVersion, nbytes: int) -> AdapterCapacityError | None:
-        """The error refusing a loaded ``version`` (``nbytes``) that is, or would become by taking over its
-        name, pinned past the CPU cache's byte bound (CPUCache.check_inherited_pin); None when it may."""
-        serving = self._serving(version.ref.name)
-        takes_over = not version.retired and serving is not None and serving is not version and serving.pinned
-        if not (version.pinned or takes_over):
-            return None
-        try:
-            self._cpu.check_inherited_pin(version.ref.name, nbytes, serving if takes_over else None)
-        except AdapterCapacityError as exc:
-            return exc
-        return None
 
     def _free(self, version: AdapterVersion) -> None:
         """The version table's on-drop hook: the version leaves the CPU cache (if cached)."""
