@@ -65,10 +65,11 @@ from typing import Any, Callable
 from adapters.cpu_cache import CPUCache
 from adapters.errors import AdapterError, InvalidAdapterError, UnknownAdapterError
 from adapters.load_queue import LoadQueue
-from adapters.memory_source import MemoryLoRARequest, MemorySnapshots
+from adapters.memory_source import MemorySnapshots
 from adapters.slot_pool import SlotPool
 from adapters.tier_state import TierClosedError, logger
 from adapters.tier_pins import TierPins
+from adapters.tier_served import SupersededAdapterError, TierServedNames
 from adapters.tier_stats import TierStats
 from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
 
@@ -76,11 +77,7 @@ __all__ = ["FAILED", "LOADING", "READY", "AdapterRef", "AdapterTier", "PromptAda
            "SupersededAdapterError", "TierClosedError"]
 
 
-class SupersededAdapterError(AdapterError):
-    """A request named an in-memory adapter version that a later update replaced (adapters.memory_source)."""
-
-
-class AdapterTier(TierPins, TierStats):
+class AdapterTier(TierServedNames, TierPins, TierStats):
     """Two-tier LRU cache of one adapter kind (CPU cache of ``max_cpu`` entries, device slots).
 
     Args:
@@ -228,71 +225,7 @@ class AdapterTier(TierPins, TierStats):
             serving = self._versions.serving_versions()
             return [v.ref.name for v in self._cpu if v in serving]
 
-    # ---- served names: the one registry (adapters.versions.ServedAdapter) -------------------------
-    def stage(self, request, fresh: bool = False) -> AdapterRef:
-        """Load and validate ``request`` now, like add(), into a version that serves no name yet and
-        that the caller holds: ``publish`` it, then ``release`` it; released unpublished, it is dropped
-        and nothing changed. Without ``fresh``, the version its name serves is reused when it has the
-        same source; with ``fresh`` (load_inplace: the files may have changed under the same path) it
-        never is: a new version is read from what the source holds now, so neither the old weights nor
-        the prefix-cache blocks keyed by the old version serve it."""
-        return self._load_held(request, staged=True, fresh=fresh)
-
-    def publish(self, served: ServedAdapter | None, replace: bool, ref: AdapterRef | None = None,
-                claim: Callable[[], bool] | None = None) -> bool:
-        """Serve ``served`` under its name (None: leave the name's served record as it is); with ``ref``
-        (a staged version, see ``stage``) that version serves its name from now on, taking over the
-        replaced version's pin. ``claim`` is asked last, under the lock: False (its caller gave up
-        waiting) changes nothing. Returns whether it was published.
-
-        Raises:
-            ValueError: the name is served already and ``replace`` is False.
-            AdapterCapacityError: the version would inherit a pin that its bytes put past the CPU cache's
-                bound (adapters.cpu_cache.CPUCache.check_inherited_pin); nothing changed.
-        """
-        with self._lock:
-            if served is not None and self._versions.served(served.name) is not None and not replace:
-                raise ValueError(f"an adapter named {served.name!r} is already loaded")
-            if claim is not None and not claim():
-                return False
-            if ref is not None:
-                version = self._get(ref)
-                if version.state == FAILED:  # a slot write failed since it was staged
-                    raise copy.copy(version.error) from version.error
-                serving = self._serving(ref.name)
-                if serving is not None and serving is not version and serving.pinned:
-                    self._cpu.check_inherited_pin(ref.name, self._cpu.size(version), serving, version)
-                self._versions.publish(version)
-            if served is not None:
-                self._versions.serve(served, replace)
-            self.release_snapshots()
-            return True
-
-    def withdraw(self, name: str) -> ServedAdapter:
-        """Stop serving ``name`` and retire its versions (requests running on them finish first).
-
-        Raises:
-            UnknownAdapterError: ``name`` is not served.
-        """
-        with self._lock:
-            served = self._versions.unserve(name)
-            if served is None:
-                raise UnknownAdapterError(f"{self.kind} {name!r} is not served")
-            self._versions.retire_name(name)
-            self.release_snapshots()
-            self._start_queued()
-            return served
-
-    def served(self, name: str) -> ServedAdapter | None:
-        """The served adapter ``name`` with the version serving it now, or None."""
-        with self._lock:
-            return self._versions.served(name)
-
-    def served_all(self) -> list[ServedAdapter]:
-        """Every served adapter, in the order its name was first served."""
-        with self._lock:
-            return self._versions.served_all()
-
+    # ---- shutdown (served names: adapters.tier_served; pins: tier_pins; reports: tier_stats) -------
     def close(self) -> None:
         """Start no more loads: queued and running loads fail now with an AdapterError ("cancelled");
         acquire/add/prefetch raise TierClosedError from now on. Returns at once; a worker still
@@ -354,20 +287,6 @@ class AdapterTier(TierPins, TierStats):
         self._counts["load_failures"] += 1
         self._versions.fall_back(version)
 
-    def release_snapshots(self) -> None:
-        """Release the in-memory snapshots no longer in use: neither the served record of their name nor
-        a live version (held by requests, staged or cached) was made from them (adapters.memory_source)."""
-        if not self._snapshots:
-            return
-        with self._lock:
-            live = {version.ref.path for version in self._versions}
-
-            def in_use(request) -> bool:
-                served = self._versions.served(request.name)
-                return request.path in live or served is not None and served.request.path == request.path
-
-            self._snapshots.release_unused(in_use)
-
     # ---- internals (call with the lock held, except _load and _notify) ---------------------------
     def _load_held(self, request, staged: bool, fresh: bool = False) -> AdapterRef:
         """add() and stage(): the request's version loaded in this thread (unless a worker has it) and
@@ -390,17 +309,6 @@ class AdapterTier(TierPins, TierStats):
             self.release(version.ref)
             raise
 
-    def _hold_staged(self, request, fresh: bool) -> AdapterVersion:
-        self._check_open()
-        serving = self._serving(request.name)
-        if not fresh and serving is not None and serving.source == request.source and serving.state != FAILED:
-            version = serving  # publishing it changes only the served record
-        else:
-            version = self._versions.stage(request)
-        version.holders += 1
-        self._touch_cpu(version)
-        return version
-
     def _hold(self, request) -> AdapterVersion:
         self._check_open()
         self._check_not_superseded(request)
@@ -408,17 +316,6 @@ class AdapterTier(TierPins, TierStats):
         version.holders += 1
         self._touch_cpu(version)
         return version
-
-    def _check_not_superseded(self, request) -> None:
-        """An adapter handed over in memory runs only while its name is served from it: a request holding
-        an older update would otherwise load those tensors as the name's newest version, silently
-        undoing the update (a folder's request reloads what the folder holds; a snapshot never changes)."""
-        if isinstance(request, MemoryLoRARequest):
-            served = self._versions.served(request.name)
-            if served is None or served.request.source != request.source:
-                raise SupersededAdapterError(
-                    f"{self.kind} {request.name!r}: this in-memory version ({request.path}) is no longer the one "
-                    "served under its name; use the request of the served adapter (served_adapter(name).request)")
 
     def _version_for(self, request) -> AdapterVersion:
         """The version of the request's name and source; a new one is queued for loading."""
