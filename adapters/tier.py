@@ -50,14 +50,20 @@ refs, records, which version serves a name), the load queue (``adapters.load_que
 above), and one LRU class (``adapters.lru``) used twice, for the CPU cache here and for the device
 slots in the slot pool (``adapters.slot_pool``: slot choice, eviction, reserved slots).
 
+Its own code is split the same way, into mixins of the one class, each a module: the load path
+(``adapters.tier_loads``: hold, read, settle, close), the served names (``adapters.tier_served``:
+stage, publish, withdraw, in-memory snapshots), the pins (``adapters.tier_pins``) and the reports
+(``adapters.tier_stats``), over a common base naming the shared state and helpers
+(``adapters.tier_state``). This module keeps construction, acquire/release, add/prefetch/remove,
+dummies and activate.
+
 Thread-safety: user threads (acquire/add/prefetch/remove/pin) and the engine's step thread
 (activate/release) share the tier's one lock, which guards all four parts (they have no locks of
-their own); disk and Hub IO always run outside it.
+their own) and is the lock of every mixin above; disk and Hub IO always run outside it.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import Counter
 from typing import Any, Callable
@@ -67,9 +73,10 @@ from adapters.errors import AdapterError, InvalidAdapterError, UnknownAdapterErr
 from adapters.load_queue import LoadQueue
 from adapters.memory_source import MemorySnapshots
 from adapters.slot_pool import SlotPool
-from adapters.tier_state import TierClosedError, logger
+from adapters.tier_loads import TierLoads
 from adapters.tier_pins import TierPins
 from adapters.tier_served import SupersededAdapterError, TierServedNames
+from adapters.tier_state import TierClosedError, logger
 from adapters.tier_stats import TierStats
 from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
 
@@ -77,7 +84,7 @@ __all__ = ["FAILED", "LOADING", "READY", "AdapterRef", "AdapterTier", "PromptAda
            "SupersededAdapterError", "TierClosedError"]
 
 
-class AdapterTier(TierServedNames, TierPins, TierStats):
+class AdapterTier(TierLoads, TierServedNames, TierPins, TierStats):
     """Two-tier LRU cache of one adapter kind (CPU cache of ``max_cpu`` entries, device slots).
 
     Args:
@@ -160,7 +167,7 @@ class AdapterTier(TierServedNames, TierPins, TierStats):
             version = self._serving(name)
             return None if version is None else version.ref
 
-    # ---- user side: add / prefetch / remove / pin ------------------------------------------------
+    # ---- user side: add / prefetch / remove (pins: adapters.tier_pins; names: tier_served) ---------
     def add(self, request) -> AdapterRef:
         """Resolve, load and validate ``request`` into the CPU cache now (in the calling thread).
 
@@ -225,19 +232,6 @@ class AdapterTier(TierServedNames, TierPins, TierStats):
             serving = self._versions.serving_versions()
             return [v.ref.name for v in self._cpu if v in serving]
 
-    # ---- shutdown (served names: adapters.tier_served; pins: tier_pins; reports: tier_stats) -------
-    def close(self) -> None:
-        """Start no more loads: queued and running loads fail now with an AdapterError ("cancelled");
-        acquire/add/prefetch raise TierClosedError from now on. Returns at once; a worker still
-        reading discards its result. Idempotent."""
-        with self._lock:
-            self._closed = True
-            self._loads.clear()
-            for version in [v for v in self._versions if v.state == LOADING]:
-                error = AdapterError(f"{self.kind} {version.ref.name!r}: load cancelled: the engine was closed")
-                self._settle(version, None, error)
-        self._notify()
-
     # ---- engine side: reserved slots / activate --------------------------------------------------
     def reserved_slots(self, refs) -> int:
         """Device slots that pinned resident versions other than ``refs`` keep from a step.
@@ -287,84 +281,7 @@ class AdapterTier(TierServedNames, TierPins, TierStats):
         self._counts["load_failures"] += 1
         self._versions.fall_back(version)
 
-    # ---- internals (call with the lock held, except _load and _notify) ---------------------------
-    def _load_held(self, request, staged: bool, fresh: bool = False) -> AdapterRef:
-        """add() and stage(): the request's version loaded in this thread (unless a worker has it) and
-        held; raises its AdapterError, releasing it."""
-        self._check_request(request)
-        with self._lock:
-            version = self._hold_staged(request, fresh) if staged else self._hold(request)
-            run_here = not version.started  # queued: load it now rather than wait for room
-            if run_here:
-                self._loads.begin(version)
-        try:
-            if run_here:
-                self._load(version)
-            version.done.wait()
-            with self._lock:
-                if version.state == FAILED:  # a fresh exception per caller, chained to the loader's
-                    raise copy.copy(version.error) from version.error
-            return version.ref
-        except BaseException:
-            self.release(version.ref)
-            raise
-
-    def _hold(self, request) -> AdapterVersion:
-        self._check_open()
-        self._check_not_superseded(request)
-        version = self._version_for(request)
-        version.holders += 1
-        self._touch_cpu(version)
-        return version
-
-    def _version_for(self, request) -> AdapterVersion:
-        """The version of the request's name and source; a new one is queued for loading."""
-        version, created = self._versions.version_for(request)
-        if created:
-            self._loads.push(version)
-        return version
-
-    def _load(self, version: AdapterVersion) -> None:
-        """Load outside the lock, then publish the result (or discard it if the version was dropped)."""
-        name, weights, error, nbytes = version.ref.name, None, None, 0
-        try:
-            weights = self._load_fn(version.request)
-            nbytes = weights.nbytes  # counted here, outside the lock: a MoE adapter has tens of thousands of tensors
-            self._cpu.check_fits(name, nbytes)
-        except AdapterError as exc:
-            weights = None
-            error = exc
-        except Exception as exc:  # a library or loader bug must fail this adapter, not the engine thread
-            logger.exception("%s %r: unexpected error while loading", self.kind, name)
-            error = InvalidAdapterError(f"{self.kind} {name!r}: unexpected error while loading: {exc!r}")
-            error.__cause__ = exc
-        with self._lock:
-            self._loads.finish()
-            if self._versions.get(version.ref) is not version or version.state != LOADING:
-                logger.debug("%s %r: dropped or cancelled while loading; result discarded", self.kind, name)
-            else:
-                self._settle(version, weights, error, nbytes)
-            self._start_queued()
-        self._notify()
-
-    def _settle(self, version: AdapterVersion, weights, error: AdapterError | None, nbytes: int = 0) -> None:
-        """Publish a finished load: ready (and take over its name; its weights hold ``nbytes``) or failed
-        (the name falls back; so does a version whose inherited pin its bytes put past the byte bound)."""
-        if error is None:
-            error = self._inherited_pin_error(version, nbytes)
-        if error is None:
-            version.state, version.weights = READY, weights
-            self._counts["disk_loads"] += 1
-            self._versions.take_over(version)
-            self._cpu.put(version, nbytes)
-            self._trim_cpu()
-        else:
-            logger.warning("%s %r failed to load: %s", self.kind, version.ref.name, error)
-            version.state, version.error = FAILED, error
-            self._counts["load_failures"] += 1
-            self._versions.fall_back(version)
-        version.done.set()
-
+    # ---- internals: the parts' on-remove hooks (called with the lock held) ----------------------
     def _free(self, version: AdapterVersion) -> None:
         """The version table's on-drop hook: the version leaves the CPU cache (if cached)."""
         self._cpu.discard(version)
