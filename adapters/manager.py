@@ -3,18 +3,15 @@
 It wires each kind's loader (resolve through the Hub or a local dir, read, validate; see
 ``adapters.lora`` and ``adapters.prompt``) and slot writer (``adapters.slots``) into the generic
 LRU tier (``adapters.tier``), which documents the life of an adapter version and thread-safety.
-Background loads of both kinds share two small pools of daemon threads: one for adapters already
-in local directories and one for Hub downloads, so a stalled or slow Hub never delays an adapter on
-disk. The threads are daemons and ``close()`` does not wait for them, so neither close() nor process
-exit waits for a stalled download.
+Background loads of both kinds share two small pools of daemon threads (``adapters.load_pools``):
+one for adapters already in local directories and one for Hub downloads, so a stalled or slow Hub
+never delays an adapter on disk. The threads are daemons and ``close()`` does not wait for them, so
+neither close() nor process exit waits for a stalled download.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +29,7 @@ from adapters.errors import (
 from adapters.file_limits import default_max_adapter_bytes
 from adapters.files import AdapterDir
 from adapters.hub import adapter_file_patterns, resolve
+from adapters.load_pools import LoadPools
 from adapters.lora import dummy_lora, load_lora
 from adapters.memory_source import (
     MemoryLoRARequest,
@@ -174,7 +172,7 @@ class AdapterManager:
         else:  # the device slots live elsewhere (worker processes): the tiers drive them through these
             self.lora_slots = self.vocab_slots = self.prompt_slots = None
             lora_slot_sets, prompt_slot_set = make_slots("lora"), make_slots("prompt")
-        self._executor = _LoadPools(load_workers, download_workers)
+        self._executor = LoadPools(load_workers, download_workers)
         in_flight = load_workers + download_workers
         cache_bytes = cpu_cache_bytes(spec, max_cpu_loras, max_lora_rank, dtype, max_cpu_lora_bytes)
         logger.info("%s", describe_cpu_cache(max_cpu_loras, cache_bytes, default=max_cpu_lora_bytes is None))
@@ -292,72 +290,6 @@ class AdapterManager:
         if self.prompts.slots.num_slots == 0:
             raise AdapterCapacityError(f"prompt adapter {name!r}: prompt adapters are disabled "
                                        "(max_prompt_adapters=0)")
-
-
-class _DaemonPool:
-    """A fixed number of daemon worker threads (started on demand) running submitted calls in order.
-
-    Unlike ThreadPoolExecutor, whose workers the interpreter joins at exit, these threads never keep
-    the process alive: a download stalled for minutes cannot delay close() or exit."""
-
-    def __init__(self, num_workers: int, name: str):
-        self._num_workers, self._name = num_workers, name
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, fn: Callable, arg) -> None:
-        """Run ``fn(arg)`` on a worker (ignored after shutdown)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._tasks.put((fn, arg))
-            if len(self._threads) < self._num_workers:
-                thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                self._threads.append(thread)
-                thread.start()
-
-    def shutdown(self) -> None:
-        """Drop queued calls and let idle workers exit; does not wait for a running call."""
-        with self._lock:
-            self._closed = True
-            while not self._tasks.empty():
-                self._tasks.get_nowait()
-            for _ in self._threads:
-                self._tasks.put(None)
-
-    def _work(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            fn, arg = task
-            try:
-                fn(arg)
-            except BaseException:  # the tier's _load catches adapter errors; anything else is a bug
-                logger.exception("background adapter load crashed")
-
-
-class _LoadPools:
-    """Runs background loads on two pools, chosen by where the adapter lives: local directories on
-    one, Hub repos on the other. A Hub download can stall for minutes; with one shared pool a few
-    stalled downloads would hold every worker and delay adapters that are already on disk."""
-
-    def __init__(self, load_workers: int, download_workers: int):
-        if load_workers < 1 or download_workers < 1:
-            raise ValueError(f"load_workers and download_workers must be >= 1, got {load_workers}, "
-                             f"{download_workers}")
-        self._local = _DaemonPool(load_workers, "adapter-load")
-        self._hub = _DaemonPool(download_workers, "adapter-download")
-
-    def submit(self, load: Callable, version) -> None:
-        """Run ``load(version)`` on the pool matching ``version.request.path`` (local dir or Hub id)."""
-        request = version.request
-        local = request.root is not None or os.path.isdir(os.path.expanduser(request.path))
-        (self._local if local else self._hub).submit(load, version)
-
-    def shutdown(self) -> None:
-        """Stop both pools without waiting."""
-        for pool in (self._local, self._hub):
-            pool.shutdown()
 
 
 def prompt_cache_bytes(spec: ModelSpec, max_cpu_prompt_adapters: int, max_prompt_adapter_tokens: int,

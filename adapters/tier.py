@@ -50,41 +50,41 @@ refs, records, which version serves a name), the load queue (``adapters.load_que
 above), and one LRU class (``adapters.lru``) used twice, for the CPU cache here and for the device
 slots in the slot pool (``adapters.slot_pool``: slot choice, eviction, reserved slots).
 
+Its own code is split the same way, into mixins of the one class, each a module: the load path
+(``adapters.tier_loads``: hold, read, settle, close), the served names (``adapters.tier_served``:
+stage, publish, withdraw, in-memory snapshots), the pins (``adapters.tier_pins``) and the reports
+(``adapters.tier_stats``), over a common base naming the shared state and helpers
+(``adapters.tier_state``). This module keeps construction, acquire/release, add/prefetch/remove,
+dummies and activate.
+
 Thread-safety: user threads (acquire/add/prefetch/remove/pin) and the engine's step thread
 (activate/release) share the tier's one lock, which guards all four parts (they have no locks of
-their own); disk and Hub IO always run outside it.
+their own) and is the lock of every mixin above; disk and Hub IO always run outside it.
 """
 
 from __future__ import annotations
 
-import copy
-import logging
 import threading
 from collections import Counter
 from typing import Any, Callable
 
 from adapters.cpu_cache import CPUCache
-from adapters.errors import AdapterCapacityError, AdapterError, InvalidAdapterError, UnknownAdapterError
+from adapters.errors import AdapterError, InvalidAdapterError, UnknownAdapterError
 from adapters.load_queue import LoadQueue
-from adapters.memory_source import MemoryLoRARequest, MemorySnapshots
+from adapters.memory_source import MemorySnapshots
 from adapters.slot_pool import SlotPool
+from adapters.tier_loads import TierLoads
+from adapters.tier_pins import TierPins
+from adapters.tier_served import SupersededAdapterError, TierServedNames
+from adapters.tier_state import TierClosedError, logger
+from adapters.tier_stats import TierStats
 from adapters.versions import FAILED, LOADING, READY, AdapterRef, AdapterVersion, ServedAdapter, VersionTable
 
 __all__ = ["FAILED", "LOADING", "READY", "AdapterRef", "AdapterTier", "PromptAdapterTier", "ServedAdapter",
            "SupersededAdapterError", "TierClosedError"]
 
-logger = logging.getLogger(__name__)
 
-
-class SupersededAdapterError(AdapterError):
-    """A request named an in-memory adapter version that a later update replaced (adapters.memory_source)."""
-
-
-class TierClosedError(RuntimeError):
-    """The adapter manager was closed: it starts no new loads (lora_runner raises EngineClosedError)."""
-
-
-class AdapterTier:
+class AdapterTier(TierLoads, TierServedNames, TierPins, TierStats):
     """Two-tier LRU cache of one adapter kind (CPU cache of ``max_cpu`` entries, device slots).
 
     Args:
@@ -124,11 +124,6 @@ class AdapterTier:
         self._snapshots = snapshots
         self._closed = False
         self._counts: Counter[str] = Counter()  # cumulative events, see counts()
-
-    @property
-    def max_loading(self) -> int:
-        """Background loads in flight at most (beyond the CPU cache, see the module docstring)."""
-        return self._loads.max_loading
 
     # ---- requests' side: acquire / release -------------------------------------------------------
     def acquire(self, request) -> AdapterRef:
@@ -172,7 +167,7 @@ class AdapterTier:
             version = self._serving(name)
             return None if version is None else version.ref
 
-    # ---- user side: add / prefetch / remove / pin ------------------------------------------------
+    # ---- user side: add / prefetch / remove (pins: adapters.tier_pins; names: tier_served) ---------
     def add(self, request) -> AdapterRef:
         """Resolve, load and validate ``request`` into the CPU cache now (in the calling thread).
 
@@ -231,122 +226,11 @@ class AdapterTier:
             self._versions.retire_name(name)
             self._start_queued()
 
-    def pin(self, name: str) -> None:
-        """Never evict the version ``name`` serves from the CPU cache, nor from its slot once resident.
-
-        Raises:
-            UnknownAdapterError: ``name`` is unknown, or its version failed to load.
-            AdapterCapacityError: the pin would leave no device slot for unpinned adapters
-                (at most ``num_slots - 1`` pins), or no room in the CPU cache's ``max_bytes``.
-        """
-        with self._lock:
-            version = self._serving(name)
-            if version is None or version.state == FAILED:
-                raise UnknownAdapterError(f"cannot pin {self.kind} {name!r}: it is unknown or failed to load")
-            if not version.pinned and self.num_pinned() + 1 > self.slots.num_slots - 1:
-                raise AdapterCapacityError(
-                    f"cannot pin {self.kind} {name!r}: {self.num_pinned()} of {self.slots.num_slots} device slots "
-                    f"are pinned already and at least one must stay free for unpinned adapters")
-            self._cpu.check_pin(version)
-            version.pinned = True
-
-    def unpin(self, name: str) -> None:
-        """Make ``name`` evictable again."""
-        with self._lock:
-            version = self._serving(name)
-            if version is None:
-                raise UnknownAdapterError(f"cannot unpin unknown {self.kind} {name!r}")
-            version.pinned = False
-            self._trim_cpu()
-            self._start_queued()
-
-    def num_pinned(self) -> int:
-        """How many versions are pinned (at most ``num_slots - 1``)."""
-        with self._lock:
-            return self._versions.num_pinned()
-
     def list(self) -> list[str]:
         """Names whose serving version is in the CPU cache, least recently used first."""
         with self._lock:
             serving = self._versions.serving_versions()
             return [v.ref.name for v in self._cpu if v in serving]
-
-    # ---- served names: the one registry (adapters.versions.ServedAdapter) -------------------------
-    def stage(self, request, fresh: bool = False) -> AdapterRef:
-        """Load and validate ``request`` now, like add(), into a version that serves no name yet and
-        that the caller holds: ``publish`` it, then ``release`` it; released unpublished, it is dropped
-        and nothing changed. Without ``fresh``, the version its name serves is reused when it has the
-        same source; with ``fresh`` (load_inplace: the files may have changed under the same path) it
-        never is: a new version is read from what the source holds now, so neither the old weights nor
-        the prefix-cache blocks keyed by the old version serve it."""
-        return self._load_held(request, staged=True, fresh=fresh)
-
-    def publish(self, served: ServedAdapter | None, replace: bool, ref: AdapterRef | None = None,
-                claim: Callable[[], bool] | None = None) -> bool:
-        """Serve ``served`` under its name (None: leave the name's served record as it is); with ``ref``
-        (a staged version, see ``stage``) that version serves its name from now on, taking over the
-        replaced version's pin. ``claim`` is asked last, under the lock: False (its caller gave up
-        waiting) changes nothing. Returns whether it was published.
-
-        Raises:
-            ValueError: the name is served already and ``replace`` is False.
-            AdapterCapacityError: the version would inherit a pin that its bytes put past the CPU cache's
-                bound (adapters.cpu_cache.CPUCache.check_inherited_pin); nothing changed.
-        """
-        with self._lock:
-            if served is not None and self._versions.served(served.name) is not None and not replace:
-                raise ValueError(f"an adapter named {served.name!r} is already loaded")
-            if claim is not None and not claim():
-                return False
-            if ref is not None:
-                version = self._get(ref)
-                if version.state == FAILED:  # a slot write failed since it was staged
-                    raise copy.copy(version.error) from version.error
-                serving = self._serving(ref.name)
-                if serving is not None and serving is not version and serving.pinned:
-                    self._cpu.check_inherited_pin(ref.name, self._cpu.size(version), serving, version)
-                self._versions.publish(version)
-            if served is not None:
-                self._versions.serve(served, replace)
-            self.release_snapshots()
-            return True
-
-    def withdraw(self, name: str) -> ServedAdapter:
-        """Stop serving ``name`` and retire its versions (requests running on them finish first).
-
-        Raises:
-            UnknownAdapterError: ``name`` is not served.
-        """
-        with self._lock:
-            served = self._versions.unserve(name)
-            if served is None:
-                raise UnknownAdapterError(f"{self.kind} {name!r} is not served")
-            self._versions.retire_name(name)
-            self.release_snapshots()
-            self._start_queued()
-            return served
-
-    def served(self, name: str) -> ServedAdapter | None:
-        """The served adapter ``name`` with the version serving it now, or None."""
-        with self._lock:
-            return self._versions.served(name)
-
-    def served_all(self) -> list[ServedAdapter]:
-        """Every served adapter, in the order its name was first served."""
-        with self._lock:
-            return self._versions.served_all()
-
-    def close(self) -> None:
-        """Start no more loads: queued and running loads fail now with an AdapterError ("cancelled");
-        acquire/add/prefetch raise TierClosedError from now on. Returns at once; a worker still
-        reading discards its result. Idempotent."""
-        with self._lock:
-            self._closed = True
-            self._loads.clear()
-            for version in [v for v in self._versions if v.state == LOADING]:
-                error = AdapterError(f"{self.kind} {version.ref.name!r}: load cancelled: the engine was closed")
-                self._settle(version, None, error)
-        self._notify()
 
     # ---- engine side: reserved slots / activate --------------------------------------------------
     def reserved_slots(self, refs) -> int:
@@ -397,205 +281,7 @@ class AdapterTier:
         self._counts["load_failures"] += 1
         self._versions.fall_back(version)
 
-    def memory_stats(self) -> dict:
-        """CPU bytes of cached adapters, device bytes of resident adapters' weights, counts."""
-        with self._lock:
-            cached, resident = list(self._cpu), self._slot_pool.resident()
-            return dict(cpu_bytes=self._cpu.nbytes,
-                        device_bytes_used=sum(v.weights.nbytes for v in resident),
-                        device_bytes_allocated=self.slots.nbytes, num_cpu=len(cached), num_resident=len(resident))
-
-    @property
-    def cpu_bytes(self) -> int:
-        """Bytes the CPU cache's adapters hold now (each storage once, adapters.cache_memory)."""
-        with self._lock:
-            return self._cpu.nbytes
-
-    @property
-    def max_cpu_bytes(self) -> int | None:
-        """The CPU cache's byte bound (None: count only)."""
-        return self._cpu.max_bytes
-
-    def release_snapshots(self) -> None:
-        """Release the in-memory snapshots no longer in use: neither the served record of their name nor
-        a live version (held by requests, staged or cached) was made from them (adapters.memory_source)."""
-        if not self._snapshots:
-            return
-        with self._lock:
-            live = {version.ref.path for version in self._versions}
-
-            def in_use(request) -> bool:
-                served = self._versions.served(request.name)
-                return request.path in live or served is not None and served.request.path == request.path
-
-            self._snapshots.release_unused(in_use)
-
-    def load_stats(self) -> dict[str, int]:
-        """Versions now ``ready`` (cached), ``loading`` (load started) and ``queued`` (waiting for room)."""
-        with self._lock:
-            queued = sum(1 for v in self._versions if v.state == LOADING and not v.started)
-            return dict(ready=len(self._cpu), loading=self._loads.num_running, queued=queued)
-
-    def counts(self) -> dict[str, int]:
-        """Cumulative events: slot_loads (writes into a device slot), slot_evictions (resident adapters
-        evicted to make room), disk_loads / load_failures (background or add() loads), cpu_evictions."""
-        with self._lock:
-            return {key: self._counts[key] for key in
-                    ("slot_loads", "slot_evictions", "disk_loads", "load_failures", "cpu_evictions")}
-
-    # ---- internals (call with the lock held, except _load and _notify) ---------------------------
-    def _check_request(self, request) -> None:
-        if not isinstance(request, self._request_type):
-            raise ValueError(f"expected a {self._request_type.__name__}, got {type(request).__name__}")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierClosedError(f"the {self.kind} tier is closed: no new adapters are loaded")
-
-    def _get(self, ref: AdapterRef) -> AdapterVersion:
-        with self._lock:
-            version = self._versions.get(ref)
-        if version is None:
-            raise UnknownAdapterError(f"unknown {self.kind} version {ref} (removed, replaced or evicted)")
-        return version
-
-    def _serving(self, name: str) -> AdapterVersion | None:
-        """The version that serves ``name`` now: the fallback while a replacement loads, else the newest."""
-        return self._versions.serving(name)
-
-    def _load_held(self, request, staged: bool, fresh: bool = False) -> AdapterRef:
-        """add() and stage(): the request's version loaded in this thread (unless a worker has it) and
-        held; raises its AdapterError, releasing it."""
-        self._check_request(request)
-        with self._lock:
-            version = self._hold_staged(request, fresh) if staged else self._hold(request)
-            run_here = not version.started  # queued: load it now rather than wait for room
-            if run_here:
-                self._loads.begin(version)
-        try:
-            if run_here:
-                self._load(version)
-            version.done.wait()
-            with self._lock:
-                if version.state == FAILED:  # a fresh exception per caller, chained to the loader's
-                    raise copy.copy(version.error) from version.error
-            return version.ref
-        except BaseException:
-            self.release(version.ref)
-            raise
-
-    def _hold_staged(self, request, fresh: bool) -> AdapterVersion:
-        self._check_open()
-        serving = self._serving(request.name)
-        if not fresh and serving is not None and serving.source == request.source and serving.state != FAILED:
-            version = serving  # publishing it changes only the served record
-        else:
-            version = self._versions.stage(request)
-        version.holders += 1
-        self._touch_cpu(version)
-        return version
-
-    def _hold(self, request) -> AdapterVersion:
-        self._check_open()
-        self._check_not_superseded(request)
-        version = self._version_for(request)
-        version.holders += 1
-        self._touch_cpu(version)
-        return version
-
-    def _check_not_superseded(self, request) -> None:
-        """An adapter handed over in memory runs only while its name is served from it: a request holding
-        an older update would otherwise load those tensors as the name's newest version, silently
-        undoing the update (a folder's request reloads what the folder holds; a snapshot never changes)."""
-        if isinstance(request, MemoryLoRARequest):
-            served = self._versions.served(request.name)
-            if served is None or served.request.source != request.source:
-                raise SupersededAdapterError(
-                    f"{self.kind} {request.name!r}: this in-memory version ({request.path}) is no longer the one "
-                    "served under its name; use the request of the served adapter (served_adapter(name).request)")
-
-    def _version_for(self, request) -> AdapterVersion:
-        """The version of the request's name and source; a new one is queued for loading."""
-        version, created = self._versions.version_for(request)
-        if created:
-            self._loads.push(version)
-        return version
-
-    def _start_queued(self) -> None:
-        """Start queued loads, oldest first, while the CPU bound allows (module docstring)."""
-        if not self._closed:
-            self._loads.start(len(self._cpu), is_live=lambda v: self._versions.get(v.ref) is v,
-                              room=lambda num_running: self._cpu.has_room(num_running, self._loads.max_loading))
-
-    def _load(self, version: AdapterVersion) -> None:
-        """Load outside the lock, then publish the result (or discard it if the version was dropped)."""
-        name, weights, error, nbytes = version.ref.name, None, None, 0
-        try:
-            weights = self._load_fn(version.request)
-            nbytes = weights.nbytes  # counted here, outside the lock: a MoE adapter has tens of thousands of tensors
-            self._cpu.check_fits(name, nbytes)
-        except AdapterError as exc:
-            weights = None
-            error = exc
-        except Exception as exc:  # a library or loader bug must fail this adapter, not the engine thread
-            logger.exception("%s %r: unexpected error while loading", self.kind, name)
-            error = InvalidAdapterError(f"{self.kind} {name!r}: unexpected error while loading: {exc!r}")
-            error.__cause__ = exc
-        with self._lock:
-            self._loads.finish()
-            if self._versions.get(version.ref) is not version or version.state != LOADING:
-                logger.debug("%s %r: dropped or cancelled while loading; result discarded", self.kind, name)
-            else:
-                self._settle(version, weights, error, nbytes)
-            self._start_queued()
-        self._notify()
-
-    def _settle(self, version: AdapterVersion, weights, error: AdapterError | None, nbytes: int = 0) -> None:
-        """Publish a finished load: ready (and take over its name; its weights hold ``nbytes``) or failed
-        (the name falls back; so does a version whose inherited pin its bytes put past the byte bound)."""
-        if error is None:
-            error = self._inherited_pin_error(version, nbytes)
-        if error is None:
-            version.state, version.weights = READY, weights
-            self._counts["disk_loads"] += 1
-            self._versions.take_over(version)
-            self._cpu.put(version, nbytes)
-            self._trim_cpu()
-        else:
-            logger.warning("%s %r failed to load: %s", self.kind, version.ref.name, error)
-            version.state, version.error = FAILED, error
-            self._counts["load_failures"] += 1
-            self._versions.fall_back(version)
-        version.done.set()
-
-    def _inherited_pin_error(self, version: AdapterVersion, nbytes: int) -> AdapterCapacityError | None:
-        """The error refusing a loaded ``version`` (``nbytes``) that is, or would become by taking over its
-        name, pinned past the CPU cache's byte bound (CPUCache.check_inherited_pin); None when it may."""
-        serving = self._serving(version.ref.name)
-        takes_over = not version.retired and serving is not None and serving is not version and serving.pinned
-        if not (version.pinned or takes_over):
-            return None
-        try:
-            self._cpu.check_inherited_pin(version.ref.name, nbytes, serving if takes_over else None)
-        except AdapterCapacityError as exc:
-            return exc
-        return None
-
-    def _notify(self) -> None:
-        if self._on_settled is not None:
-            self._on_settled()
-
-    def _touch_cpu(self, version: AdapterVersion) -> None:
-        if version.state == READY:  # only ready versions are cached; a load's end touches it anyway
-            self._cpu.touch(version)
-
-    def _trim_cpu(self) -> None:
-        """Evict least recently used, unpinned, unheld versions while the CPU cache is over either bound."""
-        for victim in self._cpu.trim():
-            logger.debug("%s %r evicted from the CPU cache", self.kind, victim.ref.name)
-            self._counts["cpu_evictions"] += 1
-            self._versions.drop(victim)
-
+    # ---- internals: the parts' on-remove hooks (called with the lock held) ----------------------
     def _free(self, version: AdapterVersion) -> None:
         """The version table's on-drop hook: the version leaves the CPU cache (if cached)."""
         self._cpu.discard(version)
