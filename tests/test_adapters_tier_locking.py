@@ -9,12 +9,12 @@ The parts' records also keep the tier's one logger name ("adapters.tier").
 """
 
 import logging
-import time
 
 import pytest
 
 from adapters import AdapterManager, LoRARequest, UnknownAdapterError
 from adapters.versions import ServedAdapter
+from test_adapters_manager import wait
 from tests import factories
 
 # what the tier reads of its parts without the lock, by design: fixed bounds and the byte check of a
@@ -66,14 +66,6 @@ def guarded_tier(env):
     return manager, tier, misses
 
 
-def wait_settled(tier, ref, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while tier.state(ref) == "loading":
-        assert time.monotonic() < deadline, f"{ref} still loading"
-        time.sleep(0.005)
-    return tier.state(ref)
-
-
 def test_every_public_method_uses_the_parts_under_the_tiers_lock(env, caplog):
     manager, tier, misses = guarded_tier(env)
     request = {name: LoRARequest(name, str(env["root"] / name)) for name in "abc"}
@@ -81,9 +73,9 @@ def test_every_public_method_uses_the_parts_under_the_tiers_lock(env, caplog):
         with caplog.at_level(logging.DEBUG, logger="adapters.tier"):
             a = tier.add(request["a"])
             b = tier.acquire(request["b"])  # a worker thread loads it
-            assert wait_settled(tier, b) == "ready"
+            assert wait(tier, b) == "ready"
             c = tier.prefetch(request["c"])  # one over max_cpu: the least recently used unheld version goes
-            assert wait_settled(tier, c) == "ready" and tier.lookup("a") is None and tier.list() == ["b", "c"]
+            assert wait(tier, c) == "ready" and tier.lookup("a") is None and tier.list() == ["b", "c"]
             tier.pin("b")
             assert tier.num_pinned() == 1 and tier.reserved_slots([a]) == 0
             assert tier.activate([b]) == [0] and tier.reserved_slots([]) == 1 and tier.size(b) == 4
