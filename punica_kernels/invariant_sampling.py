@@ -35,7 +35,8 @@ from .triton_ops import kernel_for
 CUMSUM_BLOCK, CUMSUM_WARPS = 1024, 4  # columns per step of a row's scan
 TOP_BLOCK, TOP_WARPS = 1024, 4  # columns per step of a row's selection walk
 # the combine functions tl.max / tl.min / tl.sum reduce with, called through tl.reduce and tl.associative_scan:
-# the interpreted twins cannot call jit'd helpers (lora_runner.model.paged_attention says more)
+# the interpreted twins cannot call plain jit'd helpers such as tl.sum, only builtins and device_function ones
+# (punica_kernels.triton_ops.device_function; lora_runner.model.paged_attention says more)
 _SUM = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
 _MIN = tl.standard._elementwise_min
